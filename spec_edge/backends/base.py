@@ -1,0 +1,56 @@
+"""The small interface every backend implements: one model's static graphs around one resident KV cache.
+
+A Runner owns the KV cache of one model (target or draft) and the graphs exported for it:
+  prefill  (1, C)    tokens -> logits of the last real token
+  step     (1, 1)    one token -> its logits
+  verify   (1, k+1)  k+1 tokens -> logits at every position
+Every call writes the keys/values of the tokens it processes into the cache at
+[position, position + n_tokens). Nothing is ever removed: rolling back is calling again at an
+earlier position, and cache rows >= position are masked out inside the graph.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import numpy as np
+
+
+class BackendError(RuntimeError):
+    """A backend cannot load or run its graphs; the message says what to rebuild or change."""
+
+
+class Runner(abc.ABC):
+    max_context: int       # cache length S
+    vocab_size: int        # V
+    prefill_chunk: int     # C
+    widths: frozenset[int]  # T of every step/verify graph (1 and each k+1)
+
+    @abc.abstractmethod
+    def forward(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        """Run the width-len(token_ids) graph at `position`; returns logits (T, V) float32."""
+
+    @abc.abstractmethod
+    def prefill(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        """Run the prefill graph over token_ids in chunks of C; returns the last token's logits (V,)."""
+
+    def argmax(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        """Greedy token after each position, (T,) int64. Device backends override this so only
+        T ids cross to the host instead of T x V logits."""
+        return np.argmax(self.forward(token_ids, position), axis=-1)
+
+    @abc.abstractmethod
+    def layer_skip(self, n_layers: int) -> "Runner":
+        """A runner over the first n_layers of this model + final norm + head that shares this
+        runner's weights and the cache of those layers (the layer-skip self-drafter)."""
+
+    def check_width(self, width: int) -> None:
+        if width not in self.widths:
+            ks = sorted(w - 1 for w in self.widths if w > 1)
+            raise BackendError(f"no graph of width {width} (k={width - 1}); this model was exported for "
+                               f"k in {ks}: re-export with graphs.k_values including {width - 1}")
+
+    def check_room(self, position: int, n_tokens: int) -> None:
+        if position < 0 or position + n_tokens > self.max_context:
+            raise BackendError(f"positions [{position}, {position + n_tokens}) do not fit the "
+                               f"{self.max_context}-token cache")

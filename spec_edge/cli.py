@@ -1,0 +1,171 @@
+"""spec-edge: export | generate | bench | build | plan | serve | ask | tune | train-draft.
+
+A stable contract: scripts outside the project call these. Progress goes to stderr; with --json,
+stdout holds exactly one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import config as cfgmod
+from .config import Config, ConfigError
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model and graphs (default: the embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--config", help="profile YAML (ROS 2 params file); default: built-in defaults")
+    group.add_argument("--target", help="target model: 'embedded', a .gguf file or a Hugging Face folder")
+    group.add_argument("--draft-model", help="draft model for --drafter draft (same forms as --target)")
+    group.add_argument("--max-context", type=int, help="cache length the graphs are exported for")
+    group.add_argument("--k-values", type=int, nargs="+", help="export a verify graph for each k")
+    group.add_argument("--engine-dir", help="where exported graphs / engines go (default engines/)")
+    group.add_argument("--profile", help="artifact folder name under the engine dir")
+    group.add_argument("--backend", choices=cfgmod.BACKENDS)
+    group.add_argument("--threads", type=int, help="ONNX Runtime threads (0 = all cores)")
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    cfg = cfgmod.load(args.config) if args.config else Config()
+    overrides = {"model.target": args.target, "model.draft": args.draft_model,
+                 "graphs.max_context": args.max_context, "runtime.engine_dir": args.engine_dir,
+                 "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
+                 "graphs.k_values": args.k_values}
+    k = getattr(args, "k", None)
+    if k is not None:
+        overrides["speculative.k"] = k
+        if args.k_values is None and k not in cfg.graphs.k_values:
+            overrides["graphs.k_values"] = sorted(set(cfg.graphs.k_values) | {k})
+    drafter = getattr(args, "drafter", None)
+    if drafter is not None:
+        overrides["speculative.drafter"] = drafter
+    return cfg.replace(**{key: value for key, value in overrides.items() if value is not None})
+
+
+def cmd_export(args) -> int:
+    from . import export
+
+    cfg = config_from_args(args)
+    roles = ["target"] + (["draft"] if cfg.model.draft else [])
+    for role in roles:
+        out = export.export_model(cfg, role, export.artifact_dir(cfg, role), progress)
+        for onnx_file in sorted(out.glob("*.onnx")):
+            import onnx
+
+            checked, dynamic = export.dynamic_tensors(onnx.load(str(onnx_file), load_external_data=False))
+            status = "all static" if not dynamic else f"DYNAMIC: {dynamic[:3]}"
+            progress(f"[export] {onnx_file.name}: {checked} tensors, {status}")
+    return 0
+
+
+def request_from_args(args):
+    from .engine import GenerateRequest
+
+    return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                           stop=tuple(args.stop or ()), drafter=args.drafter, k=args.k, chat=not args.raw)
+
+
+def cmd_generate(args) -> int:
+    from .engine import Engine
+
+    cfg = config_from_args(args)
+    engine = Engine.from_config(cfg, progress)
+    request = request_from_args(args)
+    on_text = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    result = engine.generate(request, on_text=on_text)
+    if args.json:
+        print(json.dumps(result.as_dict()))
+        return 0
+    s = result.stats
+    print()
+    progress(f"[stats] finish={result.finish_reason} tokens={s.new_tokens} drafter={s.drafter} k={s.k} "
+             f"drafted={s.drafted} accepted={s.accepted} acceptance={s.acceptance_rate:.2f} "
+             f"mean_accepted_length={s.mean_accepted_length:.2f} tok/s={s.tokens_per_s:.1f} "
+             f"ttft={s.time_to_first_token_s * 1000:.0f} ms")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(config_from_args(args), args, progress)
+
+
+def forward(module: str, function: str):
+    def run(args) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(f"spec_edge.{module}"), function)(args.rest)
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spec-edge", description="speculative decoding for robots")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export", help="export the static ONNX graphs of the configured models")
+    add_config_args(p)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="answer one prompt with speculative decoding")
+    add_config_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--system", help="system prompt (default: the chat template's)")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--drafter", choices=cfgmod.DRAFTERS)
+    p.add_argument("--k", type=int, help="drafts per verify call")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="target-only vs speculative tok/s, side by side, one run")
+    add_config_args(p)
+    p.add_argument("--drafters", nargs="+", default=["ngram", "layerskip"], choices=cfgmod.DRAFTERS[1:])
+    p.add_argument("--ks", type=int, nargs="+", help="k values to measure (default: graphs.k_values)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--kinds", nargs="+", help="prompt kinds to run (default: all)")
+    p.add_argument("--json-out", help="also write the results here")
+    p.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
+    p.set_defaults(func=cmd_bench)
+
+    for name, module, function, text in (
+            ("build", "build", "build_main", "build TensorRT engines on the device"),
+            ("plan", "build", "plan_main", "print the memory plan of a profile"),
+            ("serve", "node", "serve_main", "start the ROS 2 node without ros2 launch"),
+            ("ask", "client", "ask_main", "call /generate as a ROS 2 client")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=forward(module, function))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .backends.base import BackendError
+    from .engine import RequestError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, RequestError, BackendError) as err:
+        print(f"spec-edge: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spec-edge: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

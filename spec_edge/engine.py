@@ -1,0 +1,267 @@
+"""The engine: one target model (and its drafters) behind a request -> result call.
+
+This is what the CLI and the ROS node use. It checks a request, renders the chat prompt, runs the
+speculative loop and turns tokens into text (streamed, UTF-8 safe, stop strings honoured). It is
+not re-entrant (one KV cache): callers serialise requests; a lock enforces it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import export, speculative
+from .backends.base import BackendError, Runner
+from .config import Config, ConfigError, DRAFTERS
+from .sampling import SamplingParams
+from .speculative import Stats
+from .tokenizer import StreamDecoder, Tokenizer
+
+FINISH_REASONS = ("eos", "stop", "length", "context_full", "cancelled", "error")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content); used instead of prompt when given
+    system_prompt: str = ""                     # "" = config default, then the template's default
+    max_new_tokens: int | None = None           # None = config default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    speculate: bool = True
+    drafter: str | None = None
+    k: int | None = None
+    chat: bool = True                           # False: the prompt is fed as raw text
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+    prompt_tokens: int = 0
+    message: str = ""
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "message": self.message, "stats": self.stats.as_dict()}
+
+
+def _check_text(name: str, text: str) -> None:
+    for i, char in enumerate(text):
+        if char in "\n\t\r":
+            continue
+        category = unicodedata.category(char)
+        if category == "Cs":
+            raise RequestError(f"{name} is not valid UTF-8 (undecodable byte at character {i}): send UTF-8 text")
+        if category == "Cc":
+            raise RequestError(f"{name} contains control character U+{ord(char):04X} at character {i}: "
+                               f"remove it (only newline, tab and carriage return are accepted)")
+
+
+@dataclass
+class _Drafters:
+    draft_runner: Runner | None = None
+    layer_skip: Runner | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path,
+                 progress: Callable[[str], None] = print):
+        self.cfg = cfg
+        self.target = target
+        self.tokenizer = tokenizer
+        self.graph_dir = graph_dir
+        self.progress = progress
+        self.model_cfg = export.read_model_config(graph_dir)
+        self.eos_ids = tuple(self.model_cfg.eos_ids)
+        eos_text_id = tokenizer.token_id(tokenizer.eos_token) if tokenizer.eos_token else None
+        if eos_text_id is not None and eos_text_id not in self.eos_ids:
+            self.eos_ids += (eos_text_id,)
+        self._drafters = _Drafters()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> "Engine":
+        """Export the graphs if they are missing or stale, then load them (once)."""
+        graph_dir = export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress)
+        if cfg.speculative.drafter == "draft":
+            export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), progress)
+        started = time.monotonic()
+        target = load_runner(cfg, graph_dir)
+        engine = cls(cfg, target, Tokenizer(graph_dir), graph_dir, progress)
+        if cfg.speculative.drafter != "none":
+            engine._drafter(cfg.speculative.drafter)  # load it now, not on the first request
+        progress(f"[engine] {cfg.runtime.backend} ready in {time.monotonic() - started:.1f} s "
+                 f"(max context {target.max_context}, verify widths {sorted(target.widths)})")
+        return engine
+
+    # -- drafters -------------------------------------------------------------------------
+    def _drafter(self, name: str):
+        from .drafters.draft_model import ModelDrafter
+        from .drafters.layer_skip import LayerSkipDrafter
+        from .drafters.ngram import NgramDrafter
+
+        spec = self.cfg.speculative
+        if name == "ngram":
+            return NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max)
+        if name == "layerskip":
+            if self._drafters.layer_skip is None:
+                self._drafters.layer_skip = self.target.layer_skip(self.cfg.graphs.layer_skip_layers)
+            return LayerSkipDrafter(self._drafters.layer_skip, self.cfg.graphs.layer_skip_layers)
+        if name == "draft":
+            if self._drafters.draft_runner is None:
+                if not self.cfg.model.draft:
+                    raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
+                draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
+                                                self.progress)
+                check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
+                self._drafters.draft_runner = load_runner(self.cfg, draft_dir)
+            return ModelDrafter(self._drafters.draft_runner)
+        if name == "eagle3":
+            raise RequestError("drafter eagle3 needs an EAGLE-3 head (speculative.eagle3_head); "
+                               "none is loaded in this engine")
+        raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
+
+    # -- requests -------------------------------------------------------------------------
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.messages:
+            messages = list(request.messages)
+            for role, content in messages:
+                _check_text(f"message ({role})", content)
+        else:
+            if not request.prompt.strip():
+                raise RequestError("prompt is empty: send the text to answer")
+            _check_text("prompt", request.prompt)
+            messages = [("user", request.prompt)]
+        system = request.system_prompt or self.cfg.serve.system_prompt
+        _check_text("system prompt", system)
+        if system and not any(role == "system" for role, _ in messages):
+            messages.insert(0, ("system", system))
+        if not any(content.strip() for _, content in messages):
+            raise RequestError("all messages are empty: send the text to answer")
+        text = self.tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
+        ids = self.tokenizer.encode(text)
+        limit = self.target.max_context
+        if len(ids) >= limit:
+            raise RequestError(f"prompt is {len(ids)} tokens but the context holds {limit} (prompt + answer): "
+                               f"shorten the prompt or export with a larger graphs.max_context")
+        return ids
+
+    def resolve(self, request: GenerateRequest) -> tuple[SamplingParams, int, int | None, str, int]:
+        """(sampling, max_new_tokens, seed, drafter name, k) with config defaults filled in."""
+        defaults = self.cfg.sampling
+        params = SamplingParams(
+            temperature=defaults.temperature if request.temperature is None else float(request.temperature),
+            top_k=defaults.top_k if request.top_k is None else int(request.top_k),
+            top_p=defaults.top_p if request.top_p is None else float(request.top_p))
+        if not params.temperature >= 0:
+            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+        if params.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+        max_new = defaults.max_new_tokens if request.max_new_tokens is None else int(request.max_new_tokens)
+        limit = self.target.max_context - 1
+        if not 1 <= max_new <= limit:
+            raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds "
+                               f"{self.target.max_context} tokens), got {max_new}")
+        seed = defaults.seed if request.seed is None else int(request.seed)
+        drafter = self.cfg.speculative.drafter if not request.drafter else request.drafter
+        if drafter not in DRAFTERS:
+            raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
+        if not request.speculate:
+            drafter = "none"
+        k = self.cfg.speculative.k if not request.k else int(request.k)
+        if drafter != "none" and k + 1 not in self.target.widths:
+            built = sorted(w - 1 for w in self.target.widths if w > 1)
+            raise RequestError(f"k={k} has no verify graph in this engine (built for k in {built}): "
+                               f"use one of those or re-export with graphs.k_values including {k}")
+        return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
+
+    def generate(self, request: GenerateRequest, on_text: Callable[[str], None] | None = None,
+                 cancel: Callable[[], str | None] | None = None) -> GenerateResult:
+        """Serve one request. Raises RequestError for a bad request (nothing is run)."""
+        params, max_new, seed, drafter_name, k = self.resolve(request)
+        _check_stop(request.stop)
+        prompt_ids = self.prompt_ids(request)
+        with self._lock:
+            drafter = None if drafter_name == "none" else self._drafter(drafter_name)
+            decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
+
+            def emit(chunk: list[int]) -> bool:
+                delta = decoder.push(chunk)
+                if delta and on_text is not None:
+                    on_text(delta)
+                return decoder.stopped
+
+            new_ids, finish, stats = speculative.generate(
+                self.target, prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids, sampling=params,
+                seed=seed, drafter=drafter, k=k, emit=emit, cancel=cancel)
+        tail = decoder.finish()
+        if tail and on_text is not None:
+            on_text(tail)
+        if finish == "stop":
+            new_ids = self._trim_to_stop(new_ids, request.stop)
+        return GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
+                              prompt_tokens=len(prompt_ids))
+
+    def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
+        """The shortest prefix of ids whose text contains a stop string (what plain decoding,
+        checking after every token, would have stopped at)."""
+        for n in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:n])
+            if any(stop and stop in text for stop in stops):
+                return ids[:n]
+        return ids
+
+    def info(self) -> dict:
+        import resource
+
+        return {"backend": self.cfg.runtime.backend, "model": self.model_cfg.name,
+                "max_context": self.target.max_context, "k_values": sorted(w - 1 for w in self.target.widths if w > 1),
+                "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
+                "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def close(self) -> None:
+        """Drop the runners (and with them the sessions and caches)."""
+        self.target = None
+        self._drafters = _Drafters()
+
+
+def _check_stop(stop: tuple[str, ...]) -> None:
+    for item in stop:
+        _check_text("stop string", item)
+
+
+def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_source: str) -> None:
+    draft_vocab, target_vocab = draft.vocab(), target.vocab()
+    if draft_vocab != target_vocab:
+        differing = sum(1 for tok, idx in draft_vocab.items() if target_vocab.get(tok) != idx)
+        raise ConfigError(f"draft model '{draft_source}' uses another tokenizer ({len(draft_vocab)} tokens, "
+                          f"{differing} differ from the target's {len(target_vocab)}): a draft model must "
+                          f"share the target's tokenizer")
+
+
+def load_runner(cfg: Config, graph_dir: Path) -> Runner:
+    if cfg.runtime.backend == "onnxruntime":
+        from .backends.onnxruntime import OrtRunner
+
+        return OrtRunner(graph_dir, cfg.runtime.threads)
+    if cfg.runtime.backend == "tensorrt":
+        from .backends import tensorrt
+
+        return tensorrt.load_runner(cfg, graph_dir)
+    raise BackendError(f"unknown backend {cfg.runtime.backend}")

@@ -1,0 +1,123 @@
+"""Helpers of the ROS 2 tests: process environments, the server process, client processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CLIENT = Path(__file__).with_name("_client.py")
+
+
+def domain_id_for(name: str) -> int:
+    """A ROS_DOMAIN_ID in [1, 100] of this process and test module (Fast DDS ports stay valid)."""
+    return 1 + (os.getpid() * 7919 + zlib.crc32(name.encode())) % 100
+
+
+def ros_env(domain_id: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain_id),
+               PYTHONUNBUFFERED="1", RCUTILS_COLORIZED_OUTPUT="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def write_params(path: Path, params: dict) -> Path:
+    """A ROS 2 parameters file from flat 'section.field' keys."""
+    tree: dict = {}
+    for key, value in params.items():
+        section, name = key.split(".", 1)
+        tree.setdefault(section, {})[name] = value
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": tree}}))
+    return path
+
+
+class Server:
+    """The node in its own process (`spec-edge serve --params FILE`)."""
+
+    def __init__(self, env: dict[str, str], params_file: Path, log_path: Path, argv: list[str] | None = None):
+        self.env, self.params_file, self.log_path = env, params_file, log_path
+        self.argv = argv or [sys.executable, "-c",
+                             "import sys; from spec_edge.node import serve_main; sys.exit(serve_main(sys.argv[1:]))",
+                             "--params", str(params_file)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 600.0, ready: str = "serving") -> "Server":
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready in self.log():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not serving within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> float:
+        """Signal the server; returns the seconds it took to exit (SIGKILL after timeout)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return 0.0
+        started = time.monotonic()
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        took = time.monotonic() - started
+        self._log.close()
+        return took
+
+
+def start_client(env: dict[str, str], job: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(CLIENT), json.dumps(job)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_client(proc: subprocess.Popen, timeout: float = 300.0):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"client timed out; stderr:\n{err}")
+    assert proc.returncode == 0, f"client failed ({proc.returncode}):\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_client(env: dict[str, str], job: dict, timeout: float = 300.0):
+    return finish_client(start_client(env, job), timeout)
+
+
+def test_params(**overrides) -> dict:
+    """The test servers' parameters: the default profile, graphs cached in the repo's engines/."""
+    params = {"runtime.engine_dir": str(REPO / "engines")}
+    params.update(overrides)
+    return params
+
+
+test_params.__test__ = False  # a helper, not a test
+
+
+def engine_request(**fields):
+    """An engine.GenerateRequest from the same plain fields the clients send."""
+    from spec_edge.engine import GenerateRequest
+    fields = dict(fields)
+    fields["messages"] = tuple(tuple(m) for m in fields.get("messages", ()))
+    fields["stop"] = tuple(fields.get("stop", ()))
+    if fields.get("drafter") == "":
+        fields["drafter"] = None
+    return GenerateRequest(**fields)

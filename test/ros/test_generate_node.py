@@ -1,0 +1,167 @@
+"""The /generate service and action over real DDS: one node process, client processes, the core as oracle."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rosutil import REPO, engine_request, finish_client, run_client, start_client, test_params
+
+PROMPT = "List three colours of the rainbow."
+COPY_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def server(server_factory):
+    return server_factory(test_params())
+
+
+def assert_stats_filled(stats: dict, num_tokens: int) -> None:
+    assert num_tokens > 0
+    assert stats["tokens_per_s"] > 0
+    assert stats["time_to_first_token_s"] > 0
+    assert stats["drafter"] != ""
+    assert stats["drafted"] >= stats["accepted"] >= 0
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
+
+
+def expected(reference_engine, **fields):
+    return reference_engine.generate(engine_request(**fields))
+
+
+def test_ask_json_equals_core(server, module_env, reference_engine):
+    """`spec-edge ask --json` in a client process: the node's answer is the core's answer."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "spec_edge.client", "--prompt", COPY_PROMPT, "--max-new-tokens", "24", "--json"],
+        env=module_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    answer = json.loads(proc.stdout)
+    assert set(answer) >= {"success", "message", "text", "num_tokens", "finish_reason", "stats"}
+    want = expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24)
+    assert answer["success"] is True, answer["message"]
+    assert answer["text"] == want.text
+    assert answer["num_tokens"] == len(want.token_ids)
+    assert answer["finish_reason"] == want.finish_reason
+    assert_stats_filled(answer["stats"], answer["num_tokens"])
+    assert answer["stats"]["drafter"] == want.stats.drafter
+    assert answer["stats"]["k"] == want.stats.k
+
+
+def test_chat_messages_and_plain_decoding(server, module_env, reference_engine):
+    messages = [("system", "You answer in one short sentence."), ("user", "What is a robot?")]
+    a, b = run_client(module_env, {"mode": "call", "requests": [
+        {"messages": messages, "max_new_tokens": 12},
+        {"prompt": PROMPT, "max_new_tokens": 12, "speculate": False}]})
+    assert a["success"] and b["success"], (a["message"], b["message"])
+    assert a["text"] == expected(reference_engine, messages=messages, max_new_tokens=12).text
+    assert b["text"] == expected(reference_engine, prompt=PROMPT, max_new_tokens=12, speculate=False).text
+    assert b["stats"]["drafted"] == 0
+
+
+def test_stop_string(server, module_env, reference_engine):
+    full = expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24).text
+    stop = full.split()[2] if len(full.split()) > 2 else full.strip()[:3]
+    answer, = run_client(module_env, {"mode": "call", "requests": [
+        {"prompt": COPY_PROMPT, "max_new_tokens": 24, "stop": [stop]}]})
+    assert answer["success"], answer["message"]
+    assert answer["finish_reason"] == "stop"
+    assert stop not in answer["text"]
+    assert answer["text"] == expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24, stop=[stop]).text
+
+
+def test_stream_feedback_concatenates_to_result(server, module_env, reference_engine):
+    out = run_client(module_env, {"mode": "stream", "request": {"prompt": COPY_PROMPT, "max_new_tokens": 24}})
+    assert out["status"] == "SUCCEEDED"
+    result = out["result"]
+    assert result["success"], result["message"]
+    assert len(out["deltas"]) > 1
+    assert "".join(out["deltas"]) == result["text"]
+    assert result["text"] == expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24).text
+    assert out["num_tokens"] == sorted(out["num_tokens"]) and out["num_tokens"][-1] <= result["num_tokens"]
+    assert_stats_filled(result["stats"], result["num_tokens"])
+
+
+def test_stream_cancel_then_next_request_served(server, module_env, reference_engine):
+    out = run_client(module_env, {"mode": "stream", "cancel_after": 3,
+                                  "request": {"prompt": PROMPT, "max_new_tokens": 200}})
+    assert out["status"] == "CANCELED"
+    assert out["result"]["finish_reason"] == "cancelled"
+    assert out["result"]["num_tokens"] < 200
+    answer, = run_client(module_env, {"mode": "call", "requests": [{"prompt": PROMPT, "max_new_tokens": 10}]})
+    assert answer["success"], answer["message"]
+    assert answer["text"] == expected(reference_engine, prompt=PROMPT, max_new_tokens=10).text
+
+
+BAD_REQUESTS = [
+    ("empty prompt", {"prompt": ""}, "prompt"),
+    ("prompt over the context", {"prompt": "robot " * 3000}, "context"),
+    ("max_new_tokens 0", {"prompt": PROMPT, "max_new_tokens": 0}, "max_new_tokens"),
+    ("max_new_tokens 10^9", {"prompt": PROMPT, "max_new_tokens": 10**9}, "max_new_tokens"),
+    ("temperature -1", {"prompt": PROMPT, "temperature": -1.0}, "temperature"),
+    ("top_p 0", {"prompt": PROMPT, "top_p": 0.0}, "top_p"),
+    ("top_p 2", {"prompt": PROMPT, "top_p": 2.0}, "top_p"),
+    ("unknown drafter", {"prompt": PROMPT, "drafter": "telepathy"}, "drafter"),
+    ("k without a verify graph", {"prompt": PROMPT, "k": 3}, "k"),
+    # invalid UTF-8 arrives as U+FFFD: rclpy decodes strings with errors="replace"
+    ("non-UTF-8 bytes", {"prompt": "hello \ufffd\ufffd world"}, "UTF-8"),
+    ("control characters", {"prompt": "hello \x07\x1b[31m world"}, "control"),
+]
+
+
+def test_bad_requests_refused_and_node_keeps_serving(server, module_env, reference_engine):
+    requests = [fields for _, fields, _ in BAD_REQUESTS] + [{"prompt": PROMPT, "max_new_tokens": 10}]
+    answers = run_client(module_env, {"mode": "call", "requests": requests})
+    for (what, _, hint), answer in zip(BAD_REQUESTS, answers):
+        assert answer["success"] is False, f"{what}: accepted: {answer}"
+        assert answer["message"], f"{what}: no message"
+        assert hint.lower() in answer["message"].lower(), f"{what}: message does not name '{hint}': {answer['message']}"
+        assert answer["text"] == ""
+    good = answers[-1]
+    assert good["success"], good["message"]
+    assert good["text"] == expected(reference_engine, prompt=PROMPT, max_new_tokens=10).text
+
+
+def test_bad_goal_refused_through_action(server, module_env):
+    out = run_client(module_env, {"mode": "stream", "request": {"prompt": PROMPT, "top_p": 2.0}})
+    assert out["status"] == "ABORTED"
+    assert out["result"]["success"] is False and "top_p" in out["result"]["message"]
+
+
+def test_diagnostics(server, module_env):
+    statuses = run_client(module_env, {"mode": "diagnostics"})
+    assert statuses, "no DiagnosticArray on /diagnostics"
+    values = statuses[0]["values"]
+    for key in ("backend", "memory_bytes", "queue_depth", "last_acceptance_rate", "last_tokens_per_s"):
+        assert key in values, f"/diagnostics lacks {key}: {sorted(values)}"
+    assert statuses[0]["message"] in ("ready", "queue full")
+
+
+def test_load_eight_clients(server, module_env):
+    """8 client processes x 3 requests at once: none lost or duplicated, each = its solo answer."""
+    per_client = [[{"prompt": f"Client {c}, request {r}: name a fruit that starts with {'ABCDEFGH'[c]}.",
+                    "max_new_tokens": 6} for r in range(3)] for c in range(8)]
+    solo = run_client(module_env, {"mode": "call", "requests": [r for reqs in per_client for r in reqs]})
+    procs = [start_client(module_env, {"mode": "call", "requests": reqs}) for reqs in per_client]
+    together = [finish_client(p) for p in procs]
+    for c, answers in enumerate(together):
+        assert len(answers) == 3
+        for r, answer in enumerate(answers):
+            want = solo[c * 3 + r]
+            # at most 8 requests are ever outstanding: 1 runs, <= 7 wait < serve.queue_limit=8
+            assert answer["success"], f"client {c} request {r}: {answer['message']}"
+            assert answer["text"] == want["text"], f"client {c} request {r}"
+            assert answer["num_tokens"] == want["num_tokens"]
+
+
+def test_busy_only_past_the_queue_limit(server, module_env):
+    limit = 8  # serve.queue_limit of the test profile (the default)
+    requests = [{"prompt": f"{PROMPT} ({i})", "max_new_tokens": 24} for i in range(limit + 4)]
+    answers = run_client(module_env, {"mode": "burst", "requests": requests})
+    assert all(a is not None for a in answers), "a request got no answer"
+    busy = [a for a in answers if not a["success"]]
+    served = [a for a in answers if a["success"]]
+    assert all(a["message"].startswith("busy") and "queue_limit" in a["message"] for a in busy), busy
+    assert len(served) >= limit + 1, f"only {len(served)} served: busy before the queue was full"
+    assert 1 <= len(busy) <= 3, f"{len(busy)} busy of {len(answers)}"
