@@ -12,7 +12,7 @@ checkpoints' fingerprints), config (those keys), precision, k, max_context, Tens
 name + compute capability, build time, and per engine: role, widths, kind of each width, file size +
 sha256, build key (ONNX hashes + precision + TensorRT + GPU + workspace) and TensorRT's context memory.
 
-Order of a build: plan check (memory.py) -> export (export_dynamic_model below: one graph per model
+Order of a build: plan check (memory.py) -> export (export.export_model(dynamic=True): one graph per model
 with a dynamic token axis; skipped when up to date) -> for each engine,
 build only when its build key or file hash changed -> manifest. The runtime calls check_engines(),
 which refuses a missing, corrupted or mismatched engine with the command that rebuilds it.
@@ -99,7 +99,7 @@ def model_config(source: str) -> ModelConfig:
 
 def engine_layout() -> str:
     """'shared': one engine per model, one optimization profile per width, over the dynamic-width
-    graph export_dynamic_model() writes (memory.py explains why). engine_specs() still builds one
+    graph export.export_model(dynamic=True) writes (memory.py explains why). engine_specs() still builds one
     engine per graph ('per_graph') when it finds only static graphs."""
     return "shared"
 
@@ -540,137 +540,11 @@ def context_memory_size(engine, profile: int) -> int:
 def export_all(cfg: Config, progress: Progress) -> dict[str, Path]:
     """Export (or reuse) the ONNX graphs of the target and, for drafter=draft, the draft."""
     from . import export
-    run = export_dynamic_model if engine_layout() == "shared" else export.export_model
-    dirs = {"target": run(cfg, "target", export.artifact_dir(cfg, "target"), progress)}
+    dynamic = engine_layout() == "shared"
+    dirs = {"target": export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress, dynamic)}
     if cfg.speculative.drafter == "draft":
-        dirs["draft"] = run(cfg, "draft", export.artifact_dir(cfg, "draft"), progress)
+        dirs["draft"] = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), progress, dynamic)
     return dirs
-
-
-# The dynamic-width export. It lives here until export.py grows the option: it reuses export.py's
-# weight store, manifest and tokenizer files, and differs only in exporting ONE graph per model
-# whose token axis T is symbolic (torch.export Dim), so one TensorRT engine with a profile per width
-# holds the weights once. Everything but T stays static: position (1,), caches (L, Hkv, S, D),
-# logits (T, V), k_new / v_new (L, Hkv, T, D). There is no last_index: prefill runs the width-C
-# profile and the backend reads the last real row of its (C, V) logits on the device.
-
-DYNAMIC_STEM = "dynamic"
-
-
-def dynamic_graph_plan(cfg: Config, role: str) -> dict[str, dict]:
-    plan = {DYNAMIC_STEM: {"kind": "dynamic", "width": 0}}
-    if role == "target":
-        n = cfg.graphs.layer_skip_layers
-        plan[f"layerskip{n}_{DYNAMIC_STEM}"] = {"kind": "layerskip", "width": 0, "n_layers": n}
-    return plan
-
-
-def export_dynamic_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print) -> Path:
-    """export.export_model's layout and manifest, with dynamic-width graphs (see above)."""
-    import dataclasses as dc
-
-    from . import export, weights
-
-    source = cfg.model.target if role == "target" else cfg.model.draft
-    if not source:
-        raise ConfigError(f"no {role} model configured (model.{role})")
-    wanted = export.wanted_manifest(cfg, role, weights.fingerprint(source), source)
-    wanted["graphs"] = dynamic_graph_plan(cfg, role)
-    out_dir = Path(out_dir)
-    if export.up_to_date(out_dir, wanted):
-        return out_dir
-    started = time.monotonic()
-    progress(f"[export] {role}: loading {source} ...")
-    model_cfg, state, tokenizer = weights.load(source)
-    if cfg.graphs.max_context > model_cfg.max_position_embeddings:
-        raise ConfigError(f"graphs.max_context={cfg.graphs.max_context} exceeds the model's "
-                          f"{model_cfg.max_position_embeddings} positions")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("*.onnx"):
-        stale.unlink()
-    (out_dir / "manifest.json").unlink(missing_ok=True)
-    store = export.WeightStore(out_dir / "weights.bin")
-    for i, (stem, spec) in enumerate(wanted["graphs"].items(), 1):
-        progress(f"[export] {role}: graph {i}/{len(wanted['graphs'])} {stem} (dynamic width) ...")
-        export_dynamic_graph(model_cfg, state, out_dir / f"{stem}.onnx", store,
-                             max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype,
-                             n_layers=spec.get("n_layers"))
-    store.close()
-    (out_dir / "model.json").write_text(json.dumps(dc.asdict(model_cfg), indent=1))
-    (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
-    tok_cfg = {"chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-               "eos_token": tokenizer.eos_token, "add_bos": tokenizer.add_bos}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    manifest = dict(wanted, model=model_cfg.name, weights_bytes=store.size, layout="shared",
-                    export_seconds=round(time.monotonic() - started, 1))
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))  # last: marks completion
-    progress(f"[export] {role}: {len(wanted['graphs'])} graphs in {manifest['export_seconds']} s -> {out_dir}")
-    return out_dir
-
-
-def export_dynamic_graph(model_cfg: ModelConfig, state: dict, path: Path, store, *, max_context: int,
-                         dtype: str = "float32", n_layers: int | None = None) -> None:
-    """One graph with a symbolic token axis T in [1, max_context], its large weights in store."""
-    import logging
-    import tempfile
-
-    import onnx
-    import torch
-
-    from . import export
-    from . import model as model_mod
-
-    layers = n_layers or model_cfg.n_layers
-    module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=export.torch_dtype(dtype))
-    k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=export.torch_dtype(dtype))
-    # example width 4 (not 1: torch.export specialises dimensions whose example size is 0 or 1)
-    args = (torch.zeros(1, 4, dtype=torch.int64), torch.tensor([0]), k_cache, v_cache)
-    width = torch.export.Dim("T", min=1, max=max_context)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp) / "graph.onnx"
-        quiet = logging.getLogger("torch.onnx")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            with torch.no_grad():
-                torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
-                                  input_names=list(io_names.GRAPH_INPUTS),
-                                  output_names=list(io_names.GRAPH_OUTPUTS), external_data=True,
-                                  dynamic_shapes={"tokens": {1: width}, "position": None, "k_cache": None,
-                                                  "v_cache": None},
-                                  optimize=True, verbose=False)
-        finally:
-            quiet.setLevel(level)
-        graph = onnx.load(str(tmp_path), load_external_data=True)
-    check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
-                     model_cfg.vocab_size)
-    for tensor in graph.graph.initializer:
-        if tensor.HasField("raw_data") and len(tensor.raw_data) >= export.ALIGN:
-            offset, length = store.put(tensor.raw_data)
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", store.path.name), ("offset", str(offset)), ("length", str(length))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-    store.fh.flush()
-    onnx.save_model(graph, str(path))
-
-
-def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int) -> None:
-    """The I/O contract of a dynamic-width graph: T symbolic exactly where io_names.py says."""
-    def dims(value):
-        return [d.dim_value if d.HasField("dim_value") else "T" for d in value.type.tensor_type.shape.dim]
-
-    layers, heads, _, head_dim = cache_shape
-    want = {io_names.TOKENS: [1, "T"], io_names.POSITION: [1], io_names.K_CACHE: list(cache_shape),
-            io_names.V_CACHE: list(cache_shape), io_names.LOGITS: ["T", vocab],
-            io_names.K_NEW: [layers, heads, "T", head_dim], io_names.V_NEW: [layers, heads, "T", head_dim]}
-    have = {v.name: dims(v) for v in list(graph.graph.input) + list(graph.graph.output)}
-    wrong = {k: have.get(k) for k, v in want.items() if have.get(k) != v}
-    if wrong:
-        raise BuildError(f"{name}: dynamic-width export has unexpected I/O shapes {wrong}, expected "
-                         f"{ {k: want[k] for k in wrong} }")
 
 
 def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:

@@ -29,6 +29,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile", help="artifact folder name under the engine dir")
     group.add_argument("--backend", choices=cfgmod.BACKENDS)
     group.add_argument("--threads", type=int, help="ONNX Runtime threads (0 = all cores)")
+    group.add_argument("--eagle3-head", help="EAGLE-3 head folder for --drafter eagle3 (speculative.eagle3_head)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -36,7 +37,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     overrides = {"model.target": args.target, "model.draft": args.draft_model,
                  "graphs.max_context": args.max_context, "runtime.engine_dir": args.engine_dir,
                  "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
-                 "graphs.k_values": args.k_values}
+                 "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head}
     k = getattr(args, "k", None)
     if k is not None:
         overrides["speculative.k"] = k
@@ -98,6 +99,12 @@ def cmd_bench(args) -> int:
     return bench.main(config_from_args(args), args, progress)
 
 
+def cmd_tune(args) -> int:
+    from . import tune
+
+    return tune.main(config_from_args(args), args, progress)
+
+
 def forward(module: str, function: str):
     def run(args) -> int:
         import importlib
@@ -135,17 +142,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafters", nargs="+", default=["ngram", "layerskip"], choices=cfgmod.DRAFTERS[1:])
     p.add_argument("--ks", type=int, nargs="+", help="k values to measure (default: graphs.k_values)")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, help="runs per prompt and system (default 1; --full: 3); tok/s is their median")
     p.add_argument("--kinds", nargs="+", help="prompt kinds to run (default: all)")
     p.add_argument("--json-out", help="also write the results here")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
+    p.add_argument("--full", action="store_true",
+                   help="every prompt, temperatures 0/0.7/1.0, 3 repeats, weights fp32 and q4 (default: quick mode)")
+    p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
+    p.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (default: 0; --full: 0 0.7 1)")
+    p.add_argument("--weights", nargs="+", choices=cfgmod.WEIGHTS, help="graphs.weights variants to measure")
+    p.add_argument("--peers", nargs="+", choices=("transformers", "llama.cpp", "none"),
+                   help="peer systems (default: both; skipped with a note when not installed)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("tune", help="pick k from measured verify/step costs and acceptance; write a profile")
+    add_config_args(p)
+    from . import tune as tune_mod
+    tune_mod.add_args(p)
+    p.set_defaults(func=cmd_tune)
 
     for name, module, function, text in (
             ("build", "build", "build_main", "build TensorRT engines on the device"),
             ("plan", "build", "plan_main", "print the memory plan of a profile"),
             ("serve", "node", "serve_main", "start the ROS 2 node without ros2 launch"),
-            ("ask", "client", "ask_main", "call /generate as a ROS 2 client")):
+            ("ask", "client", "ask_main", "call /generate as a ROS 2 client"),
+            ("train-draft", "train", "train_main", "train an EAGLE-3 head on the target's own outputs")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=forward(module, function))
@@ -156,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     from .backends.base import BackendError
     from .engine import RequestError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # options before a forwarded command's first positional (`train-draft --out X`)
+        if not hasattr(args, "rest"):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.rest = extra + list(args.rest)
     try:
         return args.func(args)
     except (ConfigError, RequestError, BackendError) as err:

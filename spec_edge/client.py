@@ -62,12 +62,14 @@ class GenerateClient:
         import rclpy
         rclpy.spin_until_future_complete(self.node, future, timeout_sec=timeout)
         if not future.done():
-            raise TimeoutError(f"no answer from {self.service.srv_name} within {timeout} s")
+            raise TimeoutError(f"no answer from {self.node.resolve_service_name(self.service.srv_name)} "
+                               f"within {timeout} s")
         return future.result()
 
     def wait(self, timeout: float = 30.0) -> None:
         if not self.service.wait_for_service(timeout_sec=timeout):
-            raise TimeoutError(f"service {self.service.srv_name} did not appear within {timeout} s; "
+            name = self.node.resolve_service_name(self.service.srv_name)
+            raise TimeoutError(f"service {name} did not appear within {timeout} s; "
                                "is the node running (same ROS_DOMAIN_ID)?")
 
     def call(self, timeout: float | None = None, **fields: Any) -> Any:
@@ -84,17 +86,24 @@ class GenerateClient:
         if not self.action.wait_for_server(timeout_sec=timeout or 30.0):
             raise TimeoutError("action server 'generate' did not appear")
         goal = fill_request(self.action_type.Goal(), **fields)
-        handle_box: list[Any] = []
-        cancel_sent: list[Any] = []
+        state = {"handle": None, "cancel": False, "sent": False}
+
+        def cancel_if_wanted() -> None:
+            # feedback can arrive before the goal handle does: the cancel waits for the handle
+            if state["cancel"] and state["handle"] is not None and not state["sent"]:
+                state["sent"] = True
+                state["handle"].cancel_goal_async()
 
         def feedback_cb(msg: Any) -> None:
-            if on_feedback is not None and on_feedback(msg.feedback) and handle_box and not cancel_sent:
-                cancel_sent.append(handle_box[0].cancel_goal_async())
+            if on_feedback is not None and on_feedback(msg.feedback):
+                state["cancel"] = True
+            cancel_if_wanted()
 
         handle = self._spin_until(self.action.send_goal_async(goal, feedback_callback=feedback_cb), timeout)
         if not handle.accepted:
             raise RuntimeError("the node rejected the goal")
-        handle_box.append(handle)
+        state["handle"] = handle
+        cancel_if_wanted()
         wrapped = self._spin_until(handle.get_result_async(), timeout)
         names = {v: k for k, v in vars(GoalStatus).items() if k.startswith("STATUS_")}
         return wrapped.result, names.get(wrapped.status, str(wrapped.status)).removeprefix("STATUS_")

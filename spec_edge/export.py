@@ -39,9 +39,22 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
-def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
-    """stem -> {kind, width, n_layers}: the graphs a role ('target' or 'draft') needs."""
+DYNAMIC_STEM = "dynamic"
+
+
+def graph_plan(cfg: Config, role: str, dynamic: bool = False) -> dict[str, dict]:
+    """stem -> {kind, width, n_layers}: the graphs a role ('target' or 'draft') needs.
+
+    dynamic=True (TensorRT's shared layout, see memory.py): one graph per model whose token axis T
+    is symbolic, so one engine with an optimization profile per width holds the weights once;
+    everything but T stays static. Width 0 marks the symbolic axis."""
     g = cfg.graphs
+    if dynamic:
+        plan = {DYNAMIC_STEM: {"kind": "dynamic", "width": 0}}
+        if role == "target":
+            plan[f"layerskip{g.layer_skip_layers}_{DYNAMIC_STEM}"] = {
+                "kind": "layerskip", "width": 0, "n_layers": g.layer_skip_layers}
+        return plan
     plan = {io_names.graph_file("prefill", g.prefill_chunk): {"kind": "prefill", "width": g.prefill_chunk},
             io_names.graph_file("step", 1): {"kind": "step", "width": 1}}
     if role == "target":
@@ -49,14 +62,27 @@ def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
             plan[io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1}
         plan[io_names.graph_file(f"layerskip{g.layer_skip_layers}_step", 1)] = {
             "kind": "layerskip", "width": 1, "n_layers": g.layer_skip_layers}
+        hidden_layers = _eagle3_hidden_layers(cfg)
+        if hidden_layers:  # an EAGLE-3 head is configured: the full-model graphs also return its hidden states
+            for spec in plan.values():
+                if spec["kind"] in ("prefill", "step", "verify"):
+                    spec["hidden_layers"] = list(hidden_layers)
     return plan
 
 
-def wanted_manifest(cfg: Config, role: str, fingerprint: str, source: str) -> dict:
+def _eagle3_hidden_layers(cfg: Config) -> tuple[int, ...]:
+    if not cfg.speculative.eagle3_head:
+        return ()
+    from . import eagle3
+
+    return eagle3.target_hidden_layers(cfg)
+
+
+def wanted_manifest(cfg: Config, role: str, fingerprint: str, source: str, dynamic: bool = False) -> dict:
     g = cfg.graphs
     return {"format": FORMAT_VERSION, "role": role, "source": source, "fingerprint": fingerprint,
             "max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "dtype": g.dtype,
-            "graphs": graph_plan(cfg, role)}
+            "layout": "shared" if dynamic else "static", "graphs": graph_plan(cfg, role, dynamic)}
 
 
 def up_to_date(out_dir: Path, wanted: dict) -> bool:
@@ -69,12 +95,14 @@ def up_to_date(out_dir: Path, wanted: dict) -> bool:
     except json.JSONDecodeError:
         return False
     same = all(have.get(key) == wanted[key] for key in
-               ("format", "role", "fingerprint", "max_context", "prefill_chunk", "dtype"))
+               ("format", "role", "fingerprint", "max_context", "prefill_chunk", "dtype", "layout"))
     graphs = have.get("graphs", {})
-    return same and all(stem in graphs and (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"])
+    return same and all(graphs.get(stem) == spec and (out_dir / f"{stem}.onnx").is_file()
+                        for stem, spec in wanted["graphs"].items())
 
 
-def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print) -> Path:
+def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print,
+                 dynamic: bool = False) -> Path:
     """Export the graphs of the target ('target') or draft ('draft') model into out_dir, unless
     an up-to-date export is already there. Returns out_dir.
 
@@ -89,7 +117,7 @@ def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = pri
     if not source:
         raise ConfigError(f"no {role} model configured (model.{role})")
     fingerprint = weights.fingerprint(source)
-    wanted = wanted_manifest(cfg, role, fingerprint, source)
+    wanted = wanted_manifest(cfg, role, fingerprint, source, dynamic)
     out_dir = Path(out_dir)
     if up_to_date(out_dir, wanted):
         return out_dir
@@ -146,10 +174,11 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
     store = WeightStore(out_dir / "weights.bin")
     plan = wanted["graphs"]
     for i, (stem, spec) in enumerate(plan.items(), 1):
-        progress(f"[export] {role}: graph {i}/{len(plan)} {stem} (width {spec['width']}) ...")
+        shape = f"width {spec['width']}" if spec["width"] else "dynamic width"
+        progress(f"[export] {role}: graph {i}/{len(plan)} {stem} ({shape}) ...")
         export_graph(model_cfg, state, out_dir / f"{stem}.onnx", store, kind=spec["kind"],
                      width=spec["width"], max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype,
-                     n_layers=spec.get("n_layers"))
+                     n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())))
     store.close()
     (out_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
     (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
@@ -196,22 +225,27 @@ class WeightStore:
 def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightStore, *, kind: str,
                  width: int, max_context: int, dtype: str = "float32", n_layers: int | None = None,
                  hidden_layers: tuple[int, ...] = ()) -> None:
-    """Export one static graph to path, its large weights moved into store."""
+    """Export one graph to path, its large weights moved into store. width 0: symbolic T."""
     import onnx
     import torch
 
     from . import model as model_mod
 
+    layers = n_layers or model_cfg.n_layers
     module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
                              hidden_layers=hidden_layers)
-    k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, n_layers or model_cfg.n_layers,
-                                             dtype=torch_dtype(dtype))
-    args = (torch.zeros(1, width, dtype=torch.int64), torch.tensor([0]), k_cache, v_cache)
+    k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
+    # a symbolic T is traced at width 4 (torch.export specialises dimensions of example size 0 or 1)
+    args = (torch.zeros(1, width or 4, dtype=torch.int64), torch.tensor([0]), k_cache, v_cache)
     inputs = list(io_names.GRAPH_INPUTS)
     if kind == "prefill":
         args = args + (torch.tensor([width - 1]),)
         inputs.append(io_names.LAST_INDEX)
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
+    dynamic_shapes = None
+    if width == 0:
+        tokens_dim = torch.export.Dim("T", min=1, max=max_context)
+        dynamic_shapes = {"tokens": {1: tokens_dim}, "position": None, "k_cache": None, "v_cache": None}
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "graph.onnx"
         quiet = logging.getLogger("torch.onnx")
@@ -221,11 +255,15 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
             with torch.no_grad():
                 torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
                                   input_names=inputs, output_names=outputs, external_data=True,
-                                  optimize=True, verbose=False)
+                                  dynamic_shapes=dynamic_shapes, optimize=True, verbose=False)
         finally:
             quiet.setLevel(level)
         graph = onnx.load(str(tmp_path), load_external_data=True)
-    check_static(graph, path.name)
+    if width == 0:
+        check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
+                         model_cfg.vocab_size)
+    else:
+        check_static(graph, path.name)
     for tensor in graph.graph.initializer:
         if tensor.HasField("raw_data") and len(tensor.raw_data) >= ALIGN:
             offset, length = store.put(tensor.raw_data)
@@ -237,6 +275,22 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
                 entry.key, entry.value = key, value
     store.fh.flush()
     onnx.save_model(graph, str(path))
+
+
+def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int) -> None:
+    """The I/O contract of a dynamic-width graph: T symbolic exactly where io_names.py says."""
+    def dims(value):
+        return [d.dim_value if d.HasField("dim_value") else "T" for d in value.type.tensor_type.shape.dim]
+
+    layers, heads, _, head_dim = cache_shape
+    want = {io_names.TOKENS: [1, "T"], io_names.POSITION: [1], io_names.K_CACHE: list(cache_shape),
+            io_names.V_CACHE: list(cache_shape), io_names.LOGITS: ["T", vocab],
+            io_names.K_NEW: [layers, heads, "T", head_dim], io_names.V_NEW: [layers, heads, "T", head_dim]}
+    have = {v.name: dims(v) for v in list(graph.graph.input) + list(graph.graph.output)}
+    wrong = {k: have.get(k) for k, v in want.items() if have.get(k) != v}
+    if wrong:
+        raise RuntimeError(f"{name}: dynamic-width export has unexpected I/O shapes {wrong}, expected "
+                           f"{ {k: want[k] for k in wrong} }")
 
 
 def dynamic_tensors(graph) -> tuple[int, list[str]]:

@@ -4,9 +4,9 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 
 - configure: parameters (declared from spec_edge.config's defaults, one per key) -> Config ->
   Engine.from_config (graphs load/export once); cleanup frees the engine again.
-- activate: the `generate` service (spec_edge_interfaces/srv/Generate) and the `generate` action
-  (spec_edge_interfaces/action/Generate, streaming text deltas as feedback) appear; deactivate
-  removes them. Both feed one FIFO queue served by one worker thread; a request arriving while
+- activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate) and the
+  `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback)
+  serve, or refuse with a message. Both feed one FIFO queue served by one worker thread; a request arriving while
   serve.queue_limit requests wait is answered "busy" at once; a request older than
   serve.request_timeout_s ends with finish_reason "error".
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s.
@@ -18,14 +18,16 @@ from __future__ import annotations
 import argparse
 import array
 import collections
+import logging
 import math
+import os
 import signal
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from spec_edge import config as cfgmod
 
@@ -33,6 +35,7 @@ NODE_NAME = "spec_edge"
 SERVICE_NAME = "generate"   # relative: /generate, or /<namespace>/generate
 ACTION_NAME = "generate"
 REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
+SHUTTING_DOWN = "the node is shutting down; retry on its successor"
 # History depth of the generate endpoints (service requests/responses, action services, feedback).
 # ROS's default of 10 drops requests when more than 10 arrive at once (they are taken only as
 # executor threads free up) and drops feedback deltas a slow client has not read yet.
@@ -178,7 +181,7 @@ class Worker:
         limit = self.cfg.serve.queue_limit
         with self._lock:
             if self._stopping:
-                job.finish(Outcome.refused("the node is shutting down; retry on its successor"))
+                job.finish(Outcome.refused(SHUTTING_DOWN))
                 return False
             if len(self._waiting) >= limit:
                 self.refused_busy += 1
@@ -198,7 +201,7 @@ class Worker:
             waiting, self._waiting = list(self._waiting), collections.deque()
             self._wake.notify_all()
         for job in waiting:
-            job.finish(Outcome.refused("the node is shutting down; retry on its successor"))
+            job.finish(Outcome.refused(SHUTTING_DOWN))
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -311,14 +314,22 @@ def make_node_class():
             self.engine: Any = None
             self.worker: Worker | None = None
             self._info: dict[str, Any] = {}
-            self._service = None
-            self._action = None
+            self._active = False
             self._diag_timer = None
             dynamic = ParameterDescriptor(dynamic_typing=True)
             for name, default in cfgmod.to_params(cfgmod.Config()).items():
                 self.declare_parameter(name, default, dynamic)
             self.add_on_set_parameters_callback(self._check_parameters)
             self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+            # The endpoints live as long as the node and refuse requests unless it is active:
+            # destroying an action server while a multi-threaded executor waits on it crashes rclpy.
+            self._service = self.create_service(GenerateSrv, SERVICE_NAME, self._on_service,
+                                                qos_profile=endpoint_qos(), callback_group=self._group)
+            self._action = ActionServer(
+                self, GenerateAction, ACTION_NAME, execute_callback=self._on_goal_execute,
+                goal_callback=lambda goal: GoalResponse.ACCEPT,
+                cancel_callback=lambda handle: CancelResponse.ACCEPT,
+                callback_group=self._group, **action_qos_kwargs("feedback_pub_qos_profile"))
 
         # -- parameters -------------------------------------------------------------------------
 
@@ -362,18 +373,12 @@ def make_node_class():
             return TransitionCallbackReturn.SUCCESS
 
         def on_activate(self, state):
-            self._service = self.create_service(GenerateSrv, SERVICE_NAME, self._on_service,
-                                                qos_profile=endpoint_qos(), callback_group=self._group)
-            self._action = ActionServer(
-                self, GenerateAction, ACTION_NAME, execute_callback=self._on_goal_execute,
-                goal_callback=lambda goal: GoalResponse.ACCEPT,
-                cancel_callback=lambda handle: CancelResponse.ACCEPT,
-                callback_group=self._group, **action_qos_kwargs("feedback_pub_qos_profile"))
+            self._active = True
             self.get_logger().info(f"serving {self.resolve_service_name(SERVICE_NAME)} (service and action)")
             return super().on_activate(state)
 
         def on_deactivate(self, state):
-            self._remove_endpoints()
+            self._active = False
             return super().on_deactivate(state)
 
         def on_cleanup(self, state):
@@ -381,17 +386,9 @@ def make_node_class():
             return TransitionCallbackReturn.SUCCESS
 
         def on_shutdown(self, state):
-            self._remove_endpoints()
+            self._active = False
             self._unload()
             return TransitionCallbackReturn.SUCCESS
-
-        def _remove_endpoints(self):
-            if self._service is not None:
-                self.destroy_service(self._service)
-                self._service = None
-            if self._action is not None:
-                self._action.destroy()
-                self._action = None
 
         def _unload(self, timeout: float = 1.0):
             if self._diag_timer is not None:
@@ -405,6 +402,9 @@ def make_node_class():
                 self.engine = None
                 self.get_logger().info("engine freed")
 
+        def state_name(self) -> str:
+            return self._state_machine.current_state[1]  # rclpy has no public getter
+
         def stop_generation(self, timeout: float) -> None:
             """For signal handling: refuse waiting requests, cancel the running one, join."""
             if self.worker is not None:
@@ -414,8 +414,10 @@ def make_node_class():
 
         def _run_job(self, msg: Any, **job_kwargs) -> Outcome:
             worker, cfg = self.worker, self.cfg
-            if worker is None or cfg is None:
-                return Outcome.refused("the engine is not loaded (node not configured)")
+            if not self._active or worker is None or cfg is None:
+                state = self.state_name()
+                return Outcome.refused(f"the node is {state}, not active: it serves once a lifecycle "
+                                       "manager configures and activates it")
             from spec_edge.engine import RequestError
             try:
                 request = to_engine_request(msg)
@@ -458,7 +460,7 @@ def make_node_class():
             worker, cfg = self.worker, self.cfg
             status = DiagnosticStatus(name=f"{self.get_fully_qualified_name()}: generator",
                                       hardware_id=str(self._info.get("backend", "")))
-            values: dict[str, Any] = {"state": self._state_machine.current_state[1]}
+            values: dict[str, Any] = {"state": self.state_name()}
             if worker is None or cfg is None:
                 status.level, status.message = DiagnosticStatus.WARN, "engine not loaded"
             else:
@@ -526,7 +528,7 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
             pass
         node.get_logger().info("shutting down")
         node.stop_generation(timeout=1.0)   # answers every waiting call, so no thread stays blocked
-        flush_until = time.monotonic() + 0.3  # deliver those answers (action results need spinning)
+        flush_until = time.monotonic() + 0.2  # deliver those answers (action results need spinning)
         while time.monotonic() < flush_until:
             executor.spin_once(timeout_sec=0.05)
         executor.shutdown(timeout_sec=0.5)
@@ -542,6 +544,19 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
     return 0
 
 
+def exit_process(status: int) -> NoReturn:
+    """End the process once run() has shut the node down and finalized rclpy.
+
+    Everything ROS is released by then; what is left is the interpreter's teardown of torch and
+    ONNX Runtime objects, which takes a second or more with torch loaded. Skipping it keeps the
+    exit within the 2 s a robot's launch system allows after SIGINT/SIGTERM.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`generate_server` (ros2 run spec_edge generate_server [--no-autostart] --ros-args ...)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -549,11 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-autostart", action="store_true",
                         help="stay unconfigured until a lifecycle manager configures and activates")
     args, ros_args = parser.parse_known_args(argv)
-    return run(ros_args, autostart=not args.no_autostart)
+    exit_process(run(ros_args, autostart=not args.no_autostart))
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`spec-edge serve [--params FILE]`: the node without ros2 run / launch."""
+    """`spec-edge serve [--params FILE]`: the node without ros2 run / launch.
+
+    Returns only for bad arguments; once the node ran, the process ends in exit_process()."""
     parser = argparse.ArgumentParser(prog="spec-edge serve",
                                      description="Run the spec_edge ROS 2 node (/generate service and action).")
     parser.add_argument("--params", metavar="FILE",
@@ -575,7 +592,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     if extra and extra[0] == "--ros-args":
         extra = extra[1:]
     ros_args = ["--ros-args", *ros_args, *extra] if (ros_args or extra) else []
-    return run(ros_args, autostart=not args.no_autostart)
+    exit_process(run(ros_args, autostart=not args.no_autostart))
 
 
 if __name__ == "__main__":

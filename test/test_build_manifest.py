@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from spec_edge import build, memory
+from spec_edge import build, export, memory
 from spec_edge.config import Config, ConfigError, from_params, load
 
 TRT_VERSION = "10.13.0.35"
@@ -594,7 +594,7 @@ def test_dynamic_export_runs_every_width(tmp_path):
         torch.nn.init.normal_(param, std=0.3)
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(folder / "model.safetensors"))
     cfg = make_cfg(tmp_path, folder, **{"graphs.dtype": "float32", "graphs.layer_skip_layers": 1})
-    out = build.export_dynamic_model(cfg, "target", tmp_path / "onnx", progress=quiet)
+    out = export.export_model(cfg, "target", tmp_path / "onnx", progress=quiet, dynamic=True)
     assert build.onnx_token_width(out / "dynamic.onnx") is None
     assert (out / "layerskip1_dynamic.onnx").is_file()
     session = ort.InferenceSession(str(out / "dynamic.onnx"), providers=["CPUExecutionProvider"])
@@ -612,7 +612,7 @@ def test_dynamic_export_runs_every_width(tmp_path):
         np.testing.assert_allclose(got[0], want[0].numpy(), atol=1e-4)
         np.testing.assert_allclose(got[1], want[1].numpy(), atol=1e-4)
     mtime = (out / "dynamic.onnx").stat().st_mtime_ns
-    build.export_dynamic_model(cfg, "target", tmp_path / "onnx", progress=quiet)
+    export.export_model(cfg, "target", tmp_path / "onnx", progress=quiet, dynamic=True)
     assert (out / "dynamic.onnx").stat().st_mtime_ns == mtime
     specs = build.engine_specs(cfg.replace(**{"speculative.drafter": "layerskip"}), {"target": out})
     assert [(s.name, s.role, s.widths, s.dynamic) for s in specs] == [

@@ -44,6 +44,12 @@ class Runner(abc.ABC):
         """A runner over the first n_layers of this model + final norm + head that shares this
         runner's weights and the cache of those layers (the layer-skip self-drafter)."""
 
+    def hidden_states(self, start: int, stop: int) -> np.ndarray:
+        """EAGLE-3: the target's low/mid/high-layer hidden states (stop - start, 3 * hidden) of the
+        positions [start, stop) the latest calls processed (a view; valid until the next call
+        rewrites those positions). Only for graphs exported with an EAGLE-3 head configured."""
+        raise BackendError(f"{type(self).__name__} does not return hidden states (needed by the eagle3 drafter)")
+
     def check_width(self, width: int) -> None:
         if width not in self.widths:
             ks = sorted(w - 1 for w in self.widths if w > 1)

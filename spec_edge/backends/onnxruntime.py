@@ -47,6 +47,7 @@ class _Graph:
     logits: np.ndarray      # (T, V) or (1, V) float32
     k_new: np.ndarray       # (L, Hkv, T, D)
     v_new: np.ndarray
+    hidden: np.ndarray | None = None  # (T, 3 * hidden) EAGLE-3 graphs only
 
     def run(self) -> None:
         self.session.run_with_iobinding(self.binding)
@@ -88,6 +89,11 @@ class OrtRunner(Runner):
                                    f"set graphs.layer_skip_layers={_n_layers} and re-export")
         self._graphs: dict[int, _Graph] = {}
         self._prefill: _Graph | None = None
+        # EAGLE-3: the hidden states of every processed position, written like the cache (rows
+        # [position, position + n_valid) per call); None when the graphs were exported without them
+        hidden_layers = {len(spec.get("hidden_layers", ())) for spec in stems.values()}
+        width = max(hidden_layers) * cfg.hidden_size if hidden_layers else 0
+        self.hidden = np.zeros((self.max_context, width), np.float32) if width else None  # (S, 3 * hidden)
         for stem, spec in stems.items():
             graph = self._load(stem, spec)
             if spec["kind"] == "prefill":
@@ -119,6 +125,10 @@ class OrtRunner(Runner):
             last_index=np.zeros((1,), np.int64) if prefill else None,
             logits=np.zeros((1 if prefill else width, cfg.vocab_size), np.float32),
             k_new=np.zeros(new_shape, np.float32), v_new=np.zeros(new_shape, np.float32))
+        if spec.get("hidden_layers"):
+            if self.hidden is None or self.hidden.shape[1] != len(spec["hidden_layers"]) * cfg.hidden_size:
+                raise BackendError(f"{path}: graphs disagree on the hidden states they return: re-export")
+            graph.hidden = np.zeros((width, self.hidden.shape[1]), np.float32)
         bind = graph.binding
         value = ort.OrtValue.ortvalue_from_numpy
         bind.bind_ortvalue_input(io_names.TOKENS, value(graph.tokens))
@@ -130,11 +140,21 @@ class OrtRunner(Runner):
         bind.bind_ortvalue_output(io_names.LOGITS, value(graph.logits))
         bind.bind_ortvalue_output(io_names.K_NEW, value(graph.k_new))
         bind.bind_ortvalue_output(io_names.V_NEW, value(graph.v_new))
+        if graph.hidden is not None:
+            bind.bind_ortvalue_output(io_names.HIDDEN, value(graph.hidden))
         return graph
 
     def _write_cache(self, graph: _Graph, position: int, n_valid: int) -> None:
         self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
         self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
+        if graph.hidden is not None:
+            self.hidden[position:position + n_valid] = graph.hidden[:n_valid]
+
+    def hidden_states(self, start: int, stop: int) -> np.ndarray:
+        if self.hidden is None:
+            raise BackendError(f"{self.graph_dir} was exported without hidden-state outputs: set "
+                               f"speculative.eagle3_head and re-export for the eagle3 drafter")
+        return self.hidden[start:stop]
 
     def forward(self, token_ids: Sequence[int], position: int) -> np.ndarray:
         width = len(token_ids)

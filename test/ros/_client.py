@@ -6,7 +6,7 @@ Jobs:
   {"mode": "stream", "request": {...}, "cancel_after": N|null}  the action; cancel after N feedbacks
   {"mode": "diagnostics"}                                       the first DiagnosticArray seen
   {"mode": "lifecycle", "node": "/spec_edge", "transitions": [...], "request": {...}}
-                                 drive the node's lifecycle; call the service once it is active
+                                 drive the node's lifecycle; call the service once active and at the end
 Optional: "namespace", "wait" (seconds for the server to appear).
 """
 import json
@@ -62,12 +62,12 @@ def main() -> None:
             out = {}
             for label in job["transitions"]:
                 future = change.call_async(ChangeState.Request(transition=Transition(id=ids[label])))
-                rclpy.spin_until_future_complete(client.node, future, timeout_sec=600)
+                rclpy.spin_until_future_complete(client.node, future, timeout_sec=300)
+                assert future.done(), f"no answer to {label}"
                 out[label] = bool(future.result().success)
                 if label == "activate":
                     out["served"] = response_to_dict(client.call(timeout=300, **job["request"]))
-            time.sleep(0.5)
-            out["service_left"] = client.service.service_is_ready()
+            out["after"] = response_to_dict(client.call(timeout=60, **job["request"]))
         elif mode == "diagnostics":
             from diagnostic_msgs.msg import DiagnosticArray
             got = []

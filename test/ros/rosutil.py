@@ -44,9 +44,7 @@ class Server:
 
     def __init__(self, env: dict[str, str], params_file: Path, log_path: Path, argv: list[str] | None = None):
         self.env, self.params_file, self.log_path = env, params_file, log_path
-        self.argv = argv or [sys.executable, "-c",
-                             "import sys; from spec_edge.node import serve_main; sys.exit(serve_main(sys.argv[1:]))",
-                             "--params", str(params_file)]
+        self.argv = argv or [sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(params_file)]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 600.0, ready: str = "serving") -> "Server":

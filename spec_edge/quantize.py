@@ -1,0 +1,427 @@
+"""4-bit weights for the ONNX Runtime backend: the GGUF's own Q4_1 blocks carried into MatMulNBits.
+
+graphs.weights = q4 rewrites the exported fp32 graphs after export (a post-export ONNX pass); it
+never re-quantizes. Every linear weight of the target that the GGUF stores as Q4_1 (blocks of 32
+along the input dimension, w = d * q + m with fp16 d and m, 4-bit q) becomes a com.microsoft
+MatMulNBits node with exactly those codes and scales, and the tied LM head, stored as Q8_0
+(w = d * q, int8 q), becomes an 8-bit MatMulNBits node.
+
+Why the minimum is carried beside the node, not as its zero point: MatMulNBits dequantizes
+(code - zero_point) * scale. With scale = d, Q4_1 needs zero_point = -m / d, which is not an
+integer, so the packed 4-bit uint8 zero points cannot hold it. The op does accept float zero points
+(same type as A, unpacked, shape (N, blocks)), but ONNX Runtime's CPU kernel then falls back to
+dequantizing the whole matrix on every call (measured here: 3.1 ms instead of 0.13 ms for a
+1536 x 576 weight, 35x slower). So each Q4_1 linear layer is written as
+
+    y = MatMulNBits(x; codes q, scale d, zero point 0) + BlockSum32(x) @ M      M[b, n] = m[n, b]
+
+which is the same sum, d*q + m per weight, regrouped: BlockSum32(x) is x reshaped to
+(T, K/32, 32) and summed over the last axis, and M costs K/32 x N floats (1/8 of the 4-bit codes).
+Weights are exact; only float summation order differs from the fp32 graph (parity: test_quantize.py
+and `spec-edge bench --weights fp32 q4`).
+
+q/k rows: transformers un-permutes the GGUF's q/k rows (rotary layout) when it loads, so each ONNX
+row is matched to its GGUF row by value (the dequantized fp32 row must be identical, byte for byte);
+that match is also the proof that no second rounding happened. A weight without an exact match is
+refused, never re-quantized.
+
+    <engine_dir>/<profile>/onnx/target_q4/   same stems and manifest as target/, plus "weights": "q4"
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+QK = 32                  # weights per block (Q4_1, Q8_0, and our MatMulNBits block_size)
+Q4_1_BYTES = 20          # fp16 d, fp16 m, 16 bytes of 4-bit codes
+Q8_0_BYTES = 34          # fp16 d, 32 int8 codes
+MS_DOMAIN = "com.microsoft"
+Progress = Callable[[str], None]
+
+
+class QuantizeError(RuntimeError):
+    """The graphs cannot be given 4-bit weights; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Block formats (pure numpy; GGUF layout: rows = output features N, blocks along K)
+
+
+@dataclass(frozen=True)
+class Q41:
+    codes: np.ndarray   # (N, K) uint8 in [0, 15]
+    d: np.ndarray       # (N, K/32) float32 (exactly the fp16 value)
+    m: np.ndarray       # (N, K/32) float32
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        blocks = self.codes.reshape(n, k // QK, QK).astype(np.float32)
+        return (blocks * self.d[..., None] + self.m[..., None]).reshape(n, k)
+
+
+@dataclass(frozen=True)
+class Q80:
+    codes: np.ndarray   # (N, K) int8
+    d: np.ndarray       # (N, K/32) float32
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        return (self.codes.reshape(n, k // QK, QK).astype(np.float32) * self.d[..., None]).reshape(n, k)
+
+
+def parse_q4_1(raw: np.ndarray) -> Q41:
+    """(N, K/32 * 20) uint8 GGUF rows -> codes, d, m. Within a block, byte j holds weight j in its low
+    nibble and weight j + 16 in its high nibble."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, Q4_1_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (N, nb, 32): weights 0..15, then 16..31
+    return Q41(codes=codes.reshape(n, -1), d=d, m=m)
+
+
+def parse_q8_0(raw: np.ndarray) -> Q80:
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8)
+    return Q80(codes=codes.reshape(n, -1), d=d)
+
+
+def quantize_q4_1(w: np.ndarray) -> np.ndarray:
+    """fp32 (N, K) -> GGUF Q4_1 rows (N, K/32 * 20) uint8, llama.cpp's reference rounding. Only tests
+    use it (to make blocks for a tiny model); the runtime path never quantizes."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // QK, QK).astype(np.float32)
+    lo, hi = blocks.min(-1), blocks.max(-1)
+    d = ((hi - lo) / 15).astype(np.float16)
+    m = lo.astype(np.float16)
+    inv = np.where(d.astype(np.float32) != 0, 1 / np.where(d == 0, 1, d.astype(np.float32)), 0)
+    q = np.clip(np.floor((blocks - m.astype(np.float32)[..., None]) * inv[..., None] + 0.5), 0, 15).astype(np.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate([d[..., None].view(np.uint8).reshape(n, -1, 2), m[..., None].view(np.uint8).reshape(n, -1, 2),
+                          qs], axis=-1)
+    return out.reshape(n, -1)
+
+
+def pack_nbits_4(codes: np.ndarray) -> np.ndarray:
+    """(N, K) codes in [0, 15] -> MatMulNBits B (N, K/32, 16): two codes per byte, low nibble first
+    along K."""
+    n, k = codes.shape
+    pairs = codes.reshape(n, k // QK, QK // 2, 2).astype(np.uint8)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+
+
+def matmulnbits_q4_1(q: Q41) -> dict[str, np.ndarray]:
+    """MatMulNBits inputs for Q4_1: B, scales = d, zero points 0 (packed), and the minima M (K/32, N)
+    added through BlockSum32(x) @ M."""
+    n, k = q.codes.shape
+    nb = k // QK
+    return {"B": pack_nbits_4(q.codes), "scales": q.d.copy(),
+            "zero_points": np.zeros((n, (nb + 1) // 2), np.uint8),
+            "mins": np.ascontiguousarray(q.m.T)}
+
+
+def matmulnbits_q8_0(q: Q80) -> dict[str, np.ndarray]:
+    """8-bit MatMulNBits inputs for Q8_0: codes + 128 as uint8 with zero point 128 (exact)."""
+    n, k = q.codes.shape
+    codes = (q.codes.astype(np.int16) + 128).astype(np.uint8)
+    return {"B": codes.reshape(n, k // QK, QK), "scales": q.d.copy(),
+            "zero_points": np.full((n, k // QK), 128, np.uint8)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching exported fp32 weights to GGUF blocks
+
+
+def _row_keys(w: np.ndarray) -> list[bytes]:
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in w]
+
+
+def match_rows(exported: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """perm with exported[i] == reference[perm[i]] bit for bit (q/k rows are permuted by the GGUF
+    loader); raises QuantizeError when a row has no identical twin."""
+    if exported.shape != reference.shape:
+        raise QuantizeError(f"shape {exported.shape} vs GGUF {reference.shape}")
+    index = {key: i for i, key in enumerate(_row_keys(reference))}
+    perm = np.empty(exported.shape[0], np.int64)
+    for i, key in enumerate(_row_keys(exported)):
+        j = index.get(key)
+        if j is None:
+            diff = np.abs(reference - exported[i]).max(axis=1).min()
+            raise QuantizeError(f"row {i} has no bit-identical GGUF row (closest differs by {diff:.3g}): "
+                                f"these weights were not dequantized from this GGUF's blocks")
+        perm[i] = j
+    return perm
+
+
+def take_rows(q, perm: np.ndarray):
+    if isinstance(q, Q41):
+        return Q41(codes=q.codes[perm], d=q.d[perm], m=q.m[perm])
+    return Q80(codes=q.codes[perm], d=q.d[perm])
+
+
+_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """'model.layers.3.mlp.up_proj.weight' -> 'blk.3.ffn_up.weight'; embeddings -> token_embd."""
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "token_embd.weight" if hf_name == "model.embed_tokens.weight" else "output.weight"
+    parts = hf_name.split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        short = _HF_TO_GGUF.get(".".join(parts[3:5]))
+        return f"blk.{parts[2]}.{short}.weight" if short else None
+    return None
+
+
+class GgufBlocks:
+    """Q4_1 / Q8_0 tensors of a GGUF file by name, parsed on demand."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        reader = gguf.GGUFReader(str(path))
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._types = {name: t.tensor_type.name for name, t in self._tensors.items()}
+
+    def kind(self, name: str) -> str | None:
+        return self._types.get(name)
+
+    def get(self, name: str):
+        tensor = self._tensors[name]
+        raw = np.asarray(tensor.data)
+        if self._types[name] == "Q4_1":
+            return parse_q4_1(raw)
+        if self._types[name] == "Q8_0":
+            return parse_q8_0(raw)
+        raise QuantizeError(f"{name} is {self._types[name]}, not Q4_1 or Q8_0")
+
+
+# ---------------------------------------------------------------------------------------------
+# The ONNX rewrite
+
+
+@dataclass
+class RewriteReport:
+    q4_layers: int = 0
+    q8_layers: int = 0
+    kept_fp32: list[str] = None
+    fp32_bytes_removed: int = 0
+    quant_bytes_added: int = 0
+
+
+def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_level: int = 0) -> RewriteReport:
+    """Replace, in place, every Gemm(x, W, transB=1) and MatMul(x, Transpose(W)) whose W `blocks(name)`
+    returns Q41 / Q80 blocks for (already row-matched to W) with MatMulNBits. The fp32 initializers
+    that no node reads any more are dropped."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    report = RewriteReport(kept_fp32=[])
+    new_nodes = []
+    new_inits = []
+    block_sums: dict[str, str] = {}  # input name -> its BlockSum32 tensor (shared by q/k/v, gate/up)
+    shape_const = None
+
+    def attr(node, name, default):
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default
+
+    for node in graph.node:
+        weight_name = None
+        if node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in inits \
+                and attr(node, "transB", 0) == 1 and attr(node, "transA", 0) == 0 and attr(node, "alpha", 1.0) == 1.0:
+            weight_name = node.input[1]
+        elif node.op_type == "MatMul" and node.input[1] in producers:
+            prod = producers[node.input[1]]
+            if prod.op_type == "Transpose" and prod.input[0] in inits and list(attr(prod, "perm", [1, 0])) == [1, 0]:
+                weight_name = prod.input[0]
+        q = blocks(weight_name) if weight_name else None
+        if isinstance(q, Q80) and accuracy_level < 4:
+            q = None  # 8-bit MatMulNBits at accuracy level 0 dequantizes the whole matrix every call (174 ms)
+        if q is None:
+            new_nodes.append(node)
+            continue
+        x = node.input[0]
+        n, k = q.codes.shape
+        base = weight_name.replace("/", "_")
+        bits = 4 if isinstance(q, Q41) else 8
+        parts = matmulnbits_q4_1(q) if bits == 4 else matmulnbits_q8_0(q)
+        suffix = f"_q{bits}"
+        for key in ("B", "scales", "zero_points"):
+            new_inits.append(numpy_helper.from_array(parts[key], f"{base}{suffix}_{key}"))
+            report.quant_bytes_added += parts[key].nbytes
+        main_out = node.output[0] if bits == 8 else f"{node.output[0]}_q4main"
+        new_nodes.append(helper.make_node(
+            "MatMulNBits", [x] + [f"{base}{suffix}_{key}" for key in ("B", "scales", "zero_points")], [main_out],
+            name=f"{node.name}_nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=QK,
+            accuracy_level=accuracy_level))
+        if bits == 4:
+            report.q4_layers += 1
+            if x not in block_sums:
+                if shape_const is None:
+                    shape_const = "q4_blocksum_shape"
+                    new_inits.append(numpy_helper.from_array(np.array([0, -1, QK], np.int64), shape_const))
+                blocked, summed = f"{x}_blocks32", f"{x}_blocksum32"
+                new_nodes.append(helper.make_node("Reshape", [x, shape_const], [blocked], name=f"{x}_q4_reshape"))
+                new_nodes.append(helper.make_node("ReduceSum", [blocked, "q4_sum_axes"], [summed],
+                                                  name=f"{x}_q4_blocksum", keepdims=0))
+                block_sums[x] = summed
+            mins = f"{base}_q4_mins"
+            new_inits.append(numpy_helper.from_array(parts["mins"], mins))
+            report.quant_bytes_added += parts["mins"].nbytes
+            new_nodes.append(helper.make_node("MatMul", [block_sums[x], mins], [f"{node.output[0]}_q4min"],
+                                              name=f"{node.name}_q4min"))
+            new_nodes.append(helper.make_node("Add", [main_out, f"{node.output[0]}_q4min"], [node.output[0]],
+                                              name=f"{node.name}_q4add"))
+        else:
+            report.q8_layers += 1
+    if block_sums:
+        new_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "q4_sum_axes"))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    used = {name for node in graph.node for name in node.input}
+    keep = []
+    for t in graph.initializer:
+        if t.name in used:
+            keep.append(t)
+        else:
+            report.fp32_bytes_removed += int(np.prod(t.dims)) * 4
+    del graph.initializer[:]
+    graph.initializer.extend(keep + new_inits)
+    # graph outputs are unchanged; drop stale value_info of rewritten tensors (they keep their shapes)
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# The artifact folder
+
+
+def q4_dir(fp32_dir: Path, accuracy_level: int) -> Path:
+    return fp32_dir.parent / f"{fp32_dir.name}_q4" if accuracy_level == 4 else fp32_dir.parent / f"{fp32_dir.name}_q4a{accuracy_level}"
+
+
+def _source_stamp(fp32_dir: Path) -> str:
+    return hashlib.sha256((fp32_dir / "manifest.json").read_bytes()).hexdigest()[:16]
+
+
+ACCURACY_LEVELS = {"q4": 4, "q4_fp32act": 0}  # graphs.weights -> MatMulNBits accuracy_level
+
+
+def for_config(cfg, fp32_dir: Path, progress: Progress = print) -> Path:
+    """The graph folder for cfg.graphs.weights (q4 / q4_fp32act), made from the fp32 export."""
+    from .config import ConfigError
+    from .weights import resolve
+
+    source = resolve(cfg.model.target)
+    if source.suffix != ".gguf":
+        raise ConfigError(f"graphs.weights={cfg.graphs.weights} carries a GGUF's Q4_1 blocks over; the target "
+                          f"'{cfg.model.target}' is not a GGUF file (use weights fp32)")
+    return ensure_q4(fp32_dir, source, ACCURACY_LEVELS[cfg.graphs.weights], progress)
+
+
+def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress: Progress = print) -> Path:
+    """The q4 copy of an exported fp32 folder (made once; redone when the fp32 export changes)."""
+    import fcntl
+
+    fp32_dir = Path(fp32_dir)
+    out = q4_dir(fp32_dir, accuracy_level)
+    stamp = _source_stamp(fp32_dir)
+
+    def current() -> bool:
+        path = out / "manifest.json"
+        if not path.is_file():
+            return False
+        have = json.loads(path.read_text())
+        return have.get("source_stamp") == stamp and have.get("accuracy_level") == accuracy_level
+
+    if current():
+        return out
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():
+            return out
+        tmp = out.parent / f".{out.name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        _convert(fp32_dir, tmp, gguf_path, stamp, accuracy_level, progress)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    return out
+
+
+def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: int, progress: Progress) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    from .export import ALIGN, WeightStore
+
+    started = time.monotonic()
+    progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ({dst.name}) ...")
+    gguf = GgufBlocks(gguf_path)
+    manifest = json.loads((src / "manifest.json").read_text())
+    dst.mkdir(parents=True)
+    store = WeightStore(dst / "weights.bin")
+    matched: dict[str, object] = {}  # by initializer name: the row-matched blocks (or None: keep fp32)
+    totals = RewriteReport(kept_fp32=[])
+    for stem in manifest["graphs"]:
+        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
+        arrays = {t.name: t for t in model.graph.initializer}
+
+        def blocks(name: str):
+            if name in matched:
+                return matched[name]
+            gname = gguf_name(name)
+            if gname is None or gguf.kind(gname) not in ("Q4_1", "Q8_0") or name not in arrays:
+                matched[name] = None
+                return None
+            weight = numpy_helper.to_array(arrays[name])
+            q = gguf.get(gname)
+            perm = match_rows(weight, q.dequantize())
+            matched[name] = take_rows(q, perm)
+            return matched[name]
+
+        report = rewrite_model(model, blocks, accuracy_level=accuracy_level)
+        totals.q4_layers = max(totals.q4_layers, report.q4_layers)
+        totals.q8_layers = max(totals.q8_layers, report.q8_layers)
+        for tensor in model.graph.initializer:
+            if tensor.HasField("raw_data") and len(tensor.raw_data) >= ALIGN:
+                offset, length = store.put(tensor.raw_data)
+                tensor.ClearField("raw_data")
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                del tensor.external_data[:]
+                for key, value in (("location", store.path.name), ("offset", str(offset)), ("length", str(length))):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = key, value
+        store.fh.flush()
+        onnx.save_model(model, str(dst / f"{stem}.onnx"))
+        progress(f"[q4]   {stem}: {report.q4_layers} Q4_1 + {report.q8_layers} Q8_0 layers")
+    store.close()
+    for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(src / name, dst / name)
+    manifest.update(weights="q4", source_stamp=stamp, accuracy_level=accuracy_level, weights_bytes=store.size,
+                    q4_seconds=round(time.monotonic() - started, 1))
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    progress(f"[q4] ready: weights.bin {store.size / 1e6:.0f} MB (fp32 export: "
+             f"{(src / 'weights.bin').stat().st_size / 1e6:.0f} MB) in {manifest['q4_seconds']} s")

@@ -1,0 +1,294 @@
+"""spec-edge train-draft: train an EAGLE-3 head on the target's own greedy outputs.
+
+    spec-edge train-draft --out heads/smollm2-135m-eagle3 [--target embedded]
+                          [--prompts data/train_prompts.txt] [--time-budget 300] ...
+
+1. data   the target (transformers, fp32) answers every prompt greedily (batched), then one
+          teacher-forced pass records, per position, the three auxiliary hidden states and the
+          target's argmax. Cached in <out>/train_data.pt (a rerun reuses it).
+2. vocab  the draft vocabulary: the most frequent tokens of the target's outputs (+ EOS).
+3. train  training-time test as in EAGLE-3: each batch is unrolled --ttt-steps draft steps, step j
+          consuming the head's own hidden state of step j-1, loss on the target's argmax (decayed
+          by 0.8 per step). Checkpoints every --save-every steps and at the end into <out>
+          (model.safetensors + config.json, the layout `speculative.eagle3_head` loads) and
+          <out>/train_state.pt (optimizer, step); a rerun with the same --out resumes.
+Bounded by --steps and --time-budget (seconds of training), with a progress bar on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import EMBEDDED, ConfigError
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="spec-edge train-draft",
+                                description="train an EAGLE-3 head on the target's own greedy outputs")
+    p.add_argument("--kind", choices=("eagle3",), default="eagle3",
+                   help="what to train (EAGLE-3 head; Medusa / parallel heads and draft models: not yet)")
+    p.add_argument("--target", default=EMBEDDED, help="target model: 'embedded', a .gguf file or a HF folder")
+    p.add_argument("--out", required=True, help="head folder to write (and resume from)")
+    p.add_argument("--prompts", default="data/train_prompts.txt", help="one prompt per line")
+    p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="target answer length per prompt")
+    p.add_argument("--gen-batch", type=int, default=16, help="prompts answered together")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
+    p.add_argument("--aux-layers", type=int, nargs=3, help="target layer outputs fed to the head "
+                   "(default EAGLE-3's: 1, L/2-1, L-4)")
+    p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--batch", type=int, default=8, help="sequences per training step")
+    p.add_argument("--steps", type=int, default=2000, help="training steps at most")
+    p.add_argument("--time-budget", type=float, default=300.0, help="training seconds at most (this run)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default="float16",
+                   help="dtype of the saved head tensors")
+    return p.parse_args(argv)
+
+
+def load_hf_target(source: str):
+    """(transformers model in eval mode, its tokenizer, our ModelConfig)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import weights
+
+    path = weights.resolve(source)
+    if path.is_file():
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32")
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="float32")
+    cfg = weights.config_from_hf(model.config.to_dict())
+    return model.eval(), tok, cfg
+
+
+def read_prompts(path: str, limit: int) -> list[str]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"prompt file {path} does not exist (one prompt per line)")
+    prompts = [line.strip() for line in file.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    if not prompts:
+        raise ConfigError(f"prompt file {path} holds no prompts")
+    return prompts[:limit] if limit else prompts
+
+
+def make_data(args, model, tok, cfg, aux_layers, out: Path) -> list[dict]:
+    """Per prompt: tokens (N,), hid3 (N, 3H) float16, labels (N,) = target argmax, n_prompt."""
+    import torch
+    from tqdm import tqdm
+
+    cache = out / "train_data.pt"
+    key = {"target": args.target, "prompts": args.prompts, "max_prompts": args.max_prompts,
+           "max_new_tokens": args.max_new_tokens, "aux_layers": list(aux_layers)}
+    if cache.is_file():
+        saved = torch.load(str(cache), weights_only=False)
+        if saved.get("key") == key:
+            log(f"[train-draft] reusing {len(saved['data'])} target answers from {cache}")
+            return saved["data"]
+    prompts = read_prompts(args.prompts, args.max_prompts)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    eos_ids = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    data: list[dict] = []
+    bar = tqdm(total=len(prompts), desc="[train-draft] target answers", unit="prompt", file=sys.stderr)
+    for start in range(0, len(prompts), args.gen_batch):
+        batch = prompts[start:start + args.gen_batch]
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                 for p in batch]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            gen = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        width = enc["input_ids"].shape[1]
+        for row in range(len(batch)):
+            prompt_ids = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
+            answer = gen[row, width:].tolist()
+            for i, t in enumerate(answer):
+                if t in eos_ids:
+                    answer = answer[:i + 1]
+                    break
+            ids = torch.tensor([prompt_ids + answer])
+            with torch.no_grad():
+                result = model(ids, output_hidden_states=True)
+            hs = result.hidden_states  # hs[j] = output of layer j-1 (0 = embeddings)
+            hid3 = torch.cat([hs[i + 1][0] for i in aux_layers], dim=-1).to(torch.float16)
+            data.append({"tokens": ids[0], "hid3": hid3, "labels": result.logits[0].argmax(-1),
+                         "n_prompt": len(prompt_ids)})
+        bar.update(len(batch))
+    bar.close()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "data": data}, str(cache))
+    return data
+
+
+def draft_vocabulary(data: list[dict], vocab_size: int, draft_vocab: int, eos_ids) -> np.ndarray:
+    """The draft-to-target id map: the draft_vocab most frequent target outputs, ascending ids."""
+    counts = np.zeros(vocab_size, np.int64)
+    for item in data:
+        np.add.at(counts, item["labels"].numpy(), 1)
+        np.add.at(counts, item["tokens"].numpy(), 1)
+    for e in eos_ids:
+        counts[e] += counts.max() + 1
+    draft_vocab = min(draft_vocab, vocab_size)
+    top = np.argsort(-counts, kind="stable")[:draft_vocab]
+    covered = counts[top].sum() / max(counts.sum(), 1)
+    log(f"[train-draft] draft vocabulary {draft_vocab} of {vocab_size} tokens covers {covered:.1%} "
+        f"of the target's tokens in the training answers")
+    return np.sort(top)
+
+
+def batches(data: list[dict], batch: int, rng: np.random.Generator):
+    while True:
+        order = rng.permutation(len(data))
+        for start in range(0, len(order) - batch + 1, batch):
+            yield [data[i] for i in order[start:start + batch]]
+
+
+def collate(items: list[dict], t2d, embed, ttt: int):
+    """emb_steps (ttt, B, N, H), hid3 (B, N, 3H), labels (ttt, B, N) in draft ids (-100 = none)."""
+    import torch
+
+    n = max(len(item["tokens"]) for item in items) - 1  # pairs (h_t, x_{t+1}) for t < len - 1
+    B = len(items)
+    tokens = torch.zeros(B, n + ttt + 1, dtype=torch.long)
+    labels_t = torch.full((B, n + ttt + 1), -1, dtype=torch.long)
+    hid3 = torch.zeros(B, n, items[0]["hid3"].shape[1])
+    for b, item in enumerate(items):
+        length = len(item["tokens"])
+        tokens[b, :length] = item["tokens"]
+        labels_t[b, :length] = item["labels"]
+        hid3[b, :length - 1] = item["hid3"][:length - 1].float()
+    emb_steps = torch.stack([embed[tokens[:, j + 1:j + 1 + n]] for j in range(ttt)])  # token t+j+1
+    target = torch.stack([labels_t[:, j + 1:j + 1 + n] for j in range(ttt)])          # argmax at t+j+1
+    draft_labels = torch.where(target >= 0, t2d[target.clamp(min=0)], torch.full_like(target, -100))
+    return emb_steps, hid3, draft_labels
+
+
+def train_main(argv: list[str]) -> int:
+    import torch
+
+    args = parse_args(argv)
+    torch.manual_seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from . import eagle3
+
+    log(f"[train-draft] loading target {args.target} ...")
+    model, tok, cfg = load_hf_target(args.target)
+    aux = tuple(args.aux_layers) if args.aux_layers else eagle3.default_aux_layers(cfg.n_layers)
+    if list(aux) != sorted(set(aux)) or not all(0 <= i < cfg.n_layers for i in aux):
+        raise ConfigError(f"--aux-layers {list(aux)} must be three distinct ascending layers of the "
+                          f"{cfg.n_layers}-layer target")
+    data = make_data(args, model, tok, cfg, aux, out)
+    target_state = {name: t.detach().float() for name, t in model.state_dict().items()}
+    if "lm_head.weight" not in target_state or cfg.tie_embeddings:
+        target_state["lm_head.weight"] = target_state["model.embed_tokens.weight"]
+    embed = target_state["model.embed_tokens.weight"]
+    del model
+    eos = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+
+    state_path = out / "train_state.pt"
+    resume = torch.load(str(state_path), weights_only=False) if state_path.is_file() else None
+    if resume is not None and resume["draft_vocab"] == args.draft_vocab and tuple(resume["aux"]) == aux:
+        draft_ids = np.asarray(resume["draft_ids"])
+    else:
+        resume = None
+        draft_ids = draft_vocabulary(data, cfg.vocab_size, args.draft_vocab, eos)
+    hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
+    module = eagle3.build_module(hcfg, eagle3.init_state(hcfg, target_state, draft_ids, args.seed))
+    module.train()
+    params = [p for p in module.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    step = 0
+    if resume is not None:
+        module.load_state_dict(resume["module"])
+        optim.load_state_dict(resume["optim"])
+        step = resume["step"]
+        log(f"[train-draft] resuming {state_path} at step {step}")
+    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+    t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))
+    rng = np.random.default_rng(args.seed + step)
+    n_eval = max(1, len(data) // 10)
+    eval_data, train_data = data[:n_eval], data[n_eval:] or data
+    stream = batches(train_data, min(args.batch, len(train_data)), rng)
+    weights = [0.8 ** j for j in range(args.ttt_steps)]
+
+    def save(final: bool = False) -> None:
+        extra = {"trained_steps": step, "train_prompts": args.prompts, "target": args.target,
+                 "command": "spec-edge train-draft " + " ".join(argv)}
+        eagle3.save_head(out, hcfg, dict(module.state_dict()), draft_ids, dtype=args.dtype, extra=extra)
+        torch.save({"module": module.state_dict(), "optim": optim.state_dict(), "step": step,
+                    "draft_vocab": args.draft_vocab, "aux": list(aux), "draft_ids": draft_ids}, str(state_path))
+        if final:
+            log(f"[train-draft] saved head after {step} steps to {out}")
+
+    def evaluate() -> list[float]:
+        module.eval()
+        hits = np.zeros(args.ttt_steps)
+        total = np.zeros(args.ttt_steps)
+        with torch.no_grad():
+            for start in range(0, len(eval_data), args.batch):
+                emb, hid, labels = collate(eval_data[start:start + args.batch], t2d, embed, args.ttt_steps)
+                outs = module.train_forward(emb, hid, args.ttt_steps)
+                for j, logits in enumerate(outs):
+                    valid = labels[j] != -100
+                    hits[j] += (logits.argmax(-1)[valid] == labels[j][valid]).sum().item()
+                    total[j] += valid.sum().item()
+        module.train()
+        return list(hits / np.maximum(total, 1))
+
+    from tqdm import tqdm
+
+    started = time.monotonic()
+    lr_total = args.steps
+    bar = tqdm(total=args.steps, initial=step, desc="[train-draft] eagle3", unit="step", file=sys.stderr)
+    loss_avg = None
+    while step < args.steps and time.monotonic() - started < args.time_budget:
+        emb, hid, labels = collate(next(stream), t2d, embed, args.ttt_steps)
+        outs = module.train_forward(emb, hid, args.ttt_steps)
+        loss = sum(w * torch.nn.functional.cross_entropy(o.reshape(-1, o.shape[-1]), l.reshape(-1),
+                                                          ignore_index=-100)
+                   for w, o, l in zip(weights, outs, labels)) / sum(weights)
+        lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / lr_total, 1))))
+        for group in optim.param_groups:
+            group["lr"] = lr
+        optim.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        step += 1
+        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_avg:.3f}")
+        if step % args.save_every == 0:
+            save()
+    bar.close()
+    accuracy = evaluate()
+    log(f"[train-draft] step {step}: held-out top-1 agreement with the target per draft step: "
+        + ", ".join(f"{a:.2f}" for a in accuracy))
+    save(final=True)
+    (out / "train_log.json").write_text(json.dumps({"step": step, "eval_top1_per_step": accuracy,
+                                                    "train_seconds_this_run": round(time.monotonic() - started, 1),
+                                                    "sequences": len(data)}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return train_main(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,49 @@
+"""Config: one set of defaults, YAML profiles map one-to-one to the dataclasses."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spec_edge import config
+from spec_edge.config import Config, ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_dump_load_round_trip(tmp_path):
+    cfg = Config().replace(**{"speculative.k": 3, "graphs.k_values": [3, 5], "sampling.temperature": 0.7})
+    path = tmp_path / "p.yaml"
+    path.write_text(config.dump(cfg))
+    assert config.load(path) == cfg
+
+
+def test_every_profile_in_config_loads():
+    profiles = sorted((REPO / "config").glob("*.yaml"))
+    assert (REPO / "config" / "default.yaml") in profiles
+    for path in profiles:
+        config.load(path)
+
+
+def test_default_profile_is_the_embedded_default():
+    cfg = config.load(REPO / "config" / "default.yaml")
+    assert cfg.model.target == config.EMBEDDED and cfg.runtime.backend == "onnxruntime"
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("speculative.drafter", "magic", "speculative.drafter 'magic' is unknown"),
+    ("speculative.k", 9, "speculative.k=9 has no verify graph"),
+    ("sampling.top_p", 0.0, "top_p"),
+    ("graphs.max_context", "big", "must be an integer"),
+    ("graphs.k_values", [0], "k_values"),
+])
+def test_bad_values_are_refused(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        Config().replace(**{key: value})
+
+
+def test_unknown_yaml_key_is_named(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("/**:\n  ros__parameters:\n    speculative:\n      kk: 3\n")
+    with pytest.raises(ConfigError, match="speculative.kk"):
+        config.load(path)

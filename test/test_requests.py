@@ -1,0 +1,55 @@
+"""Bad input gets a clear error (never a traceback or a hang) and the engine keeps serving."""
+from __future__ import annotations
+
+import pytest
+
+from spec_edge.config import ConfigError
+from spec_edge.engine import GenerateRequest, RequestError, check_same_tokenizer
+from spec_edge.tokenizer import Tokenizer
+
+BAD = [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(prompt="   \n"), "prompt is empty"),
+    (dict(prompt="robot " * 400), "context holds 128"),
+    (dict(prompt="hi", max_new_tokens=0), r"max_new_tokens must be in \[1, 127\]"),
+    (dict(prompt="hi", max_new_tokens=10**9), r"max_new_tokens must be in \[1, 127\]"),
+    (dict(prompt="hi", k=5), r"k=5 has no verify graph .* k in \[1, 3, 4, 7\]"),
+    (dict(prompt="hi", k=99), "k=99 has no verify graph"),
+    (dict(prompt="hi", temperature=-1.0), "temperature must be >= 0"),
+    (dict(prompt="hi", top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(prompt="hi", top_p=2.0), r"top_p must be in \(0, 1\]"),
+    (dict(prompt="hi", top_k=-3), "top_k must be >= 0"),
+    (dict(prompt="hi", drafter="medusa9"), "unknown drafter 'medusa9'"),
+    (dict(prompt="bad \x07 bell"), "control character U\\+0007"),
+    (dict(prompt="bad \udcff byte"), "not valid UTF-8"),
+    (dict(prompt="hi", stop=("\x00",)), "stop string contains control character"),
+]
+
+
+@pytest.mark.parametrize("fields,message", BAD)
+def test_bad_request_is_refused_clearly(tiny_engine, fields, message):
+    with pytest.raises(RequestError, match=message):
+        tiny_engine.generate(GenerateRequest(**fields))
+    good = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="ngram"))
+    assert good.finish_reason in ("length", "eos") and good.token_ids
+
+
+def test_draft_model_with_another_tokenizer_is_refused(tiny_engine, tmp_path):
+    from tiny import train_tokenizer
+
+    other = train_tokenizer(vocab_size=300)
+    other.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        check_same_tokenizer(Tokenizer(tmp_path), tiny_engine.tokenizer, "other-draft")
+
+
+def test_cancel_ends_between_steps(tiny_engine):
+    calls = []
+
+    def cancel():
+        calls.append(1)
+        return "cancelled" if len(calls) > 3 else None
+
+    result = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=60), cancel=cancel)
+    assert result.finish_reason == "cancelled" and 0 < len(result.token_ids) < 60
