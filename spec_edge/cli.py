@@ -79,7 +79,7 @@ def cmd_generate(args) -> int:
     cfg = config_from_args(args)
     engine = Engine.from_config(cfg, progress)
     request = request_from_args(args)
-    on_text = None if args.json else (lambda delta: print(delta, end="", flush=True))
+    on_text = None if args.json else (lambda delta, n_tokens: print(delta, end="", flush=True))
     result = engine.generate(request, on_text=on_text)
     if args.json:
         print(json.dumps(result.as_dict()))

@@ -231,9 +231,11 @@ class Engine:
                                f"use one of those or re-export with graphs.k_values including {k}")
         return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
 
-    def generate(self, request: GenerateRequest, on_text: Callable[[str], None] | None = None,
+    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None) -> GenerateResult:
-        """Serve one request. Raises RequestError for a bad request (nothing is run)."""
+        """Serve one request. Raises RequestError for a bad request (nothing is run).
+        on_text(delta, n_tokens) receives each piece of safe-to-show text and the number of tokens
+        generated so far; cancel() is asked between speculative steps."""
         params, max_new, seed, drafter_name, k = self.resolve(request)
         _check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
@@ -244,7 +246,7 @@ class Engine:
             def emit(chunk: list[int]) -> bool:
                 delta = decoder.push(chunk)
                 if delta and on_text is not None:
-                    on_text(delta)
+                    on_text(delta, len(decoder.ids))
                 return decoder.stopped
 
             new_ids, finish, stats = speculative.generate(
@@ -252,7 +254,7 @@ class Engine:
                 seed=seed, drafter=drafter, k=k, emit=emit, cancel=cancel)
         tail = decoder.finish()
         if tail and on_text is not None:
-            on_text(tail)
+            on_text(tail, len(decoder.ids))
         if finish == "stop":
             new_ids = self._trim_to_stop(new_ids, request.stop)
         return GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,

@@ -435,13 +435,8 @@ def make_node_class():
             return fill_response(response, self._run_job(request))
 
         def _on_goal_execute(self, goal_handle):
-            tokens = 0
-
-            def on_text(delta: str, n_tokens: int | None = None) -> None:
-                nonlocal tokens
-                tokens = n_tokens if n_tokens is not None else tokens
-                feedback = GenerateAction.Feedback(delta=delta, num_tokens=tokens)
-                goal_handle.publish_feedback(feedback)
+            def on_text(delta: str, n_tokens: int) -> None:
+                goal_handle.publish_feedback(GenerateAction.Feedback(delta=delta, num_tokens=n_tokens))
 
             outcome = self._run_job(goal_handle.request, on_text=on_text,
                                     cancel_requested=lambda: goal_handle.is_cancel_requested)

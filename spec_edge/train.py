@@ -42,7 +42,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompts", default="data/train_prompts.txt", help="one prompt per line")
     p.add_argument("--max-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="target answer length per prompt")
-    p.add_argument("--gen-batch", type=int, default=16, help="prompts answered together")
+    p.add_argument("--engine-dir", help="where the target's ONNX graphs are (default: the config's engines/)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--aux-layers", type=int, nargs=3, help="target layer outputs fed to the head "
                    "(default EAGLE-3's: 1, L/2-1, L-4)")
@@ -86,10 +86,30 @@ def read_prompts(path: str, limit: int) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def answer_engine(args):
+    """The target on spec_edge's own ONNX Runtime graphs (much faster than transformers' generate
+    here), answering with the chat template and greedy decoding (n-gram drafting: exact)."""
+    from .config import Config
+    from .engine import Engine
+
+    cfg = Config()
+    if args.target != EMBEDDED:
+        cfg = cfg.replace(**{"model.target": args.target, "runtime.profile": f"train-{Path(args.target).name}"})
+    if args.engine_dir:
+        cfg = cfg.replace(**{"runtime.engine_dir": args.engine_dir})
+    return Engine.from_config(cfg.replace(**{"speculative.drafter": "none"}), progress=log)
+
+
 def make_data(args, model, tok, cfg, aux_layers, out: Path) -> list[dict]:
-    """Per prompt: tokens (N,), hid3 (N, 3H) float16, labels (N,) = target argmax, n_prompt."""
+    """Per prompt: tokens (N,), hid3 (N, 3H) float16, labels (N,) = target argmax, n_prompt.
+    The answers come from spec_edge's own greedy decoding; one transformers forward per answer
+    records the hidden states and argmax (fp32 both: the same model up to rounding)."""
     import torch
     from tqdm import tqdm
+
+    from . import speculative
+    from .drafters.ngram import NgramDrafter
+    from .engine import GenerateRequest
 
     cache = out / "train_data.pt"
     key = {"target": args.target, "prompts": args.prompts, "max_prompts": args.max_prompts,
@@ -100,37 +120,26 @@ def make_data(args, model, tok, cfg, aux_layers, out: Path) -> list[dict]:
             log(f"[train-draft] reusing {len(saved['data'])} target answers from {cache}")
             return saved["data"]
     prompts = read_prompts(args.prompts, args.max_prompts)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    tok.padding_side = "left"
-    eos_ids = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    engine = answer_engine(args)
     data: list[dict] = []
     bar = tqdm(total=len(prompts), desc="[train-draft] target answers", unit="prompt", file=sys.stderr)
-    for start in range(0, len(prompts), args.gen_batch):
-        batch = prompts[start:start + args.gen_batch]
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in batch]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    for prompt in prompts:
+        prompt_ids = engine.prompt_ids(GenerateRequest(prompt=prompt))
+        k = sorted(engine.target.widths)[-1] - 1
+        answer, finish, _ = speculative.generate(engine.target, prompt_ids, max_new_tokens=args.max_new_tokens,
+                                                 eos_ids=engine.eos_ids, drafter=NgramDrafter(), k=k)
+        if finish == "eos":
+            answer = answer + [engine.eos_ids[0]]
+        ids = torch.tensor([prompt_ids + answer])
         with torch.no_grad():
-            gen = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-        width = enc["input_ids"].shape[1]
-        for row in range(len(batch)):
-            prompt_ids = enc["input_ids"][row][enc["attention_mask"][row].bool()].tolist()
-            answer = gen[row, width:].tolist()
-            for i, t in enumerate(answer):
-                if t in eos_ids:
-                    answer = answer[:i + 1]
-                    break
-            ids = torch.tensor([prompt_ids + answer])
-            with torch.no_grad():
-                result = model(ids, output_hidden_states=True)
-            hs = result.hidden_states  # hs[j] = output of layer j-1 (0 = embeddings)
-            hid3 = torch.cat([hs[i + 1][0] for i in aux_layers], dim=-1).to(torch.float16)
-            data.append({"tokens": ids[0], "hid3": hid3, "labels": result.logits[0].argmax(-1),
-                         "n_prompt": len(prompt_ids)})
-        bar.update(len(batch))
+            result = model(ids, output_hidden_states=True)
+        hs = result.hidden_states  # hs[j] = output of layer j-1 (0 = embeddings)
+        hid3 = torch.cat([hs[i + 1][0] for i in aux_layers], dim=-1).to(torch.float16)
+        data.append({"tokens": ids[0], "hid3": hid3, "labels": result.logits[0].argmax(-1),
+                     "n_prompt": len(prompt_ids)})
+        bar.update(1)
     bar.close()
+    engine.close()
     out.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "data": data}, str(cache))
     return data

@@ -130,8 +130,11 @@ def test_stop_string_split_across_chunks(tiny_engine):
 
 def test_streamed_deltas_concatenate_to_text(tiny_engine):
     deltas: list[str] = []
-    result = tiny_engine.generate(GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40), on_text=deltas.append)
+    counts: list[int] = []
+    result = tiny_engine.generate(GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40),
+                                  on_text=lambda delta, n_tokens: (deltas.append(delta), counts.append(n_tokens)))
     assert "".join(deltas) == result.text
+    assert counts == sorted(counts) and counts[-1] >= len(result.token_ids)
     assert len(deltas) > 1  # streamed in pieces, not once at the end
 
 
