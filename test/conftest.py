@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
-TINY_K_VALUES = [1, 3, 4, 7]
+from tiny import TINY_K_VALUES  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import TINY_K_VALUES
+from tiny import TINY_K_VALUES
 from spec_edge import speculative
 from spec_edge.backends.onnxruntime import OrtRunner
 from spec_edge.drafters.draft_model import ModelDrafter

@@ -20,6 +20,7 @@ CORPUS = [
     "Temperature sensors read 21.5 degrees; humidity is 40 percent.",
     "Ünïcödé tëxt and emoji 🤖 keep the byte-level path honest.",
 ] * 20
+TINY_K_VALUES = [1, 3, 4, 7]  # verify graphs the session's tiny target is exported with
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
