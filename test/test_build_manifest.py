@@ -9,6 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from spec_edge import build, export, memory
+from spec_edge.backends.onnxruntime import cpu_session
 from spec_edge.config import Config, ConfigError, from_params, load
 
 TRT_VERSION = "10.13.0.35"
@@ -575,7 +576,6 @@ def test_dynamic_export_runs_every_width(tmp_path):
     """A tiny random Llama (qk-norm on, to cover Qwen3) exported with a symbolic T: ONNX Runtime
     gives the torch forward's logits and new keys at widths 1, 5 and 16 from the one file, and the
     layer-skip graph is exported too; a second call reuses the export."""
-    import onnxruntime as ort
     import torch
     from safetensors.torch import save_file
 
@@ -597,7 +597,7 @@ def test_dynamic_export_runs_every_width(tmp_path):
     out = export.export_model(cfg, "target", tmp_path / "onnx", progress=quiet, dynamic=True)
     assert build.onnx_token_width(out / "dynamic.onnx") is None
     assert (out / "layerskip1_dynamic.onnx").is_file()
-    session = ort.InferenceSession(str(out / "dynamic.onnx"), providers=["CPUExecutionProvider"])
+    session = cpu_session(str(out / "dynamic.onnx"))
     k_cache, v_cache = model_mod.empty_cache(mcfg, 64)
     k_cache.normal_()
     v_cache.normal_()

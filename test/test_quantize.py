@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_edge.backends.onnxruntime import cpu_session
+
 from spec_edge import quantize
 from spec_edge.quantize import Q41, Q80, QuantizeError
 
@@ -68,9 +70,7 @@ def _model(w1: np.ndarray, w2: np.ndarray, emb: np.ndarray, t: int):
 
 
 def _run(model, x):
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = cpu_session(model.SerializeToString())
     return session.run(None, {"x": x})[0]
 
 

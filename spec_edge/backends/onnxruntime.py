@@ -37,6 +37,19 @@ def _init_thread_pool(threads: int) -> int:
     return _POOL_THREADS
 
 
+def cpu_session(model: str | bytes, threads: int = 0):
+    """An InferenceSession on the shared global thread pool. Every session of the process must be
+    made here: once the global pool exists, ONNX Runtime refuses sessions with pools of their own."""
+    import onnxruntime as ort
+
+    _init_thread_pool(threads)
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
 @dataclass
 class _Graph:
     session: object
@@ -107,12 +120,8 @@ class OrtRunner(Runner):
         path = self.graph_dir / f"{stem}.onnx"
         if not path.is_file():
             raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
-        options = ort.SessionOptions()
-        options.use_per_session_threads = False
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
         try:
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            session = cpu_session(str(path), self.threads)
         except Exception as err:  # onnxruntime raises several unrelated types for a bad file
             raise BackendError(f"ONNX Runtime cannot load {path}: {err}; re-run `spec-edge export`") from err
         width = spec["width"]

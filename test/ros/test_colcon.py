@@ -98,7 +98,8 @@ def test_installed_executable_serves_with_installed_default_profile(workspace, t
                     argv=["bash", "-c", command]).start()
     try:
         answer, = run_client(ros_env(domain_id_for(__name__)),
-                             {"mode": "call", "requests": [{"prompt": "Say hi.", "max_new_tokens": 4}]})
+                             {"mode": "call", "wait": 600.0,  # the first server exports the default graphs
+                              "requests": [{"prompt": "Say hi.", "max_new_tokens": 4}]})
         assert answer["success"], answer["message"]
         assert answer["num_tokens"] >= 1
     finally:
