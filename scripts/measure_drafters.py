@@ -27,12 +27,13 @@ def main() -> int:
     p.add_argument("--prompts", default="data/eval_prompts.jsonl")
     p.add_argument("--drafters", nargs="+", default=["eagle3", "ngram", "layerskip"])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
+    p.add_argument("--other-ks", type=int, nargs="+", help="k values for drafters other than eagle3 (default --ks)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--kinds", nargs="+")
     p.add_argument("--limit", type=int, default=0, help="prompts per kind (0 = all)")
     p.add_argument("--json-out")
     args = p.parse_args()
-    cfg = Config().replace(**{"runtime.profile": args.profile, "graphs.k_values": sorted(set(args.ks)),
+    cfg = Config().replace(**{"runtime.profile": args.profile, "graphs.k_values": sorted(set(args.ks) | set(args.other_ks or ())),
                               "speculative.eagle3_head": args.head, "speculative.drafter": "eagle3",
                               "speculative.k": args.ks[0]})
     engine = Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
@@ -47,7 +48,8 @@ def main() -> int:
                 kept.append(q)
                 per_kind[q["kind"]] += 1
         prompts = kept
-    systems = [("none", 0)] + [(d, k) for d in args.drafters for k in args.ks]
+    systems = [("none", 0)] + [(d, k) for d in args.drafters
+                               for k in (args.ks if d == "eagle3" or not args.other_ks else args.other_ks)]
     drafters = {d: engine._drafter(d) for d in args.drafters}
     agg = defaultdict(lambda: defaultdict(float))
     ratios = defaultdict(list)

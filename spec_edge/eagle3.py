@@ -269,9 +269,12 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
     return path
 
 
-def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0) -> dict:
+def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
+               feature_std=None) -> dict:
     """A fresh head: small random layer, lm_head rows and final norm from the target's own head
-    (a warm start that already speaks the target's output space)."""
+    (a warm start that already speaks the target's output space), fc starting as the high layer's
+    state. feature_std (3Ht,): the spread of each input feature in the training data; fc is scaled
+    by its inverse, so a few huge ("massive activation") features do not swamp the rest."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -282,9 +285,11 @@ def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed
         return torch.randn(*shape, generator=gen) * std
 
     target_head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
+    inv = torch.ones(3 * Ht) if feature_std is None else 1.0 / torch.as_tensor(feature_std).float().clamp(min=1e-3)
     fc = torch.zeros(H, 3 * Ht)
     fc[:, 2 * Ht:] = torch.eye(H, Ht)  # start from the high layer's state
-    fc += rand(H, 3 * Ht, std=0.01)
+    fc += rand(H, 3 * Ht, std=0.005)
+    fc = fc * inv[None, :]
     return {
         "fc.weight": fc, "norm.weight": target_state["model.norm.weight"].clone(),
         "lm_head.weight": target_head[torch.from_numpy(np.asarray(draft_ids))].clone(),
@@ -413,7 +418,7 @@ def build_module(hcfg: HeadConfig, state: dict | None = None):
                 out = out.transpose(1, 2).reshape(B, N, nh * hd)
                 h = residual + attn.o_proj(out)
                 h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-                outs.append(self.lm_head(self.norm(h)))
+                outs.append(self.norm(h))
             return outs
 
     module = Eagle3Head()

@@ -141,7 +141,7 @@ def response_to_dict(resp: Any) -> dict[str, Any]:
 @dataclass
 class Job:
     request: Any                                    # engine.GenerateRequest
-    on_text: Callable[[str], None] | None = None
+    on_text: Callable[[str, int], None] | None = None
     cancel_requested: Callable[[], bool] = lambda: False
     deadline: float = math.inf                      # time.monotonic() past which it ends as error
     done: threading.Event = field(default_factory=threading.Event)

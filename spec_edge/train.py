@@ -51,6 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2000, help="training steps at most")
     p.add_argument("--time-budget", type=float, default=300.0, help="training seconds at most (this run)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-lm-head", action="store_true",
+                   help="also train lm_head and the final norm (default: frozen at the target's rows)")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     p.add_argument("--seed", type=int, default=0)
@@ -94,7 +96,10 @@ def answer_engine(args):
 
     cfg = Config()
     if args.target != EMBEDDED:
-        cfg = cfg.replace(**{"model.target": args.target, "runtime.profile": f"train-{Path(args.target).name}"})
+        from .eagle3 import target_n_layers
+
+        cfg = cfg.replace(**{"model.target": args.target, "runtime.profile": f"train-{Path(args.target).name}",
+                             "graphs.layer_skip_layers": max(1, target_n_layers(args.target) // 4)})
     if args.engine_dir:
         cfg = cfg.replace(**{"runtime.engine_dir": args.engine_dir})
     return Engine.from_config(cfg.replace(**{"speculative.drafter": "none"}), progress=log)
@@ -180,7 +185,7 @@ def collate(items: list[dict], t2d, embed, ttt: int):
     for b, item in enumerate(items):
         length = len(item["tokens"])
         tokens[b, :length] = item["tokens"]
-        labels_t[b, :length] = item["labels"]
+        labels_t[b, :length] = item["labels"]  # prompt positions too: the target's own next-token choices
         hid3[b, :length - 1] = item["hid3"][:length - 1].float()
     emb_steps = torch.stack([embed[tokens[:, j + 1:j + 1 + n]] for j in range(ttt)])  # token t+j+1
     target = torch.stack([labels_t[:, j + 1:j + 1 + n] for j in range(ttt)])          # argmax at t+j+1
@@ -221,15 +226,21 @@ def train_main(argv: list[str]) -> int:
         resume = None
         draft_ids = draft_vocabulary(data, cfg.vocab_size, args.draft_vocab, eos)
     hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
-    module = eagle3.build_module(hcfg, eagle3.init_state(hcfg, target_state, draft_ids, args.seed))
+    feature_std = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
+    module = eagle3.build_module(hcfg, eagle3.init_state(hcfg, target_state, draft_ids, args.seed, feature_std))
     module.train()
+    if not args.train_lm_head:  # keep the target's own output rows and final norm: less to overfit
+        module.lm_head.weight.requires_grad_(False)
+        module.norm.weight.requires_grad_(False)
     params = [p for p in module.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     step = 0
+    best = [-1.0, 0]  # held-out step-1 agreement and the step of the checkpoint in the head folder
     if resume is not None:
         module.load_state_dict(resume["module"])
         optim.load_state_dict(resume["optim"])
         step = resume["step"]
+        best = list(resume.get("best", best))
         log(f"[train-draft] resuming {state_path} at step {step}")
     t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
     t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))
@@ -244,21 +255,28 @@ def train_main(argv: list[str]) -> int:
                  "command": "spec-edge train-draft " + " ".join(argv)}
         eagle3.save_head(out, hcfg, dict(module.state_dict()), draft_ids, dtype=args.dtype, extra=extra)
         torch.save({"module": module.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "draft_vocab": args.draft_vocab, "aux": list(aux), "draft_ids": draft_ids}, str(state_path))
+                    "draft_vocab": args.draft_vocab, "aux": list(aux), "draft_ids": draft_ids,
+                    "best": best}, str(state_path))
         if final:
             log(f"[train-draft] saved head after {step} steps to {out}")
 
     def evaluate() -> list[float]:
+        """Top-1 agreement with the target per draft step on the held-out answers (prompts excluded)."""
         module.eval()
         hits = np.zeros(args.ttt_steps)
         total = np.zeros(args.ttt_steps)
         with torch.no_grad():
             for start in range(0, len(eval_data), args.batch):
-                emb, hid, labels = collate(eval_data[start:start + args.batch], t2d, embed, args.ttt_steps)
+                items = eval_data[start:start + args.batch]
+                emb, hid, labels = collate(items, t2d, embed, args.ttt_steps)
+                for b, item in enumerate(items):  # score the answer only: step j at t predicts t+j+2
+                    for j in range(args.ttt_steps):
+                        labels[j, b, :max(item["n_prompt"] - j - 2, 0)] = -100
                 outs = module.train_forward(emb, hid, args.ttt_steps)
-                for j, logits in enumerate(outs):
+                for j, normed in enumerate(outs):
                     valid = labels[j] != -100
-                    hits[j] += (logits.argmax(-1)[valid] == labels[j][valid]).sum().item()
+                    logits = module.lm_head(normed[valid])
+                    hits[j] += (logits.argmax(-1) == labels[j][valid]).sum().item()
                     total[j] += valid.sum().item()
         module.train()
         return list(hits / np.maximum(total, 1))
@@ -272,10 +290,9 @@ def train_main(argv: list[str]) -> int:
     while step < args.steps and time.monotonic() - started < args.time_budget:
         emb, hid, labels = collate(next(stream), t2d, embed, args.ttt_steps)
         outs = module.train_forward(emb, hid, args.ttt_steps)
-        loss = sum(w * torch.nn.functional.cross_entropy(o.reshape(-1, o.shape[-1]), l.reshape(-1),
-                                                          ignore_index=-100)
+        loss = sum(w * torch.nn.functional.cross_entropy(module.lm_head(o[l != -100]), l[l != -100])
                    for w, o, l in zip(weights, outs, labels)) / sum(weights)
-        lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / lr_total, 1))))
+        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / lr_total, 1))))
         for group in optim.param_groups:
             group["lr"] = lr
         optim.zero_grad()
@@ -287,14 +304,29 @@ def train_main(argv: list[str]) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_avg:.3f}")
         if step % args.save_every == 0:
-            save()
+            accuracy = evaluate()
+            if accuracy[0] >= best[0]:  # the head folder keeps the best checkpoint on held-out answers
+                best[:] = [accuracy[0], step]
+                save()
+            else:
+                torch.save({"module": module.state_dict(), "optim": optim.state_dict(), "step": step,
+                            "draft_vocab": args.draft_vocab, "aux": list(aux), "draft_ids": draft_ids,
+                            "best": best}, str(state_path))
+            bar.write(f"[train-draft] step {step}: held-out answer agreement per draft step "
+                      + ", ".join(f"{a:.2f}" for a in accuracy) + f" (best {best[0]:.2f} at step {best[1]})",
+                      file=sys.stderr)
     bar.close()
     accuracy = evaluate()
-    log(f"[train-draft] step {step}: held-out top-1 agreement with the target per draft step: "
+    log(f"[train-draft] step {step}: held-out answer top-1 agreement with the target per draft step: "
         + ", ".join(f"{a:.2f}" for a in accuracy))
-    save(final=True)
+    if accuracy[0] >= best[0]:
+        best[:] = [accuracy[0], step]
+        save(final=True)
+    else:
+        log(f"[train-draft] kept the checkpoint of step {best[1]} (held-out agreement {best[0]:.2f})")
     (out / "train_log.json").write_text(json.dumps({"step": step, "eval_top1_per_step": accuracy,
                                                     "train_seconds_this_run": round(time.monotonic() - started, 1),
+                                                    "kept_step": best[1], "kept_eval_top1_step1": best[0],
                                                     "sequences": len(data)}, indent=1))
     return 0
 

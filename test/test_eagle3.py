@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TINY_K_VALUES
+from tiny import TINY_K_VALUES
 from spec_edge import eagle3, export, speculative
 from spec_edge.config import ConfigError
 from spec_edge.engine import Engine
@@ -195,7 +195,10 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
     embed = head_engine._drafter("eagle3").head.embed_table
     feeds = {"tokens": tokens, "hidden": hidden, "position": np.array([7]), "last_index": np.array([3]),
              "k_cache": k_cache, "v_cache": v_cache, "embed_table": np.asarray(embed)}
-    session = ort.InferenceSession(str(head_dir / f"eagle3_ingest_{width}.onnx"), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False  # the process shares one global pool (OrtRunner)
+    session = ort.InferenceSession(str(head_dir / f"eagle3_ingest_{width}.onnx"), options,
+                                   providers=["CPUExecutionProvider"])
     got = session.run(None, feeds)
     with torch.no_grad():
         want = module(*(torch.from_numpy(np.asarray(feeds[name])) for name in
@@ -276,3 +279,25 @@ def test_bad_heads_refused(tmp_path, tiny_models):
 def test_eagle3_without_head_is_a_clear_error(tiny_cfg):
     with pytest.raises(ConfigError, match="eagle3_head"):
         tiny_cfg.replace(**{"speculative.drafter": "eagle3"})
+
+
+def test_train_draft_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
+    """`spec-edge train-draft` end to end on the tiny target (a few steps): a head folder that loads
+    against the target, and a second run that resumes from the first run's step."""
+    from spec_edge import cli, weights
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n")
+    out = tmp_path / "head"
+    argv = ["train-draft", "--target", str(tiny_models["target"]), "--out", str(out), "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--draft-vocab", "64", "--aux-layers", "0", "1", "2", "--batch", "2",
+            "--steps", "3", "--engine-dir", str(tmp_path / "engines"), "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    target_cfg = weights.load(str(tiny_models["target"]))[0]
+    hcfg, state, draft_ids = eagle3.load_head(out, target_cfg)
+    assert hcfg.draft_vocab_size == 64 and hcfg.aux_layers == (0, 1, 2) and len(set(draft_ids)) == 64
+    assert json.loads((out / "config.json").read_text())["spec_edge"]["trained_steps"] == 3
+    argv[argv.index("--steps") + 1] = "5"
+    assert cli.main(argv) == 0
+    assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
+    eagle3.load_head(out, target_cfg)  # the kept (best held-out) checkpoint still loads
