@@ -499,10 +499,6 @@ def read_head_config(out_dir: Path) -> HeadConfig:
 
 def export_head_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, fused: bool, width: int,
                       max_context: int, dtype: str = "float32") -> None:
-    import logging
-    import tempfile
-
-    import onnx
     import torch
 
     from . import export, io_names
@@ -518,31 +514,9 @@ def export_head_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, fused
     inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.LAST_INDEX, io_names.K_CACHE,
               io_names.V_CACHE, io_names.EMBED_TABLE]
     outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW, io_names.HIDDEN_OUT]
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp) / "graph.onnx"
-        quiet = logging.getLogger("torch.onnx")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            with torch.no_grad():
-                torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
-                                  input_names=inputs, output_names=outputs, external_data=True,
-                                  optimize=True, verbose=False)
-        finally:
-            quiet.setLevel(level)
-        graph = onnx.load(str(tmp_path), load_external_data=True)
+    graph = export.trace(module, args, inputs, outputs)
     export.check_static(graph, path.name)
-    for tensor in graph.graph.initializer:
-        if tensor.HasField("raw_data") and len(tensor.raw_data) >= export.ALIGN:
-            offset, length = store.put(tensor.raw_data)
-            tensor.ClearField("raw_data")
-            tensor.data_location = onnx.TensorProto.EXTERNAL
-            del tensor.external_data[:]
-            for key, value in (("location", store.path.name), ("offset", str(offset)), ("length", str(length))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-    store.fh.flush()
-    onnx.save_model(graph, str(path))
+    export.save(graph, path, store)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -226,7 +226,6 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
                  width: int, max_context: int, dtype: str = "float32", n_layers: int | None = None,
                  hidden_layers: tuple[int, ...] = ()) -> None:
     """Export one graph to path, its large weights moved into store. width 0: symbolic T."""
-    import onnx
     import torch
 
     from . import model as model_mod
@@ -246,6 +245,20 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     if width == 0:
         tokens_dim = torch.export.Dim("T", min=1, max=max_context)
         dynamic_shapes = {"tokens": {1: tokens_dim}, "position": None, "k_cache": None, "v_cache": None}
+    graph = trace(module, args, inputs, outputs, dynamic_shapes)
+    if width == 0:
+        check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
+                         model_cfg.vocab_size)
+    else:
+        check_static(graph, path.name)
+    save(graph, path, store)
+
+
+def trace(module, args: tuple, inputs: list[str], outputs: list[str], dynamic_shapes=None):
+    """torch.onnx's dynamo exporter (opset 20, optimized), quietly; returns the ModelProto."""
+    import onnx
+    import torch
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp) / "graph.onnx"
         quiet = logging.getLogger("torch.onnx")
@@ -258,12 +271,13 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
                                   dynamic_shapes=dynamic_shapes, optimize=True, verbose=False)
         finally:
             quiet.setLevel(level)
-        graph = onnx.load(str(tmp_path), load_external_data=True)
-    if width == 0:
-        check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
-                         model_cfg.vocab_size)
-    else:
-        check_static(graph, path.name)
+        return onnx.load(str(tmp_path), load_external_data=True)
+
+
+def save(graph, path: Path, store: WeightStore) -> None:
+    """Save graph to path with every large initializer moved into store (stored once, by content)."""
+    import onnx
+
     for tensor in graph.graph.initializer:
         if tensor.HasField("raw_data") and len(tensor.raw_data) >= ALIGN:
             offset, length = store.put(tensor.raw_data)

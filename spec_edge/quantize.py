@@ -375,7 +375,8 @@ def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: 
     import onnx
     from onnx import numpy_helper
 
-    from .export import ALIGN, WeightStore
+    from . import export
+    from .export import WeightStore
 
     started = time.monotonic()
     progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ({dst.name}) ...")
@@ -405,17 +406,7 @@ def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: 
         report = rewrite_model(model, blocks, accuracy_level=accuracy_level)
         totals.q4_layers = max(totals.q4_layers, report.q4_layers)
         totals.q8_layers = max(totals.q8_layers, report.q8_layers)
-        for tensor in model.graph.initializer:
-            if tensor.HasField("raw_data") and len(tensor.raw_data) >= ALIGN:
-                offset, length = store.put(tensor.raw_data)
-                tensor.ClearField("raw_data")
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                del tensor.external_data[:]
-                for key, value in (("location", store.path.name), ("offset", str(offset)), ("length", str(length))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = key, value
-        store.fh.flush()
-        onnx.save_model(model, str(dst / f"{stem}.onnx"))
+        export.save(model, dst / f"{stem}.onnx", store)
         progress(f"[q4]   {stem}: {report.q4_layers} Q4_1 + {report.q8_layers} Q8_0 layers")
     store.close()
     for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
