@@ -88,8 +88,8 @@ def test_installed_executable_serves_with_installed_default_profile(workspace, t
     install = workspace / "install"
     if not (install / "setup.bash").exists():
         pytest.skip("the colcon build test did not run or failed")
-    env = ros_env(domain_id_for(__name__))
-    env.update(colcon_env())
+    env = colcon_env()  # a copy of os.environ: the ROS settings must come after it, or an outer
+    env.update(ros_env(domain_id_for(__name__)))  # ROS_DOMAIN_ID (CI sets one) wins over the test's
     env.pop("PYTHONPATH", None)
     share = install / "spec_edge" / "share" / "spec_edge"
     command = (f"source {install}/setup.bash && exec {install}/spec_edge/lib/spec_edge/generate_server "
@@ -98,7 +98,7 @@ def test_installed_executable_serves_with_installed_default_profile(workspace, t
                     argv=["bash", "-c", command]).start()
     try:
         answer, = run_client(ros_env(domain_id_for(__name__)),
-                             {"mode": "call", "wait": 600.0,  # the first server exports the default graphs
+                             {"mode": "call", "wait": 600.0,  # a fresh clone's server exports first
                               "requests": [{"prompt": "Say hi.", "max_new_tokens": 4}]})
         assert answer["success"], answer["message"]
         assert answer["num_tokens"] >= 1
