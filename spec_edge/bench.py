@@ -24,7 +24,6 @@ three repeats.
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import resource
@@ -127,6 +126,16 @@ class System:
     temperatures: bool = True   # also runs at temperature > 0
     memory_mb: float = 0.0      # resident memory added when the system was loaded
     note: str = ""
+
+
+def peer_run(prompt: dict, temperature: float, new: list[int], started: float, t_first: float | None) -> Run:
+    """A peer's Run timed like ours: decode tok/s counts the tokens after the first one."""
+    total = time.perf_counter() - started
+    ttft = (t_first or time.perf_counter()) - started
+    n = len(new)
+    tps = (n - 1) / (total - ttft) if n > 1 and total > ttft else 0.0
+    return Run(system="", prompt_id=prompt["id"], kind=prompt["kind"], temperature=temperature, repeat=0,
+               token_ids=new, tokens_per_s=tps, ttft_s=ttft, total_s=total)
 
 
 def _rss_mb() -> float:
@@ -253,15 +262,10 @@ def hf_systems(cfg, ks: list[int], eos_ids: tuple[int, ...], progress, full: boo
             started = time.perf_counter()
             with torch.no_grad():
                 out = model.generate(ids, streamer=streamer, **kwargs)
-            total = time.perf_counter() - started
             new = out[0, len(prompt_ids):].tolist()
             while new and new[-1] in eos_ids:
                 new.pop()
-            ttft = (streamer.t_first or time.perf_counter()) - started
-            n = len(new)
-            tps = (n - 1) / (total - ttft) if n > 1 and total > ttft else 0.0
-            return Run(system="", prompt_id=prompt["id"], kind=prompt["kind"], temperature=temperature, repeat=0,
-                       token_ids=new, tokens_per_s=tps, ttft_s=ttft, total_s=total)
+            return peer_run(prompt, temperature, new, started, streamer.t_first)
         return run
 
     plain = "transformers plain"
@@ -328,12 +332,7 @@ def llama_systems(cfg, ks: list[int], eos_ids: tuple[int, ...], threads: int, pr
                 new.append(int(token))
                 if len(new) >= max_new:
                     break
-            total = time.perf_counter() - started
-            ttft = (t_first or time.perf_counter()) - started
-            n = len(new)
-            tps = (n - 1) / (total - ttft) if n > 1 and total > ttft else 0.0
-            return Run(system="", prompt_id=prompt["id"], kind=prompt["kind"], temperature=temperature, repeat=0,
-                       token_ids=new, tokens_per_s=tps, ttft_s=ttft, total_s=total)
+            return peer_run(prompt, temperature, new, started, t_first)
         return run
 
     plain = "llama.cpp plain"
@@ -457,7 +456,6 @@ def summarize(systems, runs, prompts, prompt_ids, engines, costs, temperatures) 
     for r in runs:
         by[(r.system, r.prompt_id, r.temperature, r.repeat)].append(r)
     index = {key: rs[0] for key, rs in by.items()}
-    sys_by_name = {s.name: s for s in systems}
     spec_fp32_plain = next((s.name for s in systems if s.family == "spec_edge" and s.drafter == "none"
                             and s.weights == "fp32"), None)
     rows = []

@@ -10,7 +10,7 @@ import threading
 import time
 import unicodedata
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import export, speculative
@@ -74,7 +74,7 @@ def _check_text(name: str, text: str) -> None:
 class _Drafters:
     draft_runner: Runner | None = None
     layer_skip: Runner | None = None
-    extra: dict = field(default_factory=dict)
+    eagle3_head: object | None = None  # backends.ort_heads.OrtEagle3Head, loaded on first use
 
 
 class Engine:
@@ -155,7 +155,7 @@ class Engine:
     def _eagle3_drafter(self):
         from .drafters.eagle3 import Eagle3Drafter
 
-        head = self._drafters.extra.get("eagle3")
+        head = self._drafters.eagle3_head
         if head is None:
             head_path = self.cfg.speculative.eagle3_head
             if not head_path:
@@ -170,7 +170,7 @@ class Engine:
             head_dir = eagle3.export_head(self.cfg, head_path, self.model_cfg,
                                           export.artifact_dir(self.cfg, "eagle3"), self.progress)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
-            self._drafters.extra["eagle3"] = head
+            self._drafters.eagle3_head = head
         return Eagle3Drafter(self.target, head)
 
     # -- requests -------------------------------------------------------------------------

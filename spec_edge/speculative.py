@@ -121,7 +121,6 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
     seq = list(prompt_ids) + [first]
     pos = len(prompt_ids)
     new_tokens: list[int] = []
-    finish = None
 
     def accept(chunk: list[int]) -> str | None:
         """Append a chunk of chosen tokens to the output; returns a finish reason or None."""

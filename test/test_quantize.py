@@ -14,7 +14,7 @@ import pytest
 from spec_edge.backends.onnxruntime import cpu_session
 
 from spec_edge import quantize
-from spec_edge.quantize import Q41, Q80, QuantizeError
+from spec_edge.quantize import QuantizeError
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

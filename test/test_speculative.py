@@ -9,7 +9,6 @@ from tiny import TINY_K_VALUES
 from spec_edge import speculative
 from spec_edge.backends.onnxruntime import OrtRunner
 from spec_edge.drafters.draft_model import ModelDrafter
-from spec_edge.drafters.layer_skip import LayerSkipDrafter
 from spec_edge.drafters.ngram import NgramDrafter
 from spec_edge.engine import GenerateRequest
 from spec_edge.speculative import Draft
