@@ -4,7 +4,11 @@ the target-only token ids. Runs are interleaved per prompt (target-only, then ea
 load of this shared machine hits all alike; ratios are taken within each prompt's round.
 
     .venv/bin/python scripts/measure_drafters.py --head heads/smollm2-135m-eagle3 \
-        --drafters eagle3 ngram layerskip --ks 2 3 4 5 --max-new-tokens 96 --json-out /tmp/drafters.json
+        --medusa-head heads/smollm2-135m-medusa --peagle-head heads/smollm2-135m-peagle \
+        --draft-model heads/smollm2-135m-draft4 --profile smollm2-135m-heads \
+        --drafters eagle3 medusa peagle draft ngram layerskip --ks 2 3 4 5 --json-out /tmp/drafters.json
+
+Drafters whose head or model is not given are left out (with a note).
 """
 from __future__ import annotations
 
@@ -22,8 +26,12 @@ from spec_edge.engine import Engine, GenerateRequest
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--head", required=True)
-    p.add_argument("--profile", default="smollm2-135m-eagle3")
+    p.add_argument("--head", default="", help="EAGLE-3 head folder")
+    p.add_argument("--medusa-head", default="", help="Medusa heads folder")
+    p.add_argument("--peagle-head", default="", help="parallel-drafting (P-EAGLE) head folder")
+    p.add_argument("--draft-model", default="", help="separate draft model (HF folder, e.g. train-draft --kind draft)")
+    p.add_argument("--profile", default="smollm2-135m-eagle3",
+                   help="artifact folder (graphs with the hidden outputs of every given head)")
     p.add_argument("--prompts", default="data/eval_prompts.jsonl")
     p.add_argument("--drafters", nargs="+", default=["eagle3", "ngram", "layerskip"])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
@@ -33,9 +41,15 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=0, help="prompts per kind (0 = all)")
     p.add_argument("--json-out")
     args = p.parse_args()
+    given = {"eagle3": args.head, "medusa": args.medusa_head, "peagle": args.peagle_head, "draft": args.draft_model}
+    for name, path in given.items():
+        if name in args.drafters and not path:
+            print(f"[measure] {name}: no head/model given, left out", file=sys.stderr)
+    args.drafters = [d for d in args.drafters if d not in given or given[d]]
     cfg = Config().replace(**{"runtime.profile": args.profile, "graphs.k_values": sorted(set(args.ks) | set(args.other_ks or ())),
-                              "speculative.eagle3_head": args.head, "speculative.drafter": "eagle3",
-                              "speculative.k": args.ks[0]})
+                              "speculative.eagle3_head": args.head, "speculative.medusa_head": args.medusa_head,
+                              "speculative.peagle_head": args.peagle_head, "model.draft": args.draft_model,
+                              "speculative.drafter": "none", "speculative.k": args.ks[0]})
     engine = Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
     prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if args.kinds:
@@ -49,7 +63,7 @@ def main() -> int:
                 per_kind[q["kind"]] += 1
         prompts = kept
     systems = [("none", 0)] + [(d, k) for d in args.drafters
-                               for k in (args.ks if d == "eagle3" or not args.other_ks else args.other_ks)]
+                               for k in (args.ks if d in ("eagle3", "medusa", "peagle") or not args.other_ks else args.other_ks)]
     drafters = {d: engine._drafter(d) for d in args.drafters}
     agg = defaultdict(lambda: defaultdict(float))
     ratios = defaultdict(list)

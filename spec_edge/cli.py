@@ -29,6 +29,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", choices=cfgmod.BACKENDS)
     group.add_argument("--threads", type=int, help="ONNX Runtime threads (0 = all cores)")
     group.add_argument("--eagle3-head", help="EAGLE-3 head folder for --drafter eagle3 (speculative.eagle3_head)")
+    group.add_argument("--medusa-head", help="Medusa heads folder for --drafter medusa (speculative.medusa_head)")
+    group.add_argument("--peagle-head", help="parallel-drafting head folder for --drafter peagle "
+                       "(speculative.peagle_head)")
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -36,7 +39,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     overrides = {"model.target": args.target, "model.draft": args.draft_model,
                  "graphs.max_context": args.max_context, "runtime.engine_dir": args.engine_dir,
                  "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
-                 "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head}
+                 "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head,
+                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head}
     k = getattr(args, "k", None)
     if k is not None:
         overrides["speculative.k"] = k

@@ -166,6 +166,8 @@ def ask_main(argv: list[str] | None = None) -> int:
         s = response.stats
         print(f"[{response.finish_reason}, {response.num_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
               f"drafter {s.drafter or 'none'} k={s.k}, acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)
+        if s.speculation_off_reason:
+            print(f"[speculation off: {s.speculation_off_reason}]", file=sys.stderr)
     else:
         print(f"spec-edge ask: refused: {response.message}", file=sys.stderr)
     return 0 if response.success else 1

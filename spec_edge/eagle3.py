@@ -236,15 +236,18 @@ def head_fingerprint(path: str | Path) -> str:
 
 
 def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.ndarray,
-              dtype: str = "float16", extra: dict | None = None) -> Path:
-    """Write a head folder in the SafeAILab tensor layout (+ NVIDIA-style eagle_config)."""
+              dtype: str = "float16", extra: dict | None = None, more_tensors: tuple[str, ...] = (),
+              more_config: dict | None = None) -> Path:
+    """Write a head folder in the SafeAILab tensor layout (+ NVIDIA-style eagle_config);
+    more_tensors / more_config: what a variant (the P-EAGLE head) adds."""
     import torch
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     store_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    tensors = {name: state[name].detach().to(store_dtype).contiguous() for name in head_parameter_names(hcfg)}
+    tensors = {name: state[name].detach().to(store_dtype).contiguous()
+               for name in head_parameter_names(hcfg) + list(more_tensors)}
     draft_ids = np.asarray(draft_ids, dtype=np.int64)
     tensors["d2t"] = torch.from_numpy(draft_ids - np.arange(len(draft_ids), dtype=np.int64))
     t2d = np.zeros(hcfg.target_vocab_size, dtype=bool)
@@ -263,6 +266,7 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
         "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(hcfg.aux_layers), "use_aux_hidden_state": True},
         "spec_edge": dict(format=HEAD_FORMAT, **(extra or {})),
+        **(more_config or {}),
     }
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -539,13 +543,16 @@ def target_n_layers(source: str) -> int:
 
 
 def target_hidden_layers(cfg) -> tuple[int, ...]:
-    """The target layers (outputs, ascending) the configured head reads; () without a head."""
+    """The target layers (outputs, ascending) the configured EAGLE-3 head reads; () without a head."""
     head = cfg.speculative.eagle3_head
-    if not head:
-        return ()
+    return head_hidden_layers(head, cfg.model.target) if head else ()
+
+
+def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
+    """The target layers (outputs, ascending) an EAGLE-3-style head folder reads (its config.json)."""
     path = Path(head).expanduser()
     if not (path / "config.json").is_file():
-        raise ConfigError(f"speculative.eagle3_head '{head}' is not a head folder (no config.json)")
+        raise ConfigError(f"head '{head}' is not a head folder (no config.json)")
     raw = json.loads((path / "config.json").read_text())
     eagle_cfg = raw.get("eagle_config") or {}
     if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
@@ -553,7 +560,7 @@ def target_hidden_layers(cfg) -> tuple[int, ...]:
     elif raw.get("eagle_aux_hidden_state_layer_ids"):
         layers = tuple(int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"])
     else:
-        layers = default_aux_layers(target_n_layers(cfg.model.target))
+        layers = default_aux_layers(target_n_layers(target_source))
     if list(layers) != sorted(set(layers)):
-        raise ConfigError(f"EAGLE-3 head '{head}': auxiliary layers {list(layers)} must be distinct and ascending")
+        raise ConfigError(f"head '{head}': auxiliary layers {list(layers)} must be distinct and ascending")
     return layers

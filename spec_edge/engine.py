@@ -52,10 +52,24 @@ class GenerateResult:
     stats: Stats
     prompt_tokens: int = 0
     message: str = ""
+    queued_at_start: int = 1         # requests in the caller's queue as it started, itself included
+    speculation_off_reason: str = ""  # why it ran target-only though it would have speculated ("" = it did not)
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "message": self.message, "stats": self.stats.as_dict()}
+                "prompt_tokens": self.prompt_tokens, "message": self.message,
+                "queued_at_start": self.queued_at_start, "speculation_off_reason": self.speculation_off_reason,
+                "stats": self.stats.as_dict()}
+
+
+def speculation_off_reason(drafter: str, queued: int, max_queue: int) -> str:
+    """The load rule of serve.speculate_max_queue: "" when a request resolved to `drafter` speculates
+    as asked, else why it runs target-only. queued: requests in the queue as it starts, itself
+    included (1 = it is alone); max_queue: serve.speculate_max_queue, 0 = never switch off."""
+    if drafter == "none" or max_queue <= 0 or queued <= max_queue:
+        return ""
+    return (f"{queued} requests queued (this one included) > serve.speculate_max_queue={max_queue}: "
+            f"ran target-only instead of drafter {drafter}")
 
 
 def _check_text(name: str, text: str) -> None:
@@ -75,6 +89,8 @@ class _Drafters:
     draft_runner: Runner | None = None
     layer_skip: Runner | None = None
     eagle3_head: object | None = None  # backends.ort_heads.OrtEagle3Head, loaded on first use
+    medusa_heads: object | None = None  # backends.ort_heads.OrtMedusaHeads
+    peagle_head: object | None = None  # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
 
 
 class Engine:
@@ -91,6 +107,7 @@ class Engine:
         if eos_text_id is not None and eos_text_id not in self.eos_ids:
             self.eos_ids += (eos_text_id,)
         self._drafters = _Drafters()
+        self._hidden_layers = export.returned_hidden_layers(graph_dir)  # what the target's graphs return
         self._lock = threading.Lock()
 
     @classmethod
@@ -150,6 +167,10 @@ class Engine:
             return ModelDrafter(self._drafters.draft_runner)
         if name == "eagle3":
             return self._eagle3_drafter()
+        if name == "medusa":
+            return self._medusa_drafter()
+        if name == "peagle":
+            return self._peagle_drafter()
         raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
 
     def _eagle3_drafter(self):
@@ -171,7 +192,54 @@ class Engine:
                                           export.artifact_dir(self.cfg, "eagle3"), self.progress)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self._drafters.eagle3_head = head
-        return Eagle3Drafter(self.target, head)
+        return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
+
+    def _head_path(self, name: str, field: str, what: str) -> str:
+        """The configured head folder of a hidden-state drafter, or a RequestError saying what is missing."""
+        path = getattr(self.cfg.speculative, field)
+        if not path:
+            raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
+                               f"made by `spec-edge train-draft --kind {name}`) and restart")
+        if self.cfg.runtime.backend != "onnxruntime":
+            raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
+        self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
+        return path
+
+    def _medusa_drafter(self):
+        from .drafters.medusa import MedusaDrafter
+
+        heads = self._drafters.medusa_heads
+        if heads is None:
+            head_path = self._head_path("medusa", "medusa_head", "Medusa heads")
+            from . import medusa
+            from .backends.ort_heads import OrtMedusaHeads
+
+            head_dir = medusa.export_heads(self.cfg, head_path, self.model_cfg,
+                                           export.artifact_dir(self.cfg, "medusa"), self.progress)
+            heads = OrtMedusaHeads(head_dir, self.cfg.runtime.threads)
+            if self.cfg.speculative.drafter == "medusa":
+                MedusaDrafter(self.target, heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
+            self._drafters.medusa_heads = heads
+        return MedusaDrafter(self.target, heads, self._columns((self.model_cfg.n_layers,)))
+
+    def _peagle_drafter(self):
+        from .drafters.peagle import PEagleDrafter
+
+        head = self._drafters.peagle_head
+        if head is None:
+            head_path = self._head_path("peagle", "peagle_head", "a parallel-drafting head")
+            from . import peagle
+            from .backends.ort_heads import OrtEagle3Head, target_embedding
+
+            head_dir = peagle.export_head(self.cfg, head_path, self.model_cfg,
+                                          export.artifact_dir(self.cfg, "peagle"), self.progress)
+            head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
+            self._drafters.peagle_head = head
+        return PEagleDrafter(self.target, head, self._columns(head.cfg.aux_layers))
+
+    def _columns(self, layers: tuple[int, ...]):
+        """Where a head's layers sit in the target's hidden-state rows (union of all heads' layers)."""
+        return export.hidden_columns(self._hidden_layers, tuple(layers), self.model_cfg.hidden_size)
 
     # -- requests -------------------------------------------------------------------------
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -232,15 +300,25 @@ class Engine:
         return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-                 cancel: Callable[[], str | None] | None = None) -> GenerateResult:
+                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
         """Serve one request. Raises RequestError for a bad request (nothing is run).
         on_text(delta, n_tokens) receives each piece of safe-to-show text and the number of tokens
-        generated so far; cancel() is asked between speculative steps."""
+        generated so far; cancel() is asked between speculative steps. queued: requests in the
+        caller's queue as this one starts, itself included; above serve.speculate_max_queue the
+        request runs target-only (greedy output is the same; the result says why)."""
         params, max_new, seed, drafter_name, k = self.resolve(request)
+        off_reason = speculation_off_reason(drafter_name, queued, self.cfg.serve.speculate_max_queue)
+        if off_reason:
+            drafter_name = "none"
         _check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
         with self._lock:
             drafter = None if drafter_name == "none" else self._drafter(drafter_name)
+            if drafter is not None and hasattr(drafter, "check_k"):  # heads built for at most some k
+                try:
+                    drafter.check_k(k)
+                except ConfigError as err:
+                    raise RequestError(str(err)) from None
             decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
 
             def emit(chunk: list[int]) -> bool:
@@ -258,7 +336,8 @@ class Engine:
         if finish == "stop":
             new_ids = self._trim_to_stop(new_ids, request.stop)
         return GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
-                              prompt_tokens=len(prompt_ids))
+                              prompt_tokens=len(prompt_ids), queued_at_start=queued,
+                              speculation_off_reason=off_reason)
 
     def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
         """The shortest prefix of ids whose text contains a stop string (what plain decoding,

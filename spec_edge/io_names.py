@@ -14,8 +14,9 @@ V_CACHE = "v_cache"          # (L, Hkv, S, D) resident value cache
 LOGITS = "logits"            # (T, V) float32 for step/verify graphs, (1, V) for prefill graphs
 K_NEW = "k_new"              # (L, Hkv, T, D) keys of the processed tokens; the caller writes them
 V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, position + n_valid)
-HIDDEN = "hidden"            # (T, 3 * hidden) EAGLE-3 graphs only: low/mid/high layer hidden states
-                             # (an output of the target's graphs, an input of the head's ingest graphs)
+HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers the configured heads read
+                             # (export.target_hidden_layers: EAGLE-3's low/mid/high, Medusa's final-norm
+                             # state); an output of the target's graphs, an input of the head graphs
 EMBED_TABLE = "embed_table"  # (V, hidden) EAGLE-3 head input: the target's token embedding, bound by pointer
 HIDDEN_OUT = "hidden_out"    # (1, hidden) EAGLE-3 head output: its own hidden state for the next draft step
 

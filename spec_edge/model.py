@@ -140,7 +140,7 @@ class Transformer(nn.Module):
         self.n_layers = cfg.n_layers if n_layers is None else n_layers
         self.model = Decoder(cfg, self.n_layers)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.hidden_layers = hidden_layers  # EAGLE-3: layers whose outputs are also returned
+        self.hidden_layers = hidden_layers  # layers whose outputs are also returned (L = after the final norm)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -168,6 +168,8 @@ class Transformer(nn.Module):
             v_news.append(v_new)
             if i in self.hidden_layers:
                 hiddens.append(x)
+        if self.n_layers in self.hidden_layers:  # index L: the final-norm state lm_head reads (Medusa)
+            hiddens.append(self.model.norm(x))
         if last_index is not None:
             x = torch.index_select(x, 0, last_index)  # (1, hidden)
         logits = self.head(x)  # (T or 1, V)

@@ -8,7 +8,9 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback)
   serve, or refuse with a message. Both feed one FIFO queue served by one worker thread; a request arriving while
   serve.queue_limit requests wait is answered "busy" at once; a request older than
-  serve.request_timeout_s ends with finish_reason "error".
+  serve.request_timeout_s ends with finish_reason "error". A request that starts with more than
+  serve.speculate_max_queue requests queued (itself included; 0 = never) runs target-only: its
+  stats carry queued_at_start and speculation_off_reason, /diagnostics counts speculation_off.
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s.
 
 Everything the node knows about generation comes from the Engine; it only translates.
@@ -147,6 +149,7 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     timed_out: bool = False
+    queued_at_start: int = 0                        # requests queued as it started, itself included
 
     def finish(self, outcome: Outcome) -> None:
         self.outcome = outcome
@@ -167,6 +170,7 @@ class Worker:
         self.current: Job | None = None
         self.served = 0
         self.refused_busy = 0
+        self.speculation_off = 0  # requests run target-only by serve.speculate_max_queue
         self.last_stats: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="spec_edge-worker", daemon=True)
         self._thread.start()
@@ -212,6 +216,7 @@ class Worker:
                 if self._stopping:
                     return
                 job = self._waiting.popleft()
+                job.queued_at_start = len(self._waiting) + 1
                 self.current = job
             try:
                 job.finish(self._generate(job))
@@ -236,7 +241,7 @@ class Worker:
             return self._timeout_outcome(job, None)
         try:
             result = self.engine.generate(job.request, on_text=job.on_text,
-                                          cancel=lambda: self._cancel_reason(job))
+                                          cancel=lambda: self._cancel_reason(job), queued=job.queued_at_start)
         except RequestError as err:
             return Outcome.refused(str(err))
         except Exception as err:  # the engine failed on a valid request: report it, keep serving
@@ -244,7 +249,10 @@ class Worker:
             return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
                            finish_reason="error")
         self.served += 1
-        stats = result.stats.as_dict()
+        if result.speculation_off_reason:
+            self.speculation_off += 1
+            self.logger.info(f"speculation off: {result.speculation_off_reason}")
+        stats = result_stats(result)
         self.last_stats = stats
         if job.timed_out:
             return self._timeout_outcome(job, result)
@@ -262,7 +270,14 @@ class Worker:
             message=(f"timed out: the request was not finished within serve.request_timeout_s={limit} s "
                      "(queue wait included); ask for fewer max_new_tokens or raise the timeout"),
             text=result.text if result else "", num_tokens=len(result.token_ids) if result else 0,
-            stats=result.stats.as_dict() if result else {})
+            stats=result_stats(result) if result else {})
+
+
+def result_stats(result: Any) -> dict[str, Any]:
+    """The GenerationStats fields of an engine result: the loop's stats plus the queue's decision."""
+    stats = result.stats.as_dict()
+    stats.update(queued_at_start=result.queued_at_start, speculation_off_reason=result.speculation_off_reason)
+    return stats
 
 
 def endpoint_qos():
@@ -463,7 +478,9 @@ def make_node_class():
                 values.update(self._info)
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
-                              refused_busy=worker.refused_busy)
+                              refused_busy=worker.refused_busy,
+                              speculate_max_queue=cfg.serve.speculate_max_queue,
+                              speculation_off=worker.speculation_off)
                 values.update({f"last_{k}": v for k, v in worker.last_stats.items()
                                if isinstance(v, (int, float, str))})
                 if depth >= cfg.serve.queue_limit:

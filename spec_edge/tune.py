@@ -14,6 +14,12 @@ position: (1 - a^(k+1)) / (1 - a)) and costs c_verify(k) + k * c_draft. Drafters
     tokens/s(k) = (n_verify * E(k) + n_step) / (n_verify * (c_verify(k) + k * c_draft) + n_step * c_step)
 
 and the tuner picks the k with the highest value (k = 0: no speculation, 1 / c_step).
+
+It also writes serve.speculate_max_queue, the queue depth above which the node runs a request
+target-only. The node's one worker serves its FIFO queue one request at a time, so a deeper queue
+changes neither the plain nor the speculative rate of a request: from this run's one-request rates
+the value is 0 (never switch off) when the best k beats plain, else 1 (speculate only alone). With
+--concurrency-json the rates measured through the ROS service per number of clients decide instead.
 """
 from __future__ import annotations
 
@@ -110,6 +116,32 @@ def speculate_max_queue(per_depth: dict[int, tuple[float, float]]) -> int:
     return max(ok) if ok else 1
 
 
+def queue_rule(per_depth: dict[int, tuple[float, float]]) -> tuple[int, str]:
+    """serve.speculate_max_queue from (plain, speculative) tokens/s per number of requests queued at
+    once (speculate_max_queue's rule), and why, in words. The node compares it with the requests
+    queued as a request starts, that one included: above it the request runs target-only."""
+    value = speculate_max_queue(per_depth)
+    depths = sorted(per_depth)
+    worse = [d for d in depths if per_depth[d][1] < per_depth[d][0]]
+    if value == 0 and depths == [1]:
+        why = ("speculation is faster than plain on one request, and the node's one worker serves its queue one "
+               "request at a time, so a deeper queue changes neither speed: never switch off")
+    elif value == 0:
+        why = "speculation was at least as fast as plain at every measured depth: never switch off"
+    elif worse[0] == depths[0]:
+        why = (f"speculation was slower than plain already at {depths[0]} request(s) at once: a request "
+               f"speculates only when it starts alone")
+    else:
+        why = (f"speculation stopped paying at {worse[0]} requests at once: a request that starts with more than "
+               f"{value} queued runs target-only")
+    return value, why
+
+
+def depth_text(per_depth: dict[int, tuple[float, float]]) -> str:
+    return "; ".join(f"{d} at once: plain {p:.1f}, speculative {s:.1f} tok/s"
+                     for d, (p, s) in sorted(per_depth.items()))
+
+
 # ---------------------------------------------------------------------------------------------
 # Measurements
 
@@ -155,14 +187,16 @@ def machine_load() -> dict:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="prompt file (.jsonl with 'prompt' [and 'kind'] per line, or plain text, one "
                                      "prompt per line); default: bench/prompts.jsonl")
-    p.add_argument("--drafter", choices=("ngram", "draft", "layerskip", "eagle3"), help="default: the profile's")
+    p.add_argument("--drafter", choices=("ngram", "draft", "layerskip", "eagle3", "medusa", "peagle"), help="default: the profile's")
     p.add_argument("--ks", type=int, nargs="+", help="candidate k values (default: graphs.k_values); each needs "
                                                      "a verify graph (they are exported when missing)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=30, help="timing rounds per call shape")
     p.add_argument("--out", help="profile to write (default: config/tuned.yaml)")
     p.add_argument("--plot", help="PNG of the curve (default: <out>.png)")
-    p.add_argument("--concurrency-json", help="results of bench/concurrency.py: sets serve.speculate_max_queue")
+    p.add_argument("--concurrency-json", help="results of bench/concurrency.py (total tok/s through the ROS service "
+                                              "per number of clients): serve.speculate_max_queue from those "
+                                              "instead of from this run's one-request curve")
 
 
 def main(cfg, args, progress) -> int:
@@ -211,17 +245,23 @@ def main(cfg, args, progress) -> int:
     if args.concurrency_json:
         data = json.loads(Path(args.concurrency_json).read_text())
         per_depth = {int(row["clients"]): (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in data["rows"]}
-        updates["serve.speculate_max_queue"] = speculate_max_queue(per_depth)
-        progress(f"[tune] serve.speculate_max_queue = {updates['serve.speculate_max_queue']} (from {args.concurrency_json})")
+        source = f"{args.concurrency_json}, through the ROS service"
+    else:  # one request: plain (k = 0) against the best speculative k of the curve above
+        per_depth = {1: (curve.tokens_per_s[0], max(curve.tokens_per_s[1:]))}
+        source = "the expected rates of the curve above"
+    max_queue, why = queue_rule(per_depth)
+    updates["serve.speculate_max_queue"] = max_queue
+    decision = f"serve.speculate_max_queue = {max_queue}: {why} ({depth_text(per_depth)}; from {source})"
+    print(decision)
     tuned = cfg.replace(**updates)
     out = Path(args.out or "config/tuned.yaml")
-    header = "\n".join(f"#| {line}" for line in text.splitlines())
+    header = "\n".join(f"#| {line}" for line in (text + "\n" + decision).splitlines())
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# written by `spec-edge tune` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); "
                    f"machine load {load['loadavg_1m']} on {load['cpus']} cores\n"
                    f"# step[1] {costs['step_ms']:.1f} ms; acceptance per position "
                    f"{' '.join(f'{p:.2f}' for p in p_accept)}\n{header}\n" + cfgmod.dump(tuned))
-    progress(f"[tune] wrote {out} (k = {best})")
+    progress(f"[tune] wrote {out} (k = {best}, serve.speculate_max_queue = {max_queue})")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     if _plot(curve, plot, f"{drafter} on {cfg.runtime.backend} ({cfg.graphs.weights})"):
         progress(f"[tune] curve: {plot}")

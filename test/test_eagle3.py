@@ -291,7 +291,7 @@ def test_train_draft_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models)
     out = tmp_path / "head"
     argv = ["train-draft", "--target", str(tiny_models["target"]), "--out", str(out), "--prompts", str(prompts),
             "--max-new-tokens", "12", "--draft-vocab", "64", "--aux-layers", "0", "1", "2", "--batch", "2",
-            "--steps", "3", "--engine-dir", str(tmp_path / "engines"), "--dtype", "float32"]
+            "--steps", "3", "--dtype", "float32"]
     assert cli.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     hcfg, state, draft_ids = eagle3.load_head(out, target_cfg)

@@ -61,3 +61,51 @@ def test_speculate_max_queue():
     assert tune.speculate_max_queue({1: (30, 60), 2: (40, 70), 4: (45, 50)}) == 0   # always pays
     assert tune.speculate_max_queue({1: (30, 60), 2: (40, 45), 4: (45, 40), 8: (46, 38)}) == 2
     assert tune.speculate_max_queue({1: (30, 25)}) == 1
+
+
+def test_queue_rule_says_why():
+    value, why = tune.queue_rule({1: (30.0, 60.0)})
+    assert value == 0 and "one request at a time" in why and "never" in why
+    value, why = tune.queue_rule({1: (30.0, 25.0)})
+    assert value == 1 and "alone" in why
+    value, why = tune.queue_rule({1: (30, 60), 2: (40, 45), 4: (45, 40)})
+    assert value == 2 and "at 4 requests" in why
+
+
+def _tune(tiny_cfg, tmp_path, *extra):
+    import argparse
+
+    from spec_edge import config as cfgmod
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Repeat: the arm moves left, the arm moves right, the arm moves left\nName a colour\n")
+    parser = argparse.ArgumentParser()
+    tune.add_args(parser)
+    out = tmp_path / "tuned.yaml"
+    args = parser.parse_args(["--prompts", str(prompts), "--drafter", "ngram", "--ks", "1", "3",
+                              "--max-new-tokens", "8", "--rounds", "2", "--out", str(out),
+                              "--plot", str(tmp_path / "curve.png"), *extra])
+    assert tune.main(tiny_cfg, args, progress=lambda message: None) == 0
+    return cfgmod.load(out), out.read_text()
+
+
+def test_tune_writes_speculate_max_queue(tiny_cfg, tmp_path, capsys):
+    # from this run's one-request curve: never switch off when the chosen k beats plain, else 1
+    tuned, text = _tune(tiny_cfg, tmp_path)
+    printed = capsys.readouterr().out
+    want = 0 if tuned.speculative.drafter != "none" else 1
+    assert tuned.serve.speculate_max_queue == want
+    assert f"serve.speculate_max_queue = {want}:" in printed
+    assert f"#| serve.speculate_max_queue = {want}:" in text
+
+
+def test_tune_takes_speculate_max_queue_from_concurrency_results(tiny_cfg, tmp_path, capsys):
+    import json
+
+    rows = [{"clients": n, "plain_total_tok_s": p, "spec_total_tok_s": s}
+            for n, p, s in ((1, 30.0, 60.0), (2, 40.0, 45.0), (4, 45.0, 40.0))]
+    results = tmp_path / "concurrency.json"
+    results.write_text(json.dumps({"rows": rows}))
+    tuned, _ = _tune(tiny_cfg, tmp_path, "--concurrency-json", str(results))
+    assert tuned.serve.speculate_max_queue == 2
+    assert "serve.speculate_max_queue = 2: speculation stopped paying at 4" in capsys.readouterr().out

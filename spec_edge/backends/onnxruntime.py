@@ -162,7 +162,8 @@ class OrtRunner(Runner):
     def hidden_states(self, start: int, stop: int) -> np.ndarray:
         if self.hidden is None:
             raise BackendError(f"{self.graph_dir} was exported without hidden-state outputs: set "
-                               f"speculative.eagle3_head and re-export for the eagle3 drafter")
+                               f"speculative.eagle3_head (or medusa_head / peagle_head) for the drafters that read "
+                               f"the target's hidden states")
         return self.hidden[start:stop]
 
     def forward(self, token_ids: Sequence[int], position: int) -> np.ndarray:

@@ -1,4 +1,7 @@
-"""ONNX Runtime runner of an EAGLE-3 head's static graphs (see spec_edge/eagle3.py).
+"""ONNX Runtime runners of the draft heads' static graphs: EAGLE-3 (spec_edge/eagle3.py), its
+parallel-drafting variant (spec_edge/peagle.py) and Medusa heads (spec_edge/medusa.py).
+
+EAGLE-3 / P-EAGLE:
 
 State, allocated once:
   k_cache, v_cache  (1, Hkv, S, D) float32   the head's own resident cache
@@ -6,6 +9,8 @@ State, allocated once:
                                              the target's weights.bin (no copy), bound as an input
   per graph: tokens (1, W), hidden (W, 3Ht) or (1, H), position, last_index, logits (1, Vd),
              k_new / v_new (1, Hkv, W, D), hidden_out (1, H)
+  P-EAGLE draft graphs: tokens (1, 1), hidden (1, 3Ht), position, logits (k, Vd), k_new / v_new (1, Hkv, k, D)
+Medusa: hidden (1, H) in, logits (n_heads, Vd) out; no cache.
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import numpy as np
 from .. import io_names
 from ..eagle3 import read_head_config
 from .base import BackendError
-from .onnxruntime import _init_thread_pool
+from .onnxruntime import cpu_session
 
 
 @dataclass
@@ -68,53 +73,59 @@ class OrtEagle3Head:
             raise BackendError(f"embedding table {self.embed_table.shape} does not fit the head "
                                f"({self.cfg.target_vocab_size}, {self.cfg.hidden_size})")
         self.max_context = int(self.manifest["max_context"])
-        _init_thread_pool(threads)
+        self.threads = threads
         self._ort = ort
         c = self.cfg
         shape = (1, c.n_kv_heads, self.max_context, c.head_dim)
         self.k_cache = np.zeros(shape, np.float32)
         self.v_cache = np.zeros(shape, np.float32)
         self._ingest: dict[int, _HeadGraph] = {}
+        self._draft: dict[int, _HeadGraph] = {}  # P-EAGLE draft passes by k
         self._step: _HeadGraph | None = None
         for stem, spec in self.manifest["graphs"].items():
             graph = self._load(stem, spec)
             if spec["kind"] == "ingest":
                 self._ingest[spec["width"]] = graph
+            elif spec["kind"] == "draft":
+                self._draft[spec["width"]] = graph
             else:
                 self._step = graph
         self.ingest_widths = sorted(self._ingest)
+        self.draft_widths = sorted(self._draft)
 
     def _load(self, stem: str, spec: dict) -> _HeadGraph:
         ort = self._ort
         path = self.head_dir / f"{stem}.onnx"
-        options = ort.SessionOptions()
-        options.use_per_session_threads = False
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        options.log_severity_level = 3
         try:
-            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            session = cpu_session(str(path), self.threads)
         except Exception as err:  # onnxruntime raises several unrelated types for a bad file
             raise BackendError(f"ONNX Runtime cannot load {path}: {err}; delete {self.head_dir} to re-export") from err
-        c, width = self.cfg, spec["width"]
-        hidden_in = 3 * c.target_hidden_size if spec["kind"] == "ingest" else c.hidden_size
+        c, width, kind = self.cfg, spec["width"], spec["kind"]
+        hidden_in = c.hidden_size if kind == "step" else 3 * c.target_hidden_size
         new_shape = (1, c.n_kv_heads, width, c.head_dim)
+        draft = kind == "draft"  # P-EAGLE: one real row in, width rows of logits out
         graph = _HeadGraph(session=session, binding=session.io_binding(),
-                           tokens=np.zeros((1, width), np.int64), hidden=np.zeros((width, hidden_in), np.float32),
+                           tokens=np.zeros((1, 1 if draft else width), np.int64),
+                           hidden=np.zeros((1 if draft else width, hidden_in), np.float32),
                            position=np.zeros((1,), np.int64), last_index=np.zeros((1,), np.int64),
-                           logits=np.zeros((1, c.draft_vocab_size), np.float32),
+                           logits=np.zeros((width if draft else 1, c.draft_vocab_size), np.float32),
                            k_new=np.zeros(new_shape, np.float32), v_new=np.zeros(new_shape, np.float32),
                            hidden_out=np.zeros((1, c.hidden_size), np.float32))
         bind, value = graph.binding, ort.OrtValue.ortvalue_from_numpy
-        for name, array in ((io_names.TOKENS, graph.tokens), (io_names.HIDDEN, graph.hidden),
-                            (io_names.POSITION, graph.position), (io_names.LAST_INDEX, graph.last_index),
-                            (io_names.K_CACHE, self.k_cache), (io_names.V_CACHE, self.v_cache)):
+        inputs = [(io_names.TOKENS, graph.tokens), (io_names.HIDDEN, graph.hidden),
+                  (io_names.POSITION, graph.position), (io_names.K_CACHE, self.k_cache),
+                  (io_names.V_CACHE, self.v_cache)]
+        outputs = [(io_names.LOGITS, graph.logits), (io_names.K_NEW, graph.k_new), (io_names.V_NEW, graph.v_new)]
+        if not draft:
+            inputs.append((io_names.LAST_INDEX, graph.last_index))
+            outputs.append((io_names.HIDDEN_OUT, graph.hidden_out))
+        for name, array in inputs:
             bind.bind_ortvalue_input(name, value(array))
         table = self.embed_table
         if not (isinstance(table, np.ndarray) and table.flags.c_contiguous and table.dtype == np.float32):
             table = np.ascontiguousarray(table, dtype=np.float32)
         bind.bind_cpu_input(io_names.EMBED_TABLE, table)  # by pointer: a memory map stays a memory map
-        for name, array in ((io_names.LOGITS, graph.logits), (io_names.K_NEW, graph.k_new),
-                            (io_names.V_NEW, graph.v_new), (io_names.HIDDEN_OUT, graph.hidden_out)):
+        for name, array in outputs:
             bind.bind_ortvalue_output(name, value(array))
         return graph
 
@@ -156,3 +167,52 @@ class OrtEagle3Head:
         graph.tokens[0, 0] = token
         graph.hidden[:] = hidden
         return self._run(graph, position, 1)
+
+    def draft(self, token: int, hidden: np.ndarray, position: int, k: int) -> np.ndarray:
+        """P-EAGLE: the pair (target hidden (1, 3Ht) at position, token) and k-1 mask rows in one
+        pass; the pair's K/V is written at position. Returns the logits (k, Vd) of drafts 1..k."""
+        graph = self._draft.get(k)
+        if graph is None:
+            raise BackendError(f"no P-EAGLE draft graph for k={k} (built for k in {self.draft_widths})")
+        if position < 0 or position + k > self.max_context:
+            raise BackendError(f"head positions [{position}, {position + k}) do not fit its "
+                               f"{self.max_context}-row cache")
+        graph.tokens[0, 0] = token
+        graph.hidden[:] = hidden
+        graph.position[0] = position
+        graph.session.run_with_iobinding(graph.binding)
+        self.k_cache[:, :, position] = graph.k_new[:, :, 0]
+        self.v_cache[:, :, position] = graph.v_new[:, :, 0]
+        return graph.logits
+
+
+class OrtMedusaHeads:
+    """Medusa heads on ONNX Runtime: run(hidden (1, H)) -> logits (n_heads, Vd). No cache."""
+
+    def __init__(self, head_dir: str | Path, threads: int = 0):
+        from ..medusa import read_config
+
+        self.head_dir = Path(head_dir)
+        self.manifest = json.loads((self.head_dir / "manifest.json").read_text())
+        self.cfg = read_config(self.head_dir)
+        self.n_heads = self.cfg.n_heads
+        self.draft_ids = np.load(self.head_dir / "draft_ids.npy")  # (Vd,) draft id -> target id
+        (stem,) = self.manifest["graphs"]
+        path = self.head_dir / f"{stem}.onnx"
+        try:
+            self.session = cpu_session(str(path), threads)
+        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
+            raise BackendError(f"ONNX Runtime cannot load {path}: {err}; delete {self.head_dir} to re-export") from err
+        import onnxruntime as ort
+
+        self.hidden = np.zeros((1, self.cfg.hidden_size), np.float32)                    # (1, H)
+        self.logits = np.zeros((self.n_heads, self.cfg.draft_vocab_size), np.float32)    # (n, Vd)
+        self.binding = self.session.io_binding()
+        self.binding.bind_ortvalue_input(io_names.HIDDEN, ort.OrtValue.ortvalue_from_numpy(self.hidden))
+        self.binding.bind_ortvalue_output(io_names.LOGITS, ort.OrtValue.ortvalue_from_numpy(self.logits))
+
+    def run(self, hidden: np.ndarray) -> np.ndarray:
+        """Logits (n_heads, Vd) of all heads for the target's final-norm hidden state (1, H)."""
+        self.hidden[:] = hidden
+        self.session.run_with_iobinding(self.binding)
+        return self.logits

@@ -23,9 +23,10 @@ from ..speculative import Draft, Sampler
 class Eagle3Drafter:
     name = "eagle3"
 
-    def __init__(self, target: Runner, head):
-        self.target = target   # must return hidden states (graphs exported with the head configured)
-        self.head = head       # backends.ort_heads.OrtEagle3Head
+    def __init__(self, target: Runner, head, columns: np.ndarray | None = None):
+        self.target = target    # must return hidden states (graphs exported with the head configured)
+        self.head = head        # backends.ort_heads.OrtEagle3Head
+        self.columns = columns  # (3Ht,) the head's layers in the target's hidden rows (None = all)
         self.draft_ids = head.draft_ids  # (Vd,) int64 draft id -> target id
         self._full = np.full(target.vocab_size, -np.inf, np.float32)  # (V,) reused logits row
         self._ingested = 0
@@ -45,6 +46,8 @@ class Eagle3Drafter:
             return None
         start = self._ingested
         hidden = self.target.hidden_states(start, last + 1)
+        if self.columns is not None:
+            hidden = hidden[:, self.columns]
         logits, own = self.head.ingest(seq[start + 1:last + 2], hidden, start)
         self._ingested = last + 1
         tokens: list[int] = []

@@ -1,0 +1,221 @@
+"""Medusa heads: greedy speculative output == target-only greedy with random-weight heads drafting
+(through the real ONNX Runtime graphs), sampling runs through the full-vocabulary q_draft, the heads'
+graph is static and matches the torch module, saved heads load back identically, heads that do not
+fit the target (or a k above their head count) are refused, and train-draft --kind medusa trains
+and resumes."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from spec_edge import export, medusa, speculative
+from spec_edge.config import ConfigError
+from spec_edge.engine import Engine, GenerateRequest, RequestError
+from spec_edge.sampling import SamplingParams
+
+PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
+           "The robot picks up the red box and places it on the shelf. The robot picks up the"]
+
+
+def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):
+    """Random-weight Medusa heads for a tiny target, saved in the layout spec_edge loads."""
+    from safetensors.torch import load_file
+
+    from spec_edge import weights
+
+    target_cfg, _, _ = weights.load(str(target_dir))
+    state = load_file(str(target_dir / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    draft_ids = np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+    mcfg = medusa.config_for(target_cfg, n_heads, draft_vocab)
+    medusa.save_heads(path, mcfg, medusa.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
+                      dtype="float32")
+    return path, target_cfg
+
+
+@pytest.fixture(scope="module")
+def medusa_engine(tiny_models, tiny_cfg):
+    heads, _ = make_heads(tiny_models["root"] / "medusa_a", tiny_models["target"])
+    cfg = tiny_cfg.replace(**{"runtime.profile": "tiny-medusa", "speculative.medusa_head": str(heads),
+                              "speculative.drafter": "medusa"})
+    return Engine.from_config(cfg, progress=lambda message: None)
+
+
+def plain(engine, prompt_ids, max_new=40):
+    return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids)[0]
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_medusa_greedy_equals_plain(medusa_engine, k):
+    drafter = medusa_engine._drafter("medusa")
+    for prompt in PROMPTS:
+        ids = medusa_engine.tokenizer.encode(prompt)
+        want = plain(medusa_engine, ids)
+        got, _, stats = speculative.generate(medusa_engine.target, ids, max_new_tokens=40,
+                                             eos_ids=medusa_engine.eos_ids, drafter=drafter, k=k)
+        assert got == want, f"k={k} prompt={prompt!r}"
+        assert stats.verify_calls > 0
+
+
+def test_medusa_drafts_are_the_heads_argmax(medusa_engine):
+    """Draft i is head i's argmax on the target's final-norm state at the last verified position,
+    which is the state the target's own head turned into the pending token."""
+    drafter = medusa_engine._drafter("medusa")
+    target = medusa_engine.target
+    ids = medusa_engine.tokenizer.encode(PROMPTS[0])
+    logits = target.prefill(ids, 0)
+    seq = ids + [int(np.argmax(logits))]
+    hidden = target.hidden_states(len(ids) - 1, len(ids))[:, drafter.columns]  # (1, H)
+    mcfg, state, draft_ids = medusa.load_heads(medusa_engine.cfg.speculative.medusa_head, medusa_engine.model_cfg)
+    # the final-norm state through the target's lm_head gives the pending token
+    from safetensors.torch import load_file
+
+    lm_head = load_file(str(medusa_engine.cfg.model.target) + "/model.safetensors")["lm_head.weight"].numpy()
+    assert int(np.argmax(hidden[0] @ lm_head.T)) == seq[-1]
+    module = medusa.build_module(mcfg, state).eval()
+    with torch.no_grad():
+        want = module(torch.from_numpy(np.ascontiguousarray(hidden))).numpy()  # (n, Vd)
+    draft = drafter.propose(seq, 4, speculative.Sampler(SamplingParams()))
+    assert draft.tokens == [int(draft_ids[i]) for i in want.argmax(-1)]
+
+
+def test_medusa_through_engine_request_and_k_refused(medusa_engine):
+    spec = medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter="medusa", k=3))
+    base = medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
+    assert spec.token_ids == base.token_ids
+    assert spec.stats.drafter == "medusa" and spec.stats.drafted > 0
+    with pytest.raises(RequestError, match="Medusa heads"):  # k=7 has a verify graph but only 4 heads
+        medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="medusa", k=7))
+
+
+def test_medusa_sampling_runs_with_full_vocab_q(medusa_engine):
+    drafter = medusa_engine._drafter("medusa")
+    ids = medusa_engine.tokenizer.encode("Move the arm")
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def start(self, p):
+            drafter.start(p)
+
+        def propose(self, seq, k, sampler):
+            draft = drafter.propose(seq, k, sampler)
+            seen.append(draft)
+            return draft
+
+        def observe(self, a, b):
+            pass
+
+    out, _, _ = speculative.generate(medusa_engine.target, ids, max_new_tokens=30, eos_ids=(),
+                                     sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
+                                     drafter=Spy(), k=4)
+    assert len(out) == 30 and seen
+    V = medusa_engine.target.vocab_size
+    outside = np.setdiff1d(np.arange(V), drafter.draft_ids)
+    for draft in seen:
+        assert draft.q_draft.shape == (4, V)
+        assert np.allclose(draft.q_draft.sum(axis=1), 1.0)
+        assert np.all(draft.q_draft[:, outside] == 0)
+        for i, token in enumerate(draft.tokens):
+            assert draft.q_draft[i, token] > 0
+
+
+def test_medusa_graph_static_and_matches_torch(medusa_engine):
+    import onnx
+    import onnxruntime as ort
+
+    head_dir = export.artifact_dir(medusa_engine.cfg, "medusa")
+    manifest = json.loads((head_dir / "manifest.json").read_text())
+    (stem,) = manifest["graphs"]
+    graph = onnx.load(str(head_dir / f"{stem}.onnx"), load_external_data=False)
+    checked, dynamic = export.dynamic_tensors(graph)
+    assert checked > 4 and not dynamic
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in list(graph.graph.input) + list(graph.graph.output)}
+    mcfg, state, _ = medusa.load_heads(medusa_engine.cfg.speculative.medusa_head, medusa_engine.model_cfg)
+    assert shapes == {"hidden": [1, mcfg.hidden_size], "logits": [4, 200]}
+    hidden = np.random.default_rng(0).standard_normal((1, mcfg.hidden_size)).astype(np.float32)
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False  # the process shares one global pool (OrtRunner)
+    session = ort.InferenceSession(str(head_dir / f"{stem}.onnx"), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {"hidden": hidden})[0]
+    with torch.no_grad():
+        want = medusa.build_module(mcfg, state).eval()(torch.from_numpy(hidden)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_medusa_round_trip(tmp_path, tiny_models):
+    path, target_cfg = make_heads(tmp_path / "h", tiny_models["target"], seed=5, n_heads=3)
+    mcfg, state, draft_ids = medusa.load_heads(path, target_cfg)
+    assert mcfg.n_heads == 3 and mcfg.draft_vocab_size == 200 and mcfg.target_layers == 4
+    medusa.save_heads(tmp_path / "h2", mcfg, state, draft_ids, dtype="float32")
+    mcfg2, state2, draft_ids2 = medusa.load_heads(tmp_path / "h2", target_cfg)
+    assert mcfg2 == mcfg and np.array_equal(draft_ids, draft_ids2)
+    assert state.keys() == state2.keys()
+    for name in state:
+        assert torch.equal(state[name], state2[name]), name
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["medusa_num_heads"] == 3 and raw["medusa_num_layers"] == 1
+
+
+def test_bad_medusa_heads_refused(tmp_path, tiny_models):
+    from spec_edge import weights
+    from tiny import make_checkpoint
+
+    path, target_cfg = make_heads(tmp_path / "h", tiny_models["target"], seed=7)
+    wide = make_checkpoint(tmp_path / "wide", seed=9, hidden=96, heads=4, kv_heads=2)
+    wide_heads, _ = make_heads(tmp_path / "wide_heads", wide)
+    with pytest.raises(ConfigError, match="hidden size 96 differs from the target's 64"):
+        medusa.load_heads(wide_heads, target_cfg)
+    deep_cfg = weights.load(str(make_checkpoint(tmp_path / "deep", seed=9, n_layers=6)))[0]
+    with pytest.raises(ConfigError, match="4-layer target"):
+        medusa.load_heads(path, deep_cfg)
+    raw = json.loads((path / "config.json").read_text())
+    raw["vocab_size"] = 999
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        medusa.load_heads(path, target_cfg)
+    raw["vocab_size"] = target_cfg.vocab_size
+    raw["draft_vocab_size"] = 150  # the tensors hold 200 rows
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="draft_vocab_size"):
+        medusa.load_heads(path, target_cfg)
+    with pytest.raises(ConfigError, match="config.json"):
+        medusa.load_heads(tmp_path / "nothing", target_cfg)
+    with pytest.raises(ConfigError, match="medusa_head"):
+        from spec_edge.config import Config
+
+        Config().replace(**{"speculative.drafter": "medusa"})
+
+
+def test_profile_k_above_head_count_refused(medusa_engine):
+    cfg = medusa_engine.cfg.replace(**{"speculative.k": 7})  # a verify graph exists, a 7th head does not
+    with pytest.raises(ConfigError, match="k=7 needs 7 Medusa heads.*have 4"):
+        Engine.from_config(cfg, progress=lambda message: None)
+
+
+def test_train_draft_medusa_tiny_saves_loadable_heads_and_resumes(tmp_path, tiny_models):
+    from spec_edge import cli, weights
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n")
+    out = tmp_path / "medusa"
+    argv = ["train-draft", "--kind", "medusa", "--medusa-heads", "3", "--target", str(tiny_models["target"]),
+            "--out", str(out), "--prompts", str(prompts), "--max-new-tokens", "12", "--draft-vocab", "64",
+            "--aux-layers", "0", "1", "2", "--batch", "2", "--steps", "3", "--save-every", "2",
+            "--data-cache", str(tiny_models["root"] / "train_data.pt"), "--gen-batch", "4", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    target_cfg = weights.load(str(tiny_models["target"]))[0]
+    mcfg, _, draft_ids = medusa.load_heads(out, target_cfg)
+    assert mcfg.n_heads == 3 and mcfg.draft_vocab_size == 64 and len(set(draft_ids)) == 64
+    config = json.loads((out / "config.json").read_text())
+    assert config["spec_edge"]["command"].startswith("spec-edge train-draft --kind medusa")
+    argv[argv.index("--steps") + 1] = "5"
+    assert cli.main(argv) == 0
+    assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
+    assert json.loads((out / "train_log.json").read_text())["kind"] == "medusa"
+    medusa.load_heads(out, target_cfg)
