@@ -34,7 +34,6 @@ Saved heads (spec-edge train-draft) use the SafeAILab tensor names and the NVIDI
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import head_folder
 from .config import ConfigError, ModelConfig
 
 HEAD_FORMAT = 1
@@ -94,19 +94,7 @@ def _canonical_name(name: str) -> str:
 
 
 def _read_tensors(path: Path) -> dict:
-    import torch
-
-    files = sorted(path.glob("*.safetensors"))
-    state: dict = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for file in files:
-            state.update(load_file(str(file)))
-    elif (path / "pytorch_model.bin").is_file():
-        state = torch.load(str(path / "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    else:
-        raise ConfigError(f"EAGLE-3 head {path} has no model.safetensors or pytorch_model.bin")
+    state = head_folder.read_tensors(path, "EAGLE-3 head", ("pytorch_model.bin",))
     return {_canonical_name(name): tensor for name, tensor in state.items()}
 
 
@@ -163,10 +151,7 @@ def check_head(hcfg: HeadConfig, state: dict, target: ModelConfig, where: str = 
     if not hcfg.has_embedding and hcfg.hidden_size != target.hidden_size:
         problems.append(f"head hidden size {hcfg.hidden_size} differs from the target's {target.hidden_size} "
                         f"and the head has no embedding of its own")
-    if hcfg.target_vocab_size != target.vocab_size:
-        problems.append(f"head vocabulary is {hcfg.target_vocab_size} tokens, the target's is {target.vocab_size}")
-    if hcfg.target_layers and hcfg.target_layers != target.n_layers:
-        problems.append(f"head was trained for a {hcfg.target_layers}-layer target; this one has {target.n_layers}")
+    problems += head_folder.target_problems(hcfg.target_vocab_size, hcfg.target_layers, target)
     bad = [i for i in hcfg.aux_layers if not 0 <= i < target.n_layers]
     if bad or len(hcfg.aux_layers) != 3:
         problems.append(f"auxiliary layers {list(hcfg.aux_layers)} do not fit a {target.n_layers}-layer target "
@@ -176,23 +161,12 @@ def check_head(hcfg: HeadConfig, state: dict, target: ModelConfig, where: str = 
         problems.append("it has no lm_head.weight")
     elif lm_head.shape[0] != hcfg.draft_vocab_size:
         problems.append(f"lm_head has {lm_head.shape[0]} rows but draft_vocab_size is {hcfg.draft_vocab_size}")
-    d2t = state.get("d2t")
-    if hcfg.draft_vocab_size != hcfg.target_vocab_size:
-        if d2t is None:
-            problems.append("a reduced draft vocabulary needs the d2t map, which is missing")
-        elif d2t.shape[0] != hcfg.draft_vocab_size:
-            problems.append(f"d2t has {d2t.shape[0]} entries, draft_vocab_size is {hcfg.draft_vocab_size}")
-    if d2t is not None and not problems:
-        ids = np.arange(d2t.shape[0]) + d2t.numpy().astype(np.int64)
-        if ids.min() < 0 or ids.max() >= target.vocab_size:
-            problems.append(f"d2t maps draft ids outside the target vocabulary [0, {target.vocab_size})")
+    problems += head_folder.d2t_problems(state.get("d2t"), hcfg.draft_vocab_size, hcfg.target_vocab_size,
+                                         target.vocab_size, earlier=bool(problems))
     wanted = [name for name in head_parameter_names(hcfg) if name not in state]
     if wanted and not problems:
         problems.append(f"tensors missing: {wanted[:4]}")
-    if problems:
-        raise ConfigError(f"{where} does not match the target {target.name or ''} "
-                          f"({target.n_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}): "
-                          + "; ".join(problems))
+    head_folder.refuse(problems, where, target)
 
 
 def head_parameter_names(hcfg: HeadConfig) -> list[str]:
@@ -207,32 +181,20 @@ def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, 
     """(config, float32 state dict, draft-to-target id map (Vd,) int64) of a head folder, checked
     against the target."""
     path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"EAGLE-3 head '{path}' has no config.json (expected a head folder: "
-                          f"config.json + model.safetensors, e.g. from `spec-edge train-draft`)")
-    raw = json.loads((path / "config.json").read_text())
+    raw = head_folder.read_config(path, "EAGLE-3 head", "spec-edge train-draft")
     state = _read_tensors(path)
     hcfg = parse_head_config(raw, target)
     if "embed_tokens.weight" in state:
         hcfg = dataclasses.replace(hcfg, has_embedding=True)
     check_head(hcfg, state, target, f"EAGLE-3 head '{path}'")
-    d2t = state.get("d2t")
-    draft_ids = np.arange(hcfg.draft_vocab_size, dtype=np.int64)
-    if d2t is not None:
-        draft_ids = draft_ids + d2t.numpy().astype(np.int64)
+    draft_ids = head_folder.draft_ids_of(state.get("d2t"), hcfg.draft_vocab_size)
     float_state = {name: tensor.float() for name, tensor in state.items()
                    if name not in ("d2t", "t2d") and tensor.is_floating_point()}
     return hcfg, float_state, draft_ids
 
 
 def head_fingerprint(path: str | Path) -> str:
-    path = Path(path).expanduser()
-    digest = hashlib.sha256()
-    for file in sorted(path.iterdir()):
-        if file.suffix in (".json", ".safetensors", ".bin") and file.name != "train_state.json":
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
+    return head_folder.fingerprint(path, (".json", ".safetensors", ".bin"), ("train_state.json",))
 
 
 def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.ndarray,
@@ -240,19 +202,6 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
               more_config: dict | None = None) -> Path:
     """Write a head folder in the SafeAILab tensor layout (+ NVIDIA-style eagle_config);
     more_tensors / more_config: what a variant (the P-EAGLE head) adds."""
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    store_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    tensors = {name: state[name].detach().to(store_dtype).contiguous()
-               for name in head_parameter_names(hcfg) + list(more_tensors)}
-    draft_ids = np.asarray(draft_ids, dtype=np.int64)
-    tensors["d2t"] = torch.from_numpy(draft_ids - np.arange(len(draft_ids), dtype=np.int64))
-    t2d = np.zeros(hcfg.target_vocab_size, dtype=bool)
-    t2d[draft_ids] = True
-    tensors["t2d"] = torch.from_numpy(t2d)
     config = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "hidden_size": hcfg.hidden_size, "intermediate_size": hcfg.intermediate_size,
@@ -268,9 +217,8 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
         "spec_edge": dict(format=HEAD_FORMAT, **(extra or {})),
         **(more_config or {}),
     }
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+    return head_folder.write(path, state, head_parameter_names(hcfg) + list(more_tensors), draft_ids,
+                             hcfg.target_vocab_size, dtype, config)
 
 
 def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
@@ -324,6 +272,11 @@ def head_config_for(target: ModelConfig, draft_vocab_size: int, aux_layers: tupl
 # The head as a torch module (export graphs and training share it)
 
 def build_module(hcfg: HeadConfig, state: dict | None = None):
+    return head_folder.load_state(head_class(hcfg)(), state, "EAGLE-3 head")
+
+
+def head_class(hcfg: HeadConfig):
+    """The head's torch module class for hcfg (the P-EAGLE head in peagle.py extends it)."""
     import torch
     from torch import nn
 
@@ -364,10 +317,17 @@ def build_module(hcfg: HeadConfig, state: dict | None = None):
             return torch.cat((mid.input_layernorm(emb), h_normed), dim=-1), residual
 
         def forward(self, tokens, hidden, position, last_index, k_cache, v_cache, embed_table):
-            seq = tokens.shape[1]
-            cache_len = k_cache.shape[2]
             emb = torch.index_select(embed_table, 0, tokens[0])  # (W, H)
             h = self.fc(hidden) if self.fused else hidden      # (W, H)
+            h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, tokens.shape[1])
+            h_last = torch.index_select(h, 0, last_index)  # (1, H)
+            logits = self.lm_head(self.norm(h_last)).float()
+            return logits, k_new[None], v_new[None], h_last
+
+        def layer(self, emb, h, position, k_cache, v_cache, seq: int):
+            """The decoder layer over seq rows at positions position.. (causal, after the cache rows
+            < position): h' (seq, H) before the final norm, k_new, v_new (Hkv, seq, D)."""
+            cache_len = k_cache.shape[2]
             positions = position + torch.arange(seq, dtype=torch.int64)
             freqs = positions.float()[:, None] * self.inv_freq[None, :]
             rot = torch.cat((freqs, freqs), dim=-1)
@@ -379,9 +339,7 @@ def build_module(hcfg: HeadConfig, state: dict | None = None):
             attn, k_new, v_new = self.midlayer.self_attn(x, cos, sin, k_cache[0], v_cache[0], mask)
             h = residual + attn
             h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-            h_last = torch.index_select(h, 0, last_index)  # (1, H)
-            logits = self.lm_head(self.norm(h_last)).float()
-            return logits, k_new[None], v_new[None], h_last
+            return h, k_new, v_new
 
         # -- training: all positions of a batch, several draft steps unrolled ("training-time test")
         def train_forward(self, emb_steps, hid3, n_steps: int):
@@ -425,14 +383,7 @@ def build_module(hcfg: HeadConfig, state: dict | None = None):
                 outs.append(self.norm(h))
             return outs
 
-    module = Eagle3Head()
-    if state is not None:
-        own = module.state_dict()
-        missing = [name for name in own if name not in state]
-        if missing:
-            raise ConfigError(f"EAGLE-3 head lacks tensors {missing[:4]}")
-        module.load_state_dict({name: state[name] for name in own})
-    return module
+    return Eagle3Head
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,46 +402,23 @@ def head_widths(cfg) -> list[int]:
 
 def export_head(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
     """Export the head graphs for cfg into out_dir (its own weights.bin), unless up to date."""
-    import shutil
-    import time
-
-    from . import export
-
     head_path = Path(head_path).expanduser()
     hcfg, state, draft_ids = load_head(head_path, target)
     wanted = {"format": HEAD_FORMAT, "role": "eagle3", "source": str(head_path),
               "fingerprint": head_fingerprint(head_path), "max_context": cfg.graphs.max_context,
               "dtype": cfg.graphs.dtype, "graphs": head_graph_plan(head_widths(cfg))}
-    out_dir = Path(out_dir)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.is_file():
-        have = json.loads(manifest_path.read_text())
-        if all(have.get(key) == value for key, value in wanted.items()) and all(
-                (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]):
-            return out_dir
-    started = time.monotonic()
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
-    store = export.WeightStore(tmp_dir / "weights.bin")
-    for stem, spec in wanted["graphs"].items():
-        progress(f"[export] eagle3 head: {stem} ...")
-        export_head_graph(hcfg, state, tmp_dir / f"{stem}.onnx", store, fused=spec["kind"] == "ingest",
-                          width=spec["width"], max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
-    store.close()
-    np.save(tmp_dir / "draft_ids.npy", draft_ids)
-    (tmp_dir / "head.json").write_text(json.dumps(dataclasses.asdict(hcfg), indent=1))
-    if "embed_tokens.weight" in state:
-        np.save(tmp_dir / "embed_tokens.npy", state["embed_tokens.weight"].numpy())
-    manifest = dict(wanted, export_seconds=round(time.monotonic() - started, 1))
-    manifest_path_tmp = tmp_dir / "manifest.json"
-    manifest_path_tmp.write_text(json.dumps(manifest, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
-    progress(f"[export] eagle3 head: {len(wanted['graphs'])} graphs in {manifest['export_seconds']} s")
-    return out_dir
+
+    def write_graph(spec: dict, path: Path, store) -> None:
+        export_head_graph(hcfg, state, path, store, fused=spec["kind"] == "ingest", width=spec["width"],
+                          max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
+
+    return head_folder.export(out_dir, wanted, write_graph, hcfg, draft_ids, "eagle3 head", progress,
+                              embed_arrays(state))
+
+
+def embed_arrays(state: dict) -> dict:
+    """embed_tokens.npy for an exported head that ships its own embedding."""
+    return {"embed_tokens": state["embed_tokens.weight"].numpy()} if "embed_tokens.weight" in state else {}
 
 
 def read_head_config(out_dir: Path) -> HeadConfig:
@@ -518,9 +446,7 @@ def export_head_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, fused
     inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.LAST_INDEX, io_names.K_CACHE,
               io_names.V_CACHE, io_names.EMBED_TABLE]
     outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW, io_names.HIDDEN_OUT]
-    graph = export.trace(module, args, inputs, outputs)
-    export.check_static(graph, path.name)
-    export.save(graph, path, store)
+    export.save_static(module, args, inputs, outputs, path, store)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -194,8 +194,9 @@ class Engine:
             self._drafters.eagle3_head = head
         return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
 
-    def _head_path(self, name: str, field: str, what: str) -> str:
-        """The configured head folder of a hidden-state drafter, or a RequestError saying what is missing."""
+    def _export_head(self, name: str, field: str, what: str, export_head) -> Path:
+        """The configured head folder of a hidden-state drafter exported into its artifact folder by
+        export_head (e.g. medusa.export_heads), or a RequestError saying what is missing."""
         path = getattr(self.cfg.speculative, field)
         if not path:
             raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
@@ -203,20 +204,18 @@ class Engine:
         if self.cfg.runtime.backend != "onnxruntime":
             raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
         self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
-        return path
+        return export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, name), self.progress)
 
     def _medusa_drafter(self):
         from .drafters.medusa import MedusaDrafter
 
         heads = self._drafters.medusa_heads
         if heads is None:
-            head_path = self._head_path("medusa", "medusa_head", "Medusa heads")
             from . import medusa
             from .backends.ort_heads import OrtMedusaHeads
 
-            head_dir = medusa.export_heads(self.cfg, head_path, self.model_cfg,
-                                           export.artifact_dir(self.cfg, "medusa"), self.progress)
-            heads = OrtMedusaHeads(head_dir, self.cfg.runtime.threads)
+            heads = OrtMedusaHeads(self._export_head("medusa", "medusa_head", "Medusa heads", medusa.export_heads),
+                                   self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
                 MedusaDrafter(self.target, heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
             self._drafters.medusa_heads = heads
@@ -227,12 +226,10 @@ class Engine:
 
         head = self._drafters.peagle_head
         if head is None:
-            head_path = self._head_path("peagle", "peagle_head", "a parallel-drafting head")
             from . import peagle
             from .backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = peagle.export_head(self.cfg, head_path, self.model_cfg,
-                                          export.artifact_dir(self.cfg, "peagle"), self.progress)
+            head_dir = self._export_head("peagle", "peagle_head", "a parallel-drafting head", peagle.export_head)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self._drafters.peagle_head = head
         return PEagleDrafter(self.target, head, self._columns(head.cfg.aux_layers))

@@ -286,6 +286,13 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     save(graph, path, store)
 
 
+def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path: Path, store: WeightStore) -> None:
+    """Trace module into a static graph saved at path, its large weights moved into store."""
+    graph = trace(module, args, inputs, outputs)
+    check_static(graph, path.name)
+    save(graph, path, store)
+
+
 def trace(module, args: tuple, inputs: list[str], outputs: list[str], dynamic_shapes=None):
     """torch.onnx's dynamo exporter (opset 20, optimized), quietly; returns the ModelProto."""
     import onnx

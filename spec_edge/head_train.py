@@ -37,6 +37,20 @@ def load_resume(out: Path, identity: dict) -> dict | None:
     return saved
 
 
+def draft_vocab_map(resume: dict | None, data: list[dict], vocab_size: int, draft_vocab: int, eos_ids):
+    """(draft_ids (Vd,) draft id -> target id, t2d (V,) long tensor target id -> draft id or -100):
+    the resumed run's draft vocabulary, else the most frequent tokens of the target's answers."""
+    import torch
+
+    from .train import draft_vocabulary
+
+    draft_ids = (np.asarray(resume["draft_ids"]) if resume is not None
+                 else draft_vocabulary(data, vocab_size, draft_vocab, eos_ids))
+    t2d = torch.full((vocab_size,), -100, dtype=torch.long)
+    t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))
+    return draft_ids, t2d
+
+
 def split(data: list[dict]) -> tuple[list[dict], list[dict]]:
     """(held-out, training) sequences: the first tenth is held out."""
     n_eval = max(1, len(data) // 10)

@@ -22,13 +22,13 @@ final-norm states of its greedy answers, head i's label the target's argmax i po
 """
 from __future__ import annotations
 
-import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from . import head_folder
 from .config import ConfigError, ModelConfig
 
 HEAD_FORMAT = 1
@@ -61,24 +61,6 @@ def parameter_names(mcfg: MedusaConfig) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # Checkpoint reading / writing
 
-def _read_tensors(path: Path) -> dict:
-    import torch
-
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        from safetensors.torch import load_file
-
-        state: dict = {}
-        for file in files:
-            state.update(load_file(str(file)))
-        return state
-    if (path / "medusa_lm_head.pt").is_file():  # FasterDecoding's own file name
-        return torch.load(str(path / "medusa_lm_head.pt"), map_location="cpu", weights_only=True)
-    if (path / "pytorch_model.bin").is_file():
-        return torch.load(str(path / "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    raise ConfigError(f"Medusa head {path} has no model.safetensors, medusa_lm_head.pt or pytorch_model.bin")
-
-
 def check_heads(mcfg: MedusaConfig, state: dict, target: ModelConfig, where: str = "Medusa head") -> None:
     """Refuse heads that do not fit the target, naming the mismatch."""
     problems = []
@@ -87,10 +69,7 @@ def check_heads(mcfg: MedusaConfig, state: dict, target: ModelConfig, where: str
     if mcfg.hidden_size != target.hidden_size:
         problems.append(f"head hidden size {mcfg.hidden_size} differs from the target's {target.hidden_size}: "
                         f"the heads were trained for another model")
-    if mcfg.target_vocab_size != target.vocab_size:
-        problems.append(f"head vocabulary is {mcfg.target_vocab_size} tokens, the target's is {target.vocab_size}")
-    if mcfg.target_layers and mcfg.target_layers != target.n_layers:
-        problems.append(f"heads were trained for a {mcfg.target_layers}-layer target; this one has {target.n_layers}")
+    problems += head_folder.target_problems(mcfg.target_vocab_size, mcfg.target_layers, target, "heads were")
     if not problems:
         missing = [name for name in parameter_names(mcfg) if name not in state]
         if missing:
@@ -107,33 +86,21 @@ def check_heads(mcfg: MedusaConfig, state: dict, target: ModelConfig, where: str
                 problems.append(f"head {i} output is {tuple(out.shape)}, draft_vocab_size x hidden is "
                                 f"({mcfg.draft_vocab_size}, {mcfg.hidden_size})")
                 break
-    d2t = state.get("d2t")
-    if not problems and mcfg.draft_vocab_size != mcfg.target_vocab_size:
-        if d2t is None:
-            problems.append("a reduced draft vocabulary needs the d2t map, which is missing")
-        elif d2t.shape[0] != mcfg.draft_vocab_size:
-            problems.append(f"d2t has {d2t.shape[0]} entries, draft_vocab_size is {mcfg.draft_vocab_size}")
-    if d2t is not None and not problems:
-        ids = np.arange(d2t.shape[0]) + d2t.numpy().astype(np.int64)
-        if ids.min() < 0 or ids.max() >= target.vocab_size:
-            problems.append(f"d2t maps draft ids outside the target vocabulary [0, {target.vocab_size})")
-    if problems:
-        raise ConfigError(f"{where} does not match the target {target.name or ''} "
-                          f"({target.n_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}): "
-                          + "; ".join(problems))
+    if not problems:
+        problems += head_folder.d2t_problems(state.get("d2t"), mcfg.draft_vocab_size, mcfg.target_vocab_size,
+                                             target.vocab_size, earlier=False)
+    head_folder.refuse(problems, where, target)
 
 
 def load_heads(path: str | Path, target: ModelConfig) -> tuple[MedusaConfig, dict, np.ndarray]:
     """(config, float32 state dict, draft-to-target id map (Vd,) int64) of a Medusa folder, checked
     against the target."""
     path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"Medusa head '{path}' has no config.json (expected a head folder: config.json + "
-                          f"model.safetensors, e.g. from `spec-edge train-draft --kind medusa`)")
-    raw = json.loads((path / "config.json").read_text())
+    raw = head_folder.read_config(path, "Medusa head", "spec-edge train-draft --kind medusa")
     if "medusa_num_heads" not in raw:
         raise ConfigError(f"'{path}' is not a Medusa head: its config.json has no medusa_num_heads")
-    state = _read_tensors(path)
+    # medusa_lm_head.pt: FasterDecoding's own file name
+    state = head_folder.read_tensors(path, "Medusa head", ("medusa_lm_head.pt", "pytorch_model.bin"))
     n_heads, n_layers = int(raw["medusa_num_heads"]), int(raw.get("medusa_num_layers", 1))
     out = state.get(f"medusa_head.0.{n_layers}.weight")
     linear = state.get("medusa_head.0.0.linear.weight")
@@ -143,9 +110,7 @@ def load_heads(path: str | Path, target: ModelConfig) -> tuple[MedusaConfig, dic
                         draft_vocab_size=int(raw.get("draft_vocab_size") or vocab), n_layers=n_layers,
                         target_layers=int(raw.get("target_num_hidden_layers", 0)))
     check_heads(mcfg, state, target, f"Medusa head '{path}'")
-    draft_ids = np.arange(mcfg.draft_vocab_size, dtype=np.int64)
-    if state.get("d2t") is not None:
-        draft_ids = draft_ids + state["d2t"].numpy().astype(np.int64)
+    draft_ids = head_folder.draft_ids_of(state.get("d2t"), mcfg.draft_vocab_size)
     float_state = {name: state[name].float() for name in parameter_names(mcfg)}
     return mcfg, float_state, draft_ids
 
@@ -153,37 +118,16 @@ def load_heads(path: str | Path, target: ModelConfig) -> tuple[MedusaConfig, dic
 def save_heads(path: str | Path, mcfg: MedusaConfig, state: dict, draft_ids: np.ndarray,
                dtype: str = "float16", extra: dict | None = None) -> Path:
     """Write a Medusa folder (FasterDecoding tensor names + EAGLE-3's d2t / t2d)."""
-    import torch
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    store_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    tensors = {name: state[name].detach().to(store_dtype).contiguous() for name in parameter_names(mcfg)}
-    draft_ids = np.asarray(draft_ids, dtype=np.int64)
-    tensors["d2t"] = torch.from_numpy(draft_ids - np.arange(len(draft_ids), dtype=np.int64))
-    t2d = np.zeros(mcfg.target_vocab_size, dtype=bool)
-    t2d[draft_ids] = True
-    tensors["t2d"] = torch.from_numpy(t2d)
     config = {"architectures": ["MedusaHeads"], "medusa_num_heads": mcfg.n_heads,
               "medusa_num_layers": mcfg.n_layers, "hidden_size": mcfg.hidden_size,
               "vocab_size": mcfg.target_vocab_size, "draft_vocab_size": mcfg.draft_vocab_size,
               "target_num_hidden_layers": mcfg.target_layers, "torch_dtype": dtype,
               "spec_edge": dict(format=HEAD_FORMAT, **(extra or {}))}
-    save_file(tensors, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+    return head_folder.write(path, state, parameter_names(mcfg), draft_ids, mcfg.target_vocab_size, dtype, config)
 
 
 def head_fingerprint(path: str | Path) -> str:
-    path = Path(path).expanduser()
-    digest = hashlib.sha256()
-    for file in sorted(path.iterdir()):
-        if file.suffix in (".json", ".safetensors", ".bin", ".pt") and file.name not in ("train_state.pt",
-                                                                                         "train_data.pt"):
-            digest.update(file.name.encode())
-            digest.update(file.read_bytes())
-    return digest.hexdigest()[:16]
+    return head_folder.fingerprint(path, (".json", ".safetensors", ".bin", ".pt"), ("train_state.pt", "train_data.pt"))
 
 
 def init_state(mcfg: MedusaConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
@@ -237,14 +181,7 @@ def build_module(mcfg: MedusaConfig, state: dict | None = None):
         def forward(self, hidden):
             return torch.cat(self.heads(hidden), dim=0).float()  # (n, Vd)
 
-    module = MedusaHeads()
-    if state is not None:
-        own = module.state_dict()
-        missing = [name for name in own if name not in state]
-        if missing:
-            raise ConfigError(f"Medusa head lacks tensors {missing[:4]}")
-        module.load_state_dict({name: state[name] for name in own})
-    return module
+    return head_folder.load_state(MedusaHeads(), state, "Medusa head")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,48 +193,23 @@ def graph_stem(mcfg: MedusaConfig) -> str:
 
 def export_heads(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
     """Export the heads' graph into out_dir (its own weights.bin), unless up to date."""
-    import shutil
-    import time
-
     from . import export, io_names
 
     head_path = Path(head_path).expanduser()
     mcfg, state, draft_ids = load_heads(head_path, target)
-    stem = graph_stem(mcfg)
     wanted = {"format": HEAD_FORMAT, "role": "medusa", "source": str(head_path),
               "fingerprint": head_fingerprint(head_path), "dtype": cfg.graphs.dtype,
-              "graphs": {stem: {"kind": "medusa", "width": 1, "n_heads": mcfg.n_heads}}}
-    out_dir = Path(out_dir)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.is_file():
-        have = json.loads(manifest_path.read_text())
-        if all(have.get(key) == value for key, value in wanted.items()) and (out_dir / f"{stem}.onnx").is_file():
-            return out_dir
-    started = time.monotonic()
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
-    progress(f"[export] medusa heads: {stem} ...")
-    store = export.WeightStore(tmp_dir / "weights.bin")
-    import torch
+              "graphs": {graph_stem(mcfg): {"kind": "medusa", "width": 1, "n_heads": mcfg.n_heads}}}
 
-    tdtype = export.torch_dtype(cfg.graphs.dtype)
-    module = build_module(mcfg, state).to(tdtype).eval()
-    graph = export.trace(module, (torch.zeros(1, mcfg.hidden_size, dtype=tdtype),), [io_names.HIDDEN],
-                         [io_names.LOGITS])
-    export.check_static(graph, f"{stem}.onnx")
-    export.save(graph, tmp_dir / f"{stem}.onnx", store)
-    store.close()
-    np.save(tmp_dir / "draft_ids.npy", draft_ids)
-    (tmp_dir / "head.json").write_text(json.dumps(asdict(mcfg), indent=1))
-    manifest = dict(wanted, export_seconds=round(time.monotonic() - started, 1))
-    (tmp_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
-    progress(f"[export] medusa heads: 1 graph in {manifest['export_seconds']} s")
-    return out_dir
+    def write_graph(spec: dict, path: Path, store) -> None:
+        import torch
+
+        tdtype = export.torch_dtype(cfg.graphs.dtype)
+        module = build_module(mcfg, state).to(tdtype).eval()
+        export.save_static(module, (torch.zeros(1, mcfg.hidden_size, dtype=tdtype),), [io_names.HIDDEN],
+                           [io_names.LOGITS], path, store)
+
+    return head_folder.export(out_dir, wanted, write_graph, mcfg, draft_ids, "medusa heads", progress)
 
 
 def read_config(out_dir: Path) -> MedusaConfig:
@@ -340,7 +252,6 @@ def train_medusa(args, argv: list[str], data: list[dict], target_state: dict, cf
     import torch
 
     from . import head_train
-    from .train import draft_vocabulary
 
     n_heads = args.medusa_heads
     if n_heads < 1:
@@ -350,15 +261,12 @@ def train_medusa(args, argv: list[str], data: list[dict], target_state: dict, cf
     identity = {"kind": "medusa", "draft_vocab": args.draft_vocab, "n_heads": n_heads,
                 "n_layers": args.medusa_layers, "train_lm_head": args.train_lm_head}
     resume = head_train.load_resume(out, identity)
-    draft_ids = (np.asarray(resume["draft_ids"]) if resume is not None
-                 else draft_vocabulary(data, cfg.vocab_size, args.draft_vocab, eos_ids))
+    draft_ids, t2d = head_train.draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
     mcfg = config_for(cfg, n_heads, len(draft_ids), args.medusa_layers)
     module = build_module(mcfg, init_state(mcfg, target_state, draft_ids, args.seed))
     if not args.train_lm_head:  # keep the target's own output rows: less to overfit
         for head in module.medusa_head:
             head[-1].weight.requires_grad_(False)
-    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
-    t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))
     weights = [0.8 ** i for i in range(n_heads)]
     eval_data, train_data = head_train.split(data)
 

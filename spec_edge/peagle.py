@@ -32,14 +32,12 @@ real + mask rows, as P-EAGLE trains), the loss on the target's argmax (decayed b
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from . import eagle3
+from . import eagle3, head_folder
 from .config import ConfigError, ModelConfig
 from .eagle3 import HeadConfig
 
@@ -91,48 +89,26 @@ def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
     import torch
     from torch import nn
 
-    from .model import rope_inv_freq, rotate_half
+    from .model import rotate_half
 
-    mcfg = hcfg.as_model_config()
-
-    class PEagleHead(nn.Module):
+    class PEagleHead(eagle3.head_class(hcfg)):
         """forward(tokens (1, 1), hidden (1, 3Ht), position, k_cache, v_cache, embed_table)
         -> logits (width, Vd), k_new, v_new (1, Hkv, width, D)."""
 
         def __init__(self):
             super().__init__()
-            base = eagle3.build_module(hcfg)
-            self.fc, self.midlayer, self.norm, self.lm_head = base.fc, base.midlayer, base.norm, base.lm_head
             self.mask_embed = nn.Parameter(torch.zeros(hcfg.hidden_size))
             self.mask_hidden = nn.Parameter(torch.zeros(hcfg.hidden_size))
-            self.register_buffer("inv_freq", rope_inv_freq(mcfg), persistent=False)
             self.width = width  # k: static in the exported graph
-
-        def layer_inputs(self, emb, h):
-            mid = self.midlayer
-            h_normed = mid.hidden_norm(h)
-            residual = h_normed if hcfg.norm_before_residual else h
-            return torch.cat((mid.input_layernorm(emb), h_normed), dim=-1), residual
 
         def forward(self, tokens, hidden, position, k_cache, v_cache, embed_table):
             seq = self.width
-            cache_len = k_cache.shape[2]
             emb = torch.index_select(embed_table, 0, tokens[0])  # (1, H)
             h = self.fc(hidden)                                  # (1, H)
             if seq > 1:
                 emb = torch.cat((emb, self.mask_embed[None, :].expand(seq - 1, -1)), dim=0)  # (k, H)
                 h = torch.cat((h, self.mask_hidden[None, :].expand(seq - 1, -1)), dim=0)     # (k, H)
-            positions = position + torch.arange(seq, dtype=torch.int64)
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]
-            rot = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = rot.cos(), rot.sin()
-            cache_ok = (torch.arange(cache_len, dtype=torch.int64) < position).expand(seq, cache_len)
-            causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-            mask = torch.where(torch.cat((cache_ok, causal), dim=1), 0.0, torch.finfo(h.dtype).min)
-            x, residual = self.layer_inputs(emb, h)
-            attn, k_new, v_new = self.midlayer.self_attn(x, cos, sin, k_cache[0], v_cache[0], mask)
-            h = residual + attn
-            h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+            h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, seq)
             logits = self.lm_head(self.norm(h)).float()  # (k, Vd)
             return logits, k_new[None], v_new[None]
 
@@ -176,14 +152,7 @@ def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
             h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
             return self.norm(h)
 
-    module = PEagleHead()
-    if state is not None:
-        own = module.state_dict()
-        missing = [name for name in own if name not in state]
-        if missing:
-            raise ConfigError(f"P-EAGLE head lacks tensors {missing[:4]}")
-        module.load_state_dict({name: state[name] for name in own})
-    return module
+    return head_folder.load_state(PEagleHead(), state, "P-EAGLE head")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,49 +169,22 @@ def graph_plan(cfg) -> dict[str, dict]:
 
 def export_head(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
     """Export the head graphs for cfg into out_dir (its own weights.bin), unless up to date."""
-    import shutil
-    import time
-
-    from . import export
-
     head_path = Path(head_path).expanduser()
     hcfg, state, draft_ids = load_head(head_path, target)
     wanted = {"format": HEAD_FORMAT, "role": "peagle", "source": str(head_path),
               "fingerprint": eagle3.head_fingerprint(head_path), "max_context": cfg.graphs.max_context,
               "dtype": cfg.graphs.dtype, "graphs": graph_plan(cfg)}
-    out_dir = Path(out_dir)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.is_file():
-        have = json.loads(manifest_path.read_text())
-        if all(have.get(key) == value for key, value in wanted.items()) and all(
-                (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]):
-            return out_dir
-    started = time.monotonic()
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
-    store = export.WeightStore(tmp_dir / "weights.bin")
-    for stem, spec in wanted["graphs"].items():
-        progress(f"[export] peagle head: {stem} ...")
+
+    def write_graph(spec: dict, path: Path, store) -> None:
         if spec["kind"] == "ingest":
-            eagle3.export_head_graph(hcfg, state, tmp_dir / f"{stem}.onnx", store, fused=True, width=spec["width"],
+            eagle3.export_head_graph(hcfg, state, path, store, fused=True, width=spec["width"],
                                      max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
         else:
-            export_draft_graph(hcfg, state, tmp_dir / f"{stem}.onnx", store, width=spec["width"],
-                               max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
-    store.close()
-    np.save(tmp_dir / "draft_ids.npy", draft_ids)
-    (tmp_dir / "head.json").write_text(json.dumps(dataclasses.asdict(hcfg), indent=1))
-    if "embed_tokens.weight" in state:
-        np.save(tmp_dir / "embed_tokens.npy", state["embed_tokens.weight"].numpy())
-    manifest = dict(wanted, export_seconds=round(time.monotonic() - started, 1))
-    (tmp_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
-    progress(f"[export] peagle head: {len(wanted['graphs'])} graphs in {manifest['export_seconds']} s")
-    return out_dir
+            export_draft_graph(hcfg, state, path, store, width=spec["width"], max_context=cfg.graphs.max_context,
+                               dtype=cfg.graphs.dtype)
+
+    return head_folder.export(out_dir, wanted, write_graph, hcfg, draft_ids, "peagle head", progress,
+                              eagle3.embed_arrays(state))
 
 
 def export_draft_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, width: int, max_context: int,
@@ -260,9 +202,7 @@ def export_draft_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, widt
     inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.K_CACHE, io_names.V_CACHE,
               io_names.EMBED_TABLE]
     outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW]
-    graph = export.trace(module, args, inputs, outputs)
-    export.check_static(graph, path.name)
-    export.save(graph, path, store)
+    export.save_static(module, args, inputs, outputs, path, store)
 
 
 def target_hidden_layers(cfg) -> tuple[int, ...]:
@@ -321,7 +261,6 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
     import torch
 
     from . import head_train
-    from .train import draft_vocabulary
 
     k = args.parallel_k
     if not 1 <= k <= 16:
@@ -329,8 +268,7 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
     identity = {"kind": "peagle", "draft_vocab": args.draft_vocab, "aux": list(aux), "k": k,
                 "train_lm_head": args.train_lm_head}
     resume = head_train.load_resume(out, identity)
-    draft_ids = (np.asarray(resume["draft_ids"]) if resume is not None
-                 else draft_vocabulary(data, cfg.vocab_size, args.draft_vocab, eos_ids))
+    draft_ids, t2d = head_train.draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
     hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
     feature_std = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
     module = build_module(hcfg, init_state(hcfg, target_state, draft_ids, args.seed, feature_std))
@@ -338,8 +276,6 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
         module.lm_head.weight.requires_grad_(False)
         module.norm.weight.requires_grad_(False)
     embed = target_state["model.embed_tokens.weight"]
-    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
-    t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))
     weights = [0.8 ** j for j in range(k)]
     eval_data, train_data = head_train.split(data)
     rng = np.random.default_rng(args.seed + (resume["step"] if resume is not None else 0))  # anchors

@@ -28,6 +28,12 @@ class Draft:
     tokens: list[int]             # k proposed ids
     q_draft: np.ndarray | None    # (k, V) drafter probabilities; None = greedy or deterministic
 
+    @classmethod
+    def from_picks(cls, picks: list[tuple[int, np.ndarray | None]]) -> Draft:
+        """The Draft of k (token, q row) picks as Sampler.pick returns them (q None when greedy)."""
+        q_rows = [q_row for _, q_row in picks if q_row is not None]
+        return cls(tokens=[token for token, _ in picks], q_draft=np.stack(q_rows) if q_rows else None)
+
 
 class Sampler:
     """Chooses tokens from logits with the request's sampling parameters and random stream."""

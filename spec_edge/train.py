@@ -1,32 +1,28 @@
-"""spec-edge train-draft: train an EAGLE-3 head on the target's own greedy outputs.
+"""spec-edge train-draft: train a drafter on the target's own greedy outputs.
 
-    spec-edge train-draft --out heads/smollm2-135m-eagle3 [--target embedded]
-                          [--prompts data/train_prompts.txt] [--time-budget 300] ...
+    spec-edge train-draft --out heads/smollm2-135m-eagle3 [--kind eagle3|medusa|peagle|draft]
+                          [--target embedded] [--prompts data/train_prompts.txt] [--time-budget 300] ...
 
-1. data   the target (transformers, fp32) answers every prompt greedily (batched), then one
-          teacher-forced pass records, per position, the three auxiliary hidden states and the
-          target's argmax. Cached in <out>/train_data.pt (a rerun reuses it).
+1. data   the target (transformers, fp32) answers every prompt greedily, --gen-batch prompts at a
+          time, recording per position the three auxiliary hidden states, the final-norm hidden
+          state and the target's argmax. Cached in --data-cache (default <out>/train_data.pt); runs
+          of other kinds on the same prompts reuse it.
 2. vocab  the draft vocabulary: the most frequent tokens of the target's outputs (+ EOS).
-3. train  training-time test as in EAGLE-3: each batch is unrolled --ttt-steps draft steps, step j
-          consuming the head's own hidden state of step j-1, loss on the target's argmax (decayed
-          by 0.8 per step). Checkpoints every --save-every steps and at the end into <out>
-          (model.safetensors + config.json, the layout `speculative.eagle3_head` loads) and
-          <out>/train_state.pt (optimizer, step); a rerun with the same --out resumes.
+3. train  --kind eagle3: training-time test as in EAGLE-3: each batch is unrolled --ttt-steps draft
+          steps, step j consuming the head's own hidden state of step j-1, loss on the target's
+          argmax (decayed by 0.8 per step). The loop (head_train.fit) is the same for every kind:
+          checkpoints every --save-every steps into <out> (the layout the config loads) keeping the
+          best on held-out answers, <out>/train_state.pt (optimizer, step); a rerun resumes.
 Bounded by --steps and --time-budget (seconds of training), with a progress bar on stderr.
 
---kind medusa / --kind peagle train the other two head methods on the same data (same vocabulary,
-checkpoint, resume and held-out conventions; the code lives with each head: medusa.train_medusa,
-peagle.train_peagle, the shared loop in head_train.py):
-    spec-edge train-draft --kind medusa --medusa-heads 4 --out heads/smollm2-135m-medusa ...
-    spec-edge train-draft --kind peagle --parallel-k 5 --out heads/smollm2-135m-peagle ...
+The other kinds' code lives with each drafter: medusa.train_medusa (Medusa heads), peagle.train_peagle
+(parallel drafting), distill.train_draft_model (a small separate draft model); the exact commands that
+made the committed heads are in heads/README.md.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -287,117 +283,57 @@ def train_main(argv: list[str]) -> int:
             return medusa.train_medusa(args, argv, data, target_state, cfg, out, eos)
         return peagle.train_peagle(args, argv, data, target_state, cfg, out, eos, aux)
 
-    state_path = out / "train_state.pt"
-    resume = torch.load(str(state_path), weights_only=False) if state_path.is_file() else None
-    if resume is not None and resume["draft_vocab"] == args.draft_vocab and tuple(resume["aux"]) == aux:
-        draft_ids = np.asarray(resume["draft_ids"])
-    else:
-        resume = None
-        draft_ids = draft_vocabulary(data, cfg.vocab_size, args.draft_vocab, eos)
+    return train_eagle3(args, argv, data, target_state, cfg, out, eos, aux)
+
+
+def train_eagle3(args, argv: list[str], data: list[dict], target_state: dict, cfg, out: Path, eos_ids,
+                 aux: tuple[int, ...]) -> int:
+    """Training-time test over --ttt-steps unrolled draft steps, loss decayed by 0.8 per step."""
+    import torch
+
+    from . import eagle3, head_train
+
+    identity = {"kind": "eagle3", "draft_vocab": args.draft_vocab, "aux": list(aux), "ttt": args.ttt_steps,
+                "train_lm_head": args.train_lm_head}
+    resume = head_train.load_resume(out, identity)
+    draft_ids, t2d = head_train.draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
     hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
     feature_std = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
     module = eagle3.build_module(hcfg, eagle3.init_state(hcfg, target_state, draft_ids, args.seed, feature_std))
-    module.train()
     if not args.train_lm_head:  # keep the target's own output rows and final norm: less to overfit
         module.lm_head.weight.requires_grad_(False)
         module.norm.weight.requires_grad_(False)
-    params = [p for p in module.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    step = 0
-    best = [-1.0, 0]  # held-out step-1 agreement and the step of the checkpoint in the head folder
-    if resume is not None:
-        module.load_state_dict(resume["module"])
-        optim.load_state_dict(resume["optim"])
-        step = resume["step"]
-        best = list(resume.get("best", best))
-        log(f"[train-draft] resuming {state_path} at step {step}")
-    t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
-    t2d[torch.from_numpy(draft_ids)] = torch.arange(len(draft_ids))
-    rng = np.random.default_rng(args.seed + step)
-    n_eval = max(1, len(data) // 10)
-    eval_data, train_data = data[:n_eval], data[n_eval:] or data
-    stream = batches(train_data, min(args.batch, len(train_data)), rng)
+    embed = target_state["model.embed_tokens.weight"]
     weights = [0.8 ** j for j in range(args.ttt_steps)]
+    eval_data, train_data = head_train.split(data)
 
-    def save(final: bool = False) -> None:
-        extra = {"trained_steps": step, "train_prompts": args.prompts, "target": args.target,
-                 "command": "spec-edge train-draft " + " ".join(argv)}
-        eagle3.save_head(out, hcfg, dict(module.state_dict()), draft_ids, dtype=args.dtype, extra=extra)
-        torch.save({"module": module.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "draft_vocab": args.draft_vocab, "aux": list(aux), "draft_ids": draft_ids,
-                    "best": best}, str(state_path))
-        if final:
-            log(f"[train-draft] saved head after {step} steps to {out}")
+    def batch_loss(items):
+        emb, hid, labels = collate(items, t2d, embed, args.ttt_steps)
+        outs = module.train_forward(emb, hid, args.ttt_steps)
+        return sum(w * torch.nn.functional.cross_entropy(module.lm_head(o[lab != -100]), lab[lab != -100])
+                   for w, o, lab in zip(weights, outs, labels)) / sum(weights)
 
     def evaluate() -> list[float]:
         """Top-1 agreement with the target per draft step on the held-out answers (prompts excluded)."""
-        module.eval()
-        hits = np.zeros(args.ttt_steps)
-        total = np.zeros(args.ttt_steps)
-        with torch.no_grad():
-            for start in range(0, len(eval_data), args.batch):
-                items = eval_data[start:start + args.batch]
-                emb, hid, labels = collate(items, t2d, embed, args.ttt_steps)
-                for b, item in enumerate(items):  # score the answer only: step j at t predicts t+j+2
-                    for j in range(args.ttt_steps):
-                        labels[j, b, :max(item["n_prompt"] - j - 2, 0)] = -100
-                outs = module.train_forward(emb, hid, args.ttt_steps)
-                for j, normed in enumerate(outs):
-                    valid = labels[j] != -100
-                    logits = module.lm_head(normed[valid])
-                    hits[j] += (logits.argmax(-1) == labels[j][valid]).sum().item()
-                    total[j] += valid.sum().item()
-        module.train()
+        hits, total = np.zeros(args.ttt_steps), np.zeros(args.ttt_steps)
+        for start in range(0, len(eval_data), args.batch):
+            items = eval_data[start:start + args.batch]
+            emb, hid, labels = collate(items, t2d, embed, args.ttt_steps)
+            for b, item in enumerate(items):  # score the answer only: step j at t predicts t+j+2
+                for j in range(args.ttt_steps):
+                    labels[j, b, :max(item["n_prompt"] - j - 2, 0)] = -100
+            for j, normed in enumerate(module.train_forward(emb, hid, args.ttt_steps)):
+                valid = labels[j] != -100
+                hits[j] += (module.lm_head(normed[valid]).argmax(-1) == labels[j][valid]).sum().item()
+                total[j] += valid.sum().item()
         return list(hits / np.maximum(total, 1))
 
-    from tqdm import tqdm
+    def save_head(extra: dict) -> None:
+        eagle3.save_head(out, hcfg, dict(module.state_dict()), draft_ids, dtype=args.dtype, extra=extra)
 
-    started = time.monotonic()
-    lr_total = args.steps
-    bar = tqdm(total=args.steps, initial=step, desc="[train-draft] eagle3", unit="step", file=sys.stderr)
-    loss_avg = None
-    while step < args.steps and time.monotonic() - started < args.time_budget:
-        emb, hid, labels = collate(next(stream), t2d, embed, args.ttt_steps)
-        outs = module.train_forward(emb, hid, args.ttt_steps)
-        loss = sum(w * torch.nn.functional.cross_entropy(module.lm_head(o[l != -100]), l[l != -100])
-                   for w, o, l in zip(weights, outs, labels)) / sum(weights)
-        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / lr_total, 1))))
-        for group in optim.param_groups:
-            group["lr"] = lr
-        optim.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optim.step()
-        step += 1
-        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_avg:.3f}")
-        if step % args.save_every == 0:
-            accuracy = evaluate()
-            if accuracy[0] >= best[0]:  # the head folder keeps the best checkpoint on held-out answers
-                best[:] = [accuracy[0], step]
-                save()
-            else:
-                torch.save({"module": module.state_dict(), "optim": optim.state_dict(), "step": step,
-                            "draft_vocab": args.draft_vocab, "aux": list(aux), "draft_ids": draft_ids,
-                            "best": best}, str(state_path))
-            bar.write(f"[train-draft] step {step}: held-out answer agreement per draft step "
-                      + ", ".join(f"{a:.2f}" for a in accuracy) + f" (best {best[0]:.2f} at step {best[1]})",
-                      file=sys.stderr)
-    bar.close()
-    accuracy = evaluate()
-    log(f"[train-draft] step {step}: held-out answer top-1 agreement with the target per draft step: "
-        + ", ".join(f"{a:.2f}" for a in accuracy))
-    if accuracy[0] >= best[0]:
-        best[:] = [accuracy[0], step]
-        save(final=True)
-    else:
-        log(f"[train-draft] kept the checkpoint of step {best[1]} (held-out agreement {best[0]:.2f})")
-    (out / "train_log.json").write_text(json.dumps({"step": step, "eval_top1_per_step": accuracy,
-                                                    "train_seconds_this_run": round(time.monotonic() - started, 1),
-                                                    "kept_step": best[1], "kept_eval_top1_step1": best[0],
-                                                    "sequences": len(data)}, indent=1))
-    return 0
+    return head_train.fit(args=args, argv=argv, out=out, kind="eagle3", module=module, identity=identity,
+                          resume=resume, draft_ids=draft_ids, train_data=train_data, batch_loss=batch_loss,
+                          evaluate=evaluate, save_head=save_head, n_sequences=len(data))
 
 
 def main(argv: list[str] | None = None) -> int:

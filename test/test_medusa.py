@@ -11,25 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from spec_edge import export, medusa, speculative
+from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
+                  assert_same_head, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, head_inputs,
+                  ort_session, set_config, train_draft_argv)
+from spec_edge import medusa, speculative
 from spec_edge.config import ConfigError
 from spec_edge.engine import Engine, GenerateRequest, RequestError
 from spec_edge.sampling import SamplingParams
 
-PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
-           "The robot picks up the red box and places it on the shelf. The robot picks up the"]
-
 
 def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):
     """Random-weight Medusa heads for a tiny target, saved in the layout spec_edge loads."""
-    from safetensors.torch import load_file
-
-    from spec_edge import weights
-
-    target_cfg, _, _ = weights.load(str(target_dir))
-    state = load_file(str(target_dir / "model.safetensors"))
-    rng = np.random.default_rng(seed)
-    draft_ids = np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
     mcfg = medusa.config_for(target_cfg, n_heads, draft_vocab)
     medusa.save_heads(path, mcfg, medusa.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
                       dtype="float32")
@@ -39,25 +32,13 @@ def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05
 @pytest.fixture(scope="module")
 def medusa_engine(tiny_models, tiny_cfg):
     heads, _ = make_heads(tiny_models["root"] / "medusa_a", tiny_models["target"])
-    cfg = tiny_cfg.replace(**{"runtime.profile": "tiny-medusa", "speculative.medusa_head": str(heads),
-                              "speculative.drafter": "medusa"})
-    return Engine.from_config(cfg, progress=lambda message: None)
-
-
-def plain(engine, prompt_ids, max_new=40):
-    return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids)[0]
+    return engine_with(tiny_cfg, {"runtime.profile": "tiny-medusa", "speculative.medusa_head": str(heads),
+                                  "speculative.drafter": "medusa"})
 
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_medusa_greedy_equals_plain(medusa_engine, k):
-    drafter = medusa_engine._drafter("medusa")
-    for prompt in PROMPTS:
-        ids = medusa_engine.tokenizer.encode(prompt)
-        want = plain(medusa_engine, ids)
-        got, _, stats = speculative.generate(medusa_engine.target, ids, max_new_tokens=40,
-                                             eos_ids=medusa_engine.eos_ids, drafter=drafter, k=k)
-        assert got == want, f"k={k} prompt={prompt!r}"
-        assert stats.verify_calls > 0
+    assert_greedy_equals_plain(medusa_engine, medusa_engine._drafter("medusa"), k)
 
 
 def test_medusa_drafts_are_the_heads_argmax(medusa_engine):
@@ -83,66 +64,27 @@ def test_medusa_drafts_are_the_heads_argmax(medusa_engine):
 
 
 def test_medusa_through_engine_request_and_k_refused(medusa_engine):
-    spec = medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter="medusa", k=3))
-    base = medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
-    assert spec.token_ids == base.token_ids
-    assert spec.stats.drafter == "medusa" and spec.stats.drafted > 0
+    assert_request_equals_plain(medusa_engine, "medusa", 3)
     with pytest.raises(RequestError, match="Medusa heads"):  # k=7 has a verify graph but only 4 heads
         medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="medusa", k=7))
 
 
 def test_medusa_sampling_runs_with_full_vocab_q(medusa_engine):
-    drafter = medusa_engine._drafter("medusa")
-    ids = medusa_engine.tokenizer.encode("Move the arm")
-    seen = []
-
-    class Spy:
-        name = "spy"
-
-        def start(self, p):
-            drafter.start(p)
-
-        def propose(self, seq, k, sampler):
-            draft = drafter.propose(seq, k, sampler)
-            seen.append(draft)
-            return draft
-
-        def observe(self, a, b):
-            pass
-
-    out, _, _ = speculative.generate(medusa_engine.target, ids, max_new_tokens=30, eos_ids=(),
-                                     sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
-                                     drafter=Spy(), k=4)
-    assert len(out) == 30 and seen
-    V = medusa_engine.target.vocab_size
-    outside = np.setdiff1d(np.arange(V), drafter.draft_ids)
-    for draft in seen:
-        assert draft.q_draft.shape == (4, V)
-        assert np.allclose(draft.q_draft.sum(axis=1), 1.0)
-        assert np.all(draft.q_draft[:, outside] == 0)
-        for i, token in enumerate(draft.tokens):
-            assert draft.q_draft[i, token] > 0
+    assert_sampling_uses_full_vocab_q(medusa_engine, medusa_engine._drafter("medusa"))
 
 
 def test_medusa_graph_static_and_matches_torch(medusa_engine):
     import onnx
-    import onnxruntime as ort
 
-    head_dir = export.artifact_dir(medusa_engine.cfg, "medusa")
-    manifest = json.loads((head_dir / "manifest.json").read_text())
+    head_dir, manifest = exported_graphs(medusa_engine, "medusa", 4)
     (stem,) = manifest["graphs"]
     graph = onnx.load(str(head_dir / f"{stem}.onnx"), load_external_data=False)
-    checked, dynamic = export.dynamic_tensors(graph)
-    assert checked > 4 and not dynamic
     shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
               for v in list(graph.graph.input) + list(graph.graph.output)}
     mcfg, state, _ = medusa.load_heads(medusa_engine.cfg.speculative.medusa_head, medusa_engine.model_cfg)
     assert shapes == {"hidden": [1, mcfg.hidden_size], "logits": [4, 200]}
     hidden = np.random.default_rng(0).standard_normal((1, mcfg.hidden_size)).astype(np.float32)
-    options = ort.SessionOptions()
-    options.use_per_session_threads = False  # the process shares one global pool (OrtRunner)
-    session = ort.InferenceSession(str(head_dir / f"{stem}.onnx"), options, providers=["CPUExecutionProvider"])
-    got = session.run(None, {"hidden": hidden})[0]
+    got = ort_session(head_dir / f"{stem}.onnx").run(None, {"hidden": hidden})[0]
     with torch.no_grad():
         want = medusa.build_module(mcfg, state).eval()(torch.from_numpy(hidden)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -153,35 +95,15 @@ def test_medusa_round_trip(tmp_path, tiny_models):
     mcfg, state, draft_ids = medusa.load_heads(path, target_cfg)
     assert mcfg.n_heads == 3 and mcfg.draft_vocab_size == 200 and mcfg.target_layers == 4
     medusa.save_heads(tmp_path / "h2", mcfg, state, draft_ids, dtype="float32")
-    mcfg2, state2, draft_ids2 = medusa.load_heads(tmp_path / "h2", target_cfg)
-    assert mcfg2 == mcfg and np.array_equal(draft_ids, draft_ids2)
-    assert state.keys() == state2.keys()
-    for name in state:
-        assert torch.equal(state[name], state2[name]), name
+    assert_same_head((mcfg, state, draft_ids), medusa.load_heads(tmp_path / "h2", target_cfg))
     raw = json.loads((path / "config.json").read_text())
     assert raw["medusa_num_heads"] == 3 and raw["medusa_num_layers"] == 1
 
 
 def test_bad_medusa_heads_refused(tmp_path, tiny_models):
-    from spec_edge import weights
-    from tiny import make_checkpoint
-
-    path, target_cfg = make_heads(tmp_path / "h", tiny_models["target"], seed=7)
-    wide = make_checkpoint(tmp_path / "wide", seed=9, hidden=96, heads=4, kv_heads=2)
-    wide_heads, _ = make_heads(tmp_path / "wide_heads", wide)
-    with pytest.raises(ConfigError, match="hidden size 96 differs from the target's 64"):
-        medusa.load_heads(wide_heads, target_cfg)
-    deep_cfg = weights.load(str(make_checkpoint(tmp_path / "deep", seed=9, n_layers=6)))[0]
-    with pytest.raises(ConfigError, match="4-layer target"):
-        medusa.load_heads(path, deep_cfg)
-    raw = json.loads((path / "config.json").read_text())
-    raw["vocab_size"] = 999
-    (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="vocabulary"):
-        medusa.load_heads(path, target_cfg)
-    raw["vocab_size"] = target_cfg.vocab_size
-    raw["draft_vocab_size"] = 150  # the tensors hold 200 rows
-    (path / "config.json").write_text(json.dumps(raw))
+    path, target_cfg = assert_misfits_refused(tmp_path, tiny_models, make_heads, medusa.load_heads,
+                                              "hidden size 96 differs from the target's 64")
+    set_config(path, draft_vocab_size=150)  # the tensors hold 200 rows
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         medusa.load_heads(path, target_cfg)
     with pytest.raises(ConfigError, match="config.json"):
@@ -201,13 +123,10 @@ def test_profile_k_above_head_count_refused(medusa_engine):
 def test_train_draft_medusa_tiny_saves_loadable_heads_and_resumes(tmp_path, tiny_models):
     from spec_edge import cli, weights
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n")
     out = tmp_path / "medusa"
-    argv = ["train-draft", "--kind", "medusa", "--medusa-heads", "3", "--target", str(tiny_models["target"]),
-            "--out", str(out), "--prompts", str(prompts), "--max-new-tokens", "12", "--draft-vocab", "64",
-            "--aux-layers", "0", "1", "2", "--batch", "2", "--steps", "3", "--save-every", "2",
-            "--data-cache", str(tiny_models["root"] / "train_data.pt"), "--gen-batch", "4", "--dtype", "float32"]
+    argv = train_draft_argv(tmp_path, tiny_models, out, "--kind", "medusa", "--medusa-heads", "3") + [
+        "--save-every", "2", "--data-cache", str(tiny_models["root"] / "train_data.pt"), "--gen-batch", "4",
+        "--dtype", "float32"]
     assert cli.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     mcfg, _, draft_ids = medusa.load_heads(out, target_cfg)

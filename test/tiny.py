@@ -85,3 +85,189 @@ def make_checkpoint(path: Path, *, seed: int, n_layers: int = 4, hidden: int = 6
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": CHATML, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False}))
     return path
+
+
+# -- helpers the drafter-head tests share (test_eagle3, test_peagle, test_medusa) ------------------
+
+PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
+           "The robot picks up the red box and places it on the shelf. The robot picks up the"]
+TRAIN_PROMPTS = "Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n"
+
+
+def head_inputs(target_dir: Path, *, seed: int, draft_vocab: int):
+    """(target ModelConfig, target tensors, sorted random draft vocabulary) to build a random head from."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from spec_edge import weights
+
+    target_cfg, _, _ = weights.load(str(target_dir))
+    state = load_file(str(target_dir / "model.safetensors"))
+    rng = np.random.default_rng(seed)
+    return target_cfg, state, np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+
+
+def plain(engine, prompt_ids, max_new=40):
+    """Target-only greedy output."""
+    from spec_edge import speculative
+
+    return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids)[0]
+
+
+def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new=40) -> None:
+    from spec_edge import speculative
+
+    for prompt in prompts:
+        ids = engine.tokenizer.encode(prompt)
+        got, _, stats = speculative.generate(engine.target, ids, max_new_tokens=max_new, eos_ids=engine.eos_ids,
+                                             drafter=drafter, k=k)
+        assert got == plain(engine, ids, max_new), f"k={k} prompt={prompt!r}"
+        assert stats.verify_calls > 0
+
+
+def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
+    """Sampled generation runs, and every draft's q_draft is a (k, V) distribution over the draft
+    vocabulary that gives each drafted token a chance."""
+    import numpy as np
+
+    from spec_edge import speculative
+    from spec_edge.sampling import SamplingParams
+
+    seen = []
+
+    class Spy:
+        name = "spy"
+
+        def start(self, p):
+            drafter.start(p)
+
+        def propose(self, seq, k, sampler):
+            draft = drafter.propose(seq, k, sampler)
+            if draft is not None:
+                seen.append(draft)
+            return draft
+
+        def observe(self, a, b):
+            pass
+
+    ids = engine.tokenizer.encode("Move the arm")
+    out, _, _ = speculative.generate(engine.target, ids, max_new_tokens=30, eos_ids=(),
+                                     sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
+                                     drafter=Spy(), k=k)
+    assert len(out) == 30 and seen
+    V = engine.target.vocab_size
+    outside = np.setdiff1d(np.arange(V), drafter.draft_ids)
+    for draft in seen:
+        assert draft.q_draft.shape == (k, V)
+        assert np.allclose(draft.q_draft.sum(axis=1), 1.0)
+        assert np.all(draft.q_draft[:, outside] == 0)
+        for i, token in enumerate(draft.tokens):
+            assert draft.q_draft[i, token] > 0
+
+
+def exported_graphs(engine, role: str, min_tensors: int) -> tuple[Path, dict]:
+    """(artifact folder, manifest) of a head's export, every graph in it checked fully static."""
+    import onnx
+
+    from spec_edge import export
+
+    head_dir = export.artifact_dir(engine.cfg, role)
+    manifest = json.loads((head_dir / "manifest.json").read_text())
+    for stem in manifest["graphs"]:
+        checked, dynamic = export.dynamic_tensors(onnx.load(str(head_dir / f"{stem}.onnx"), load_external_data=False))
+        assert checked > min_tensors and not dynamic, stem
+    return head_dir, manifest
+
+
+def ort_session(path: Path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False  # the process shares one global pool (OrtRunner)
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+class FakeHiddenTarget:
+    """A target whose hidden-state row p is p in every column (3 columns)."""
+    vocab_size = 20
+
+    def hidden_states(self, start, stop):
+        import numpy as np
+
+        return np.arange(start, stop, dtype=np.float32)[:, None] * np.ones((1, 3))
+
+
+def train_draft_argv(tmp_path: Path, tiny_models: dict, out: Path, *extra: str) -> list[str]:
+    """spec-edge train-draft arguments for a few steps on the tiny target (extra: the kind's own)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(TRAIN_PROMPTS)
+    return ["train-draft", *extra, "--target", str(tiny_models["target"]), "--out", str(out),
+            "--prompts", str(prompts), "--max-new-tokens", "12", "--draft-vocab", "64",
+            "--aux-layers", "0", "1", "2", "--batch", "2", "--steps", "3"]
+
+
+def engine_with(tiny_cfg, settings: dict):
+    """An Engine for the session's tiny config with these dotted settings (profile, head, drafter)."""
+    from spec_edge.engine import Engine
+
+    return Engine.from_config(tiny_cfg.replace(**settings), progress=lambda message: None)
+
+
+def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
+    """A greedy request through the engine with the drafter == the same request without speculation."""
+    from spec_edge.engine import GenerateRequest
+
+    spec = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter=drafter, k=k))
+    base = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
+    assert spec.token_ids == base.token_ids
+    assert spec.stats.drafter == drafter and spec.stats.drafted > 0
+
+
+def assert_same_head(loaded: tuple, reloaded: tuple) -> None:
+    """Two loads (config, float32 state, draft ids) of a head are identical."""
+    import numpy as np
+
+    (cfg, state, draft_ids), (cfg2, state2, draft_ids2) = loaded, reloaded
+    assert cfg2 == cfg and np.array_equal(draft_ids, draft_ids2)
+    assert state.keys() == state2.keys()
+    for name in state:
+        assert torch.equal(state[name], state2[name]), name
+
+
+def set_config(path: Path, **values) -> None:
+    """Overwrite top-level keys of a head folder's config.json."""
+    raw = json.loads((path / "config.json").read_text())
+    raw.update(values)
+    (path / "config.json").write_text(json.dumps(raw))
+
+
+def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_head, hidden_match="hidden size"):
+    """load_head refuses a head made for a wider target, one for a deeper target and one whose
+    config.json names another vocabulary size. Returns (a head folder that fits, the target's config)."""
+    import pytest
+
+    from spec_edge import weights
+    from spec_edge.config import ConfigError
+
+    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=7)
+    wide_head, _ = make_head(tmp_path / "wide_head",
+                             make_checkpoint(tmp_path / "wide", seed=9, hidden=96, heads=4, kv_heads=2))
+    with pytest.raises(ConfigError, match=hidden_match):
+        load_head(wide_head, target_cfg)
+    with pytest.raises(ConfigError, match="4-layer target"):
+        load_head(path, weights.load(str(make_checkpoint(tmp_path / "deep", seed=9, n_layers=6)))[0])
+    set_config(path, vocab_size=999)
+    with pytest.raises(ConfigError, match="vocabulary"):
+        load_head(path, target_cfg)
+    set_config(path, vocab_size=target_cfg.vocab_size)
+    return path, target_cfg
+
+
+def fake_drafter(drafter_class, head):
+    """(drafter_class over head and FakeHiddenTarget, started on the prompt [5, 6, 7]; a greedy sampler)."""
+    from spec_edge.sampling import SamplingParams
+    from spec_edge.speculative import Sampler
+
+    drafter = drafter_class(FakeHiddenTarget(), head)
+    drafter.start([5, 6, 7])
+    return drafter, Sampler(SamplingParams())

@@ -7,8 +7,6 @@ Rejected drafts need no cleanup: the next call overwrites those positions.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..backends.base import Runner
 from ..speculative import Draft, Sampler
 
@@ -41,17 +39,14 @@ class ModelDrafter:
             self._fed.append(token)
         if logits is None:  # nothing new to condition on (cannot happen in the loop: guard only)
             return None
-        tokens: list[int] = []
-        q_rows: list[np.ndarray] = []
+        picks = []
         for i in range(k):
-            token, q_row = sampler.pick(logits)
-            tokens.append(token)
-            if q_row is not None:
-                q_rows.append(q_row)
+            picks.append(sampler.pick(logits))
             if i < k - 1:
+                token = picks[-1][0]
                 logits = self.runner.forward([token], len(self._fed))[0]
                 self._fed.append(token)
-        return Draft(tokens=tokens, q_draft=np.stack(q_rows) if q_rows else None)
+        return Draft.from_picks(picks)
 
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         pass

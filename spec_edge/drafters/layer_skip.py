@@ -8,8 +8,6 @@ memory, and as the base a trained exit head would build on.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from ..backends.base import Runner
 from ..speculative import Draft, Sampler
 
@@ -27,16 +25,11 @@ class LayerSkipDrafter:
         position = len(seq) - 1  # the target's pending token
         if position + k > self.runner.max_context:
             return None
-        token = seq[-1]
-        tokens: list[int] = []
-        q_rows: list[np.ndarray] = []
+        token, picks = seq[-1], []
         for i in range(k):
-            logits = self.runner.forward([token], position + i)[0]
-            token, q_row = sampler.pick(logits)
-            tokens.append(token)
-            if q_row is not None:
-                q_rows.append(q_row)
-        return Draft(tokens=tokens, q_draft=np.stack(q_rows) if q_rows else None)
+            picks.append(sampler.pick(self.runner.forward([token], position + i)[0]))
+            token = picks[-1][0]
+        return Draft.from_picks(picks)
 
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         pass
