@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
-                  assert_same_head, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
+                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
                   head_inputs, ort_session, set_config, train_draft_argv)
 from spec_edge import eagle3
 from spec_edge.config import ConfigError
@@ -97,6 +97,12 @@ def test_eagle3_drafter_bookkeeping():
 
 def test_eagle3_sampling_runs_with_full_vocab_q(head_engine):
     assert_sampling_uses_full_vocab_q(head_engine, head_engine._drafter("eagle3"))
+
+
+def test_eagle3_sampling_keeps_target_distribution(head_engine):
+    """Speculative sampling with the head's q_draft: the first three tokens follow the target's
+    exact distribution (chi-square, fixed seeds)."""
+    assert_sampling_follows_target(head_engine, head_engine._drafter("eagle3"))
 
 
 def test_head_graphs_static_and_match_torch(head_engine, tiny_models):

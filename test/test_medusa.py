@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
-                  assert_same_head, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, head_inputs,
+                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, head_inputs,
                   ort_session, set_config, train_draft_argv)
 from spec_edge import medusa, speculative
 from spec_edge.config import ConfigError
@@ -71,6 +71,12 @@ def test_medusa_through_engine_request_and_k_refused(medusa_engine):
 
 def test_medusa_sampling_runs_with_full_vocab_q(medusa_engine):
     assert_sampling_uses_full_vocab_q(medusa_engine, medusa_engine._drafter("medusa"))
+
+
+def test_medusa_sampling_keeps_target_distribution(medusa_engine):
+    """Speculative sampling with the head's q_draft: the first three tokens follow the target's
+    exact distribution (chi-square, fixed seeds)."""
+    assert_sampling_follows_target(medusa_engine, medusa_engine._drafter("medusa"))
 
 
 def test_medusa_graph_static_and_matches_torch(medusa_engine):

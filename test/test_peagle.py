@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
-                  assert_same_head, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
+                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
                   head_inputs, ort_session, train_draft_argv)
 from spec_edge import eagle3, export, peagle
 from spec_edge.config import ConfigError
@@ -95,6 +95,12 @@ def test_peagle_drafter_bookkeeping():
 
 def test_peagle_sampling_runs_with_full_vocab_q(peagle_engine):
     assert_sampling_uses_full_vocab_q(peagle_engine, peagle_engine._drafter("peagle"))
+
+
+def test_peagle_sampling_keeps_target_distribution(peagle_engine):
+    """Speculative sampling with the head's q_draft: the first three tokens follow the target's
+    exact distribution (chi-square, fixed seeds)."""
+    assert_sampling_follows_target(peagle_engine, peagle_engine._drafter("peagle"))
 
 
 def test_peagle_graphs_static_and_match_torch(peagle_engine):

@@ -16,26 +16,7 @@ from spec_edge.drafters.draft_model import ModelDrafter
 from spec_edge.engine import GenerateRequest
 from spec_edge.sampling import SamplingParams, probabilities, speculative_accept
 from spec_edge.speculative import Draft
-
-
-def chi2_critical(df: int, z: float = 3.09) -> float:
-    """0.999 quantile of chi-square(df), Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
-    """Pearson statistic against exact probabilities; cells expected < 5 are pooled."""
-    big = [cell for cell, p in probs.items() if p * n >= 5]
-    stat = sum((counts.get(cell, 0) - probs[cell] * n) ** 2 / (probs[cell] * n) for cell in big)
-    rest_p = 1 - sum(probs[cell] for cell in big)
-    rest_count = n - sum(counts.get(cell, 0) for cell in big)
-    cells = len(big)
-    if rest_p * n >= 1:
-        stat += (rest_count - rest_p * n) ** 2 / (rest_p * n)
-        cells += 1
-    else:
-        assert rest_count <= max(2, 5 * rest_p * n), "samples fell on cells of ~zero probability"
-    return stat, cells - 1
+from tiny import assert_sampling_follows_target, chi2_critical, chi2_statistic
 
 
 def test_acceptance_rule_preserves_p_target():
@@ -95,38 +76,12 @@ class GreedySelfDrafter(ModelDrafter):
 def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
     """Exact distribution of the first three sampled tokens (27 cells at top_k=3), computed from the
     target's own graphs, vs speculative sampling through the real loop and ONNX Runtime."""
-    params = SamplingParams(temperature=1.0, top_k=3)
-    runner = OrtRunner(tiny_engine.graph_dir)
-    prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
-    pos = len(prompt_ids)
-    p1 = probabilities(runner.prefill(prompt_ids, 0)[None], params)[0]
-    exact = {}
-    for t1 in np.flatnonzero(p1):
-        p2 = probabilities(runner.forward([int(t1)], pos), params)[0]
-        for t2 in np.flatnonzero(p2):
-            p3 = probabilities(runner.forward([int(t2)], pos + 1), params)[0]
-            for t3 in np.flatnonzero(p3):
-                exact[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
-    assert abs(sum(exact.values()) - 1) < 1e-6
     # draft: another model, q != p (mostly rejections: the residual path); self: q == p (accepts);
     # greedy-self: deterministic drafts, the one-hot q path
     drafter = {"draft": lambda: tiny_engine._drafter("draft"),
                "self": lambda: ModelDrafter(OrtRunner(tiny_engine.graph_dir)),
                "greedy-self": lambda: GreedySelfDrafter(OrtRunner(tiny_engine.graph_dir))}[drafter_name]()
-    n = 1200
-    counts: dict = {}
-    accepted = drafted = 0
-    for seed in range(n):
-        ids, _, stats = speculative.generate(tiny_engine.target, prompt_ids, max_new_tokens=3, eos_ids=(),
-                                             sampling=params, seed=seed, drafter=drafter, k=3)
-        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-        accepted += stats.accepted
-        drafted += stats.drafted
-    assert drafted > 0  # speculation really happened
-    if drafter_name != "draft":
-        assert accepted > 0
-    stat, df = chi2_statistic(counts, exact, n)
-    assert stat < chi2_critical(df), (stat, df, sorted(counts.items(), key=lambda kv: -kv[1])[:5])
+    assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft")
 
 
 def test_seed_makes_sampling_reproducible(tiny_engine):

@@ -271,3 +271,64 @@ def fake_drafter(drafter_class, head):
     drafter = drafter_class(FakeHiddenTarget(), head)
     drafter.start([5, 6, 7])
     return drafter, Sampler(SamplingParams())
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """0.999 quantile of chi-square(df), Wilson-Hilferty."""
+    import numpy as np
+
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson statistic against exact probabilities; cells expected < 5 are pooled."""
+    big = [cell for cell, p in probs.items() if p * n >= 5]
+    stat = sum((counts.get(cell, 0) - probs[cell] * n) ** 2 / (probs[cell] * n) for cell in big)
+    rest_p = 1 - sum(probs[cell] for cell in big)
+    rest_count = n - sum(counts.get(cell, 0) for cell in big)
+    cells = len(big)
+    if rest_p * n >= 1:
+        stat += (rest_count - rest_p * n) ** 2 / (rest_p * n)
+        cells += 1
+    else:
+        assert rest_count <= max(2, 5 * rest_p * n), "samples fell on cells of ~zero probability"
+    return stat, cells - 1
+
+
+def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3) -> None:
+    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution
+    of the first three tokens (27 cells at top_k=3, from the target's own graphs) vs n seeded runs
+    through the real loop, chi-square below its 0.999 quantile (seeds fixed)."""
+    import numpy as np
+
+    from spec_edge import speculative
+    from spec_edge.backends.onnxruntime import OrtRunner
+    from spec_edge.engine import GenerateRequest
+    from spec_edge.sampling import SamplingParams, probabilities
+
+    params = SamplingParams(temperature=1.0, top_k=3)
+    runner = OrtRunner(engine.graph_dir)
+    prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
+    pos = len(prompt_ids)
+    p1 = probabilities(runner.prefill(prompt_ids, 0)[None], params)[0]
+    exact = {}
+    for t1 in np.flatnonzero(p1):
+        p2 = probabilities(runner.forward([int(t1)], pos), params)[0]
+        for t2 in np.flatnonzero(p2):
+            p3 = probabilities(runner.forward([int(t2)], pos + 1), params)[0]
+            for t3 in np.flatnonzero(p3):
+                exact[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
+    assert abs(sum(exact.values()) - 1) < 1e-6
+    counts: dict = {}
+    accepted = drafted = 0
+    for seed in range(n):
+        ids, _, stats = speculative.generate(engine.target, prompt_ids, max_new_tokens=3, eos_ids=(),
+                                             sampling=params, seed=seed, drafter=drafter, k=k)
+        counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
+        accepted += stats.accepted
+        drafted += stats.drafted
+    assert drafted > 0  # speculation really happened
+    if must_accept:
+        assert accepted > 0
+    stat, df = chi2_statistic(counts, exact, n)
+    assert stat < chi2_critical(df), (stat, df, sorted(counts.items(), key=lambda kv: -kv[1])[:5])
