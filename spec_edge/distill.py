@@ -32,14 +32,13 @@ def layer_choice(n_target: int, n_draft: int) -> list[int]:
 
 def init_state(target_state: dict, layers: list[int], tie_embeddings: bool) -> dict:
     """Draft state dict (HF names) from the target's: layer j <- target layer layers[j]."""
+    draft_index = {source: j for j, source in enumerate(layers)}  # distinct: layer_choice spaces them
     state = {}
     for name, tensor in target_state.items():
         if name.startswith("model.layers."):
             index = int(name.split(".")[2])
-            if index in layers:
-                for j, source in enumerate(layers):
-                    if source == index:
-                        state[name.replace(f"model.layers.{index}.", f"model.layers.{j}.", 1)] = tensor.clone()
+            if index in draft_index:
+                state[name.replace(f"model.layers.{index}.", f"model.layers.{draft_index[index]}.", 1)] = tensor.clone()
         elif not (tie_embeddings and name == "lm_head.weight"):
             state[name] = tensor.clone()
     return state

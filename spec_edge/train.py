@@ -164,12 +164,12 @@ def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: 
     return items
 
 
-def make_data(args, model, tok, cfg, aux_layers, out: Path) -> list[dict]:
+def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> list[dict]:
     """Per prompt: tokens (N,), hid3 (N, 3H) float16, hlast (N, H) float16, labels (N,) = target
     argmax, n_prompt. The target (transformers, fp32) answers greedily with the chat template, in
     batches of --gen-batch prompts sorted by length (one forward per token for the whole batch:
     ~10x the throughput of one-by-one decoding on this CPU); the hidden states and argmax are
-    recorded on the way (no second pass). Cached in <out>/train_data.pt (a rerun reuses it)."""
+    recorded on the way (no second pass). Cached in --data-cache (default <out>/train_data.pt)."""
     import torch
     from tqdm import tqdm
 
@@ -182,7 +182,6 @@ def make_data(args, model, tok, cfg, aux_layers, out: Path) -> list[dict]:
             log(f"[train-draft] reusing {len(saved['data'])} target answers from {cache}")
             return saved["data"]
     prompts = read_prompts(args.prompts, args.max_prompts)
-    eos_ids = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     prompt_ids = [tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False) for prompt in prompts]
@@ -264,14 +263,13 @@ def train_main(argv: list[str]) -> int:
     if list(aux) != sorted(set(aux)) or not all(0 <= i < cfg.n_layers for i in aux):
         raise ConfigError(f"--aux-layers {list(aux)} must be three distinct ascending layers of the "
                           f"{cfg.n_layers}-layer target")
-    data = make_data(args, model, tok, cfg, aux, out)
+    eos = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+    data = make_data(args, model, tok, aux, eos, out)
     target_state = {name: t.detach().float() for name, t in model.state_dict().items()}
     if "lm_head.weight" not in target_state or cfg.tie_embeddings:
         target_state["lm_head.weight"] = target_state["model.embed_tokens.weight"]
-    embed = target_state["model.embed_tokens.weight"]
     hf_config = model.config.to_dict()
     del model
-    eos = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     if args.kind == "draft":
         from .distill import train_draft_model
 
