@@ -61,6 +61,8 @@ def per_layer_module(inner):
     """The Transformer with one cache input per layer: forward(tokens, position, k_0..k_L-1, v_0..v_L-1)."""
     import torch
 
+    from spec_edge import model as model_mod
+
     class PerLayer(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -70,13 +72,7 @@ def per_layer_module(inner):
             t, n_layers = self.inner, len(caches) // 2
             seq, cache_len = tokens.shape[1], caches[0].shape[1]
             x = t.model.embed_tokens(tokens[0])
-            positions = position + torch.arange(seq, dtype=torch.int64)
-            freqs = positions.float()[:, None] * t.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos(), emb.sin()
-            cache_ok = (torch.arange(cache_len, dtype=torch.int64) < position).expand(seq, cache_len)
-            causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-            mask = torch.where(torch.cat((cache_ok, causal), 1), 0.0, torch.finfo(torch.float32).min)
+            cos, sin, mask = model_mod.rope_and_mask(t.inv_freq, position, seq, cache_len, x.dtype)
             k_news, v_news = [], []
             for i, layer in enumerate(t.model.layers):
                 x, k_new, v_new = layer(x, cos, sin, caches[i], caches[n_layers + i], mask)

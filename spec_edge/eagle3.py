@@ -280,7 +280,7 @@ def head_class(hcfg: HeadConfig):
     import torch
     from torch import nn
 
-    from .model import MLP, Attention, RMSNorm, rope_inv_freq, rotate_half
+    from .model import MLP, Attention, RMSNorm, rope_and_mask, rope_inv_freq, rotate_half
 
     mcfg = hcfg.as_model_config()
 
@@ -328,13 +328,7 @@ def head_class(hcfg: HeadConfig):
             """The decoder layer over seq rows at positions position.. (causal, after the cache rows
             < position): h' (seq, H) before the final norm, k_new, v_new (Hkv, seq, D)."""
             cache_len = k_cache.shape[2]
-            positions = position + torch.arange(seq, dtype=torch.int64)
-            freqs = positions.float()[:, None] * self.inv_freq[None, :]
-            rot = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = rot.cos(), rot.sin()
-            cache_ok = (torch.arange(cache_len, dtype=torch.int64) < position).expand(seq, cache_len)
-            causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-            mask = torch.where(torch.cat((cache_ok, causal), dim=1), 0.0, torch.finfo(h.dtype).min)
+            cos, sin, mask = rope_and_mask(self.inv_freq, position, seq, cache_len, h.dtype)
             x, residual = self.layer_inputs(emb, h)
             attn, k_new, v_new = self.midlayer.self_attn(x, cos, sin, k_cache[0], v_cache[0], mask)
             h = residual + attn

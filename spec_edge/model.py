@@ -51,6 +51,20 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
+def rope_and_mask(inv_freq: torch.Tensor, position: torch.Tensor, seq: int, cache_len: int,
+                  mask_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cos, sin) (T, D) float32 for positions position..position+T-1, and the additive mask
+    (T, S + T) float32: cache rows < position, causal among the T new rows, finfo(mask_dtype).min
+    elsewhere. Shared by the target graphs and the head graphs (the cache-then-new key order)."""
+    positions = position + torch.arange(seq, dtype=torch.int64)  # (T,)
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cache_ok = (torch.arange(cache_len, dtype=torch.int64) < position).expand(seq, cache_len)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    allowed = torch.cat((cache_ok, causal), dim=1)  # (T, S + T)
+    return emb.cos(), emb.sin(), torch.where(allowed, 0.0, torch.finfo(mask_dtype).min)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -153,14 +167,8 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         cache_len = k_cache.shape[2]
         x = self.model.embed_tokens(tokens[0])  # (T, hidden)
-        positions = position + torch.arange(seq, dtype=torch.int64)  # (T,)
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # (T, D)
-        cache_ok = (torch.arange(cache_len, dtype=torch.int64) < position).expand(seq, cache_len)
-        causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-        allowed = torch.cat((cache_ok, causal), dim=1)  # (T, S + T)
-        mask = torch.where(allowed, 0.0, torch.finfo(x.dtype).min).to(x.dtype)
+        cos, sin, mask = rope_and_mask(self.inv_freq, position, seq, cache_len, x.dtype)
+        cos, sin, mask = cos.to(x.dtype), sin.to(x.dtype), mask.to(x.dtype)  # (T, D), (T, D), (T, S + T)
         k_news, v_news, hiddens = [], [], []
         for i, layer in enumerate(self.model.layers):
             x, k_new, v_new = layer(x, cos, sin, k_cache[i], v_cache[i], mask)
