@@ -37,7 +37,7 @@ from typing import Any
 from . import io_names, memory
 from .config import MODEL_PRESETS, Config, ConfigError, ModelConfig, load
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: engines of export format 2 (one cache input per layer)
 MANIFEST = "manifest.json"
 Progress = Callable[[str], None]
 # config keys an engine is built for; any difference means the engine must be rebuilt

@@ -29,7 +29,7 @@ from pathlib import Path
 from . import io_names
 from .config import Config, ConfigError, ModelConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
 ALIGN = 4096
 Progress = Callable[[str], None]
 
@@ -263,20 +263,23 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     from . import model as model_mod
 
     layers = n_layers or model_cfg.n_layers
-    module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
-                             hidden_layers=hidden_layers)
+    prefill = kind == "prefill"
+    inner = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
+                            hidden_layers=hidden_layers)
+    module = model_mod.LayerCaches(inner, prefill).eval()
     k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
     # a symbolic T is traced at width 4 (torch.export specialises dimensions of example size 0 or 1)
-    args = (torch.zeros(1, width or 4, dtype=torch.int64), torch.tensor([0]), k_cache, v_cache)
-    inputs = list(io_names.GRAPH_INPUTS)
-    if kind == "prefill":
+    args = (torch.zeros(1, width or 4, dtype=torch.int64), torch.tensor([0]))
+    if prefill:
         args = args + (torch.tensor([width - 1]),)
-        inputs.append(io_names.LAST_INDEX)
+    args = args + tuple(layer.clone() for layer in (*k_cache, *v_cache))  # one (Hkv, S, D) input per layer
+    inputs = io_names.graph_inputs(layers, prefill)
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
     dynamic_shapes = None
     if width == 0:
         tokens_dim = torch.export.Dim("T", min=1, max=max_context)
-        dynamic_shapes = {"tokens": {1: tokens_dim}, "position": None, "k_cache": None, "v_cache": None}
+        dynamic_shapes = torch.export.ShapesCollection()  # by tensor: forward(tokens, position, *rest)
+        dynamic_shapes[args[0]] = {1: tokens_dim}
     graph = trace(module, args, inputs, outputs, dynamic_shapes)
     if width == 0:
         check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
@@ -336,9 +339,10 @@ def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int)
         return [d.dim_value if d.HasField("dim_value") else "T" for d in value.type.tensor_type.shape.dim]
 
     layers, heads, _, head_dim = cache_shape
-    want = {io_names.TOKENS: [1, "T"], io_names.POSITION: [1], io_names.K_CACHE: list(cache_shape),
-            io_names.V_CACHE: list(cache_shape), io_names.LOGITS: ["T", vocab],
+    layer_shape = list(cache_shape[1:])
+    want = {io_names.TOKENS: [1, "T"], io_names.POSITION: [1], io_names.LOGITS: ["T", vocab],
             io_names.K_NEW: [layers, heads, "T", head_dim], io_names.V_NEW: [layers, heads, "T", head_dim]}
+    want.update({name: layer_shape for name in io_names.cache_inputs(layers)})
     have = {v.name: dims(v) for v in list(graph.graph.input) + list(graph.graph.output)}
     wrong = {k: have.get(k) for k, v in want.items() if have.get(k) != v}
     if wrong:

@@ -8,8 +8,13 @@ L = layers, Hkv = KV heads, S = max context (cache length), D = head dim, T = gr
 TOKENS = "tokens"            # (1, T) int64   token ids to process
 POSITION = "position"        # (1,)   int64   position of tokens[0, 0]; cache rows >= position are ignored
 LAST_INDEX = "last_index"    # (1,)   int64   prefill only: row of the last real token in the padded chunk
-K_CACHE = "k_cache"          # (L, Hkv, S, D) resident key cache (read only inside the graph)
-V_CACHE = "v_cache"          # (L, Hkv, S, D) resident value cache
+# The target's resident cache is one (L, Hkv, S, D) array per K and V on the caller's side; the
+# graphs take it one layer per input, so each binds a view of its layer with no copy (a single
+# (L, ...) input would be sliced per layer inside the graph, a copy of the whole cache per call).
+K_CACHE_PREFIX = "k_cache_"  # k_cache_<i>: (Hkv, S, D) layer i of the resident key cache (read only)
+V_CACHE_PREFIX = "v_cache_"  # v_cache_<i>: (Hkv, S, D) layer i of the resident value cache
+K_CACHE = "k_cache"          # head graphs (EAGLE-3, P-EAGLE): (1, Hkv, S, D) the head's own cache
+V_CACHE = "v_cache"
 
 LOGITS = "logits"            # (T, V) float32 for step/verify graphs, (1, V) for prefill graphs
 K_NEW = "k_new"              # (L, Hkv, T, D) keys of the processed tokens; the caller writes them
@@ -20,9 +25,25 @@ HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers t
 EMBED_TABLE = "embed_table"  # (V, hidden) EAGLE-3 head input: the target's token embedding, bound by pointer
 HIDDEN_OUT = "hidden_out"    # (1, hidden) EAGLE-3 head output: its own hidden state for the next draft step
 
-GRAPH_INPUTS = (TOKENS, POSITION, K_CACHE, V_CACHE)
-PREFILL_INPUTS = (TOKENS, POSITION, LAST_INDEX, K_CACHE, V_CACHE)
 GRAPH_OUTPUTS = (LOGITS, K_NEW, V_NEW)
+
+
+def k_cache(layer: int) -> str:
+    return f"{K_CACHE_PREFIX}{layer}"
+
+
+def v_cache(layer: int) -> str:
+    return f"{V_CACHE_PREFIX}{layer}"
+
+
+def cache_inputs(n_layers: int) -> list[str]:
+    """The per-layer cache inputs of a target graph, in input order: k_cache_0.., then v_cache_0.."""
+    return [k_cache(i) for i in range(n_layers)] + [v_cache(i) for i in range(n_layers)]
+
+
+def graph_inputs(n_layers: int, prefill: bool = False) -> list[str]:
+    """Input names, in order, of a target graph (forward(tokens, position, [last_index], *caches))."""
+    return [TOKENS, POSITION] + ([LAST_INDEX] if prefill else []) + cache_inputs(n_layers)
 
 
 def graph_file(kind: str, width: int) -> str:

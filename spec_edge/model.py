@@ -3,8 +3,8 @@
     forward(tokens (1, T), position (1,), k_cache (L, Hkv, S, D), v_cache) -> logits, k_new, v_new
 
 One module serves every graph shape: prefill chunk T=C, verify T=k+1, step T=1. The cache is
-read, never written, inside the graph: keys of the new tokens are concatenated after the full cache
-(a static (S + T) axis) and a mask hides cache rows >= position. The caller writes k_new / v_new
+read, never written, inside the graph: attention scores over the full cache and over the new
+tokens are joined (a static (S + T) axis) and a mask hides cache rows >= position. The caller writes k_new / v_new
 into its resident cache at [position, position + n_valid). No shape depends on a value, so every
 tensor of the exported graph is static.
 
@@ -30,7 +30,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(...) rather than x * rsqrt(...): the form ONNX Runtime fuses into one
+        # SimplifiedLayerNormalization (6 ops -> 1; docs/bench.md, "KV-cache layout")
+        x32 = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -98,15 +100,18 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k_new = k * cos + rotate_half(k) * sin
         v_new = v
-        keys = torch.cat((k_cache, k_new), dim=1)    # (Hkv, S + T, D)
-        values = torch.cat((v_cache, v_new), dim=1)  # (Hkv, S + T, D)
+        # attention in two parts, cache rows and new rows, so the cache is never concatenated with
+        # the new keys/values (that would copy the whole cache on every call): only the scores are
+        # joined, and P @ V = P_cache @ V_cache + P_new @ V_new
         group = self.n_heads // self.n_kv_heads
-        q = q.reshape(self.n_kv_heads, group * seq, self.head_dim)  # (Hkv, G*T, D)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * (1.0 / math.sqrt(self.head_dim))
-        scores = scores.view(self.n_kv_heads, group, seq, -1) + mask  # (Hkv, G, T, S + T)
-        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-        out = torch.matmul(probs.view(self.n_kv_heads, group * seq, -1), values)  # (Hkv, G*T, D)
-        out = out.view(self.n_heads, seq, self.head_dim).transpose(0, 1).reshape(seq, -1)
+        q = q.reshape(self.n_kv_heads, group * seq, self.head_dim) * (1.0 / math.sqrt(self.head_dim))
+        s_cache = torch.matmul(q, k_cache.transpose(1, 2))  # (Hkv, G*T, S)
+        s_new = torch.matmul(q, k_new.transpose(1, 2))      # (Hkv, G*T, T)
+        scores = torch.cat((s_cache, s_new), -1).view(self.n_kv_heads, group, seq, -1) + mask  # (Hkv, G, T, S + T)
+        probs = torch.softmax(scores.float(), dim=-1).to(v_new.dtype).view(self.n_kv_heads, group * seq, -1)
+        cache_len = k_cache.shape[1]
+        out = torch.matmul(probs[..., :cache_len], v_cache) + torch.matmul(probs[..., cache_len:], v_new)
+        out = out.view(self.n_heads, seq, self.head_dim).transpose(0, 1).reshape(seq, -1)  # (T, H*D)
         return self.o_proj(out), k_new, v_new
 
 
@@ -163,9 +168,10 @@ class Transformer(nn.Module):
         return torch.matmul(h, weight.t()).float()
 
     def forward(self, tokens, position, k_cache, v_cache, last_index=None):
-        # tokens (1, T) int64; position (1,) int64; k_cache/v_cache (L, Hkv, S, D); last_index (1,)
+        # tokens (1, T) int64; position (1,) int64; last_index (1,) int64
+        # k_cache/v_cache: (L, Hkv, S, D), or a sequence of L (Hkv, S, D) layers (the exported graphs)
         seq = tokens.shape[1]
-        cache_len = k_cache.shape[2]
+        cache_len = k_cache[0].shape[1]
         x = self.model.embed_tokens(tokens[0])  # (T, hidden)
         cos, sin, mask = rope_and_mask(self.inv_freq, position, seq, cache_len, x.dtype)
         cos, sin, mask = cos.to(x.dtype), sin.to(x.dtype), mask.to(x.dtype)  # (T, D), (T, D), (T, S + T)
@@ -185,6 +191,21 @@ class Transformer(nn.Module):
         if self.hidden_layers:
             outputs = outputs + (torch.cat(hiddens, dim=-1),)  # (T, n_hidden * hidden)
         return outputs
+
+
+class LayerCaches(nn.Module):
+    """The exported form of a Transformer: forward(tokens, position, [last_index], k_cache_0 ..
+    k_cache_{L-1}, v_cache_0 .. v_cache_{L-1}), one (Hkv, S, D) input per layer (io_names.py), so the
+    caller binds views of its (L, Hkv, S, D) cache and no graph slices it (a copy per call)."""
+
+    def __init__(self, inner: Transformer, prefill: bool):
+        super().__init__()
+        self.inner, self.prefill = inner, prefill
+
+    def forward(self, tokens, position, *rest):
+        last_index, caches = (rest[0], rest[1:]) if self.prefill else (None, rest)
+        n_layers = len(caches) // 2
+        return self.inner(tokens, position, caches[:n_layers], caches[n_layers:], last_index)
 
 
 def empty_cache(cfg: ModelConfig, max_context: int, n_layers: int | None = None,

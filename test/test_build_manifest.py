@@ -8,7 +8,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from spec_edge import build, export, memory
+from spec_edge import build, export, io_names, memory
 from spec_edge.backends.onnxruntime import cpu_session
 from spec_edge.config import Config, ConfigError, from_params, load
 
@@ -43,8 +43,8 @@ def write_graph(path: Path, width, weights_file: str = "weights.bin", seed: int 
     dim = "T" if width is None else width
     inputs = [helper.make_tensor_value_info("tokens", TensorProto.INT64, [1, dim]),
               helper.make_tensor_value_info("position", TensorProto.INT64, [1]),
-              helper.make_tensor_value_info("k_cache", TensorProto.BFLOAT16, [2, 1, 64, 8]),
-              helper.make_tensor_value_info("v_cache", TensorProto.BFLOAT16, [2, 1, 64, 8])]
+              *(helper.make_tensor_value_info(name, TensorProto.BFLOAT16, [1, 64, 8])
+                for name in io_names.cache_inputs(2))]
     if prefill:
         inputs.append(helper.make_tensor_value_info("last_index", TensorProto.INT64, [1]))
     weight = numpy_helper.from_array(np.random.default_rng(seed).standard_normal((64, 16)).astype(np.float32), "w")
@@ -533,7 +533,7 @@ def test_build_engine_drives_the_documented_api(tmp_path, monkeypatch):
     assert fake.log["flags"] == 1 << 1  # STRONGLY_TYPED only: precision from the ONNX
     assert fake.log["workspace"] == 123
     assert [p["tokens"] for p in fake.log["profiles"]] == [((1, w), (1, w), (1, w)) for w in (1, 5, 16)]
-    assert all(p["k_cache"] == ((2, 1, 64, 8),) * 3 for p in fake.log["profiles"])
+    assert all(p[name] == ((1, 64, 8),) * 3 for p in fake.log["profiles"] for name in io_names.cache_inputs(2))
     assert info["profiles"] == {"1": 0, "5": 1, "16": 2} and info["context_memory"] == 1002
     assert (tmp_path / "t.engine").read_bytes() == b"ENGINE"
     assert fake.log["cache_in"] == b"" and cache.read_bytes() == b"+tuned"
@@ -604,8 +604,8 @@ def test_dynamic_export_runs_every_width(tmp_path):
     for width in (1, 5, 16):
         tokens = torch.randint(0, 64, (1, width))
         position = torch.tensor([7])
-        got = session.run(None, {"tokens": tokens.numpy(), "position": position.numpy(),
-                                 "k_cache": k_cache.numpy(), "v_cache": v_cache.numpy()})
+        feeds = dict(zip(io_names.cache_inputs(2), [*k_cache.numpy(), *v_cache.numpy()]))  # per-layer views
+        got = session.run(None, {"tokens": tokens.numpy(), "position": position.numpy(), **feeds})
         with torch.no_grad():
             want = module(tokens, position, k_cache, v_cache)
         assert got[0].shape == (width, 64) and got[1].shape == (2, 1, width, 8)

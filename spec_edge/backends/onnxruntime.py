@@ -1,7 +1,8 @@
 """ONNX Runtime on the CPU: runs the exported ONNX files as they are (the embedded default backend).
 
 State, allocated once per runner:
-  k_cache, v_cache   (L, Hkv, S, D) float32  resident cache, bound to every session by pointer
+  k_cache, v_cache   (L, Hkv, S, D) float32  resident cache, bound to every session by pointer,
+                                             one view per layer (inputs k_cache_<i>, v_cache_<i>)
   per graph: tokens (1, T) int64, position (1,), logits (T, V), k_new / v_new (L, Hkv, T, D)
 Inputs and outputs are bound with IO binding to these numpy buffers, so a call copies nothing but
 the new keys/values (T rows per layer) into the cache. All sessions of the process share ONNX
@@ -142,8 +143,9 @@ class OrtRunner(Runner):
         value = ort.OrtValue.ortvalue_from_numpy
         bind.bind_ortvalue_input(io_names.TOKENS, value(graph.tokens))
         bind.bind_ortvalue_input(io_names.POSITION, value(graph.position))
-        bind.bind_ortvalue_input(io_names.K_CACHE, value(self.k_cache))
-        bind.bind_ortvalue_input(io_names.V_CACHE, value(self.v_cache))
+        for layer in range(self.n_layers):  # views of the resident cache, one per layer: no copy
+            bind.bind_ortvalue_input(io_names.k_cache(layer), value(self.k_cache[layer]))
+            bind.bind_ortvalue_input(io_names.v_cache(layer), value(self.v_cache[layer]))
         if prefill:
             bind.bind_ortvalue_input(io_names.LAST_INDEX, value(graph.last_index))
         bind.bind_ortvalue_output(io_names.LOGITS, value(graph.logits))

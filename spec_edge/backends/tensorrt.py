@@ -1,7 +1,8 @@
 """TensorRT on the device: the engines `spec-edge build` made, run around a resident KV cache.
 
 State, allocated once per runner (torch CUDA tensors, bound to TensorRT by name and address):
-  k_cache, v_cache   (L, Hkv, S, D) graphs.dtype   resident cache; never leaves the device
+  k_cache, v_cache   (L, Hkv, S, D) graphs.dtype   resident cache; never leaves the device; bound
+                                                    one layer view per input (k_cache_<i>, v_cache_<i>)
   per width T:       tokens (1, T) int64, position (1,) int64, [last_index (1,) int64: static prefill]
                      logits (T, V) float32 [(1, V) static prefill], k_new / v_new (L, Hkv, T, D),
                      index (T,) int64 = position + arange(T), ids (T,) int64 = argmax(logits)
@@ -143,9 +144,15 @@ class TensorRTRunner(Runner):
                                     f"GPU?): rebuild with `spec-edge build`")
             self.engines[name] = engine
         first = next(iter(self.engines.values()))
-        cache_shape = tuple(first.get_tensor_shape(io_names.K_CACHE))
+        n_layers = sum(first.get_tensor_name(i).startswith(io_names.K_CACHE_PREFIX)
+                       for i in range(first.num_io_tensors))
+        if n_layers == 0:
+            raise ManifestError(f"{self.directory}: the engines have no per-layer cache inputs "
+                                f"({io_names.k_cache(0)}, ...): built from an older export; rebuild with "
+                                f"`spec-edge build`")
+        cache_shape = (n_layers,) + tuple(first.get_tensor_shape(io_names.k_cache(0)))  # (L, Hkv, S, D)
         self.n_layers, n_kv, self.max_context, head_dim = cache_shape
-        self.cache_dtype = _torch_dtype(trt, torch, first.get_tensor_dtype(io_names.K_CACHE))
+        self.cache_dtype = _torch_dtype(trt, torch, first.get_tensor_dtype(io_names.k_cache(0)))
         self.vocab_size = int(first.get_tensor_shape(io_names.LOGITS)[-1])
         with torch.cuda.stream(self.stream):
             if _parent is None:
@@ -212,9 +219,11 @@ class TensorRTRunner(Runner):
             host_ids=torch.zeros((shape(io_names.LOGITS)[0],), dtype=torch.int64).pin_memory(),
             staged=torch.cuda.Event())
         buffers = {io_names.TOKENS: call.tokens, io_names.POSITION: call.position,
-                   io_names.LAST_INDEX: call.last_index, io_names.K_CACHE: self.k_cache,
-                   io_names.V_CACHE: self.v_cache, io_names.LOGITS: call.logits,
+                   io_names.LAST_INDEX: call.last_index, io_names.LOGITS: call.logits,
                    io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new}
+        for layer in range(self.n_layers):  # (Hkv, S, D) views of the resident cache: contiguous, no copy
+            buffers[io_names.k_cache(layer)] = self.k_cache[layer]
+            buffers[io_names.v_cache(layer)] = self.v_cache[layer]
         for name in names:
             buffer = buffers.get(name)
             if buffer is None:
