@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any, Callable
 
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k")
@@ -66,11 +67,26 @@ class GenerateClient:
                                f"within {timeout} s")
         return future.result()
 
-    def wait(self, timeout: float = 30.0) -> None:
+    def wait(self, timeout: float = 30.0, ping_every: float = 1.0) -> None:
+        """Until the node has answered this client once (or TimeoutError).
+
+        wait_for_service only proves the request path: Fast DDS can drop a reply the server sends
+        before its reply writer has matched this client's new reader, and a call would then wait
+        forever. So after the service appears, an empty request (refused at once by validation,
+        no generation) is resent every ping_every seconds until one answer arrives."""
+        import rclpy
+        name = self.node.resolve_service_name(self.service.srv_name)
+        deadline = time.monotonic() + timeout
         if not self.service.wait_for_service(timeout_sec=timeout):
-            name = self.node.resolve_service_name(self.service.srv_name)
             raise TimeoutError(f"service {name} did not appear within {timeout} s; "
                                "is the node running (same ROS_DOMAIN_ID)?")
+        while time.monotonic() < deadline:
+            ping = self.service.call_async(self.srv_type.Request())
+            rclpy.spin_until_future_complete(self.node, ping, timeout_sec=min(ping_every, deadline - time.monotonic()))
+            if ping.done():
+                return
+            self.service.remove_pending_request(ping)
+        raise TimeoutError(f"service {name} appeared but sent no reply within {timeout} s")
 
     def call(self, timeout: float | None = None, **fields: Any) -> Any:
         """One service call; returns the Generate response message."""

@@ -296,6 +296,13 @@ class Engine:
                                f"use one of those or re-export with graphs.k_values including {k}")
         return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
 
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise RequestError for a request generate() would refuse on its fields, without running
+        anything (a tokenization): the node answers such requests before they take a queue slot."""
+        self.resolve(request)
+        _check_stop(request.stop)
+        self.prompt_ids(request)
+
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
         """Serve one request. Raises RequestError for a bad request (nothing is run).

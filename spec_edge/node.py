@@ -428,14 +428,16 @@ def make_node_class():
         # -- endpoints ----------------------------------------------------------------------------
 
         def _run_job(self, msg: Any, **job_kwargs) -> Outcome:
-            worker, cfg = self.worker, self.cfg
-            if not self._active or worker is None or cfg is None:
+            worker, cfg, engine = self.worker, self.cfg, self.engine
+            if not self._active or worker is None or cfg is None or engine is None:
                 state = self.state_name()
                 return Outcome.refused(f"the node is {state}, not active: it serves once a lifecycle "
                                        "manager configures and activates it")
             from spec_edge.engine import RequestError
             try:
                 request = to_engine_request(msg)
+                # refused at once, not after waiting in the queue (and without taking a slot of it)
+                engine.validate(request)
             except RequestError as err:
                 return Outcome.refused(str(err))
             job = Job(request, **job_kwargs)

@@ -158,8 +158,11 @@ def test_load_eight_clients(server, module_env):
 def test_busy_only_past_the_queue_limit(server, module_env):
     limit = 8  # serve.queue_limit of the test profile (the default)
     requests = [{"prompt": f"{PROMPT} ({i})", "max_new_tokens": 24} for i in range(limit + 4)]
-    answers = run_client(module_env, {"mode": "burst", "requests": requests})
+    answers = run_client(module_env, {"mode": "burst", "requests": requests + [{"prompt": "  "}]})
     assert all(a is not None for a in answers), "a request got no answer"
+    # a bad request sent into the full queue is refused for what is wrong with it, not as busy
+    bad = answers.pop()
+    assert not bad["success"] and "prompt is empty" in bad["message"], bad
     busy = [a for a in answers if not a["success"]]
     served = [a for a in answers if a["success"]]
     assert all(a["message"].startswith("busy") and "queue_limit" in a["message"] for a in busy), busy
