@@ -6,7 +6,7 @@ load of this shared machine hits all alike; ratios are taken within each prompt'
     .venv/bin/python scripts/measure_drafters.py --head heads/smollm2-135m-eagle3 \
         --medusa-head heads/smollm2-135m-medusa --peagle-head heads/smollm2-135m-peagle \
         --draft-model heads/smollm2-135m-draft4 --profile smollm2-135m-heads \
-        --drafters eagle3 medusa peagle draft ngram layerskip --ks 2 3 4 5 --json-out /tmp/drafters.json
+        --drafters eagle3 hybrid medusa peagle draft ngram layerskip --ks 2 3 4 5 --json-out /tmp/drafters.json
 
 Drafters whose head or model is not given are left out (with a note).
 """
@@ -26,7 +26,7 @@ from spec_edge.engine import Engine, GenerateRequest
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--head", default="", help="EAGLE-3 head folder")
+    p.add_argument("--head", default="", help="EAGLE-3 head folder (drafters eagle3 and hybrid)")
     p.add_argument("--medusa-head", default="", help="Medusa heads folder")
     p.add_argument("--peagle-head", default="", help="parallel-drafting (P-EAGLE) head folder")
     p.add_argument("--draft-model", default="", help="separate draft model (HF folder, e.g. train-draft --kind draft)")
@@ -35,13 +35,14 @@ def main() -> int:
     p.add_argument("--prompts", default="data/eval_prompts.jsonl")
     p.add_argument("--drafters", nargs="+", default=["eagle3", "ngram", "layerskip"])
     p.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4, 5])
-    p.add_argument("--other-ks", type=int, nargs="+", help="k values for drafters other than eagle3 (default --ks)")
+    p.add_argument("--other-ks", type=int, nargs="+", help="k values for drafters without a head (default --ks)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--kinds", nargs="+")
     p.add_argument("--limit", type=int, default=0, help="prompts per kind (0 = all)")
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = one per core)")
     p.add_argument("--json-out")
     args = p.parse_args()
-    given = {"eagle3": args.head, "medusa": args.medusa_head, "peagle": args.peagle_head, "draft": args.draft_model}
+    given = {"eagle3": args.head, "hybrid": args.head, "medusa": args.medusa_head, "peagle": args.peagle_head, "draft": args.draft_model}
     for name, path in given.items():
         if name in args.drafters and not path:
             print(f"[measure] {name}: no head/model given, left out", file=sys.stderr)
@@ -49,7 +50,8 @@ def main() -> int:
     cfg = Config().replace(**{"runtime.profile": args.profile, "graphs.k_values": sorted(set(args.ks) | set(args.other_ks or ())),
                               "speculative.eagle3_head": args.head, "speculative.medusa_head": args.medusa_head,
                               "speculative.peagle_head": args.peagle_head, "model.draft": args.draft_model,
-                              "speculative.drafter": "none", "speculative.k": args.ks[0]})
+                              "speculative.drafter": "none", "speculative.k": args.ks[0],
+                              "runtime.threads": args.threads})
     engine = Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
     prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if args.kinds:
@@ -63,7 +65,7 @@ def main() -> int:
                 per_kind[q["kind"]] += 1
         prompts = kept
     systems = [("none", 0)] + [(d, k) for d in args.drafters
-                               for k in (args.ks if d in ("eagle3", "medusa", "peagle") or not args.other_ks else args.other_ks)]
+                               for k in (args.ks if d in ("eagle3", "hybrid", "medusa", "peagle") or not args.other_ks else args.other_ks)]
     drafters = {d: engine._drafter(d) for d in args.drafters}
     agg = defaultdict(lambda: defaultdict(float))
     ratios = defaultdict(list)
@@ -86,9 +88,13 @@ def main() -> int:
             a["drafted"] += stats.drafted
             a["accepted"] += stats.accepted
             a["verify_calls"] += stats.verify_calls
+            a["target_calls"] += stats.verify_calls + stats.step_calls
             a["new_tokens"] += max(stats.new_tokens - 1, 0)
             a["decode_s"] += stats.total_time_s - stats.time_to_first_token_s
             a["draft_s"] += stats.draft_time_s
+            if name != "none" and hasattr(drafters[name], "proposals"):  # hybrid: drafts per source
+                for source, n in drafters[name].proposals.items():
+                    a[f"drafts_{source}"] += n
         print(f"[measure] {i + 1}/{len(prompts)} {q['kind']}: plain {base_tps:.1f} tok/s", file=sys.stderr)
     rows = []
     for (kind, name, k), a in sorted(agg.items()):
@@ -96,16 +102,24 @@ def main() -> int:
                "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
                "mean_accepted_length": (a["accepted"] + a["verify_calls"]) / a["verify_calls"] if a["verify_calls"] else None,
                "tok_s": a["new_tokens"] / a["decode_s"] if a["decode_s"] else None,
+               "tokens_per_target_call": a["new_tokens"] / a["target_calls"] if a["target_calls"] else None,
                "draft_ms_per_token": 1000 * a["draft_s"] / a["new_tokens"] if a["new_tokens"] else None,
                "speedup_median": statistics.median(ratios[(kind, name, k)]) if ratios[(kind, name, k)] else 1.0}
+        row.update({key: int(v) for key, v in a.items() if key.startswith("drafts_")})
         rows.append(row)
-    print(f"{'kind':10} {'drafter':10} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/s':>6} {'x plain':>7} {'draft ms/tok':>12}")
+    print(f"{'kind':10} {'drafter':10} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/s':>6} {'x plain':>7} {'draft ms/tok':>12} "
+          f"{'tok/call':>8}")
     for r in rows:
         def f(v, spec):
             return "-" if v is None else format(v, spec)
         print(f"{r['kind']:10} {r['drafter']:10} {r['k']:>2} {f(r['acceptance'], '.2f'):>7} "
               f"{f(r['mean_accepted_length'], '.2f'):>5} {f(r['tok_s'], '.1f'):>6} {r['speedup_median']:>7.2f} "
-              f"{f(r['draft_ms_per_token'], '.1f'):>12}")
+              f"{f(r['draft_ms_per_token'], '.1f'):>12} {f(r['tokens_per_target_call'], '.2f'):>8}")
+    for r in rows:
+        sources = {key[len("drafts_"):]: v for key, v in r.items() if key.startswith("drafts_")}
+        if sources:
+            print(f"{r['kind']:10} {r['drafter']:10} {r['k']:>2} verifies drafted by: "
+                  + ", ".join(f"{source} {n}" for source, n in sources.items()))
     print(f"exactness: {'all speculative runs == target-only greedy' if not mismatches else mismatches}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"rows": rows, "mismatches": mismatches,

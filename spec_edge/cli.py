@@ -28,7 +28,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile", help="artifact folder name under the engine dir")
     group.add_argument("--backend", choices=cfgmod.BACKENDS)
     group.add_argument("--threads", type=int, help="ONNX Runtime threads (0 = all cores)")
-    group.add_argument("--eagle3-head", help="EAGLE-3 head folder for --drafter eagle3 (speculative.eagle3_head)")
+    group.add_argument("--eagle3-head", help="EAGLE-3 head folder for --drafter eagle3 or hybrid (speculative.eagle3_head)")
     group.add_argument("--medusa-head", help="Medusa heads folder for --drafter medusa (speculative.medusa_head)")
     group.add_argument("--peagle-head", help="parallel-drafting head folder for --drafter peagle "
                        "(speculative.peagle_head)")

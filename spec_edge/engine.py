@@ -167,23 +167,28 @@ class Engine:
             return ModelDrafter(self._drafters.draft_runner)
         if name == "eagle3":
             return self._eagle3_drafter()
+        if name == "hybrid":
+            from .drafters.hybrid import HybridDrafter
+
+            return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
+                                 self._eagle3_drafter("hybrid"))
         if name == "medusa":
             return self._medusa_drafter()
         if name == "peagle":
             return self._peagle_drafter()
         raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
 
-    def _eagle3_drafter(self):
+    def _eagle3_drafter(self, name: str = "eagle3"):
         from .drafters.eagle3 import Eagle3Drafter
 
         head = self._drafters.eagle3_head
         if head is None:
             head_path = self.cfg.speculative.eagle3_head
             if not head_path:
-                raise RequestError("drafter eagle3 needs an EAGLE-3 head: set speculative.eagle3_head to a head "
-                                   "folder (e.g. one made by `spec-edge train-draft`) and restart")
+                raise RequestError(f"drafter {name} needs an EAGLE-3 head: set speculative.eagle3_head to a head "
+                                   f"folder (e.g. one made by `spec-edge train-draft`) and restart")
             if self.cfg.runtime.backend != "onnxruntime":
-                raise RequestError("the eagle3 drafter runs on the onnxruntime backend only so far")
+                raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
             from . import eagle3
             from .backends.ort_heads import OrtEagle3Head, target_embedding
 
