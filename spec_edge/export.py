@@ -264,9 +264,9 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
 
     layers = n_layers or model_cfg.n_layers
     prefill = kind == "prefill"
-    inner = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
-                            hidden_layers=hidden_layers)
-    module = model_mod.LayerCaches(inner, prefill).eval()
+    module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
+                             hidden_layers=hidden_layers, cls=model_mod.LayerCaches)
+    module.prefill = prefill
     k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
     # a symbolic T is traced at width 4 (torch.export specialises dimensions of example size 0 or 1)
     args = (torch.zeros(1, width or 4, dtype=torch.int64), torch.tensor([0]))

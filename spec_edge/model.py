@@ -193,19 +193,18 @@ class Transformer(nn.Module):
         return outputs
 
 
-class LayerCaches(nn.Module):
+class LayerCaches(Transformer):
     """The exported form of a Transformer: forward(tokens, position, [last_index], k_cache_0 ..
     k_cache_{L-1}, v_cache_0 .. v_cache_{L-1}), one (Hkv, S, D) input per layer (io_names.py), so the
-    caller binds views of its (L, Hkv, S, D) cache and no graph slices it (a copy per call)."""
+    caller binds views of its (L, Hkv, S, D) cache and no graph slices it (a copy per call). A
+    subclass, not a wrapper, so parameter (= initializer) names stay Hugging Face's."""
 
-    def __init__(self, inner: Transformer, prefill: bool):
-        super().__init__()
-        self.inner, self.prefill = inner, prefill
+    prefill = False  # True: last_index follows position (the prefill graphs)
 
     def forward(self, tokens, position, *rest):
         last_index, caches = (rest[0], rest[1:]) if self.prefill else (None, rest)
         n_layers = len(caches) // 2
-        return self.inner(tokens, position, caches[:n_layers], caches[n_layers:], last_index)
+        return super().forward(tokens, position, caches[:n_layers], caches[n_layers:], last_index)
 
 
 def empty_cache(cfg: ModelConfig, max_context: int, n_layers: int | None = None,
@@ -215,9 +214,10 @@ def empty_cache(cfg: ModelConfig, max_context: int, n_layers: int | None = None,
 
 
 def build(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], n_layers: int | None = None,
-          dtype: torch.dtype = torch.float32, hidden_layers: tuple[int, ...] = ()) -> Transformer:
-    """A Transformer in eval mode with the checkpoint's weights (only the layers it has)."""
-    model = Transformer(cfg, n_layers, hidden_layers)
+          dtype: torch.dtype = torch.float32, hidden_layers: tuple[int, ...] = (),
+          cls: type[Transformer] = Transformer) -> Transformer:
+    """A Transformer (or LayerCaches) in eval mode with the checkpoint's weights (only the layers it has)."""
+    model = cls(cfg, n_layers, hidden_layers)
     wanted = model.state_dict()
     missing = [name for name in wanted if name not in state_dict]
     if missing:

@@ -404,6 +404,10 @@ def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: 
             return matched[name]
 
         report = rewrite_model(model, blocks, accuracy_level=accuracy_level)
+        if report.q4_layers == 0:  # never hand out fp32 graphs labelled q4
+            raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {gguf_path.name} "
+                                f"(initializer names should be Hugging Face's, e.g. "
+                                f"model.layers.0.self_attn.q_proj.weight); re-export the graphs")
         totals.q4_layers = max(totals.q4_layers, report.q4_layers)
         totals.q8_layers = max(totals.q8_layers, report.q8_layers)
         export.save(model, dst / f"{stem}.onnx", store)

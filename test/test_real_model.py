@@ -72,3 +72,28 @@ def test_cli_bad_request_exits_2_with_message():
                           "--engine-dir", str(REPO / "engines")], capture_output=True, text=True, timeout=600,
                          cwd=REPO)
     assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_q4_carries_every_linear_layer(engine):
+    """The 4-bit path from the real export: every linear weight of the target becomes a MatMulNBits
+    node with the GGUF's own Q4_1 blocks (none silently left fp32), and the logits stay the fp32
+    graphs' (same weights; fp32 activations here, so only the summation order differs)."""
+    import onnx
+
+    from spec_edge import quantize
+    from spec_edge.backends.onnxruntime import OrtRunner
+    from spec_edge.weights import embedded_gguf_path
+
+    q4_dir = quantize.ensure_q4(engine.graph_dir, embedded_gguf_path(), accuracy_level=0,
+                                progress=lambda m: print(m, file=sys.stderr))
+    step = onnx.load(str(q4_dir / "step_1.onnx"), load_external_data=False)
+    n_layers = engine.model_cfg.n_layers
+    nbits = [n for n in step.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 7 * n_layers  # q, k, v, o, gate, up, down per layer
+    assert not any(n.op_type == "Gemm" for n in step.graph.node)
+    q4 = OrtRunner(q4_dir)
+    ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
+    want = engine.target.prefill(ids, 0)
+    got = q4.prefill(ids, 0)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert int(np.argmax(got)) == int(np.argmax(want))
