@@ -23,6 +23,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -307,7 +308,9 @@ def trace(module, args: tuple, inputs: list[str], outputs: list[str], dynamic_sh
         level = quiet.level
         quiet.setLevel(logging.ERROR)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                # torch's own pytree deprecation notice, raised for forward(*caches): not the user's to act on
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
                 torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
                                   input_names=inputs, output_names=outputs, external_data=True,
                                   dynamic_shapes=dynamic_shapes, optimize=True, verbose=False)
