@@ -80,9 +80,9 @@ class GenerateClient:
         if not self.service.wait_for_service(timeout_sec=timeout):
             raise TimeoutError(f"service {name} did not appear within {timeout} s; "
                                "is the node running (same ROS_DOMAIN_ID)?")
-        while time.monotonic() < deadline:
+        while (left := deadline - time.monotonic()) > 0:  # a negative timeout would make rclpy spin forever
             ping = self.service.call_async(self.srv_type.Request())
-            rclpy.spin_until_future_complete(self.node, ping, timeout_sec=min(ping_every, deadline - time.monotonic()))
+            rclpy.spin_until_future_complete(self.node, ping, timeout_sec=min(ping_every, left))
             if ping.done():
                 return
             self.service.remove_pending_request(ping)

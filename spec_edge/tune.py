@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import DRAFTERS
+
 
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
@@ -187,7 +189,7 @@ def machine_load() -> dict:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", help="prompt file (.jsonl with 'prompt' [and 'kind'] per line, or plain text, one "
                                      "prompt per line); default: bench/prompts.jsonl")
-    p.add_argument("--drafter", choices=("ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid"), help="default: the profile's")
+    p.add_argument("--drafter", choices=DRAFTERS[1:], help="default: the profile's")
     p.add_argument("--ks", type=int, nargs="+", help="candidate k values (default: graphs.k_values); each needs "
                                                      "a verify graph (they are exported when missing)")
     p.add_argument("--max-new-tokens", type=int, default=96)
