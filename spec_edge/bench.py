@@ -151,18 +151,31 @@ def _rss_mb() -> float:
 # spec_edge systems
 
 
-def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], progress) -> tuple[list[System], dict]:
-    """Target-only and drafter x k systems per weights variant. At temperature > 0 only target-only and
-    the profile's k (else the largest k asked) run: the temperature sweep is about acceptance."""
+def variant_label(weights: str, ort_attention: str) -> str:
+    """A spec_edge variant's name in the report: 'q4', or 'q4+graph' for the exported attention."""
+    return weights if ort_attention == "fused" else f"{weights}+{ort_attention}"
+
+
+def label_weights(label: str) -> str:
+    return label.split("+")[0]
+
+
+def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], progress,
+                 attentions: tuple[str, ...] = ("fused",)) -> tuple[list[System], dict]:
+    """Target-only and drafter x k systems per weights x ort_attention variant. At temperature > 0
+    only target-only and the profile's k (else the largest k asked) run: the temperature sweep is
+    about acceptance."""
     from .engine import Engine, GenerateRequest
 
     temp_k = cfg.speculative.k if cfg.speculative.k in ks else max(ks)
 
     systems: list[System] = []
     engines = {}
-    for w in weights:
+    for w, attention in ((w, a) for w in weights for a in attentions):
         before = _rss_mb()
-        engine = Engine.from_config(cfg.replace(**{"graphs.weights": w, "speculative.drafter": "none"}), progress)
+        engine = Engine.from_config(cfg.replace(**{"graphs.weights": w, "graphs.ort_attention": attention,
+                                                   "speculative.drafter": "none"}), progress)
+        w = variant_label(w, attention)
         engines[w] = engine
         plain_name = f"spec_edge[{w}] target-only"
 
@@ -388,7 +401,8 @@ def main(cfg, args, progress) -> int:
              f"weights {weights}, temperatures {temperatures}, {repeats} repeat(s), max_new_tokens {max_new}; "
              f"load {load_start}")
     notes: list[str] = []
-    systems, engines = spec_systems(cfg, weights, list(args.drafters), ks, progress)
+    attentions = tuple(getattr(args, "ort_attention", None) or [cfg.graphs.ort_attention])
+    systems, engines = spec_systems(cfg, weights, list(args.drafters), ks, progress, attentions)
     ref_engine = engines.get("fp32") or next(iter(engines.values()))
     eos_ids = tuple(ref_engine.eos_ids)
     from .engine import GenerateRequest
@@ -448,7 +462,7 @@ def main(cfg, args, progress) -> int:
     if plot(report, png):
         progress(f"[bench] wrote {png}")
     # q4 (int8 activations) is width-dependent in ONNX Runtime's kernels: its mismatches are reported, not failed
-    return 1 if any(m["weights"] != "q4" for m in report["mismatches_spec"]) else 0
+    return 1 if any(label_weights(m["weights"]) != "q4" for m in report["mismatches_spec"]) else 0
 
 
 def summarize(systems, runs, prompts, prompt_ids, engines, costs, temperatures) -> dict:
@@ -569,7 +583,7 @@ def format_report(report: dict) -> str:
     lines += verdict(report["rows"])
     for m in report["mismatches_spec"]:
         why = (" (expected for weights q4: int8-activation kernels give verify rows other numbers than steps; "
-               "see docs/bench.md)" if m.get("weights") == "q4" else "")
+               "see docs/bench.md)" if label_weights(m.get("weights", "")) == "q4" else "")
         lines.append(f"  MISMATCH {m['system']} on {m['prompt']} (repeat {m['repeat']}): first differing token "
                      f"{m['first_diff']} vs {m['vs']}; fp32 top-2 margin {_fmt(m.get('fp32_top2_margin'), '.2e')}{why}")
     for m in report["mismatches_peer"]:

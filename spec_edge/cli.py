@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
     p.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (default: 0; --full: 0 0.7 1)")
     p.add_argument("--weights", nargs="+", choices=cfgmod.WEIGHTS, help="graphs.weights variants to measure")
+    p.add_argument("--ort-attention", nargs="+", choices=cfgmod.ORT_ATTENTION,
+                   help="graphs.ort_attention variants to measure (default: the profile's); rows of the "
+                        "exported attention are labelled <weights>+graph")
     p.add_argument("--peers", nargs="+", choices=("transformers", "transformers-early-exit", "llama.cpp", "none"),
                    help="peer systems (default: transformers llama.cpp; skipped with a note when not installed)")
     p.set_defaults(func=cmd_bench)

@@ -28,6 +28,7 @@ EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
 BACKENDS = ("onnxruntime", "tensorrt")
 WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
+ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,11 @@ class GraphSection:
     # activations like llama.cpp (logits move ~1, greedy text may differ from fp32), q4_fp32act keeps
     # fp32 activations (logits within 1e-4 of fp32, less speed-up)
     weights: str = "fp32"
+    # ONNX Runtime attention: fused | graph. fused rewrites each layer's attention into one
+    # GroupQueryAttention node that writes the cache in place and reads only rows < position + T
+    # (spec_edge/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
+    # attention as it is. TensorRT builds from the exported graphs and ignores this key.
+    ort_attention: str = "fused"
 
 
 @dataclass(frozen=True)
@@ -322,6 +328,11 @@ def validate(cfg: Config) -> None:
     if g.weights != "fp32" and (cfg.runtime.backend != "onnxruntime" or g.dtype != "float32"):
         raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
                           f"runtime.backend=onnxruntime and graphs.dtype=float32")
+    if g.ort_attention not in ORT_ATTENTION:
+        raise ConfigError(f"graphs.ort_attention must be one of {', '.join(ORT_ATTENTION)}, got {g.ort_attention}")
+    if g.ort_attention == "fused" and cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
+        raise ConfigError(f"graphs.ort_attention=fused rewrites float32 graphs; with graphs.dtype={g.dtype} "
+                          f"set graphs.ort_attention: graph")
     if cfg.serve.speculate_max_queue < 0:
         raise ConfigError(f"serve.speculate_max_queue must be >= 0 (0 = always speculate), "
                           f"got {cfg.serve.speculate_max_queue}")

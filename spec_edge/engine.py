@@ -126,6 +126,10 @@ class Engine:
             target, draft_runner = tensorrt.load_runners(cfg)
         else:
             graph_dir = export.export_model(cfg, "target", graph_dir, progress)
+            if cfg.graphs.ort_attention == "fused":  # GroupQueryAttention, cache written in place
+                from . import ort_attention
+
+                graph_dir = ort_attention.for_config(cfg, graph_dir, progress)
             if cfg.graphs.weights != "fp32":  # the GGUF's 4-bit blocks in MatMulNBits (spec_edge/quantize.py)
                 from . import quantize
 
@@ -163,6 +167,10 @@ class Engine:
                 draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
                                                 self.progress)
                 check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
+                if self.cfg.graphs.ort_attention == "fused":
+                    from . import ort_attention
+
+                    draft_dir = ort_attention.for_config(self.cfg, draft_dir, self.progress)
                 self._drafters.draft_runner = load_runner(self.cfg, draft_dir)
             return ModelDrafter(self._drafters.draft_runner)
         if name == "eagle3":

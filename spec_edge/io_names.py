@@ -19,6 +19,11 @@ V_CACHE = "v_cache"
 LOGITS = "logits"            # (T, V) float32 for step/verify graphs, (1, V) for prefill graphs
 K_NEW = "k_new"              # (L, Hkv, T, D) keys of the processed tokens; the caller writes them
 V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, position + n_valid)
+# graphs.attention = fused (ONNX Runtime only, spec_edge/ort_attention.py): no k_new / v_new; the
+# cache inputs are (1, Hkv, S, D) and each layer writes its T new rows in place, through an output
+# the caller binds to the same memory as the input
+K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S, D) aliases k_cache_<i>
+V_PRESENT_PREFIX = "v_present_"
 HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers the configured heads read
                              # (export.target_hidden_layers: EAGLE-3's low/mid/high, Medusa's final-norm
                              # state); an output of the target's graphs, an input of the head graphs
@@ -34,6 +39,14 @@ def k_cache(layer: int) -> str:
 
 def v_cache(layer: int) -> str:
     return f"{V_CACHE_PREFIX}{layer}"
+
+
+def k_present(layer: int) -> str:
+    return f"{K_PRESENT_PREFIX}{layer}"
+
+
+def v_present(layer: int) -> str:
+    return f"{V_PRESENT_PREFIX}{layer}"
 
 
 def cache_inputs(n_layers: int) -> list[str]:

@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from spec_edge import export, model, weights
+from spec_edge import export, model, ort_attention, weights
 from spec_edge.backends.onnxruntime import OrtRunner
 from spec_edge.config import Config, ConfigError
 
@@ -21,7 +21,7 @@ def close(got, want) -> bool:
 
 
 def test_every_exported_graph_is_static(tiny_engine):
-    files = sorted(tiny_engine.graph_dir.glob("*.onnx"))
+    files = sorted(export.artifact_dir(tiny_engine.cfg, "target").glob("*.onnx"))
     assert {f.stem for f in files} >= {"prefill_16", "step_1", "verify_2", "verify_4", "verify_5", "verify_8",
                                        "layerskip2_step_1"}
     for path in files:
@@ -36,8 +36,12 @@ def test_graphs_share_one_weights_file(tiny_engine):
     assert size < params * 1.2  # seven graphs, the weights stored once
 
 
-@pytest.mark.parametrize("variant", [{}, {"model_type": "qwen3"}, {"llama3_rope": True, "tie": True}])
-def test_onnxruntime_matches_torch(tmp_path, variant):
+@pytest.mark.parametrize("variant, attention", [({}, "graph"), ({"model_type": "qwen3"}, "graph"),
+                                                ({"llama3_rope": True, "tie": True}, "graph"),
+                                                ({}, "fused"), ({"llama3_rope": True, "tie": True}, "fused")])
+def test_onnxruntime_matches_torch(tmp_path, variant, attention):
+    """The exported graphs, and their fused-attention rewrite (GroupQueryAttention writing the cache
+    in place), against the torch model: prefill, verify, layer-skip."""
     from tiny import make_checkpoint
 
     folder = make_checkpoint(tmp_path / "m", seed=3, **variant)
@@ -46,6 +50,11 @@ def test_onnxruntime_matches_torch(tmp_path, variant):
                               "runtime.engine_dir": str(tmp_path / "e")})
     out = export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None)
     model_cfg, state, _ = weights.load(str(folder))
+    if attention == "fused":
+        out = ort_attention.ensure_fused(out, progress=lambda m: None)
+        step = onnx.load(str(out / "step_1.onnx"), load_external_data=False)
+        assert sum(n.op_type == "GroupQueryAttention" for n in step.graph.node) == model_cfg.n_layers
+        assert not any(n.op_type == "Softmax" for n in step.graph.node)  # the exported attention is gone
     reference = model.build(model_cfg, state)
     runner = OrtRunner(out)
     ids = list(range(5, 25))  # 20 tokens: prefill chunks 8 + 8 + 4 (padded)
@@ -67,6 +76,44 @@ def test_onnxruntime_matches_torch(tmp_path, variant):
     assert close(skip.forward([11], 24), want_skip.numpy())
 
 
+def test_fused_attention_to_the_end_of_the_cache(tmp_path):
+    """A padded prefill chunk that reaches past S (its padding rows land in the fused cache's spare
+    rows) and a verify call ending at S give the torch model's logits; a model with q/k norms is
+    refused by the rewrite and kept as exported (with a note) by the config path."""
+    from tiny import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "m", seed=5)
+    cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 32, "graphs.prefill_chunk": 8,
+                              "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1,
+                              "runtime.engine_dir": str(tmp_path / "e")})
+    out = ort_attention.ensure_fused(export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None),
+                                     progress=lambda m: None)
+    runner = OrtRunner(out)
+    assert runner.k_cache.shape[2] == 32 + 8  # S + one prefill chunk of room for padding
+    model_cfg, state, _ = weights.load(str(folder))
+    reference = model.build(model_cfg, state)
+    ids = [(7 * i) % 50 + 3 for i in range(28)]
+    k_cache, v_cache = model.empty_cache(model_cfg, 32)
+    with torch.no_grad():
+        want, k_new, v_new = reference(torch.tensor([ids]), torch.tensor([0]), k_cache, v_cache)
+        k_cache[:, :, :28], v_cache[:, :, :28] = k_new, v_new
+        want4, _, _ = reference(torch.tensor([[1, 2, 3, 4]]), torch.tensor([28]), k_cache, v_cache)
+    runner.prefill(ids[:3], 0)
+    got = runner.prefill(ids[3:], 3)  # chunks at 3, 11, 19, 27: the last (1 real row) pads to 34 > S
+    assert close(got, want[-1].numpy())
+    assert close(runner.k_cache[:, :, :28], k_new.numpy())
+    assert close(runner.forward([1, 2, 3, 4], 28), want4.numpy())  # rows 28..31: the last rows of S
+
+    qwen = make_checkpoint(tmp_path / "q", seed=5, model_type="qwen3")
+    qcfg = cfg.replace(**{"model.target": str(qwen), "runtime.engine_dir": str(tmp_path / "eq")})
+    qdir = export.export_model(qcfg, "target", tmp_path / "qonnx", progress=lambda m: None)
+    with pytest.raises(ort_attention.AttentionRewriteError, match="q/k norms"):
+        ort_attention.ensure_fused(qdir, progress=lambda m: None)
+    notes = []
+    assert ort_attention.for_config(qcfg, qdir, progress=notes.append) == qdir
+    assert "q/k norms" in notes[0] and "graphs.ort_attention: graph" in notes[0]
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
@@ -81,7 +128,10 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_export_is_reused_when_up_to_date(tiny_engine, tiny_cfg):
-    before = (tiny_engine.graph_dir / "manifest.json").stat().st_mtime_ns
+    exported = export.artifact_dir(tiny_cfg, "target")
+    before = [(folder / "manifest.json").stat().st_mtime_ns for folder in (exported, tiny_engine.graph_dir)]
     messages = []
-    export.export_model(tiny_cfg, "target", tiny_engine.graph_dir, progress=messages.append)
-    assert messages == [] and (tiny_engine.graph_dir / "manifest.json").stat().st_mtime_ns == before
+    assert export.export_model(tiny_cfg, "target", exported, progress=messages.append) == exported
+    assert ort_attention.ensure_fused(exported, progress=messages.append) == tiny_engine.graph_dir
+    assert messages == []
+    assert [(folder / "manifest.json").stat().st_mtime_ns for folder in (exported, tiny_engine.graph_dir)] == before

@@ -5,7 +5,10 @@ State, allocated once per runner:
                                              one view per layer (inputs k_cache_<i>, v_cache_<i>)
   per graph: tokens (1, T) int64, position (1,), logits (T, V), k_new / v_new (L, Hkv, T, D)
 Inputs and outputs are bound with IO binding to these numpy buffers, so a call copies nothing but
-the new keys/values (T rows per layer) into the cache. All sessions of the process share ONNX
+the new keys/values (T rows per layer) into the cache. Graphs with fused attention (manifest
+"attention": "fused", spec_edge/ort_attention.py) write those rows themselves: their k_present_<i>
+outputs are bound to the same (1, Hkv, cache_rows, D) views as their k_cache_<i> inputs, and the
+cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding). All sessions of the process share ONNX
 Runtime's global thread pool: with a pool per session their spinning threads fight over the cores
 (mixed step/verify decoding fell from ~40 to ~23 tok/s on 2 cores).
 """
@@ -59,8 +62,8 @@ class _Graph:
     position: np.ndarray    # (1,) int64
     last_index: np.ndarray | None  # (1,) int64, prefill only
     logits: np.ndarray      # (T, V) or (1, V) float32
-    k_new: np.ndarray       # (L, Hkv, T, D)
-    v_new: np.ndarray
+    k_new: np.ndarray | None  # (L, Hkv, T, D); None for fused attention (the graph writes the cache)
+    v_new: np.ndarray | None
     hidden: np.ndarray | None = None  # (T, 3 * hidden) EAGLE-3 graphs only
 
     def run(self) -> None:
@@ -85,9 +88,11 @@ class OrtRunner(Runner):
         self.threads = _init_thread_pool(threads)
         self._ort = ort
         cfg = self.model_cfg
+        self.fused = self.manifest.get("attention") == "fused"
+        cache_rows = int(self.manifest.get("cache_rows", self.max_context))  # fused: S + prefill chunk
         if _shared_from is None:
             self.n_layers = cfg.n_layers
-            shape = (cfg.n_layers, cfg.n_kv_heads, self.max_context, cfg.head_dim)  # (L, Hkv, S, D)
+            shape = (cfg.n_layers, cfg.n_kv_heads, cache_rows, cfg.head_dim)  # (L, Hkv, S, D)
             self.k_cache = np.zeros(shape, np.float32)
             self.v_cache = np.zeros(shape, np.float32)
             stems = {s: spec for s, spec in self.manifest["graphs"].items() if spec["kind"] != "layerskip"}
@@ -134,7 +139,8 @@ class OrtRunner(Runner):
             tokens=np.zeros((1, width), np.int64), position=np.zeros((1,), np.int64),
             last_index=np.zeros((1,), np.int64) if prefill else None,
             logits=np.zeros((1 if prefill else width, cfg.vocab_size), np.float32),
-            k_new=np.zeros(new_shape, np.float32), v_new=np.zeros(new_shape, np.float32))
+            k_new=None if self.fused else np.zeros(new_shape, np.float32),
+            v_new=None if self.fused else np.zeros(new_shape, np.float32))
         if spec.get("hidden_layers"):
             if self.hidden is None or self.hidden.shape[1] != len(spec["hidden_layers"]) * cfg.hidden_size:
                 raise BackendError(f"{path}: graphs disagree on the hidden states they return: re-export")
@@ -144,20 +150,28 @@ class OrtRunner(Runner):
         bind.bind_ortvalue_input(io_names.TOKENS, value(graph.tokens))
         bind.bind_ortvalue_input(io_names.POSITION, value(graph.position))
         for layer in range(self.n_layers):  # views of the resident cache, one per layer: no copy
-            bind.bind_ortvalue_input(io_names.k_cache(layer), value(self.k_cache[layer]))
-            bind.bind_ortvalue_input(io_names.v_cache(layer), value(self.v_cache[layer]))
+            if self.fused:  # (1, Hkv, cache_rows, D), the same memory in and out: written in place
+                k_layer, v_layer = value(self.k_cache[layer:layer + 1]), value(self.v_cache[layer:layer + 1])
+                bind.bind_ortvalue_output(io_names.k_present(layer), k_layer)
+                bind.bind_ortvalue_output(io_names.v_present(layer), v_layer)
+            else:
+                k_layer, v_layer = value(self.k_cache[layer]), value(self.v_cache[layer])
+            bind.bind_ortvalue_input(io_names.k_cache(layer), k_layer)
+            bind.bind_ortvalue_input(io_names.v_cache(layer), v_layer)
         if prefill:
             bind.bind_ortvalue_input(io_names.LAST_INDEX, value(graph.last_index))
         bind.bind_ortvalue_output(io_names.LOGITS, value(graph.logits))
-        bind.bind_ortvalue_output(io_names.K_NEW, value(graph.k_new))
-        bind.bind_ortvalue_output(io_names.V_NEW, value(graph.v_new))
+        if not self.fused:
+            bind.bind_ortvalue_output(io_names.K_NEW, value(graph.k_new))
+            bind.bind_ortvalue_output(io_names.V_NEW, value(graph.v_new))
         if graph.hidden is not None:
             bind.bind_ortvalue_output(io_names.HIDDEN, value(graph.hidden))
         return graph
 
     def _write_cache(self, graph: _Graph, position: int, n_valid: int) -> None:
-        self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
-        self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
+        if graph.k_new is not None:  # fused attention graphs wrote their rows already
+            self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
+            self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
         if graph.hidden is not None:
             self.hidden[position:position + n_valid] = graph.hidden[:n_valid]
 

@@ -1,0 +1,257 @@
+"""Fused attention for the ONNX Runtime backend: each layer's attention becomes one
+com.microsoft GroupQueryAttention node that writes its keys/values into the resident cache.
+
+graphs.attention = fused rewrites the exported target graphs after export (a post-export ONNX pass
+like quantize.py; the exported graphs and the TensorRT path are untouched). Per layer, everything
+between the q/k/v projections and the o projection (rotary, the (T, S + T) mask, scores over the
+whole cache, softmax, P @ V: ~30 small nodes) becomes
+
+    GroupQueryAttention(q, k, v, k_cache_<i>, v_cache_<i>, seqlens_k, total_len, cos, sin)
+        -> out, k_present_<i>, v_present_<i>
+
+with the past and present buffers shared: the caller binds k_present_<i> to the same memory as
+k_cache_<i>, so the node writes the T new (rotated) key rows at [position, position + T) in place
+and attends over rows [0, position + T) only, not over all S rows. The rest of the graph contract
+is unchanged (tokens, position, [last_index], logits, hidden); k_new / v_new are gone, and the
+cache inputs become (1, Hkv, S, D) (the op's BNSH layout), a view of the caller's (L, Hkv, S, D)
+cache. Rollback stays a move of the position: rows past it are never read.
+
+    seqlens_k = position + T - 1   (1,) int32   the op's "total length - 1"
+    total_len = position + T       ()   int32
+    cos, sin  (cache_rows, D/2) float32     the same inv_freq and float32 products as model.rope_and_mask
+
+A padded prefill chunk writes its padding rows too (they are real rows to the op), so the cache
+buffer has room for them: cache_rows = S + prefill chunk rows (manifest "cache_rows"); positions
+and check_room still stop at S.
+
+    <engine_dir>/<profile>/onnx/<target>_fused/   same stems and manifest, plus "attention": "fused"
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from . import io_names
+
+MS_DOMAIN = "com.microsoft"
+Progress = Callable[[str], None]
+
+
+class AttentionRewriteError(RuntimeError):
+    """The graphs cannot be given fused attention; the message says why."""
+
+
+def rotary_tables(model_cfg, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """(n_rows, D/2) cos and sin, computed with the exported graphs' own float32 ops (model.rope_and_mask)."""
+    import torch
+
+    from .model import rope_inv_freq
+
+    positions = torch.arange(n_rows, dtype=torch.int64)
+    freqs = positions.float()[:, None] * rope_inv_freq(model_cfg)[None, :]  # (S, D/2)
+    return freqs.cos().numpy(), freqs.sin().numpy()
+
+
+def rewrite_model(model, model_cfg, n_layers: int, width: int, cache_rows: int) -> int:
+    """Rewrite, in place, the attention of layers 0..n_layers-1 of one exported target graph (width T).
+    The cache inputs/outputs become (1, Hkv, cache_rows, D). Returns the number of layers rewritten."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    if model_cfg.qk_norm:
+        raise AttentionRewriteError("fused attention does not cover q/k norms (this model has them): "
+                                    "use graphs.attention=graph")
+    graph = model.graph
+    gemms = {}
+    for node in graph.node:
+        if node.op_type == "Gemm" and len(node.input) >= 2:
+            gemms[node.input[1]] = node
+    hkv, heads, dim = model_cfg.n_kv_heads, model_cfg.n_heads, model_cfg.head_dim
+
+    def proj(layer: int, name: str):
+        weight = f"model.layers.{layer}.self_attn.{name}_proj.weight"
+        if weight not in gemms:
+            raise AttentionRewriteError(f"no Gemm reads {weight}: the graph is not a spec_edge export of format 2 "
+                                        f"(re-export), or it was already rewritten")
+        return gemms[weight]
+
+    cos, sin = rotary_tables(model_cfg, cache_rows)
+    new_inits = [numpy_helper.from_array(cos, "fused_rotary_cos"), numpy_helper.from_array(sin, "fused_rotary_sin"),
+                 numpy_helper.from_array(np.array([width - 1], np.int32), "fused_width_minus_1"),
+                 numpy_helper.from_array(np.array(width, np.int32), "fused_width"),
+                 numpy_helper.from_array(np.array([0], np.int64), "fused_axis0"),
+                 numpy_helper.from_array(np.array([width, heads * dim], np.int64), "fused_out_shape")]
+    prelude = [
+        helper.make_node("Cast", [io_names.POSITION], ["fused_position32"], name="fused_position32", to=TensorProto.INT32),
+        helper.make_node("Add", ["fused_position32", "fused_width_minus_1"], ["fused_seqlens_k"], name="fused_seqlens_k"),
+        helper.make_node("Squeeze", ["fused_position32", "fused_axis0"], ["fused_position_scalar"],
+                         name="fused_position_scalar"),
+        helper.make_node("Add", ["fused_position_scalar", "fused_width"], ["fused_total_len"], name="fused_total_len"),
+    ]
+    attention = []
+    present_outputs = []
+    for layer in range(n_layers):
+        q, k, v, o = (proj(layer, name) for name in ("q", "k", "v", "o"))
+        ins = []
+        for role, node in (("q", q), ("k", k), ("v", v)):
+            ins.append(f"fused_{role}_{layer}")
+            attention.append(helper.make_node("Unsqueeze", [node.output[0], "fused_axis0"], [ins[-1]],
+                                              name=f"fused_{role}_{layer}"))  # (1, T, H*D)
+        k_present, v_present = io_names.k_present(layer), io_names.v_present(layer)
+        attention.append(helper.make_node(
+            "GroupQueryAttention",
+            ins + [io_names.k_cache(layer), io_names.v_cache(layer), "fused_seqlens_k", "fused_total_len",
+                   "fused_rotary_cos", "fused_rotary_sin"],
+            [f"fused_attn_{layer}", k_present, v_present], name=f"fused_gqa_{layer}", domain=MS_DOMAIN,
+            num_heads=heads, kv_num_heads=hkv, do_rotary=1, rotary_interleaved=0))
+        attention.append(helper.make_node("Reshape", [f"fused_attn_{layer}", "fused_out_shape"],
+                                          [f"fused_attn2d_{layer}"], name=f"fused_attn2d_{layer}"))  # (T, H*D)
+        o.input[0] = f"fused_attn2d_{layer}"
+        present_outputs += [(k_present, layer), (v_present, layer)]
+
+    # outputs: k_new / v_new go, the present caches come
+    cache_shape = [1, hkv, cache_rows, dim]
+    kept = [out for out in graph.output if out.name not in (io_names.K_NEW, io_names.V_NEW)]
+    del graph.output[:]
+    graph.output.extend(kept)
+    for name, _ in sorted(present_outputs, key=lambda item: (item[0].startswith(io_names.V_PRESENT_PREFIX), item[1])):
+        graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, cache_shape))
+    for value in graph.input:
+        if value.name.startswith((io_names.K_CACHE_PREFIX, io_names.V_CACHE_PREFIX)):
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            dims.extend(onnx.TensorShapeProto.Dimension(dim_value=size) for size in cache_shape)
+
+    # keep only what the outputs still need (the old rotary/mask/score nodes fall away)
+    nodes = prelude + list(graph.node) + attention
+    producer = {out: node for node in nodes for out in node.output}
+    needed, stack, live = set(), [out.name for out in graph.output], set()
+    while stack:
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        node = producer.get(name)
+        if node is not None and id(node) not in live:
+            live.add(id(node))
+            stack.extend(i for i in node.input if i)
+    order = [node for node in nodes if id(node) in live]
+    # topological order: the rewritten o projections now read nodes appended after them
+    done = {value.name for value in graph.input} | {t.name for t in graph.initializer} | {t.name for t in new_inits}
+    sorted_nodes, pending = [], order
+    while pending:
+        rest = []
+        for node in pending:
+            if all(i in done or not i for i in node.input):
+                sorted_nodes.append(node)
+                done.update(node.output)
+            else:
+                rest.append(node)
+        if len(rest) == len(pending):
+            raise AttentionRewriteError(f"rewritten graph has a cycle or a missing input near {rest[0].name}")
+        pending = rest
+    del graph.node[:]
+    graph.node.extend(sorted_nodes)
+    used = {name for node in graph.node for name in node.input}
+    keep = [t for t in list(graph.initializer) + new_inits if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    produced = {out for node in graph.node for out in node.output}
+    kept_info = [info for info in graph.value_info if info.name in produced]  # drop the removed tensors' shapes
+    del graph.value_info[:]
+    graph.value_info.extend(kept_info)
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    return n_layers
+
+
+# ---------------------------------------------------------------------------------------------
+# The artifact folder
+
+
+def fused_dir(src_dir: Path) -> Path:
+    return src_dir.parent / f"{src_dir.name}_fused"
+
+
+def _source_stamp(src_dir: Path) -> str:
+    return hashlib.sha256((src_dir / "manifest.json").read_bytes()).hexdigest()[:16]
+
+
+def for_config(cfg, src_dir: Path, progress: Progress = print) -> Path:
+    """The graph folder for graphs.ort_attention=fused: the fused copy of src_dir, or src_dir itself
+    (with a note) for a model whose attention has q/k norms, which the rewrite does not cover."""
+    from .export import read_model_config
+
+    if read_model_config(src_dir).qk_norm:
+        progress("[fused] this model has q/k norms, which fused attention does not cover: running the exported "
+                 "attention (set graphs.ort_attention: graph to silence this)")
+        return src_dir
+    return ensure_fused(src_dir, progress)
+
+
+def ensure_fused(src_dir: Path, progress: Progress = print) -> Path:
+    """The fused-attention copy of an exported (fp32 or q4) target folder; made once, redone when
+    the source folder changes."""
+    import fcntl
+
+    src_dir = Path(src_dir)
+    out = fused_dir(src_dir)
+    stamp = _source_stamp(src_dir)
+
+    def current() -> bool:
+        path = out / "manifest.json"
+        return path.is_file() and json.loads(path.read_text()).get("fused_source_stamp") == stamp
+
+    if current():
+        return out
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():
+            return out
+        tmp = out.parent / f".{out.name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        _convert(src_dir, tmp, stamp, progress)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    return out
+
+
+def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
+    import onnx
+
+    from . import export
+    from .export import WeightStore, read_model_config
+
+    started = time.monotonic()
+    progress(f"[fused] rewriting attention into GroupQueryAttention ({src.name} -> {dst.name}) ...")
+    manifest = json.loads((src / "manifest.json").read_text())
+    if manifest.get("role") not in ("target", "draft"):
+        raise AttentionRewriteError(f"{src}: fused attention applies to target / draft model graphs, "
+                                    f"not {manifest.get('role')}")
+    if manifest.get("layout") == "dynamic":
+        raise AttentionRewriteError(f"{src}: dynamic-shape exports are for TensorRT; fused attention rewrites "
+                                    f"the static ONNX Runtime graphs")
+    model_cfg = read_model_config(src)
+    cache_rows = int(manifest["max_context"]) + int(manifest["prefill_chunk"])  # room for a padded chunk
+    dst.mkdir(parents=True)
+    store = WeightStore(dst / "weights.bin")
+    for stem, spec in manifest["graphs"].items():
+        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
+        n_layers = int(spec.get("n_layers", model_cfg.n_layers))
+        rewrite_model(model, model_cfg, n_layers, int(spec["width"]), cache_rows)
+        export.save(model, dst / f"{stem}.onnx", store)
+        progress(f"[fused]   {stem}: {n_layers} layers")
+    store.close()
+    for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(src / name, dst / name)
+    manifest.update(attention="fused", cache_rows=cache_rows, fused_source_stamp=stamp, weights_bytes=store.size,
+                    fused_seconds=round(time.monotonic() - started, 1))
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
