@@ -203,6 +203,10 @@ class Engine:
             self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
             head_dir = eagle3.export_head(self.cfg, head_path, self.model_cfg,
                                           export.artifact_dir(self.cfg, "eagle3"), self.progress)
+            if self.cfg.graphs.ort_attention == "fused":
+                from . import ort_attention
+
+                head_dir = ort_attention.ensure_fused(head_dir, self.progress)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self._drafters.eagle3_head = head
         return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))

@@ -24,6 +24,8 @@ V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, posit
 # the caller binds to the same memory as the input
 K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S, D) aliases k_cache_<i>
 V_PRESENT_PREFIX = "v_present_"
+K_PRESENT = "k_present"      # the EAGLE-3 head graphs' one layer: (1, Hkv, S + W, D) aliases k_cache
+V_PRESENT = "v_present"
 HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers the configured heads read
                              # (export.target_hidden_layers: EAGLE-3's low/mid/high, Medusa's final-norm
                              # state); an output of the target's graphs, an input of the head graphs

@@ -1,8 +1,9 @@
 """Fused attention for the ONNX Runtime backend: each layer's attention becomes one
 com.microsoft GroupQueryAttention node that writes its keys/values into the resident cache.
 
-graphs.attention = fused rewrites the exported target graphs after export (a post-export ONNX pass
-like quantize.py; the exported graphs and the TensorRT path are untouched). Per layer, everything
+graphs.ort_attention = fused rewrites the exported target graphs (and a draft model's, and an
+EAGLE-3 head's) after export (a post-export ONNX pass like quantize.py; the exported graphs and the
+TensorRT path are untouched). Per layer, everything
 between the q/k/v projections and the o projection (rotary, the (T, S + T) mask, scores over the
 whole cache, softmax, P @ V: ~30 small nodes) becomes
 
@@ -33,6 +34,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +42,7 @@ import numpy as np
 from . import io_names
 
 MS_DOMAIN = "com.microsoft"
+FUSED_FORMAT = 1  # bumped when the rewrite changes: older fused folders are redone
 Progress = Callable[[str], None]
 
 
@@ -58,15 +61,35 @@ def rotary_tables(model_cfg, n_rows: int) -> tuple[np.ndarray, np.ndarray]:
     return freqs.cos().numpy(), freqs.sin().numpy()
 
 
-def rewrite_model(model, model_cfg, n_layers: int, width: int, cache_rows: int) -> int:
-    """Rewrite, in place, the attention of layers 0..n_layers-1 of one exported target graph (width T).
-    The cache inputs/outputs become (1, Hkv, cache_rows, D). Returns the number of layers rewritten."""
+@dataclass(frozen=True)
+class LayerIO:
+    """One attention layer to rewrite: its projections' weight prefix and its cache tensor names."""
+    weights: str    # e.g. "model.layers.0.self_attn" (reads <weights>.q_proj.weight ...)
+    k_cache: str    # input (1, Hkv, cache_rows, D)
+    v_cache: str
+    k_present: str  # output bound to the same memory as k_cache
+    v_present: str
+
+
+def target_layers(n_layers: int) -> list[LayerIO]:
+    """The target's (or its layer-skip prefix's) layers, named as io_names defines them."""
+    return [LayerIO(f"model.layers.{i}.self_attn", io_names.k_cache(i), io_names.v_cache(i),
+                    io_names.k_present(i), io_names.v_present(i)) for i in range(n_layers)]
+
+
+HEAD_LAYERS = [LayerIO("midlayer.self_attn", io_names.K_CACHE, io_names.V_CACHE,  # the EAGLE-3 head's one layer
+                       io_names.K_PRESENT, io_names.V_PRESENT)]
+
+
+def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_rows: int) -> int:
+    """Rewrite, in place, the attention of the given layers of one exported graph of width T. The
+    cache inputs/outputs become (1, Hkv, cache_rows, D). Returns the number of layers rewritten."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     if model_cfg.qk_norm:
         raise AttentionRewriteError("fused attention does not cover q/k norms (this model has them): "
-                                    "use graphs.attention=graph")
+                                    "set graphs.ort_attention: graph")
     graph = model.graph
     gemms = {}
     for node in graph.node:
@@ -74,8 +97,8 @@ def rewrite_model(model, model_cfg, n_layers: int, width: int, cache_rows: int) 
             gemms[node.input[1]] = node
     hkv, heads, dim = model_cfg.n_kv_heads, model_cfg.n_heads, model_cfg.head_dim
 
-    def proj(layer: int, name: str):
-        weight = f"model.layers.{layer}.self_attn.{name}_proj.weight"
+    def proj(layer: LayerIO, name: str):
+        weight = f"{layer.weights}.{name}_proj.weight"
         if weight not in gemms:
             raise AttentionRewriteError(f"no Gemm reads {weight}: the graph is not a spec_edge export of format 2 "
                                         f"(re-export), or it was already rewritten")
@@ -96,34 +119,33 @@ def rewrite_model(model, model_cfg, n_layers: int, width: int, cache_rows: int) 
     ]
     attention = []
     present_outputs = []
-    for layer in range(n_layers):
+    for i, layer in enumerate(layers):
         q, k, v, o = (proj(layer, name) for name in ("q", "k", "v", "o"))
         ins = []
         for role, node in (("q", q), ("k", k), ("v", v)):
-            ins.append(f"fused_{role}_{layer}")
+            ins.append(f"fused_{role}_{i}")
             attention.append(helper.make_node("Unsqueeze", [node.output[0], "fused_axis0"], [ins[-1]],
-                                              name=f"fused_{role}_{layer}"))  # (1, T, H*D)
-        k_present, v_present = io_names.k_present(layer), io_names.v_present(layer)
+                                              name=f"fused_{role}_{i}"))  # (1, T, H*D)
         attention.append(helper.make_node(
             "GroupQueryAttention",
-            ins + [io_names.k_cache(layer), io_names.v_cache(layer), "fused_seqlens_k", "fused_total_len",
+            ins + [layer.k_cache, layer.v_cache, "fused_seqlens_k", "fused_total_len",
                    "fused_rotary_cos", "fused_rotary_sin"],
-            [f"fused_attn_{layer}", k_present, v_present], name=f"fused_gqa_{layer}", domain=MS_DOMAIN,
+            [f"fused_attn_{i}", layer.k_present, layer.v_present], name=f"fused_gqa_{i}", domain=MS_DOMAIN,
             num_heads=heads, kv_num_heads=hkv, do_rotary=1, rotary_interleaved=0))
-        attention.append(helper.make_node("Reshape", [f"fused_attn_{layer}", "fused_out_shape"],
-                                          [f"fused_attn2d_{layer}"], name=f"fused_attn2d_{layer}"))  # (T, H*D)
-        o.input[0] = f"fused_attn2d_{layer}"
-        present_outputs += [(k_present, layer), (v_present, layer)]
+        attention.append(helper.make_node("Reshape", [f"fused_attn_{i}", "fused_out_shape"],
+                                          [f"fused_attn2d_{i}"], name=f"fused_attn2d_{i}"))  # (T, H*D)
+        o.input[0] = f"fused_attn2d_{i}"
 
-    # outputs: k_new / v_new go, the present caches come
+    # outputs: k_new / v_new go, the present caches come (all keys, then all values)
     cache_shape = [1, hkv, cache_rows, dim]
     kept = [out for out in graph.output if out.name not in (io_names.K_NEW, io_names.V_NEW)]
     del graph.output[:]
     graph.output.extend(kept)
-    for name, _ in sorted(present_outputs, key=lambda item: (item[0].startswith(io_names.V_PRESENT_PREFIX), item[1])):
+    for name in [layer.k_present for layer in layers] + [layer.v_present for layer in layers]:
         graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, cache_shape))
+    cache_inputs = {layer.k_cache for layer in layers} | {layer.v_cache for layer in layers}
     for value in graph.input:
-        if value.name.startswith((io_names.K_CACHE_PREFIX, io_names.V_CACHE_PREFIX)):
+        if value.name in cache_inputs:
             dims = value.type.tensor_type.shape.dim
             del dims[:]
             dims.extend(onnx.TensorShapeProto.Dimension(dim_value=size) for size in cache_shape)
@@ -168,7 +190,7 @@ def rewrite_model(model, model_cfg, n_layers: int, width: int, cache_rows: int) 
     graph.value_info.extend(kept_info)
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    return n_layers
+    return len(layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,7 +228,10 @@ def ensure_fused(src_dir: Path, progress: Progress = print) -> Path:
 
     def current() -> bool:
         path = out / "manifest.json"
-        return path.is_file() and json.loads(path.read_text()).get("fused_source_stamp") == stamp
+        if not path.is_file():
+            return False
+        have = json.loads(path.read_text())
+        return have.get("fused_source_stamp") == stamp and have.get("fused_format") == FUSED_FORMAT
 
     if current():
         return out
@@ -233,25 +258,38 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
     started = time.monotonic()
     progress(f"[fused] rewriting attention into GroupQueryAttention ({src.name} -> {dst.name}) ...")
     manifest = json.loads((src / "manifest.json").read_text())
-    if manifest.get("role") not in ("target", "draft"):
-        raise AttentionRewriteError(f"{src}: fused attention applies to target / draft model graphs, "
-                                    f"not {manifest.get('role')}")
+    role = manifest.get("role")
     if manifest.get("layout") == "dynamic":
         raise AttentionRewriteError(f"{src}: dynamic-shape exports are for TensorRT; fused attention rewrites "
                                     f"the static ONNX Runtime graphs")
-    model_cfg = read_model_config(src)
-    cache_rows = int(manifest["max_context"]) + int(manifest["prefill_chunk"])  # room for a padded chunk
+    widest = max(int(spec["width"]) for spec in manifest["graphs"].values())
+    if role in ("target", "draft"):
+        model_cfg = read_model_config(src)
+        widest = int(manifest["prefill_chunk"])  # the only padded graph
+        copies = ("model.json", "tokenizer.json", "tokenizer_config.json")
+    elif role == "eagle3":  # the head's ingest graphs are padded up to their width
+        from .eagle3 import read_head_config
+
+        model_cfg = read_head_config(src).as_model_config()
+        copies = tuple(path.name for path in src.iterdir() if path.suffix in (".json", ".npy")
+                       and path.name != "manifest.json")
+    else:
+        raise AttentionRewriteError(f"{src}: fused attention applies to target, draft model and EAGLE-3 head "
+                                    f"graphs, not {role}")
+    cache_rows = int(manifest["max_context"]) + widest  # room for a padded call's padding rows
     dst.mkdir(parents=True)
     store = WeightStore(dst / "weights.bin")
     for stem, spec in manifest["graphs"].items():
         model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
         n_layers = int(spec.get("n_layers", model_cfg.n_layers))
-        rewrite_model(model, model_cfg, n_layers, int(spec["width"]), cache_rows)
+        layers = HEAD_LAYERS if role == "eagle3" else target_layers(n_layers)
+        rewrite_model(model, model_cfg, layers, int(spec["width"]), cache_rows)
         export.save(model, dst / f"{stem}.onnx", store)
-        progress(f"[fused]   {stem}: {n_layers} layers")
+        progress(f"[fused]   {stem}: {len(layers)} layers")
     store.close()
-    for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in copies:
         shutil.copy2(src / name, dst / name)
-    manifest.update(attention="fused", cache_rows=cache_rows, fused_source_stamp=stamp, weights_bytes=store.size,
+    manifest.update(attention="fused", fused_format=FUSED_FORMAT, cache_rows=cache_rows, fused_source_stamp=stamp,
+                    weights_bytes=store.size,
                     fused_seconds=round(time.monotonic() - started, 1))
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))

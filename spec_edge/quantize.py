@@ -33,6 +33,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ QK = 32                  # weights per block (Q4_1, Q8_0, and our MatMulNBits bl
 Q4_1_BYTES = 20          # fp16 d, fp16 m, 16 bytes of 4-bit codes
 Q8_0_BYTES = 34          # fp16 d, 32 int8 codes
 MS_DOMAIN = "com.microsoft"
+Q4_FORMAT = 2            # 2: sibling Q4_1 layers stacked into one MatMulNBits; older folders are redone
 Progress = Callable[[str], None]
 
 
@@ -223,10 +225,12 @@ class RewriteReport:
     quant_bytes_added: int = 0
 
 
-def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_level: int = 0) -> RewriteReport:
+def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_level: int = 0,
+                  merge: bool = True) -> RewriteReport:
     """Replace, in place, every Gemm(x, W, transB=1) and MatMul(x, Transpose(W)) whose W `blocks(name)`
-    returns Q41 / Q80 blocks for (already row-matched to W) with MatMulNBits. The fp32 initializers
-    that no node reads any more are dropped."""
+    returns Q41 / Q80 blocks for (already row-matched to W) with MatMulNBits; with merge, Q4_1 layers
+    that read the same input share one MatMulNBits (rows stacked) and a Split. The fp32 initializers
+    that no node reads any more are dropped. q4_layers counts linear layers, merged or not."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -245,6 +249,8 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
                 return helper.get_attribute_value(a)
         return default
 
+    # pass 1: the weight (and its blocks) each linear node reads
+    found = []  # (node, weight name, blocks or None)
     for node in graph.node:
         weight_name = None
         if node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in inits \
@@ -257,9 +263,31 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
         q = blocks(weight_name) if weight_name else None
         if isinstance(q, Q80) and accuracy_level < 4:
             q = None  # 8-bit MatMulNBits at accuracy level 0 dequantizes the whole matrix every call (174 ms)
+        found.append((node, weight_name, q))
+    # Q4_1 layers that read the same input (q/k/v, gate/up) become one MatMulNBits over their rows
+    # stacked, then a Split: fewer, wider kernels (each column's sum is the same)
+    siblings: dict[str, list[int]] = defaultdict(list)
+    if merge:
+        for i, (node, _, q) in enumerate(found):
+            if isinstance(q, Q41):
+                siblings[node.input[0]].append(i)
+
+    # pass 2: emit
+    for i, (node, weight_name, q) in enumerate(found):
         if q is None:
             new_nodes.append(node)
             continue
+        group = siblings.get(node.input[0], [])
+        if len(group) > 1 and i != group[0]:
+            continue  # emitted with the first of its group
+        outputs = [node.output[0]]
+        if len(group) > 1:
+            members = [found[j] for j in group]
+            q = Q41(codes=np.concatenate([m[2].codes for m in members]), d=np.concatenate([m[2].d for m in members]),
+                    m=np.concatenate([m[2].m for m in members]))
+            weight_name = "+".join(m[1] for m in members)
+            outputs = [m[0].output[0] for m in members]
+            report.q4_layers += len(members) - 1
         x = node.input[0]
         n, k = q.codes.shape
         base = weight_name.replace("/", "_")
@@ -269,7 +297,8 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
         for key in ("B", "scales", "zero_points"):
             new_inits.append(numpy_helper.from_array(parts[key], f"{base}{suffix}_{key}"))
             report.quant_bytes_added += parts[key].nbytes
-        main_out = node.output[0] if bits == 8 else f"{node.output[0]}_q4main"
+        out = outputs[0] if len(outputs) == 1 else f"{base}_q4_stacked"
+        main_out = out if bits == 8 else f"{out}_q4main"
         new_nodes.append(helper.make_node(
             "MatMulNBits", [x] + [f"{base}{suffix}_{key}" for key in ("B", "scales", "zero_points")], [main_out],
             name=f"{node.name}_nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=QK,
@@ -288,10 +317,14 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
             mins = f"{base}_q4_mins"
             new_inits.append(numpy_helper.from_array(parts["mins"], mins))
             report.quant_bytes_added += parts["mins"].nbytes
-            new_nodes.append(helper.make_node("MatMul", [block_sums[x], mins], [f"{node.output[0]}_q4min"],
+            new_nodes.append(helper.make_node("MatMul", [block_sums[x], mins], [f"{out}_q4min"],
                                               name=f"{node.name}_q4min"))
-            new_nodes.append(helper.make_node("Add", [main_out, f"{node.output[0]}_q4min"], [node.output[0]],
-                                              name=f"{node.name}_q4add"))
+            new_nodes.append(helper.make_node("Add", [main_out, f"{out}_q4min"], [out], name=f"{node.name}_q4add"))
+            if len(outputs) > 1:
+                split = f"{base}_q4_split"
+                new_inits.append(numpy_helper.from_array(
+                    np.array([m[2].codes.shape[0] for m in (found[j] for j in group)], np.int64), split))
+                new_nodes.append(helper.make_node("Split", [out, split], outputs, name=f"{node.name}_q4split", axis=-1))
         else:
             report.q8_layers += 1
     if block_sums:
@@ -353,7 +386,8 @@ def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress
         if not path.is_file():
             return False
         have = json.loads(path.read_text())
-        return have.get("source_stamp") == stamp and have.get("accuracy_level") == accuracy_level
+        return (have.get("source_stamp") == stamp and have.get("accuracy_level") == accuracy_level
+                and have.get("q4_format") == Q4_FORMAT)
 
     if current():
         return out
@@ -415,7 +449,8 @@ def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: 
     store.close()
     for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy2(src / name, dst / name)
-    manifest.update(weights="q4", source_stamp=stamp, accuracy_level=accuracy_level, weights_bytes=store.size,
+    manifest.update(weights="q4", q4_format=Q4_FORMAT, source_stamp=stamp, accuracy_level=accuracy_level,
+                    weights_bytes=store.size,
                     q4_seconds=round(time.monotonic() - started, 1))
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
     progress(f"[q4] ready: weights.bin {store.size / 1e6:.0f} MB (fp32 export: "

@@ -123,10 +123,39 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
              "k_cache": k_cache, "v_cache": v_cache, "embed_table": np.asarray(embed)}
     got = ort_session(head_dir / f"eagle3_ingest_{width}.onnx").run(None, feeds)
     with torch.no_grad():
-        want = module(*(torch.from_numpy(np.asarray(feeds[name])) for name in
+        want = module(*(torch.from_numpy(np.array(feeds[name])) for name in
                         ("tokens", "hidden", "position", "last_index", "k_cache", "v_cache", "embed_table")))
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_fused_head_matches_exported_head(head_engine):
+    """The head's fused-attention graphs (GroupQueryAttention writing the head cache in place, the
+    default on ONNX Runtime) give the exported graphs' drafts: a padded ingest, then draft steps."""
+    from spec_edge import export, ort_attention
+    from spec_edge.backends.ort_heads import OrtEagle3Head
+
+    exported = export.artifact_dir(head_engine.cfg, "eagle3")
+    fused = ort_attention.ensure_fused(exported, progress=lambda m: None)
+    embed = head_engine._drafter("eagle3").head.embed_table
+    heads = [OrtEagle3Head(folder, embed) for folder in (exported, fused)]
+    assert not heads[0].fused and heads[1].fused
+    rng = np.random.default_rng(1)
+    n = 11  # ingest width 16: 5 padding rows, which only the fused head's spare cache rows take
+    tokens = rng.integers(0, heads[0].cfg.target_vocab_size, n).tolist()
+    hidden = rng.standard_normal((n, 3 * heads[0].cfg.target_hidden_size)).astype(np.float32)
+    def copied(pair):  # the runner returns views of its output buffers
+        return pair[0].copy(), pair[1].copy()
+
+    results = [[copied(head.ingest(tokens, hidden, 0))] for head in heads]
+    for pos in range(n, n + 4):
+        for head, out in zip(heads, results):
+            logits, h = out[-1]
+            out.append(copied(head.step(int(np.argmax(logits)), h, pos)))
+    for (want_logits, want_h), (got_logits, got_h) in zip(*results):
+        np.testing.assert_allclose(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(heads[1].k_cache[:, :, :n + 4], heads[0].k_cache[:, :, :n + 4], rtol=1e-4, atol=1e-4)
 
 
 def test_head_round_trip(tmp_path, tiny_models):

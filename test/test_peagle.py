@@ -123,7 +123,7 @@ def test_peagle_graphs_static_and_match_torch(peagle_engine):
     assert [a.shape for a in got] == [(4, 200), kv, kv]
     module = peagle.build_module(hcfg, state, width=4).eval()
     with torch.no_grad():
-        want = module(*(torch.from_numpy(np.asarray(feeds[name])) for name in
+        want = module(*(torch.from_numpy(np.array(feeds[name])) for name in
                         ("tokens", "hidden", "position", "k_cache", "v_cache", "embed_table")))
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b.numpy(), rtol=1e-4, atol=1e-4)

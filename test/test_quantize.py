@@ -96,6 +96,35 @@ def test_rewrite_parity(accuracy_level, tolerance):
     assert np.abs(got - want).max() <= tolerance * scale, np.abs(got - want).max() / scale
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_siblings_stack_into_one_matmulnbits(merge):
+    """Q4_1 layers reading the same input (q/k/v, gate/up) become one MatMulNBits over their stacked
+    rows and a Split, with the outputs of separate nodes (fp32 activations: within 1e-5)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(4)
+    shapes = {"wa": (96, 64), "wb": (32, 64), "wc": (32, 64)}
+    blocks = {name: quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal(shape).astype(np.float32) * 0.1))
+              for name, shape in shapes.items()}
+    nodes = [helper.make_node("Gemm", ["x", name], [f"y_{name}"], transB=1, name=f"g_{name}") for name in shapes]
+    outputs = [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, [5, shape[0]])
+               for name, shape in shapes.items()]
+    inits = [numpy_helper.from_array(b.dequantize(), name) for name, b in blocks.items()]
+    graph = helper.make_graph(nodes, "siblings", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 64])],
+                              outputs, inits)
+    fp32 = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    q4 = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    report = quantize.rewrite_model(q4, blocks.get, accuracy_level=0, merge=merge)
+    assert report.q4_layers == 3
+    ops = [n.op_type for n in q4.graph.node]
+    assert ops.count("MatMulNBits") == (1 if merge else 3) and ops.count("Split") == (1 if merge else 0)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    want = cpu_session(fp32.SerializeToString()).run(None, {"x": x})
+    got = cpu_session(q4.SerializeToString()).run(None, {"x": x})
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * np.abs(b).max()
+
+
 def test_rows_matched_after_permutation():
     rng = np.random.default_rng(3)
     q = quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal((16, 64)).astype(np.float32)))

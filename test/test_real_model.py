@@ -89,7 +89,11 @@ def test_q4_carries_every_linear_layer(engine):
     step = onnx.load(str(q4_dir / "step_1.onnx"), load_external_data=False)
     n_layers = engine.model_cfg.n_layers
     nbits = [n for n in step.graph.node if n.op_type == "MatMulNBits"]
-    assert len(nbits) == 7 * n_layers  # q, k, v, o, gate, up, down per layer
+    assert len(nbits) == 4 * n_layers  # q+k+v stacked, o, gate+up stacked, down per layer
+    carried = " ".join(n.input[1] for n in nbits)  # B initializers, named after the weights they stack
+    assert all(f"model.layers.{i}.{part}.weight" in carried for i in range(n_layers)
+               for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
     assert not any(n.op_type == "Gemm" for n in step.graph.node)
     q4 = OrtRunner(q4_dir)
     ids = engine.prompt_ids(GenerateRequest(prompt=FREE))

@@ -4,7 +4,8 @@ parallel-drafting variant (spec_edge/peagle.py) and Medusa heads (spec_edge/medu
 EAGLE-3 / P-EAGLE:
 
 State, allocated once:
-  k_cache, v_cache  (1, Hkv, S, D) float32   the head's own resident cache
+  k_cache, v_cache  (1, Hkv, S, D) float32   the head's own resident cache ((1, Hkv, S + W, D) with
+                                             fused attention: the graphs write it in place)
   embed_table       (V, H) float32           the target's token embedding: a read-only memory map of
                                              the target's weights.bin (no copy), bound as an input
   per graph: tokens (1, W), hidden (W, 3Ht) or (1, H), position, last_index, logits (1, Vd),
@@ -76,9 +77,14 @@ class OrtEagle3Head:
         self.threads = threads
         self._ort = ort
         c = self.cfg
-        shape = (1, c.n_kv_heads, self.max_context, c.head_dim)
+        # fused attention (spec_edge/ort_attention.py): the graphs write their rows into the cache
+        # themselves (k_present bound to the k_cache memory); spare rows take an ingest's padding
+        self.fused = self.manifest.get("attention") == "fused"
+        shape = (1, c.n_kv_heads, int(self.manifest.get("cache_rows", self.max_context)), c.head_dim)
         self.k_cache = np.zeros(shape, np.float32)
         self.v_cache = np.zeros(shape, np.float32)
+        self._k_value = ort.OrtValue.ortvalue_from_numpy(self.k_cache)  # one view of each, shared by all graphs
+        self._v_value = ort.OrtValue.ortvalue_from_numpy(self.v_cache)
         self._ingest: dict[int, _HeadGraph] = {}
         self._draft: dict[int, _HeadGraph] = {}  # P-EAGLE draft passes by k
         self._step: _HeadGraph | None = None
@@ -113,9 +119,15 @@ class OrtEagle3Head:
                            hidden_out=np.zeros((1, c.hidden_size), np.float32))
         bind, value = graph.binding, ort.OrtValue.ortvalue_from_numpy
         inputs = [(io_names.TOKENS, graph.tokens), (io_names.HIDDEN, graph.hidden),
-                  (io_names.POSITION, graph.position), (io_names.K_CACHE, self.k_cache),
-                  (io_names.V_CACHE, self.v_cache)]
-        outputs = [(io_names.LOGITS, graph.logits), (io_names.K_NEW, graph.k_new), (io_names.V_NEW, graph.v_new)]
+                  (io_names.POSITION, graph.position)]
+        outputs = [(io_names.LOGITS, graph.logits)]
+        bind.bind_ortvalue_input(io_names.K_CACHE, self._k_value)
+        bind.bind_ortvalue_input(io_names.V_CACHE, self._v_value)
+        if self.fused:  # same memory in and out: the node writes its rows in place
+            bind.bind_ortvalue_output(io_names.K_PRESENT, self._k_value)
+            bind.bind_ortvalue_output(io_names.V_PRESENT, self._v_value)
+        else:
+            outputs += [(io_names.K_NEW, graph.k_new), (io_names.V_NEW, graph.v_new)]
         if not draft:
             inputs.append((io_names.LAST_INDEX, graph.last_index))
             outputs.append((io_names.HIDDEN_OUT, graph.hidden_out))
@@ -136,8 +148,9 @@ class OrtEagle3Head:
         graph.position[0] = position
         graph.last_index[0] = n_valid - 1
         graph.session.run_with_iobinding(graph.binding)
-        self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
-        self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
+        if not self.fused:
+            self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
+            self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
         return graph.logits[0], graph.hidden_out
 
     def ingest(self, tokens: Sequence[int], hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
