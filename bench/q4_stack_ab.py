@@ -1,6 +1,7 @@
 """A/B of the q4 pass's sibling stacking: the same fused fp32 graphs carried into MatMulNBits with
-q/k/v and gate/up stacked (one kernel each, then a Split; the default) and with one MatMulNBits per
-linear layer, timed interleaved in one process (step[1], verify[5], verify[9] at one position).
+q/k/v and gate/up stacked (one kernel each; q/k/v packed straight into GroupQueryAttention, gate/up
+split; the default) and with one MatMulNBits per linear layer, timed interleaved in one process
+(step[1] and every verify width at one position).
 
     .venv/bin/python bench/q4_stack_ab.py [--profile smollm2-135m] [--rounds 30] [--position 300]
 

@@ -44,7 +44,8 @@ QK = 32                  # weights per block (Q4_1, Q8_0, and our MatMulNBits bl
 Q4_1_BYTES = 20          # fp16 d, fp16 m, 16 bytes of 4-bit codes
 Q8_0_BYTES = 34          # fp16 d, 32 int8 codes
 MS_DOMAIN = "com.microsoft"
-Q4_FORMAT = 2            # 2: sibling Q4_1 layers stacked into one MatMulNBits; older folders are redone
+Q4_FORMAT = 3            # 2: sibling Q4_1 layers stacked into one MatMulNBits; 3: packed QKV into fused
+                         # attention; older folders are redone
 Progress = Callable[[str], None]
 
 
@@ -329,6 +330,8 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
             report.q8_layers += 1
     if block_sums:
         new_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "q4_sum_axes"))
+    if merge:
+        new_nodes = pack_qkv(new_nodes)
     del graph.node[:]
     graph.node.extend(new_nodes)
     used = {name for node in graph.node for name in node.input}
@@ -344,6 +347,38 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return report
+
+
+def pack_qkv(nodes: list) -> list:
+    """Fused-attention graphs (ort_attention.py): where a stacked q/k/v result is split only to be
+    unsqueezed into a GroupQueryAttention's query/key/value, give the op the stacked rows as its
+    packed QKV input instead (one Unsqueeze, no Split: the op's own layout, (1, T, (H + 2 Hkv) D))."""
+    from onnx import helper
+
+    consumers: dict[str, list] = defaultdict(list)
+    for node in nodes:
+        for name in node.input:
+            consumers[name].append(node)
+    dropped, replaced = set(), {}
+    for split in nodes:
+        if split.op_type != "Split" or len(split.output) != 3:
+            continue
+        unsqueezes = [consumers[out][0] if len(consumers[out]) == 1 else None for out in split.output]
+        if any(u is None or u.op_type != "Unsqueeze" for u in unsqueezes):
+            continue
+        users = [consumers[u.output[0]] for u in unsqueezes]
+        if any(len(u) != 1 for u in users):
+            continue
+        gqa = users[0][0]
+        if gqa.op_type != "GroupQueryAttention" or any(u[0] is not gqa for u in users) \
+                or list(gqa.input[:3]) != [u.output[0] for u in unsqueezes]:
+            continue
+        packed = f"{split.input[0]}_packed"
+        replaced[id(unsqueezes[0])] = helper.make_node("Unsqueeze", [split.input[0], unsqueezes[0].input[1]], [packed],
+                                                       name=f"{split.name}_packed")
+        gqa.input[0], gqa.input[1], gqa.input[2] = packed, "", ""
+        dropped.update({id(split), id(unsqueezes[1]), id(unsqueezes[2])})
+    return [replaced.get(id(node), node) for node in nodes if id(node) not in dropped]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -95,9 +95,21 @@ def test_q4_carries_every_linear_layer(engine):
                for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
     assert not any(n.op_type == "Gemm" for n in step.graph.node)
+    attention = [n for n in step.graph.node if n.op_type == "GroupQueryAttention"]  # fused attention (default)
+    assert len(attention) == n_layers and all(list(n.input[1:3]) == ["", ""] for n in attention)  # packed QKV
+    assert sum(n.op_type == "Split" for n in step.graph.node) == n_layers  # gate/up only
     q4 = OrtRunner(q4_dir)
     ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
     want = engine.target.prefill(ids, 0)
     got = q4.prefill(ids, 0)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
     assert int(np.argmax(got)) == int(np.argmax(want))
+    # fp32 activations (q4_fp32act): speculative greedy on the 4-bit graphs == their own target-only
+    from spec_edge import speculative
+    from spec_edge.drafters.ngram import NgramDrafter
+
+    edit = engine.prompt_ids(GenerateRequest(prompt=EDIT))
+    plain, _, _ = speculative.generate(q4, edit, max_new_tokens=40, eos_ids=engine.eos_ids)
+    spec, _, stats = speculative.generate(q4, edit, max_new_tokens=40, eos_ids=engine.eos_ids,
+                                          drafter=NgramDrafter(), k=4)
+    assert spec == plain and stats.accepted > 0
