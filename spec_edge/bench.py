@@ -683,6 +683,9 @@ def plot(report: dict, path: Path) -> bool:
     ax.set_title("speed-up (solid) and acceptance (dotted) vs temperature", fontsize=10)
     if len(temps) > 1:
         ax.legend(fontsize=6)
+    else:  # say why the panel is empty
+        ax.text(0.5, 0.5, f"measured at T = {temps[0] if temps else '-'} only:\nadd --temperatures 0 0.7 1.0",
+                ha="center", va="center", fontsize=9, transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
