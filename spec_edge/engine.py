@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import export, speculative
+from . import export, ort_attention, speculative
 from .backends.base import BackendError, Runner
 from .config import Config, ConfigError, DRAFTERS
 from .sampling import SamplingParams
@@ -126,10 +126,7 @@ class Engine:
             target, draft_runner = tensorrt.load_runners(cfg)
         else:
             graph_dir = export.export_model(cfg, "target", graph_dir, progress)
-            if cfg.graphs.ort_attention == "fused":  # GroupQueryAttention, cache written in place
-                from . import ort_attention
-
-                graph_dir = ort_attention.for_config(cfg, graph_dir, progress)
+            graph_dir = ort_attention.for_config(cfg, graph_dir, progress)  # fused: GroupQueryAttention
             if cfg.graphs.weights != "fp32":  # the GGUF's 4-bit blocks in MatMulNBits (spec_edge/quantize.py)
                 from . import quantize
 
@@ -167,10 +164,7 @@ class Engine:
                 draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
                                                 self.progress)
                 check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
-                if self.cfg.graphs.ort_attention == "fused":
-                    from . import ort_attention
-
-                    draft_dir = ort_attention.for_config(self.cfg, draft_dir, self.progress)
+                draft_dir = ort_attention.for_config(self.cfg, draft_dir, self.progress)
                 self._drafters.draft_runner = load_runner(self.cfg, draft_dir)
             return ModelDrafter(self._drafters.draft_runner)
         if name == "eagle3":
@@ -203,10 +197,7 @@ class Engine:
             self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
             head_dir = eagle3.export_head(self.cfg, head_path, self.model_cfg,
                                           export.artifact_dir(self.cfg, "eagle3"), self.progress)
-            if self.cfg.graphs.ort_attention == "fused":
-                from . import ort_attention
-
-                head_dir = ort_attention.ensure_fused(head_dir, self.progress)
+            head_dir = ort_attention.for_config(self.cfg, head_dir, self.progress)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self._drafters.eagle3_head = head
         return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))

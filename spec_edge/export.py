@@ -373,3 +373,38 @@ def check_static(graph, name: str = "graph") -> None:
 
 def artifact_dir(cfg: Config, role: str) -> Path:
     return Path(os.path.expanduser(cfg.runtime.engine_dir)) / cfg.runtime.profile / "onnx" / role
+
+
+def source_stamp(folder: Path) -> str:
+    """A short hash of a graph folder's manifest: what a folder derived from it records."""
+    return hashlib.sha256((Path(folder) / "manifest.json").read_bytes()).hexdigest()[:16]
+
+
+def ensure_derived(out: Path, wanted: dict, make: Callable[[Path], None]) -> Path:
+    """A folder that a post-export pass (quantize.py, ort_attention.py) makes from another: made
+    once by make(tmp) under a lock and renamed into place, remade when its manifest does not carry
+    every value of wanted (the source's stamp, the pass's format ...)."""
+    import fcntl
+    import shutil
+
+    def current() -> bool:
+        path = out / "manifest.json"
+        if not path.is_file():
+            return False
+        have = json.loads(path.read_text())
+        return all(have.get(key) == value for key, value in wanted.items())
+
+    if current():
+        return out
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():
+            return out
+        tmp = out.parent / f".{out.name}.tmp"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        make(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    return out

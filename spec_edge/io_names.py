@@ -19,10 +19,10 @@ V_CACHE = "v_cache"
 LOGITS = "logits"            # (T, V) float32 for step/verify graphs, (1, V) for prefill graphs
 K_NEW = "k_new"              # (L, Hkv, T, D) keys of the processed tokens; the caller writes them
 V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, position + n_valid)
-# graphs.attention = fused (ONNX Runtime only, spec_edge/ort_attention.py): no k_new / v_new; the
-# cache inputs are (1, Hkv, S, D) and each layer writes its T new rows in place, through an output
-# the caller binds to the same memory as the input
-K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S, D) aliases k_cache_<i>
+# graphs.ort_attention = fused (ONNX Runtime only, spec_edge/ort_attention.py): no k_new / v_new; the
+# cache inputs are (1, Hkv, S + C, D) (C spare rows for a padded chunk) and each layer writes its T
+# new rows in place, through an output the caller binds to the same memory as the input
+K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S + C, D) aliases k_cache_<i>
 V_PRESENT_PREFIX = "v_present_"
 K_PRESENT = "k_present"      # the EAGLE-3 head graphs' one layer: (1, Hkv, S + W, D) aliases k_cache
 V_PRESENT = "v_present"

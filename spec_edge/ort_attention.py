@@ -2,10 +2,10 @@
 com.microsoft GroupQueryAttention node that writes its keys/values into the resident cache.
 
 graphs.ort_attention = fused rewrites the exported target graphs (and a draft model's, and an
-EAGLE-3 head's) after export (a post-export ONNX pass like quantize.py; the exported graphs and the
-TensorRT path are untouched). Per layer, everything
-between the q/k/v projections and the o projection (rotary, the (T, S + T) mask, scores over the
-whole cache, softmax, P @ V: ~30 small nodes) becomes
+EAGLE-3 head's) after export: a post-export ONNX pass like quantize.py; the exported graphs and the
+TensorRT path are untouched. Per layer, everything between the q/k/v projections and the o
+projection (rotary, the (T, S + T) mask, scores over the whole cache, softmax, P @ V: ~30 small
+nodes) becomes
 
     GroupQueryAttention(q, k, v, k_cache_<i>, v_cache_<i>, seqlens_k, total_len, cos, sin)
         -> out, k_present_<i>, v_present_<i>
@@ -14,22 +14,22 @@ with the past and present buffers shared: the caller binds k_present_<i> to the 
 k_cache_<i>, so the node writes the T new (rotated) key rows at [position, position + T) in place
 and attends over rows [0, position + T) only, not over all S rows. The rest of the graph contract
 is unchanged (tokens, position, [last_index], logits, hidden); k_new / v_new are gone, and the
-cache inputs become (1, Hkv, S, D) (the op's BNSH layout), a view of the caller's (L, Hkv, S, D)
-cache. Rollback stays a move of the position: rows past it are never read.
+cache inputs become (1, Hkv, cache_rows, D) (the op's BNSH layout), a view of the caller's
+(L, Hkv, cache_rows, D) cache. Rollback stays a move of the position: rows past it are never read.
+(The q4 pass, run on these graphs, feeds the stacked q/k/v rows in as the op's packed QKV input.)
 
     seqlens_k = position + T - 1   (1,) int32   the op's "total length - 1"
     total_len = position + T       ()   int32
-    cos, sin  (cache_rows, D/2) float32     the same inv_freq and float32 products as model.rope_and_mask
+    cos, sin  (cache_rows, D/2) float32   the same inv_freq and float32 products as model.rope_and_mask
 
-A padded prefill chunk writes its padding rows too (they are real rows to the op), so the cache
-buffer has room for them: cache_rows = S + prefill chunk rows (manifest "cache_rows"); positions
-and check_room still stop at S.
+A padded call (the prefill chunk, a head's ingest) writes its padding rows too (they are real rows
+to the op), so the cache has room for them: cache_rows = S + the widest padded width (manifest
+"cache_rows"); positions and check_room still stop at S.
 
-    <engine_dir>/<profile>/onnx/<target>_fused/   same stems and manifest, plus "attention": "fused"
+    <engine_dir>/<profile>/onnx/<folder>_fused/   same stems and manifest, plus "attention": "fused"
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -201,16 +201,16 @@ def fused_dir(src_dir: Path) -> Path:
     return src_dir.parent / f"{src_dir.name}_fused"
 
 
-def _source_stamp(src_dir: Path) -> str:
-    return hashlib.sha256((src_dir / "manifest.json").read_bytes()).hexdigest()[:16]
-
-
 def for_config(cfg, src_dir: Path, progress: Progress = print) -> Path:
-    """The graph folder for graphs.ort_attention=fused: the fused copy of src_dir, or src_dir itself
-    (with a note) for a model whose attention has q/k norms, which the rewrite does not cover."""
+    """The graph folder to run for graphs.ort_attention: src_dir itself for graph; its fused copy
+    for fused, except (with a note) for a model whose attention has q/k norms, which the rewrite
+    does not cover. src_dir: an exported target, draft model or EAGLE-3 head folder."""
     from .export import read_model_config
 
-    if read_model_config(src_dir).qk_norm:
+    if cfg.graphs.ort_attention != "fused":
+        return src_dir
+    role = json.loads((Path(src_dir) / "manifest.json").read_text()).get("role")
+    if role in ("target", "draft") and read_model_config(src_dir).qk_norm:
         progress("[fused] this model has q/k norms, which fused attention does not cover: running the exported "
                  "attention (set graphs.ort_attention: graph to silence this)")
         return src_dir
@@ -218,35 +218,14 @@ def for_config(cfg, src_dir: Path, progress: Progress = print) -> Path:
 
 
 def ensure_fused(src_dir: Path, progress: Progress = print) -> Path:
-    """The fused-attention copy of an exported (fp32 or q4) target folder; made once, redone when
-    the source folder changes."""
-    import fcntl
+    """The fused-attention copy of an exported target / draft model / EAGLE-3 head folder; made
+    once, redone when the source folder changes."""
+    from .export import ensure_derived, source_stamp
 
     src_dir = Path(src_dir)
-    out = fused_dir(src_dir)
-    stamp = _source_stamp(src_dir)
-
-    def current() -> bool:
-        path = out / "manifest.json"
-        if not path.is_file():
-            return False
-        have = json.loads(path.read_text())
-        return have.get("fused_source_stamp") == stamp and have.get("fused_format") == FUSED_FORMAT
-
-    if current():
-        return out
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if current():
-            return out
-        tmp = out.parent / f".{out.name}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        _convert(src_dir, tmp, stamp, progress)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    return out
+    stamp = source_stamp(src_dir)
+    return ensure_derived(fused_dir(src_dir), {"fused_source_stamp": stamp, "fused_format": FUSED_FORMAT},
+                          lambda tmp: _convert(src_dir, tmp, stamp, progress))
 
 
 def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:

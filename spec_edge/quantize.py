@@ -389,10 +389,6 @@ def q4_dir(fp32_dir: Path, accuracy_level: int) -> Path:
     return fp32_dir.parent / f"{fp32_dir.name}_q4" if accuracy_level == 4 else fp32_dir.parent / f"{fp32_dir.name}_q4a{accuracy_level}"
 
 
-def _source_stamp(fp32_dir: Path) -> str:
-    return hashlib.sha256((fp32_dir / "manifest.json").read_bytes()).hexdigest()[:16]
-
-
 ACCURACY_LEVELS = {"q4": 4, "q4_fp32act": 0}  # graphs.weights -> MatMulNBits accuracy_level
 
 
@@ -410,34 +406,13 @@ def for_config(cfg, fp32_dir: Path, progress: Progress = print) -> Path:
 
 def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress: Progress = print) -> Path:
     """The q4 copy of an exported fp32 folder (made once; redone when the fp32 export changes)."""
-    import fcntl
+    from .export import ensure_derived, source_stamp
 
     fp32_dir = Path(fp32_dir)
-    out = q4_dir(fp32_dir, accuracy_level)
-    stamp = _source_stamp(fp32_dir)
-
-    def current() -> bool:
-        path = out / "manifest.json"
-        if not path.is_file():
-            return False
-        have = json.loads(path.read_text())
-        return (have.get("source_stamp") == stamp and have.get("accuracy_level") == accuracy_level
-                and have.get("q4_format") == Q4_FORMAT)
-
-    if current():
-        return out
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if current():
-            return out
-        tmp = out.parent / f".{out.name}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        _convert(fp32_dir, tmp, gguf_path, stamp, accuracy_level, progress)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    return out
+    stamp = source_stamp(fp32_dir)
+    wanted = {"source_stamp": stamp, "accuracy_level": accuracy_level, "q4_format": Q4_FORMAT}
+    return ensure_derived(q4_dir(fp32_dir, accuracy_level), wanted,
+                          lambda tmp: _convert(fp32_dir, tmp, gguf_path, stamp, accuracy_level, progress))
 
 
 def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: int, progress: Progress) -> None:

@@ -8,9 +8,11 @@ Inputs and outputs are bound with IO binding to these numpy buffers, so a call c
 the new keys/values (T rows per layer) into the cache. Graphs with fused attention (manifest
 "attention": "fused", spec_edge/ort_attention.py) write those rows themselves: their k_present_<i>
 outputs are bound to the same (1, Hkv, cache_rows, D) views as their k_cache_<i> inputs, and the
-cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding). All sessions of the process share ONNX
-Runtime's global thread pool: with a pool per session their spinning threads fight over the cores
-(mixed step/verify decoding fell from ~40 to ~23 tok/s on 2 cores).
+cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding).
+
+All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
+their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
+on 2 cores).
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ class OrtRunner(Runner):
         cache_rows = int(self.manifest.get("cache_rows", self.max_context))  # fused: S + prefill chunk
         if _shared_from is None:
             self.n_layers = cfg.n_layers
-            shape = (cfg.n_layers, cfg.n_kv_heads, cache_rows, cfg.head_dim)  # (L, Hkv, S, D)
+            shape = (cfg.n_layers, cfg.n_kv_heads, cache_rows, cfg.head_dim)  # (L, Hkv, S [+ C], D)
             self.k_cache = np.zeros(shape, np.float32)
             self.v_cache = np.zeros(shape, np.float32)
             stems = {s: spec for s, spec in self.manifest["graphs"].items() if spec["kind"] != "layerskip"}
