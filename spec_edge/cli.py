@@ -65,6 +65,15 @@ def cmd_export(args) -> int:
             checked, dynamic = export.dynamic_tensors(onnx.load(str(onnx_file), load_external_data=False))
             status = "all static" if not dynamic else f"DYNAMIC: {dynamic[:3]}"
             progress(f"[export] {onnx_file.name}: {checked} tensors, {status}")
+        if cfg.runtime.backend == "onnxruntime":  # the post-export passes the engine would run on first load
+            from . import ort_attention
+
+            out = ort_attention.for_config(cfg, out, progress)
+            if role == "target" and cfg.graphs.weights != "fp32":
+                from . import quantize
+
+                out = quantize.for_config(cfg, out, progress)
+            progress(f"[export] {role}: ONNX Runtime runs {out}")
     return 0
 
 

@@ -114,6 +114,24 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
     assert "q/k norms" in notes[0] and "graphs.ort_attention: graph" in notes[0]
 
 
+def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
+    """`spec-edge export` also runs the post-export pass the engine would run on first load, so a
+    robot's first start after an export loads in seconds."""
+    from tiny import make_checkpoint
+
+    from spec_edge import cli
+
+    folder = make_checkpoint(tmp_path / "m", seed=2)
+    profile = tmp_path / "p.yaml"
+    profile.write_text("/**:\n  ros__parameters:\n    graphs:\n      max_context: 64\n      prefill_chunk: 8\n"
+                       "      layer_skip_layers: 1\n      k_values: [3]\n    speculative:\n      k: 3\n")
+    assert cli.main(["export", "--config", str(profile), "--target", str(folder),
+                     "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
+    fused = tmp_path / "e" / "cli" / "onnx" / "target_fused"
+    assert json.loads((fused / "manifest.json").read_text())["attention"] == "fused"
+    assert f"ONNX Runtime runs {fused}" in capsys.readouterr().err
+
+
 def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(ConfigError, match="model_type 'gpt2' is not supported"):
