@@ -230,8 +230,9 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
                   merge: bool = True) -> RewriteReport:
     """Replace, in place, every Gemm(x, W, transB=1) and MatMul(x, Transpose(W)) whose W `blocks(name)`
     returns Q41 / Q80 blocks for (already row-matched to W) with MatMulNBits; with merge, Q4_1 layers
-    that read the same input share one MatMulNBits (rows stacked) and a Split. The fp32 initializers
-    that no node reads any more are dropped. q4_layers counts linear layers, merged or not."""
+    that read the same input share one MatMulNBits (rows stacked) and a Split, and a stacked q/k/v
+    that only feeds a GroupQueryAttention becomes its packed QKV input (pack_qkv). The fp32
+    initializers that no node reads any more are dropped. q4_layers counts linear layers, merged or not."""
     import onnx
     from onnx import helper, numpy_helper
 
