@@ -268,7 +268,8 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
     store.close()
     for name in copies:
         shutil.copy2(src / name, dst / name)
+    seconds = round(time.monotonic() - started, 1)
     manifest.update(attention="fused", fused_format=FUSED_FORMAT, cache_rows=cache_rows, fused_source_stamp=stamp,
-                    weights_bytes=store.size,
-                    fused_seconds=round(time.monotonic() - started, 1))
+                    weights_bytes=store.size, fused_seconds=seconds)
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    progress(f"[fused] ready in {seconds} s (made once; reused until the export changes)")
