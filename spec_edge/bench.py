@@ -171,11 +171,11 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
 
     systems: list[System] = []
     engines = {}
-    for w, attention in ((w, a) for w in weights for a in attentions):
+    for weights_name, attention in ((w, a) for w in weights for a in attentions):
         before = _rss_mb()
-        engine = Engine.from_config(cfg.replace(**{"graphs.weights": w, "graphs.ort_attention": attention,
+        engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
                                                    "speculative.drafter": "none"}), progress)
-        w = variant_label(w, attention)
+        w = variant_label(weights_name, attention)  # the report's label of this variant
         engines[w] = engine
         plain_name = f"spec_edge[{w}] target-only"
 

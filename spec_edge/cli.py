@@ -66,14 +66,9 @@ def cmd_export(args) -> int:
             status = "all static" if not dynamic else f"DYNAMIC: {dynamic[:3]}"
             progress(f"[export] {onnx_file.name}: {checked} tensors, {status}")
         if cfg.runtime.backend == "onnxruntime":  # the post-export passes the engine would run on first load
-            from . import ort_attention
+            from .engine import ort_graphs
 
-            out = ort_attention.for_config(cfg, out, progress)
-            if role == "target" and cfg.graphs.weights != "fp32":
-                from . import quantize
-
-                out = quantize.for_config(cfg, out, progress)
-            progress(f"[export] {role}: ONNX Runtime runs {out}")
+            progress(f"[export] {role}: ONNX Runtime runs {ort_graphs(cfg, role, out, progress)}")
     return 0
 
 

@@ -125,12 +125,7 @@ class Engine:
                                    f"missing): run `spec-edge build <profile>` on the device first")
             target, draft_runner = tensorrt.load_runners(cfg)
         else:
-            graph_dir = export.export_model(cfg, "target", graph_dir, progress)
-            graph_dir = ort_attention.for_config(cfg, graph_dir, progress)  # fused: GroupQueryAttention
-            if cfg.graphs.weights != "fp32":  # the GGUF's 4-bit blocks in MatMulNBits (spec_edge/quantize.py)
-                from . import quantize
-
-                graph_dir = quantize.for_config(cfg, graph_dir, progress)
+            graph_dir = ort_graphs(cfg, "target", export.export_model(cfg, "target", graph_dir, progress), progress)
             started = time.monotonic()
             target = load_runner(cfg, graph_dir)
         engine = cls(cfg, target, Tokenizer(graph_dir), graph_dir, progress)
@@ -164,7 +159,7 @@ class Engine:
                 draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
                                                 self.progress)
                 check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
-                draft_dir = ort_attention.for_config(self.cfg, draft_dir, self.progress)
+                draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
                 self._drafters.draft_runner = load_runner(self.cfg, draft_dir)
             return ModelDrafter(self._drafters.draft_runner)
         if name == "eagle3":
@@ -386,6 +381,18 @@ def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_source: str)
         raise ConfigError(f"draft model '{draft_source}' uses another tokenizer ({len(draft_vocab)} tokens, "
                           f"{differing} differ from the target's {len(target_vocab)}): a draft model must "
                           f"share the target's tokenizer")
+
+
+def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str], None]) -> Path:
+    """The folder ONNX Runtime runs for an exported target or draft model: the post-export passes
+    the config asks for (fused attention, spec_edge/ort_attention.py; for the target with
+    graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, spec_edge/quantize.py)."""
+    graph_dir = ort_attention.for_config(cfg, exported, progress)
+    if role == "target" and cfg.graphs.weights != "fp32":
+        from . import quantize
+
+        graph_dir = quantize.for_config(cfg, graph_dir, progress)
+    return graph_dir
 
 
 def load_runner(cfg: Config, graph_dir: Path) -> Runner:

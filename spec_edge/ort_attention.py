@@ -81,9 +81,9 @@ HEAD_LAYERS = [LayerIO("midlayer.self_attn", io_names.K_CACHE, io_names.V_CACHE,
                        io_names.K_PRESENT, io_names.V_PRESENT)]
 
 
-def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_rows: int) -> int:
+def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_rows: int) -> None:
     """Rewrite, in place, the attention of the given layers of one exported graph of width T. The
-    cache inputs/outputs become (1, Hkv, cache_rows, D). Returns the number of layers rewritten."""
+    cache inputs/outputs become (1, Hkv, cache_rows, D)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -118,7 +118,6 @@ def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_row
         helper.make_node("Add", ["fused_position_scalar", "fused_width"], ["fused_total_len"], name="fused_total_len"),
     ]
     attention = []
-    present_outputs = []
     for i, layer in enumerate(layers):
         q, k, v, o = (proj(layer, name) for name in ("q", "k", "v", "o"))
         ins = []
@@ -190,7 +189,6 @@ def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_row
     graph.value_info.extend(kept_info)
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    return len(layers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +239,6 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
     if manifest.get("layout") == "dynamic":
         raise AttentionRewriteError(f"{src}: dynamic-shape exports are for TensorRT; fused attention rewrites "
                                     f"the static ONNX Runtime graphs")
-    widest = max(int(spec["width"]) for spec in manifest["graphs"].values())
     if role in ("target", "draft"):
         model_cfg = read_model_config(src)
         widest = int(manifest["prefill_chunk"])  # the only padded graph
@@ -250,6 +247,7 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
         from .eagle3 import read_head_config
 
         model_cfg = read_head_config(src).as_model_config()
+        widest = max(int(spec["width"]) for spec in manifest["graphs"].values())
         copies = tuple(path.name for path in src.iterdir() if path.suffix in (".json", ".npy")
                        and path.name != "manifest.json")
     else:
@@ -260,8 +258,7 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
     store = WeightStore(dst / "weights.bin")
     for stem, spec in manifest["graphs"].items():
         model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
-        n_layers = int(spec.get("n_layers", model_cfg.n_layers))
-        layers = HEAD_LAYERS if role == "eagle3" else target_layers(n_layers)
+        layers = HEAD_LAYERS if role == "eagle3" else target_layers(int(spec.get("n_layers", model_cfg.n_layers)))
         rewrite_model(model, model_cfg, layers, int(spec["width"]), cache_rows)
         export.save(model, dst / f"{stem}.onnx", store)
         progress(f"[fused]   {stem}: {len(layers)} layers")

@@ -37,8 +37,8 @@ class _HeadGraph:
     position: np.ndarray    # (1,) int64
     last_index: np.ndarray  # (1,) int64
     logits: np.ndarray      # (1, Vd)
-    k_new: np.ndarray       # (1, Hkv, W, D)
-    v_new: np.ndarray
+    k_new: np.ndarray | None  # (1, Hkv, W, D); None for fused attention (the graph writes the cache)
+    v_new: np.ndarray | None
     hidden_out: np.ndarray  # (1, H)
 
 
@@ -115,7 +115,8 @@ class OrtEagle3Head:
                            hidden=np.zeros((1 if draft else width, hidden_in), np.float32),
                            position=np.zeros((1,), np.int64), last_index=np.zeros((1,), np.int64),
                            logits=np.zeros((width if draft else 1, c.draft_vocab_size), np.float32),
-                           k_new=np.zeros(new_shape, np.float32), v_new=np.zeros(new_shape, np.float32),
+                           k_new=None if self.fused else np.zeros(new_shape, np.float32),
+                           v_new=None if self.fused else np.zeros(new_shape, np.float32),
                            hidden_out=np.zeros((1, c.hidden_size), np.float32))
         bind, value = graph.binding, ort.OrtValue.ortvalue_from_numpy
         inputs = [(io_names.TOKENS, graph.tokens), (io_names.HIDDEN, graph.hidden),
