@@ -52,8 +52,9 @@ def draft_vocab_map(resume: dict | None, data: list[dict], vocab_size: int, draf
 
 
 def split(data: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(held-out, training) sequences: the first tenth is held out."""
-    n_eval = max(1, len(data) // 10)
+    """(held-out, training) sequences: the first tenth is held out, at most 120 sequences (scoring
+    more would only slow the checkpoints; every other answer trains)."""
+    n_eval = max(1, min(len(data) // 10, 120))
     return data[:n_eval], data[n_eval:] or data
 
 
@@ -112,7 +113,9 @@ def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, 
     loss_avg = None
     while step < args.steps and time.monotonic() - started < args.time_budget:
         loss = batch_loss(next(stream))
-        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / args.steps, 1))))
+        # warm-up, then a cosine to a tenth of --lr at whichever bound ends this run first
+        progress = min(max(step / args.steps, (time.monotonic() - started) / args.time_budget), 1.0)
+        lr = args.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optim.param_groups:
             group["lr"] = lr
         optim.zero_grad()

@@ -6,11 +6,13 @@
 1. data   the target (transformers, fp32) answers every prompt greedily, --gen-batch prompts at a
           time, recording per position the three auxiliary hidden states, the final-norm hidden
           state and the target's argmax. Cached in --data-cache (default <out>/train_data.pt); runs
-          of other kinds on the same prompts reuse it.
+          of other kinds on the same prompts reuse it, and a run over more prompts answers only the
+          ones the cache lacks (saved every ~500 prompts, so an interrupted run loses little).
 2. vocab  the draft vocabulary: the most frequent tokens of the target's outputs (+ EOS).
 3. train  --kind eagle3: training-time test as in EAGLE-3: each batch is unrolled --ttt-steps draft
-          steps, step j consuming the head's own hidden state of step j-1, loss on the target's
-          argmax (decayed by 0.8 per step). The loop (head_train.fit) is the same for every kind:
+          steps, step j consuming the head's own hidden state of step j-1, loss (decayed by 0.8
+          per step) against the target's own softmax over the draft vocabulary (--loss
+          distribution, EAGLE-3's) or its argmax (--loss argmax). The loop (head_train.fit) is the same for every kind:
           checkpoints every --save-every steps into <out> (the layout the config loads) keeping the
           best on held-out answers, <out>/train_state.pt (optimizer, step); a rerun resumes.
 Bounded by --steps and --time-budget (seconds of training), with a progress bar on stderr.
@@ -54,6 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--aux-layers", type=int, nargs=3, help="target layer outputs fed to the head "
                    "(default EAGLE-3's: 1, L/2-1, L-4)")
     p.add_argument("--ttt-steps", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--loss", choices=("distribution", "argmax"), default="distribution",
+                   help="--kind eagle3: match the target's softmax over the draft vocabulary (EAGLE-3's "
+                        "loss) or only its argmax")
     p.add_argument("--batch", type=int, default=8, help="sequences per training step")
     p.add_argument("--steps", type=int, default=2000, help="training steps at most")
     p.add_argument("--time-budget", type=float, default=300.0, help="training seconds at most (this run)")
@@ -169,37 +174,62 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
     argmax, n_prompt. The target (transformers, fp32) answers greedily with the chat template, in
     batches of --gen-batch prompts sorted by length (one forward per token for the whole batch:
     ~10x the throughput of one-by-one decoding on this CPU); the hidden states and argmax are
-    recorded on the way (no second pass). Cached in --data-cache (default <out>/train_data.pt)."""
+    recorded on the way (no second pass). Cached in --data-cache (default <out>/train_data.pt).
+
+    Nothing answered is lost: the cache is saved every ~500 prompts, and a cache made with another
+    --max-prompts (or cut short) is reused for every prompt whose chat-templated ids it holds, so
+    only the missing answers are generated."""
     import torch
     from tqdm import tqdm
 
     cache = Path(args.data_cache) if args.data_cache else out / "train_data.pt"
-    key = {"target": args.target, "prompts": args.prompts, "max_prompts": args.max_prompts,
-           "max_new_tokens": args.max_new_tokens, "aux_layers": list(aux_layers), "format": 2}
-    if cache.is_file():
-        saved = torch.load(str(cache), weights_only=False)
-        if saved.get("key") == key:
-            log(f"[train-draft] reusing {len(saved['data'])} target answers from {cache}")
-            return saved["data"]
+    base_key = {"target": args.target, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+                "aux_layers": list(aux_layers), "format": 2}
+    key = {**base_key, "max_prompts": args.max_prompts}
     prompts = read_prompts(args.prompts, args.max_prompts)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     prompt_ids = [tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
                                           add_generation_prompt=True, return_dict=False) for prompt in prompts]
     prompt_ids = [list(ids["input_ids"] if isinstance(ids, dict) else ids) for ids in prompt_ids]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompt_ids[i]))
     data: list[dict | None] = [None] * len(prompts)
-    bar = tqdm(total=len(prompts), desc="[train-draft] target answers", unit="prompt", file=sys.stderr)
-    for start in range(0, len(order), args.gen_batch):
-        chunk = order[start:start + args.gen_batch]
+    if cache.is_file():
+        saved = torch.load(str(cache), weights_only=False)
+        saved_key = {name: value for name, value in saved.get("key", {}).items() if name != "max_prompts"}
+        if saved_key == base_key:
+            by_prompt = {tuple(item["tokens"][:item["n_prompt"]].tolist()): item
+                         for item in saved["data"] if item is not None}
+            data = [by_prompt.get(tuple(ids)) for ids in prompt_ids]
+            n_reused = sum(item is not None for item in data)
+            if n_reused == len(prompts):  # a cache of more prompts stays as it is: nothing is dropped
+                log(f"[train-draft] reusing {n_reused} target answers from {cache}")
+                return data
+            log(f"[train-draft] reusing {n_reused} of {len(prompts)} target answers from {cache}; "
+                f"answering the other {len(prompts) - n_reused}")
+    missing = sorted((i for i, item in enumerate(data) if item is None), key=lambda i: len(prompt_ids[i]))
+
+    def save() -> None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(cache.name + ".tmp")
+        torch.save({"key": key, "data": data}, str(tmp))  # None = not answered yet
+        tmp.replace(cache)
+
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(missing), desc="[train-draft] target answers",
+               unit="prompt", file=sys.stderr)
+    since_save = 0
+    for start in range(0, len(missing), args.gen_batch):
+        chunk = missing[start:start + args.gen_batch]
         for i, item in zip(chunk, answer_batch(model, [prompt_ids[i] for i in chunk], args.max_new_tokens,
                                                eos_ids, pad_id, aux_layers)):
             data[i] = item
         bar.update(len(chunk))
+        since_save += len(chunk)
+        if since_save >= 500 and start + args.gen_batch < len(missing):
+            save()
+            since_save = 0
     bar.close()
     n_tokens = sum(len(item["tokens"]) for item in data)
     log(f"[train-draft] {len(data)} answers, {n_tokens} tokens (prompts included)")
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": key, "data": data}, str(cache))
+    save()
     return data
 
 
@@ -226,8 +256,10 @@ def batches(data: list[dict], batch: int, rng: np.random.Generator):
             yield [data[i] for i in order[start:start + batch]]
 
 
-def collate(items: list[dict], t2d, embed, ttt: int):
-    """emb_steps (ttt, B, N, H), hid3 (B, N, 3H), labels (ttt, B, N) in draft ids (-100 = none)."""
+def collate(items: list[dict], t2d, embed, ttt: int, with_hlast: bool = False):
+    """emb_steps (ttt, B, N, H), hid3 (B, N, 3H), labels (ttt, B, N) in draft ids (-100 = none),
+    and with with_hlast the target's final-norm hidden state behind each label, hlast_steps
+    (ttt, B, N, H): what the target's own distribution over the draft vocabulary is computed from."""
     import torch
 
     n = max(len(item["tokens"]) for item in items) - 1  # pairs (h_t, x_{t+1}) for t < len - 1
@@ -235,15 +267,21 @@ def collate(items: list[dict], t2d, embed, ttt: int):
     tokens = torch.zeros(B, n + ttt + 1, dtype=torch.long)
     labels_t = torch.full((B, n + ttt + 1), -1, dtype=torch.long)
     hid3 = torch.zeros(B, n, items[0]["hid3"].shape[1])
+    hlast = torch.zeros(B, n + ttt + 1, items[0]["hlast"].shape[1]) if with_hlast else None
     for b, item in enumerate(items):
         length = len(item["tokens"])
         tokens[b, :length] = item["tokens"]
         labels_t[b, :length] = item["labels"]  # prompt positions too: the target's own next-token choices
         hid3[b, :length - 1] = item["hid3"][:length - 1].float()
+        if with_hlast:
+            hlast[b, :length] = item["hlast"].float()
     emb_steps = torch.stack([embed[tokens[:, j + 1:j + 1 + n]] for j in range(ttt)])  # token t+j+1
     target = torch.stack([labels_t[:, j + 1:j + 1 + n] for j in range(ttt)])          # argmax at t+j+1
     draft_labels = torch.where(target >= 0, t2d[target.clamp(min=0)], torch.full_like(target, -100))
-    return emb_steps, hid3, draft_labels
+    if not with_hlast:
+        return emb_steps, hid3, draft_labels
+    hlast_steps = torch.stack([hlast[:, j + 1:j + 1 + n] for j in range(ttt)])       # (ttt, B, N, H)
+    return emb_steps, hid3, draft_labels, hlast_steps
 
 
 def train_main(argv: list[str]) -> int:
@@ -305,11 +343,23 @@ def train_eagle3(args, argv: list[str], data: list[dict], target_state: dict, cf
     weights = [0.8 ** j for j in range(args.ttt_steps)]
     eval_data, train_data = head_train.split(data)
 
+    target_rows = target_state.get("lm_head.weight", embed)[torch.from_numpy(draft_ids)]  # (Vd, H) frozen
+
+    def step_loss(normed, labels, hlast):
+        """--loss argmax: cross-entropy on the target's argmax; --loss distribution: cross-entropy on
+        the target's own softmax over the draft vocabulary (EAGLE-3's loss; more signal per token).
+        Positions whose target argmax is outside the draft vocabulary are left out of both."""
+        valid = labels != -100
+        log_q_draft = torch.log_softmax(module.lm_head(normed[valid]).float(), dim=-1)   # (M, Vd)
+        if args.loss == "argmax":
+            return torch.nn.functional.nll_loss(log_q_draft, labels[valid])
+        p_target = torch.softmax(hlast[valid] @ target_rows.T, dim=-1)                  # (M, Vd)
+        return -(p_target * log_q_draft).sum(-1).mean()
+
     def batch_loss(items):
-        emb, hid, labels = collate(items, t2d, embed, args.ttt_steps)
+        emb, hid, labels, hlast = collate(items, t2d, embed, args.ttt_steps, with_hlast=True)
         outs = module.train_forward(emb, hid, args.ttt_steps)
-        return sum(w * torch.nn.functional.cross_entropy(module.lm_head(o[lab != -100]), lab[lab != -100])
-                   for w, o, lab in zip(weights, outs, labels)) / sum(weights)
+        return sum(w * step_loss(o, lab, hl) for w, o, lab, hl in zip(weights, outs, labels, hlast)) / sum(weights)
 
     def evaluate() -> list[float]:
         """Top-1 agreement with the target per draft step on the held-out answers (prompts excluded)."""

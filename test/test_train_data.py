@@ -27,3 +27,40 @@ def test_batched_answers_equal_one_by_one(tiny_models):
         with torch.no_grad():
             logits = model.lm_head(item["hlast"].float())
         assert logits.argmax(-1).tolist() == item["labels"].tolist()
+
+
+def test_data_cache_reuses_answers_and_loses_none(tmp_path, tiny_models, monkeypatch):
+    """A cache made for fewer prompts is reused for those prompts (only the rest are answered), and
+    a later run over fewer prompts reuses the bigger cache without shrinking it."""
+    from spec_edge import train
+
+    from tiny import train_draft_argv
+
+    model, tok, cfg = load_hf_target(str(tiny_models["target"]))
+    eos = set(cfg.eos_ids)
+    out = tmp_path / "head"
+    argv = train_draft_argv(tmp_path, tiny_models, out)
+    n_prompts = len(train.read_prompts(argv[argv.index("--prompts") + 1], 0))
+    assert n_prompts >= 3
+    answered: list[int] = []  # prompts per answer_batch call: what really ran the target
+    real_answer_batch = train.answer_batch
+    monkeypatch.setattr(train, "answer_batch", lambda model, prompts, *rest: (
+        answered.append(len(prompts)) or real_answer_batch(model, prompts, *rest)))
+
+    def data_for(max_prompts: int) -> list[dict]:
+        args = train.parse_args(argv[1:] + ["--max-prompts", str(max_prompts)])
+        return train.make_data(args, model, tok, (0, 1, 2), eos, out)
+
+    first = data_for(2)
+    assert sum(answered) == 2
+    cache = out / "train_data.pt"
+    every = data_for(0)
+    assert sum(answered) == n_prompts  # only the prompts the cache lacked were answered
+    assert len(every) == n_prompts
+    assert [item["tokens"].tolist() for item in first] == [item["tokens"].tolist() for item in every[:2]]
+    stamp = cache.stat().st_mtime_ns
+    again = data_for(1)
+    assert sum(answered) == n_prompts and len(again) == 1  # all reused
+    assert again[0]["tokens"].tolist() == every[0]["tokens"].tolist()
+    assert cache.stat().st_mtime_ns == stamp  # not rewritten with fewer answers
+    assert len(torch.load(str(cache), weights_only=False)["data"]) == n_prompts
