@@ -12,9 +12,10 @@
 3. train  --kind eagle3: training-time test as in EAGLE-3: each batch is unrolled --ttt-steps draft
           steps, step j consuming the head's own hidden state of step j-1, loss (decayed by 0.8
           per step) against the target's own softmax over the draft vocabulary (--loss
-          distribution, EAGLE-3's) or its argmax (--loss argmax). The loop (head_train.fit) is the same for every kind:
-          checkpoints every --save-every steps into <out> (the layout the config loads) keeping the
-          best on held-out answers, <out>/train_state.pt (optimizer, step); a rerun resumes.
+          distribution, EAGLE-3's) or its argmax (--loss argmax). The loop (head_train.fit) is
+          the same for every kind: checkpoints every --save-every steps into <out> (the layout
+          the config loads) keeping the best on held-out answers, <out>/train_state.pt
+          (optimizer, step); a rerun resumes.
 Bounded by --steps and --time-budget (seconds of training), with a progress bar on stderr.
 
 The other kinds' code lives with each drafter: medusa.train_medusa (Medusa heads), peagle.train_peagle
