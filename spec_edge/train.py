@@ -184,9 +184,9 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
     from tqdm import tqdm
 
     cache = Path(args.data_cache) if args.data_cache else out / "train_data.pt"
-    base_key = {"target": args.target, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-                "aux_layers": list(aux_layers), "format": 2}
-    key = {**base_key, "max_prompts": args.max_prompts}
+    # what the answers depend on; not --max-prompts: answers are matched prompt by prompt
+    key = {"target": args.target, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+           "aux_layers": list(aux_layers), "format": 2}
     prompts = read_prompts(args.prompts, args.max_prompts)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     prompt_ids = [tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
@@ -195,8 +195,9 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
     data: list[dict | None] = [None] * len(prompts)
     if cache.is_file():
         saved = torch.load(str(cache), weights_only=False)
-        saved_key = {name: value for name, value in saved.get("key", {}).items() if name != "max_prompts"}
-        if saved_key == base_key:
+        saved_key = {name: value for name, value in saved.get("key", {}).items()
+                     if name != "max_prompts"}  # caches before session 6 also recorded it
+        if saved_key == key:
             by_prompt = {tuple(item["tokens"][:item["n_prompt"]].tolist()): item
                          for item in saved["data"] if item is not None}
             data = [by_prompt.get(tuple(ids)) for ids in prompt_ids]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from spec_edge import train
 from spec_edge.train import answer_batch, load_hf_target
+from tiny import train_draft_argv
 
 
 def test_batched_answers_equal_one_by_one(tiny_models):
@@ -32,10 +34,6 @@ def test_batched_answers_equal_one_by_one(tiny_models):
 def test_data_cache_reuses_answers_and_loses_none(tmp_path, tiny_models, monkeypatch):
     """A cache made for fewer prompts is reused for those prompts (only the rest are answered), and
     a later run over fewer prompts reuses the bigger cache without shrinking it."""
-    from spec_edge import train
-
-    from tiny import train_draft_argv
-
     model, tok, cfg = load_hf_target(str(tiny_models["target"]))
     eos = set(cfg.eos_ids)
     out = tmp_path / "head"
