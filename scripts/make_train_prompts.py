@@ -95,6 +95,81 @@ compute a moving average over a list""".replace("\n", " ")
 
 CODE_TEMPLATES = ["Write a Python function to {c}.", "Explain how to {c} in Python, with a short example."]
 
+# Second set (session 7), appended after the first so the first 3,425 prompts (and the cached
+# answers and the held-out split of train-draft) stay as they were: many more topics, each asked
+# in seven of sixteen templates (topic variety is what the head lacked on held-out prompts).
+TOPICS_2 = """how microwaves heat food; washing machines; dishwashers; vacuum cleaners; air conditioners; heat pumps;
+light bulbs; LED lights; smoke detectors; water heaters; sewing machines; bicycles gears; car engines; car brakes;
+tires; seat belts; airbags; electric scooters; motorcycles; buses; subways; ferries; cargo ships; container ports;
+the postal service; package delivery; supermarkets; farmers markets; vending machines; cash registers; coins;
+paper money; interest rates; loans; insurance; retirement savings; renting an apartment; buying a house;
+moving to a new city; making friends; keeping a journal; reading books; writing letters; birthdays; weddings;
+holidays; gardening; pruning trees; planting flowers; lawns; bird feeders; butterflies; ants; spiders; frogs;
+turtles; dolphins; jellyfish; crabs; salmon; eagles; parrots; crows; bats; wolves; bears; foxes; rabbits;
+squirrels; giraffes; lions; tigers; zebras; camels; kangaroos; koalas; pandas; gorillas; chimpanzees;
+hamsters; goldfish; guinea pigs; taking care of a puppy; training a dog; feeding birds in winter;
+the rain; fog; thunder; tornadoes; droughts; floods; wildfires; the sun; stars; galaxies; the Milky Way;
+planets; Jupiter; Saturn's rings; Venus; asteroids; meteor showers; astronauts; spacesuits; the Big Bang;
+atoms; molecules; electrons; protons; energy; heat; sound waves; light waves; colors; mirrors; lenses;
+microscopes; magnifying glasses; prisms; shadows; friction; pressure; buoyancy; why ships float; levers;
+pulleys; wheels and axles; springs; pendulums; simple machines; engines; steam power; windmills; water mills;
+dams; hydroelectric power; geothermal energy; oil and gas; coal; biofuels; energy saving at home;
+insulation; double glazed windows; roofs; foundations of a house; bricks; skyscrapers; castles; cathedrals;
+ancient Greece; ancient Rome's roads; the Vikings; the Middle Ages; knights; the Silk Road; the Aztecs;
+the Maya; the Inca; the Ottoman Empire; the Mongol Empire; the moon landing; the invention of the telephone;
+the invention of the light bulb; the Wright brothers; Marie Curie; Isaac Newton; Albert Einstein;
+Leonardo da Vinci; Ada Lovelace; Alan Turing; Charles Darwin; evolution; fossils; rocks and minerals;
+crystals; caves; islands; lakes; waterfalls; beaches; sand dunes; the Arctic; Antarctica; the Sahara;
+the Himalayas; the Nile; the Mississippi River; rain gauges; soil erosion; wetlands; mangroves; savannas;
+grasslands; tundra; jungles; biodiversity; endangered species; national parks; zoos; aquariums;
+botanical gardens; wildlife photography; bird watching; stargazing; fishing rods; tents; sleeping bags;
+campfires; knots; map reading; orienteering; rock climbing; skiing; snowboarding; ice skating; surfing;
+kayaking; tennis; golf; baseball; cricket; rugby; volleyball; table tennis; cycling races; gymnastics;
+martial arts; boxing; dancing; ballet; singing; choirs; orchestras; drums; violins; jazz; rock music;
+hip hop; opera; theater; circus; magic tricks; puzzles; crosswords; sudoku; riddles; jokes; comics;
+cartoons; animation; podcasts; audiobooks; e-readers; tablets; laptops; printers; routers; Bluetooth;
+USB cables; chargers; power banks; memory cards; hard drives; SSDs; computer memory; processors; GPUs;
+operating systems; web browsers; search engines; websites; HTML; JavaScript; Python programming;
+APIs; software bugs; software updates; computer viruses; phishing emails; two-factor authentication;
+backups; privacy online; data centers; artificial intelligence; chatbots; speech recognition;
+face recognition; robot vacuum cleaners; robot lawn mowers; robot dogs; humanoid robots; robot hands;
+robot sensors; robot batteries; robot navigation; obstacle avoidance; path planning; SLAM mapping;
+robot safety; teleoperation; exoskeletons; prosthetic limbs; hearing aids; wheelchairs; guide dogs;
+hospitals; doctors; nurses; dentists; brushing teeth; eyeglasses; contact lenses; allergies; colds and flu;
+fever; headaches; broken bones; muscles; the skeleton; the lungs; the stomach; the liver; the kidneys;
+blood; the skin; hair; fingernails; growing up; teenagers; grandparents; families; neighbors; friendship;
+kindness; patience; honesty; gratitude; curiosity; creativity; motivation; stress; happiness; boredom;
+homework; exams; schools; teachers; universities; scholarships; online courses; studying tips;
+note taking; mind maps; presentations; slides; meetings; deadlines; to-do lists; working from home;
+offices; startups; small businesses; marketing; advertising; brands; logos; prices; discounts;
+recycling plastic; glass recycling; electronic waste; reusable bags; water saving; rainwater harvesting;
+solar water heaters; electric buses; bike lanes; pedestrian crossings; road signs; parking; car sharing;
+traffic jams; highways; gas stations; charging stations for cars; maps on phones; weather apps;
+alarm clocks; watches; sundials; hourglasses; leap years; time travel stories; science fiction;
+fairy tales; myths; dragons; unicorns; pirates; treasure maps; detectives; mysteries; superheroes;
+pizza; sandwiches; soup; rice; noodles; sushi; tacos; salads; pancakes; cookies; cakes; honey; jam;
+apples; bananas; oranges; strawberries; potatoes; carrots; onions; garlic; beans; nuts; olive oil;
+coffee beans; breakfast; lunch boxes; picnics; kitchen knives; frying pans; ovens; toasters; kettles""".replace("\n", " ")
+
+FREE_FORM_2 = FREE_FORM + [
+    "How does {t} work?", "Tell me something surprising about {t}.",
+    "What would a beginner need to know about {t}?", "Write a short dialogue between two friends about {t}.",
+]
+TEMPLATES_PER_TOPIC_2 = 7
+
+SITUATIONS = """a child runs in front of it; its battery is almost empty far from the dock; the floor is wet;
+it hears a smoke alarm; a door it needs is locked; two people give it different orders; it drops a glass;
+it loses its map; a pet follows it everywhere; it cannot see because of bright sunlight; someone asks it for
+medicine; it finds a window open at night; its arm gets stuck; the elevator is out of service;
+it is asked to carry something too heavy; a stranger rings the doorbell; the wifi goes down;
+it sees water leaking under a sink; someone falls down; it is asked to go outside in the rain""".replace("\n", " ")
+
+HELPED = """a nurse in a hospital; a farmer; a teacher in a classroom; a shop owner; a firefighter; a cook in a
+restaurant; a student doing homework; a family with a new baby; a person who cannot see well; a gardener""".replace("\n", " ")
+
+SITUATION_TEMPLATES = ["What should a robot do if {s}?", "How should a home robot react when {s}?"]
+HELPED_TEMPLATE = "Describe how a robot could help {h}."
+
 
 def held_out_words() -> set[str]:
     words: set[str] = set()
@@ -109,14 +184,28 @@ def split(text: str) -> list[str]:
     return [part.strip() for part in text.split(";") if part.strip()]
 
 
+def kept(text: str, banned: set[str]) -> list[str]:
+    """The ;-separated items of text, first occurrences only, without those that use a held-out word."""
+    return [item for item in dict.fromkeys(split(text)) if not any(w in banned for w in item.lower().split())]
+
+
 def prompts() -> list[str]:
     banned = held_out_words() - {"explain", "summary", "interesting", "paragraph", "someone", "rewrite", "sentence"}
-    topics = [t for t in dict.fromkeys(split(TOPICS)) if not any(w in banned for w in t.lower().split())]
-    out = [template.format(t=topic) for topic, template in itertools.product(topics, FREE_FORM)]
+    out = [template.format(t=topic) for topic, template in itertools.product(kept(TOPICS, banned), FREE_FORM)]
     out += [template.format(s=s) for s, template in itertools.product(split(SENTENCES), EDIT)]
     out += [template.format(c=c) for c, template in itertools.product(split(ROBOT), ROBOT_TEMPLATES)]
     out += [template.format(c=c) for c, template in itertools.product(split(CODE), CODE_TEMPLATES)]
     # interleave kinds deterministically so --max-prompts N takes a mix
+    first = [out[(i * 7919) % len(out)] for i in range(len(out))] if len(out) % 7919 else out
+    return first + second_set(banned, set(first))
+
+
+def second_set(banned: set[str], taken: set[str]) -> list[str]:
+    out = [FREE_FORM_2[(i * 5 + j) % len(FREE_FORM_2)].format(t=topic)
+           for i, topic in enumerate(kept(TOPICS_2, banned)) for j in range(TEMPLATES_PER_TOPIC_2)]
+    out += [template.format(s=s) for s, template in itertools.product(kept(SITUATIONS, banned), SITUATION_TEMPLATES)]
+    out += [HELPED_TEMPLATE.format(h=h) for h in kept(HELPED, banned)]
+    out = [prompt for prompt in dict.fromkeys(out) if prompt not in taken]
     return [out[(i * 7919) % len(out)] for i in range(len(out))] if len(out) % 7919 else out
 
 

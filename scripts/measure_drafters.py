@@ -40,6 +40,9 @@ def main() -> int:
     p.add_argument("--kinds", nargs="+")
     p.add_argument("--limit", type=int, default=0, help="prompts per kind (0 = all)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0 = one per core)")
+    p.add_argument("--head-weights", nargs="+", choices=("q8", "fp32"),
+                   help="graphs.head_weights of the head drafters; two values measure both side by side "
+                        "(rows 'eagle3@fp32' ...; default: the config's)")
     p.add_argument("--json-out")
     args = p.parse_args()
     given = {"eagle3": args.head, "hybrid": args.head, "medusa": args.medusa_head, "peagle": args.peagle_head, "draft": args.draft_model}
@@ -64,9 +67,17 @@ def main() -> int:
                 kept.append(q)
                 per_kind[q["kind"]] += 1
         prompts = kept
-    systems = [("none", 0)] + [(d, k) for d in args.drafters
-                               for k in (args.ks if d in ("eagle3", "hybrid", "medusa", "peagle") or not args.other_ks else args.other_ks)]
-    drafters = {d: engine._drafter(d) for d in args.drafters}
+    heads = ("eagle3", "hybrid", "medusa", "peagle")
+    drafters = {d: engine._drafter(d) for d in args.drafters if d not in heads}
+    head_weights = args.head_weights or [cfg.graphs.head_weights]
+    for weights in head_weights:  # each head drafter once per head weights (a fresh head each)
+        engine.cfg = engine.cfg.replace(**{"graphs.head_weights": weights})
+        engine._drafters.eagle3_head = engine._drafters.medusa_heads = engine._drafters.peagle_head = None
+        for d in args.drafters:
+            if d in heads:
+                drafters[d if len(head_weights) == 1 else f"{d}@{weights}"] = engine._drafter(d)
+    systems = [("none", 0)] + [(d, k) for d in drafters
+                               for k in (args.ks if d.split("@")[0] in heads or not args.other_ks else args.other_ks)]
     agg = defaultdict(lambda: defaultdict(float))
     ratios = defaultdict(list)
     mismatches = []
@@ -107,18 +118,18 @@ def main() -> int:
                "speedup_median": statistics.median(ratios[(kind, name, k)]) if ratios[(kind, name, k)] else 1.0}
         row.update({key: int(v) for key, v in a.items() if key.startswith("drafts_")})
         rows.append(row)
-    print(f"{'kind':10} {'drafter':10} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/s':>6} {'x plain':>7} {'draft ms/tok':>12} "
+    print(f"{'kind':10} {'drafter':12} {'k':>2} {'accept':>7} {'MAL':>5} {'tok/s':>6} {'x plain':>7} {'draft ms/tok':>12} "
           f"{'tok/call':>8}")
     for r in rows:
         def f(v, spec):
             return "-" if v is None else format(v, spec)
-        print(f"{r['kind']:10} {r['drafter']:10} {r['k']:>2} {f(r['acceptance'], '.2f'):>7} "
+        print(f"{r['kind']:10} {r['drafter']:12} {r['k']:>2} {f(r['acceptance'], '.2f'):>7} "
               f"{f(r['mean_accepted_length'], '.2f'):>5} {f(r['tok_s'], '.1f'):>6} {r['speedup_median']:>7.2f} "
               f"{f(r['draft_ms_per_token'], '.1f'):>12} {f(r['tokens_per_target_call'], '.2f'):>8}")
     for r in rows:
         sources = {key[len("drafts_"):]: v for key, v in r.items() if key.startswith("drafts_")}
         if sources:
-            print(f"{r['kind']:10} {r['drafter']:10} {r['k']:>2} verifies drafted by: "
+            print(f"{r['kind']:10} {r['drafter']:12} {r['k']:>2} verifies drafted by: "
                   + ", ".join(f"{source} {n}" for source, n in sources.items()))
     print(f"exactness: {'all speculative runs == target-only greedy' if not mismatches else mismatches}")
     if args.json_out:

@@ -29,6 +29,7 @@ DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle",
 BACKENDS = ("onnxruntime", "tensorrt")
 WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
+HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
 
 
 class ConfigError(ValueError):
@@ -134,6 +135,11 @@ class GraphSection:
     # (spec_edge/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
     # attention as it is. TensorRT builds from the exported graphs and ignores this key.
     ort_attention: str = "fused"
+    # ONNX Runtime draft-head weights (EAGLE-3, P-EAGLE, Medusa): q8 | fp32. q8 rounds each linear
+    # weight of the exported head to 8 bits in blocks of 32 (MatMulNBits, int8 activations;
+    # spec_edge/quantize.py): a head step reads a quarter of the bytes (~0.9 -> ~0.2 ms here). Only the
+    # drafts can change, never the output: the target verifies every draft.
+    head_weights: str = "q8"
 
 
 @dataclass(frozen=True)
@@ -328,6 +334,8 @@ def validate(cfg: Config) -> None:
     if g.weights != "fp32" and (cfg.runtime.backend != "onnxruntime" or g.dtype != "float32"):
         raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
                           f"runtime.backend=onnxruntime and graphs.dtype=float32")
+    if g.head_weights not in HEAD_WEIGHTS:
+        raise ConfigError(f"graphs.head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {g.head_weights}")
     if g.ort_attention not in ORT_ATTENTION:
         raise ConfigError(f"graphs.ort_attention must be one of {', '.join(ORT_ATTENTION)}, got {g.ort_attention}")
     if g.ort_attention == "fused" and cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import export, ort_attention, speculative
+from . import export, ort_attention, quantize, speculative
 from .backends.base import BackendError, Runner
 from .config import Config, ConfigError, DRAFTERS
 from .sampling import SamplingParams
@@ -193,6 +193,7 @@ class Engine:
             head_dir = eagle3.export_head(self.cfg, head_path, self.model_cfg,
                                           export.artifact_dir(self.cfg, "eagle3"), self.progress)
             head_dir = ort_attention.for_config(self.cfg, head_dir, self.progress)
+            head_dir = quantize.for_head(self.cfg, head_dir, self.progress)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self._drafters.eagle3_head = head
         return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
@@ -207,7 +208,8 @@ class Engine:
         if self.cfg.runtime.backend != "onnxruntime":
             raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
         self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
-        return export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, name), self.progress)
+        head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, name), self.progress)
+        return quantize.for_head(self.cfg, head_dir, self.progress)
 
     def _medusa_drafter(self):
         from .drafters.medusa import MedusaDrafter
@@ -389,8 +391,6 @@ def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str],
     graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, spec_edge/quantize.py)."""
     graph_dir = ort_attention.for_config(cfg, exported, progress)
     if role == "target" and cfg.graphs.weights != "fp32":
-        from . import quantize
-
         graph_dir = quantize.for_config(cfg, graph_dir, progress)
     return graph_dir
 

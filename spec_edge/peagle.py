@@ -261,6 +261,7 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
     import torch
 
     from . import head_train
+    from .train import feature_std
 
     k = args.parallel_k
     if not 1 <= k <= 16:
@@ -270,8 +271,7 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
     resume = head_train.load_resume(out, identity)
     draft_ids, t2d = head_train.draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
     hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
-    feature_std = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
-    module = build_module(hcfg, init_state(hcfg, target_state, draft_ids, args.seed, feature_std))
+    module = build_module(hcfg, init_state(hcfg, target_state, draft_ids, args.seed, feature_std(data)))
     if not args.train_lm_head:  # keep the target's own output rows and final norm: less to overfit
         module.lm_head.weight.requires_grad_(False)
         module.norm.weight.requires_grad_(False)

@@ -26,6 +26,12 @@ that match is also the proof that no second rounding happened. A weight without 
 refused, never re-quantized.
 
     <engine_dir>/<profile>/onnx/target_q4/   same stems and manifest as target/, plus "weights": "q4"
+
+Draft heads are the one place weights are rounded (graphs.head_weights q8, ensure_head_q8): a head
+has no GGUF blocks, its drafts are always verified by the target, and its step is small enough that
+reading fp32 weights is most of its cost. Its linear weights become Q8_0 blocks (8-bit MatMulNBits):
+
+    <artifact>/onnx/eagle3_fused_q8/   same stems and manifest as eagle3_fused/, plus "head_weights": "q8"
 """
 from __future__ import annotations
 
@@ -113,6 +119,18 @@ def quantize_q4_1(w: np.ndarray) -> np.ndarray:
     out = np.concatenate([d[..., None].view(np.uint8).reshape(n, -1, 2), m[..., None].view(np.uint8).reshape(n, -1, 2),
                           qs], axis=-1)
     return out.reshape(n, -1)
+
+
+def quantize_q8_0(w: np.ndarray) -> Q80:
+    """fp32 (N, K) -> Q8_0 blocks, llama.cpp's rounding: per block of 32 along K, d = max|w| / 127
+    (fp16), codes round(w / d). Used only for draft heads (graphs.head_weights q8): the target's
+    weights are never re-quantized."""
+    n, k = w.shape
+    blocks = np.asarray(w, np.float32).reshape(n, k // QK, QK)
+    d = (np.abs(blocks).max(-1) / 127).astype(np.float16).astype(np.float32)  # (N, K/32)
+    inv = np.where(d != 0, 1 / np.where(d == 0, 1, d), 0)
+    codes = np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return Q80(codes=codes.reshape(n, k), d=d)
 
 
 def pack_nbits_4(codes: np.ndarray) -> np.ndarray:
@@ -466,3 +484,70 @@ def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: 
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
     progress(f"[q4] ready: weights.bin {store.size / 1e6:.0f} MB (fp32 export: "
              f"{(src / 'weights.bin').stat().st_size / 1e6:.0f} MB) in {manifest['q4_seconds']} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft heads: 8-bit weights (graphs.head_weights q8)
+
+HEAD_Q8_FORMAT = 1
+
+
+def for_head(cfg, head_dir: Path, progress: Progress = print) -> Path:
+    """The folder ONNX Runtime runs for an exported draft head (EAGLE-3, P-EAGLE, Medusa): head_dir
+    itself for graphs.head_weights fp32, its 8-bit copy for q8."""
+    if cfg.graphs.head_weights == "fp32":
+        return Path(head_dir)
+    return ensure_head_q8(head_dir, progress)
+
+
+def ensure_head_q8(src_dir: Path, progress: Progress = print) -> Path:
+    """The 8-bit copy <src_dir>_q8 of a head folder: every bias-free linear weight (K a multiple of
+    32) rounded to Q8_0 blocks and run as MatMulNBits with int8 activations (accuracy level 4; level 0
+    would dequantize the whole matrix on every call). Made once; redone when src_dir changes."""
+    from .export import ensure_derived, source_stamp
+
+    src_dir = Path(src_dir)
+    stamp = source_stamp(src_dir)
+    return ensure_derived(src_dir.parent / f"{src_dir.name}_q8", {"q8_source_stamp": stamp, "head_q8_format": HEAD_Q8_FORMAT},
+                          lambda tmp: _convert_head(src_dir, tmp, stamp, progress))
+
+
+def _convert_head(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    from . import export
+
+    started = time.monotonic()
+    progress(f"[q8] rounding the head's linear weights to 8 bits ({src.name} -> {dst.name}) ...")
+    manifest = json.loads((src / "manifest.json").read_text())
+    dst.mkdir(parents=True)
+    store = export.WeightStore(dst / "weights.bin")
+    rounded: dict[str, Q80 | None] = {}  # by initializer name, shared by the graphs
+    layers = 0
+    for stem in manifest["graphs"]:
+        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
+        arrays = {t.name: t for t in model.graph.initializer}
+
+        def blocks(name: str) -> Q80 | None:
+            if name not in rounded:
+                weight = numpy_helper.to_array(arrays[name]) if name in arrays else None
+                fits = weight is not None and weight.dtype == np.float32 and weight.ndim == 2 and weight.shape[1] % QK == 0
+                rounded[name] = quantize_q8_0(weight) if fits else None
+            return rounded[name]
+
+        report = rewrite_model(model, blocks, accuracy_level=4, merge=False)
+        layers = max(layers, report.q8_layers)
+        export.save(model, dst / f"{stem}.onnx", store)
+    store.close()
+    if layers == 0:
+        raise QuantizeError(f"{src}: no linear weight of the head could be rounded to 8 bits; set "
+                            f"graphs.head_weights: fp32")
+    for path in src.iterdir():
+        if path.suffix in (".json", ".npy") and path.name != "manifest.json":
+            shutil.copy2(path, dst / path.name)
+    manifest.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=stamp, weights_bytes=store.size,
+                    q8_seconds=round(time.monotonic() - started, 1))
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    progress(f"[q8] ready: {layers} linear layers per graph, weights.bin {store.size / 1e6:.1f} MB "
+             f"(fp32: {(src / 'weights.bin').stat().st_size / 1e6:.1f} MB) in {manifest['q8_seconds']} s")

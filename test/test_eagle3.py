@@ -158,6 +158,38 @@ def test_fused_head_matches_exported_head(head_engine):
     np.testing.assert_allclose(heads[1].k_cache[:, :, :n + 4], heads[0].k_cache[:, :, :n + 4], rtol=1e-4, atol=1e-4)
 
 
+def test_q8_head_drafts_like_the_fp32_head(head_engine):
+    """graphs.head_weights q8 (the default): the engine runs the head's 8-bit copy (a quarter of the
+    weight bytes, MatMulNBits), whose logits stay within 5% of the fp32 graphs' (this head's layer
+    weights are scaled x20) and whose drafts
+    (argmax) are the same along a padded ingest and draft steps. Exactness of its speculative output
+    is test_eagle3_greedy_equals_plain (it runs the default)."""
+    import onnx
+
+    from spec_edge import export, ort_attention, quantize
+    from spec_edge.backends.ort_heads import OrtEagle3Head
+
+    running = head_engine._drafter("eagle3").head
+    assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
+    fp32_dir = ort_attention.ensure_fused(export.artifact_dir(head_engine.cfg, "eagle3"), progress=lambda m: None)
+    assert quantize.ensure_head_q8(fp32_dir, progress=lambda m: None) == running.head_dir  # made once, reused
+    step = onnx.load(str(running.head_dir / "eagle3_step_1.onnx"), load_external_data=False)
+    assert sum(node.op_type == "MatMulNBits" for node in step.graph.node) >= 7  # q k v o, gate up down (+ head)
+    sizes = [(folder / "weights.bin").stat().st_size for folder in (fp32_dir, running.head_dir)]
+    assert sizes[1] < 0.4 * sizes[0]
+    heads = [OrtEagle3Head(fp32_dir, running.embed_table), OrtEagle3Head(running.head_dir, running.embed_table)]
+    rng = np.random.default_rng(2)
+    n = 11
+    tokens = rng.integers(0, heads[0].cfg.target_vocab_size, n).tolist()
+    hidden = rng.standard_normal((n, 3 * heads[0].cfg.target_hidden_size)).astype(np.float32)
+    outs = [head.ingest(tokens, hidden, 0) for head in heads]
+    for pos in range(n, n + 4):
+        (want, want_h), (got, got_h) = ((logits.copy(), h.copy()) for logits, h in outs)
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
+        assert int(np.argmax(got)) == int(np.argmax(want))
+        outs = [head.step(int(np.argmax(want)), want_h, pos) for head in heads]  # same input: no drift
+
+
 def test_head_round_trip(tmp_path, tiny_models):
     path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=5)
     hcfg, state, draft_ids = eagle3.load_head(path, target_cfg)

@@ -139,6 +139,16 @@ def test_rows_matched_after_permutation():
         quantize.match_rows(exported, q.dequantize())
 
 
+def test_head_rounding_is_llama_cpp_q8_0():
+    """quantize_q8_0 (draft heads only) gives llama.cpp's Q8_0 blocks, read back by parse_q8_0."""
+    w = np.random.default_rng(3).standard_normal((6, 64)).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+    ours, reference = quantize.quantize_q8_0(w), quantize.parse_q8_0(q8_0_rows(w))
+    np.testing.assert_array_equal(ours.codes, reference.codes)
+    np.testing.assert_array_equal(ours.d, reference.d)
+    assert np.abs(ours.dequantize() - w).max() <= np.abs(w).max() / 127
+
+
 def test_gguf_names():
     assert quantize.gguf_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
     assert quantize.gguf_name("model.layers.0.self_attn.o_proj.weight") == "blk.0.attn_output.weight"
@@ -150,6 +160,9 @@ def test_config_field():
     from spec_edge.config import Config, ConfigError
 
     assert Config().graphs.weights == "fp32"
+    assert Config().graphs.head_weights == "q8"
+    with pytest.raises(ConfigError, match="graphs.head_weights"):
+        Config().replace(**{"graphs.head_weights": "q4"})
     assert Config().replace(**{"graphs.weights": "q4"}).graphs.weights == "q4"
     with pytest.raises(ConfigError, match="graphs.weights"):
         Config().replace(**{"graphs.weights": "int3"})

@@ -62,3 +62,12 @@ def test_data_cache_reuses_answers_and_loses_none(tmp_path, tiny_models, monkeyp
     assert again[0]["tokens"].tolist() == every[0]["tokens"].tolist()
     assert cache.stat().st_mtime_ns == stamp  # not rewritten with fewer answers
     assert len(torch.load(str(cache), weights_only=False)["data"]) == n_prompts
+
+
+def test_feature_std_equals_std_over_all_positions():
+    """The heads' input scaling is the std over every cached position, computed per sequence
+    (no float32 copy of the whole cache) yet equal to torch's std over all of them at once."""
+    gen = torch.Generator().manual_seed(0)
+    data = [{"hid3": (torch.randn(n, 12, generator=gen) * torch.arange(1, 13) + 3.0).half()} for n in (5, 17, 3)]
+    want = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
+    torch.testing.assert_close(train.feature_std(data), want, rtol=1e-5, atol=1e-5)
