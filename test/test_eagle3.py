@@ -161,9 +161,9 @@ def test_fused_head_matches_exported_head(head_engine):
 def test_q8_head_drafts_like_the_fp32_head(head_engine):
     """graphs.head_weights q8 (the default): the engine runs the head's 8-bit copy (a quarter of the
     weight bytes, MatMulNBits), whose logits stay within 5% of the fp32 graphs' (this head's layer
-    weights are scaled x20) and whose drafts
-    (argmax) are the same along a padded ingest and draft steps. Exactness of its speculative output
-    is test_eagle3_greedy_equals_plain (it runs the default)."""
+    weights are scaled x20) and whose drafts (argmax) are the same, call by call, along a padded
+    ingest and draft steps. Exactness of its speculative output is test_eagle3_greedy_equals_plain
+    (it runs the default)."""
     import onnx
 
     from spec_edge import export, ort_attention, quantize
@@ -184,7 +184,7 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     hidden = rng.standard_normal((n, 3 * heads[0].cfg.target_hidden_size)).astype(np.float32)
     outs = [head.ingest(tokens, hidden, 0) for head in heads]
     for pos in range(n, n + 4):
-        (want, want_h), (got, got_h) = ((logits.copy(), h.copy()) for logits, h in outs)
+        (want, want_h), (got, _) = ((logits.copy(), h.copy()) for logits, h in outs)
         assert np.abs(got - want).max() <= 0.05 * np.abs(want).max()
         assert int(np.argmax(got)) == int(np.argmax(want))
         outs = [head.step(int(np.argmax(want)), want_h, pos) for head in heads]  # same input: no drift
