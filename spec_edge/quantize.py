@@ -519,7 +519,7 @@ def _convert_head(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
     from . import export
 
     started = time.monotonic()
-    progress(f"[q8] rounding the head's linear weights to 8 bits ({src.name} -> {dst.name}) ...")
+    progress(f"[q8] rounding the head's linear weights to 8 bits ({src.name} -> {src.name}_q8) ...")
     manifest = json.loads((src / "manifest.json").read_text())
     dst.mkdir(parents=True)
     store = export.WeightStore(dst / "weights.bin")
