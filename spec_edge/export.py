@@ -375,6 +375,13 @@ def artifact_dir(cfg: Config, role: str) -> Path:
     return Path(os.path.expanduser(cfg.runtime.engine_dir)) / cfg.runtime.profile / "onnx" / role
 
 
+def head_side_files(folder: Path) -> tuple[str, ...]:
+    """What a head folder holds besides its graphs, weights.bin and manifest (head.json, draft_ids.npy,
+    an own embedding): the files a post-export pass copies unchanged."""
+    return tuple(sorted(path.name for path in Path(folder).iterdir()
+                        if path.suffix in (".json", ".npy") and path.name != "manifest.json"))
+
+
 def source_stamp(folder: Path) -> str:
     """A short hash of a graph folder's manifest: what a folder derived from it records."""
     return hashlib.sha256((Path(folder) / "manifest.json").read_bytes()).hexdigest()[:16]

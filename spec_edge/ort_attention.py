@@ -248,8 +248,7 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
 
         model_cfg = read_head_config(src).as_model_config()
         widest = max(int(spec["width"]) for spec in manifest["graphs"].values())
-        copies = tuple(path.name for path in src.iterdir() if path.suffix in (".json", ".npy")
-                       and path.name != "manifest.json")
+        copies = export.head_side_files(src)
     else:
         raise AttentionRewriteError(f"{src}: fused attention applies to target, draft model and EAGLE-3 head "
                                     f"graphs, not {role}")

@@ -543,9 +543,8 @@ def _convert_head(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
     if layers == 0:
         raise QuantizeError(f"{src}: no linear weight of the head could be rounded to 8 bits; set "
                             f"graphs.head_weights: fp32")
-    for path in src.iterdir():
-        if path.suffix in (".json", ".npy") and path.name != "manifest.json":
-            shutil.copy2(path, dst / path.name)
+    for name in export.head_side_files(src):
+        shutil.copy2(src / name, dst / name)
     manifest.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=stamp, weights_bytes=store.size,
                     q8_seconds=round(time.monotonic() - started, 1))
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
