@@ -170,6 +170,114 @@ restaurant; a student doing homework; a family with a new baby; a person who can
 SITUATION_TEMPLATES = ["What should a robot do if {s}?", "How should a home robot react when {s}?"]
 HELPED_TEMPLATE = "Describe how a robot could help {h}."
 
+# Third set (session 8), appended after the second for the same reason: more topics again (each in
+# seven of twenty-four templates), how-to tasks and comparisons, forms the first two sets lack.
+TOPICS_3 = """how a toilet flushes; how a zipper works; how a lock and key work; how a compass works; how a camera lens focuses;
+how a thermostat works; how a pressure cooker works; how noise cancelling headphones work; how touch screens work;
+how a battery stores energy; how solar cells make electricity; how a radio receives signals; how wifi works;
+how email travels; how a search engine ranks pages; how credit card payments work; how a bank loan works;
+how a bill becomes a law; how elections are counted; how courts work; how juries decide; how a city council works;
+how water gets to your tap; how sewage is treated; how garbage is collected; how paper is made; how glass is made;
+how steel is made; how chocolate is made; how cheese is made; how bread rises; how popcorn pops; how soap cleans;
+how a vaccine is tested; how a pill is made; how x-rays work; how MRI scanners work; how a pacemaker works;
+how hearts pump blood; how lungs breathe; how muscles grow; how bones heal; how the ear hears; how the nose smells;
+how plants drink water; how seeds grow; how trees grow rings; how flowers attract bees; how birds migrate;
+how fish breathe; how bats find food; how chameleons change color; how snakes move; how cats purr;
+how dogs sense smells; how spiders spin webs; how ants find food; how salmon swim upstream; how whales sing;
+how mountains form; how islands form; how caves form; how deltas form; how rivers carve valleys;
+how tsunamis form; how snowflakes form; how hail forms; how fog forms; how a rainbow forms after rain;
+how stars are born; how the sun makes light; how planets orbit; how tides follow the moon; how comets get tails;
+how rockets reach orbit; how satellites stay up; how astronauts sleep in space; how a space telescope sees far;
+the Apollo program; the Hubble telescope; the James Webb telescope; the Mars rovers; the Voyager probes;
+the first computers; the history of the internet; the history of video games; the history of cars;
+the history of flight; the history of medicine; the history of money; the history of writing;
+the history of the bicycle; the history of cameras; the history of music recording; the history of maps;
+the history of clocks; the history of bridges; the history of robots; the history of the telephone;
+the Stone Age; the Bronze Age; the Iron Age; the age of exploration; the Great Depression; the space race;
+the Cold War; the invention of paper; the invention of the wheel; the invention of the steam engine;
+the invention of the radio; the invention of the transistor; the invention of the microscope;
+Nikola Tesla; Thomas Edison; Galileo Galilei; Johannes Gutenberg; Florence Nightingale; Louis Pasteur;
+Grace Hopper; Katherine Johnson; Mahatma Gandhi; Nelson Mandela; Martin Luther King; Cleopatra;
+Julius Caesar; Alexander the Great; Napoleon; Queen Victoria; Abraham Lincoln; George Washington;
+Wolfgang Amadeus Mozart; Ludwig van Beethoven; Vincent van Gogh; Pablo Picasso; Frida Kahlo; Jane Austen;
+Mark Twain; Charles Dickens; Homer's Odyssey; the Iliad; Greek gods; Norse gods; Egyptian gods;
+the Trojan horse; King Arthur; Robin Hood; Sherlock Holmes; Alice in Wonderland; Don Quixote;
+machine vision; reinforcement learning; large language models; computer chips; quantum computers;
+virtual reality; augmented reality; smart watches; fitness trackers; electric bikes; e-scooter sharing;
+autonomous tractors; vertical farming; hydroponics; aquaponics; greenhouses; beekeeping; chicken farming;
+dairy farms; vineyards; orchards; rice paddies; wheat fields; tractors; combine harvesters; fertilizer;
+pesticides; organic food; food labels; food waste; food banks; school lunches; vegetarian diets;
+drinking enough water; sugar in drinks; sleep schedules; screen time; posture at a desk; stretching;
+walking every day; running shoes; swimming lessons; learning to ride a bike; learning to swim;
+learning to cook; learning to drive; learning to code; learning to draw; learning an instrument;
+learning to type; public libraries; community gardens; volunteering; charity; recycling centers;
+fire stations; police stations; post offices; city parks; playgrounds; skate parks; swimming pools;
+train stations; bus stops; harbors; airports security; passports; visas; currency exchange; souvenirs;
+travel insurance; jet lag; road trips; cruise ships; backpacking; youth hostels; camping stoves;
+water bottles; sunscreen; sunglasses; umbrellas; raincoats; winter coats; boots; socks; sewing buttons;
+ironing clothes; laundry; folding clothes; cleaning windows; mopping floors; dusting shelves;
+organizing a closet; decluttering; moving boxes; furniture assembly; painting a wall; hanging a picture;
+fixing a leaky tap; changing a light bulb; resetting a router; cleaning a keyboard; updating a phone;
+charging an electric car; checking tire pressure; jump starting a car; changing a bike tire;
+caring for a cactus; repotting a plant; watering a garden; composting kitchen scraps; raising chickens;
+keeping an aquarium; walking a dog; grooming a horse; feeding a rabbit; adopting a pet;
+warehouse inventory; forklifts; pallets; shipping containers; supply chains; just in time delivery;
+quality control; assembly lines; car factories; semiconductor factories; clean rooms; industrial robots;
+collaborative robots; robot programming; robot simulation; robot competitions; robot ethics;
+robots in hospitals; robots in schools; robots in restaurants; robots in hotels; robots in farming;
+robots in space; robots in the ocean; robots in mines; robots in disaster zones; robots at airports;
+robot cleaners in offices; robot guides in museums; robot bartenders; robot toys; robot pets;
+motors and encoders; servo motors; stepper motors; wheels and tracks; legs versus wheels; robot balance;
+infrared sensors; ultrasonic sensors; bump sensors; force sensors; temperature sensors; cameras for robots;
+depth cameras; microphones for robots; speakers for robots; robot voices; robot faces; robot lights;
+charging docks; wireless charging; battery safety; robot maintenance; robot software updates;
+emergency stop buttons; safety zones around robots; robot speed limits; robot logs; robot maps;
+indoor navigation; outdoor navigation; GPS errors; following a line; following a person; avoiding stairs;
+opening doors; pressing elevator buttons; carrying trays; sorting packages; picking fruit; folding laundry;
+mountain goats; polar bears; penguin chicks; sea turtles; seahorses; starfish; squid;
+sea otters; beavers; hedgehogs; moles; owls hunting; hummingbirds; peacocks; flamingos; ostriches;
+woodpeckers; pigeons; ravens; swans; ducks; geese; hawks; vultures; snails; worms; ladybugs; dragonflies;
+fireflies; mosquitoes; termites; crickets; grasshoppers; moths; caterpillars; tadpoles; lizards;
+crocodiles; alligators; iguanas; cheetahs; leopards; hippos; rhinos; moose; deer; reindeer; bison;
+llamas; yaks; donkeys; goats; sheep; cows; pigs; chickens; pet fish; parakeets""".replace("\n", " ")
+
+FREE_FORM_3 = FREE_FORM_2 + [
+    "Give me five tips about {t}.", "Explain {t} in three sentences.", "Write a short blog post about {t}.",
+    "What are common mistakes people make about {t}?", "Write a short news report about {t}.",
+    "What is the future of {t}?", "Summarize {t} for a busy reader.", "Teach me about {t} step by step.",
+]
+
+HOW_TO = """boil an egg; make a cup of tea; clean a frying pan; sharpen a pencil; tie a tie; plant a tree;
+make a paper airplane; wrap a present; set a table for dinner; write a thank you note; make a budget;
+plan a birthday party; study for a test; prepare for a job interview; give a short speech; start a podcast;
+take better photos with a phone; make a strong password; spot a phishing email;
+clean a laptop screen; speed up a slow computer; set up a home network; connect a printer; write a resume;
+save energy in winter; keep a room cool in summer; stay safe in a thunderstorm; prepare for a power outage;
+pack a first aid kit; treat a small cut; help someone who is choking; stay calm before an exam;
+fall asleep faster; wake up early; build a habit; read faster; remember names; learn new words;
+make a smoothie; cook rice; bake cookies; make a salad; make pancakes; store vegetables; freeze bread;
+wash a car; check the oil in a car; park a car; ride a bike safely in traffic; read a bus timetable;
+find your way with a paper map; build a campfire safely; set up a tent; pack a backpack for a hike;
+teach a dog to sit; litter train a kitten; clean a fish tank; care for a sick pet; choose a pet;
+program a simple robot; calibrate a robot camera; charge a robot vacuum; clean robot wheels;
+plan a robot's path around furniture; test a robot's emergency stop; replace a robot's battery;
+write a bug report; review code; name variables well; write a good commit message; learn a new programming language""".replace("\n", " ")
+
+HOW_TO_TEMPLATES = ["How do I {h}?", "Give step-by-step instructions to {h}.", "What is the easiest way to {h}?"]
+
+PAIRS = """a lake and a sea; weather and climate; a virus and a bacterium; a star and a planet;
+a frog and a toad; a crocodile and an alligator; a moth and a butterfly; a turtle and a tortoise;
+a hurricane and a tornado; speed and velocity; mass and weight; heat and temperature; AC and DC current;
+a laptop and a tablet; RAM and storage; hardware and software; a browser and a search engine;
+a robot and a machine; a sensor and an actuator; a motor and an engine; a map and a globe;
+a city and a village; a museum and a gallery; a novel and a short story; a poem and a song;
+baking and frying; a fruit and a vegetable; butter and margarine; tea and coffee; walking and running;
+a bus and a train; a plane and a helicopter; a boat and a ship; a bike and a motorcycle;
+renting and buying; saving and investing; a debit card and a credit card; a need and a want;
+a lidar and a camera; wheels and legs for robots; a drone and a plane; teleoperation and autonomy""".replace("\n", " ")
+
+PAIR_TEMPLATES = ["What is the difference between {p}?", "Compare {p} in a few sentences."]
+
 
 def held_out_words() -> set[str]:
     words: set[str] = set()
@@ -197,7 +305,8 @@ def prompts() -> list[str]:
     out += [template.format(c=c) for c, template in itertools.product(split(CODE), CODE_TEMPLATES)]
     # interleave kinds deterministically so --max-prompts N takes a mix
     first = [out[(i * 7919) % len(out)] for i in range(len(out))] if len(out) % 7919 else out
-    return first + second_set(banned, set(first))
+    second = second_set(banned, set(first))
+    return first + second + third_set(banned, set(first) | set(second), split(TOPICS) + split(TOPICS_2))
 
 
 def second_set(banned: set[str], taken: set[str]) -> list[str]:
@@ -205,6 +314,16 @@ def second_set(banned: set[str], taken: set[str]) -> list[str]:
            for i, topic in enumerate(kept(TOPICS_2, banned)) for j in range(TEMPLATES_PER_TOPIC_2)]
     out += [template.format(s=s) for s, template in itertools.product(kept(SITUATIONS, banned), SITUATION_TEMPLATES)]
     out += [HELPED_TEMPLATE.format(h=h) for h in kept(HELPED, banned)]
+    out = [prompt for prompt in dict.fromkeys(out) if prompt not in taken]
+    return [out[(i * 7919) % len(out)] for i in range(len(out))] if len(out) % 7919 else out
+
+
+def third_set(banned: set[str], taken: set[str], earlier_topics: list[str]) -> list[str]:
+    topics = [topic for topic in kept(TOPICS_3, banned) if topic not in set(earlier_topics)]
+    out = [FREE_FORM_3[(i * 5 + j) % len(FREE_FORM_3)].format(t=topic)
+           for i, topic in enumerate(topics) for j in range(TEMPLATES_PER_TOPIC_2)]
+    out += [template.format(h=h) for h, template in itertools.product(kept(HOW_TO, banned), HOW_TO_TEMPLATES)]
+    out += [template.format(p=p) for p, template in itertools.product(kept(PAIRS, banned), PAIR_TEMPLATES)]
     out = [prompt for prompt in dict.fromkeys(out) if prompt not in taken]
     return [out[(i * 7919) % len(out)] for i in range(len(out))] if len(out) % 7919 else out
 

@@ -68,6 +68,27 @@ def expected_length(accuracy: list[float]) -> float:
     return total
 
 
+def replay_chain(chain_preds: list, tokens, n_prompt: int, k: int) -> tuple[int, int]:
+    """The live greedy loop replayed offline on one target answer: (verify calls, tokens they emitted).
+
+    chain_preds[j][t]: the head's draft j+1 when the newest verified pair is t (it predicts token
+    t + j + 2; train_forward's step j, target ids); tokens (N,): the prompt and the target's answer.
+    From the pair before the first answer token, draft k, keep the agreeing prefix plus the target's
+    own token, move on. Unlike expected_length this starts each chain where the last one failed,
+    as the live loop does (hard positions come first), so it predicts the live mean accepted length."""
+    n_tokens, t = len(tokens), n_prompt - 1
+    calls = emitted = 0
+    while t + 2 < n_tokens:
+        n_accepted = 0
+        while (n_accepted < k and t + n_accepted + 2 < n_tokens
+               and int(chain_preds[n_accepted][t]) == int(tokens[t + n_accepted + 2])):
+            n_accepted += 1
+        calls += 1
+        emitted += min(n_accepted + 1, n_tokens - t - 2)  # no own token after the answer's last
+        t += n_accepted + 1
+    return calls, emitted
+
+
 def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, resume: dict | None,
         draft_ids: np.ndarray, train_data: list[dict], batch_loss: Callable, evaluate: Callable[[], list[float]],
         save_head: Callable[[dict], None], n_sequences: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from spec_edge import train
+from spec_edge import head_train, train
 from spec_edge.train import answer_batch, load_hf_target
 from tiny import train_draft_argv
 
@@ -71,3 +71,17 @@ def test_feature_std_equals_std_over_all_positions():
     data = [{"hid3": (torch.randn(n, 12, generator=gen) * torch.arange(1, 13) + 3.0).half()} for n in (5, 17, 3)]
     want = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
     torch.testing.assert_close(train.feature_std(data), want, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_chain_moves_like_the_live_loop():
+    """Prompt of 3, answer tokens 3..9. Drafts are right except draft 1 from pair 5 (token 7)."""
+    tokens = list(range(10))
+    right = [[t + j + 2 for t in range(10)] for j in range(3)]  # chain_preds[j][t] = token t+j+2
+    wrong = [row[:] for row in right]
+    wrong[0][5] = -1
+    # k=2, all right: pairs 2 -> 5 -> 8; verifies emit 4,5,6 then 7,8,9
+    assert head_train.replay_chain(right, tokens, 3, 2) == (2, 6)
+    # k=2, a miss at pair 5: 4,5,6 | 7 (own token) | 8,9 (draft + own; the answer ends)
+    assert head_train.replay_chain(wrong, tokens, 3, 2) == (3, 6)
+    # k=3: 4,5,6,7 | 8,9
+    assert head_train.replay_chain(right, tokens, 3, 3) == (2, 6)
