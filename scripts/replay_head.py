@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_edge import eagle3, head_train, train
+from spec_edge import bench, eagle3, head_train, train
 
 
 def main() -> int:
@@ -35,13 +35,11 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model, tok, cfg = train.load_hf_target("embedded")
-    rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = [row["prompt"] for row in rows if row["kind"] in args.kinds]
+    prompts = [entry["prompt"] for entry in bench.load_prompts(Path(args.prompts), args.kinds)]
     if not prompts:
         raise SystemExit(f"no prompts of kinds {args.kinds} in {args.prompts}")
-    prompt_ids = [list(tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                               add_generation_prompt=True, return_dict=False)) for prompt in prompts]
+    model, tok, cfg = train.load_hf_target("embedded")
+    prompt_ids = train.chat_prompt_ids(tok, prompts)
     eos_ids = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     embed = model.get_input_embeddings().weight.detach().float()  # (V, H)
@@ -59,12 +57,11 @@ def main() -> int:
         to_target = torch.from_numpy(np.asarray(draft_ids))
         t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
         t2d[to_target] = torch.arange(len(to_target))
-        hits, total = np.zeros(n_steps), np.zeros(n_steps)
         replayed = {k: [0, 0] for k in args.ks}  # k -> [verify calls, tokens emitted]
         with torch.no_grad():
             for start in range(0, len(items), 8):
                 batch = items[start:start + 8]
-                emb, hid, labels = train.collate(batch, t2d, embed, n_steps)
+                emb, hid, _ = train.collate(batch, t2d, embed, n_steps)
                 outs = module.train_forward(emb, hid, n_steps)
                 chain_preds = [to_target[module.lm_head(normed).argmax(-1)] for normed in outs]  # (B, N) each
                 for b, item in enumerate(batch):
@@ -73,13 +70,7 @@ def main() -> int:
                                                                  item["tokens"], item["n_prompt"], k)
                         replayed[k][0] += calls
                         replayed[k][1] += emitted
-                    for j in range(n_steps):  # answer positions only: step j at t predicts t+j+2
-                        labels[j, b, :max(item["n_prompt"] - j - 2, 0)] = -100
-                for j, normed in enumerate(outs):
-                    valid = labels[j] != -100
-                    hits[j] += (module.lm_head(normed).argmax(-1)[valid] == labels[j][valid]).sum().item()
-                    total[j] += valid.sum().item()
-        agreement = " / ".join(f"{a:.3f}" for a in hits / np.maximum(total, 1))
+            agreement = " / ".join(f"{a:.3f}" for a in train.answer_agreement(module, items, t2d, embed, n_steps, 8))
         lengths = " / ".join(f"{emitted / calls:.3f}" for calls, emitted in replayed.values())
         steps = json.loads((Path(head) / "config.json").read_text()).get("spec_edge", {}).get("trained_steps", "?")
         print(f"{head} (step {steps}): agreement per draft position {agreement}; "

@@ -107,6 +107,13 @@ def read_prompts(path: str, limit: int) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def chat_prompt_ids(tok, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as one user turn in the target's chat template, ready for the answer."""
+    ids = [tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                   add_generation_prompt=True, return_dict=False) for prompt in prompts]
+    return [list(one["input_ids"] if isinstance(one, dict) else one) for one in ids]
+
+
 def answer_batch(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: set[int], pad_id: int,
                  aux_layers) -> list[dict]:
     """Greedy answers of the transformers target to a batch of prompt id lists, one forward per
@@ -189,9 +196,7 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
            "aux_layers": list(aux_layers), "format": 2}
     prompts = read_prompts(args.prompts, args.max_prompts)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
-    prompt_ids = [tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                          add_generation_prompt=True, return_dict=False) for prompt in prompts]
-    prompt_ids = [list(ids["input_ids"] if isinstance(ids, dict) else ids) for ids in prompt_ids]
+    prompt_ids = chat_prompt_ids(tok, prompts)
     data: list[dict | None] = [None] * len(prompts)
     if cache.is_file():
         saved = torch.load(str(cache), weights_only=False)
@@ -303,6 +308,23 @@ def collate(items: list[dict], t2d, embed, ttt: int, with_hlast: bool = False):
     return emb_steps, hid3, draft_labels, hlast_steps
 
 
+def answer_agreement(module, items: list[dict], t2d, embed, n_steps: int, batch: int) -> list[float]:
+    """Top-1 agreement of an EAGLE-3 head (train_forward) with the target per draft step, over the
+    answer positions of items (prompts excluded), teacher-forced."""
+    hits, total = np.zeros(n_steps), np.zeros(n_steps)
+    for start in range(0, len(items), batch):
+        chunk = items[start:start + batch]
+        emb, hid, labels = collate(chunk, t2d, embed, n_steps)
+        for b, item in enumerate(chunk):  # score the answer only: step j at t predicts t+j+2
+            for j in range(n_steps):
+                labels[j, b, :max(item["n_prompt"] - j - 2, 0)] = -100
+        for j, normed in enumerate(module.train_forward(emb, hid, n_steps)):
+            valid = labels[j] != -100
+            hits[j] += (module.lm_head(normed[valid]).argmax(-1) == labels[j][valid]).sum().item()
+            total[j] += valid.sum().item()
+    return list(hits / np.maximum(total, 1))
+
+
 def train_main(argv: list[str]) -> int:
     import torch
 
@@ -380,19 +402,7 @@ def train_eagle3(args, argv: list[str], data: list[dict], target_state: dict, cf
         return sum(w * step_loss(o, lab, hl) for w, o, lab, hl in zip(weights, outs, labels, hlast)) / sum(weights)
 
     def evaluate() -> list[float]:
-        """Top-1 agreement with the target per draft step on the held-out answers (prompts excluded)."""
-        hits, total = np.zeros(args.ttt_steps), np.zeros(args.ttt_steps)
-        for start in range(0, len(eval_data), args.batch):
-            items = eval_data[start:start + args.batch]
-            emb, hid, labels = collate(items, t2d, embed, args.ttt_steps)
-            for b, item in enumerate(items):  # score the answer only: step j at t predicts t+j+2
-                for j in range(args.ttt_steps):
-                    labels[j, b, :max(item["n_prompt"] - j - 2, 0)] = -100
-            for j, normed in enumerate(module.train_forward(emb, hid, args.ttt_steps)):
-                valid = labels[j] != -100
-                hits[j] += (module.lm_head(normed[valid]).argmax(-1) == labels[j][valid]).sum().item()
-                total[j] += valid.sum().item()
-        return list(hits / np.maximum(total, 1))
+        return answer_agreement(module, eval_data, t2d, embed, args.ttt_steps, args.batch)
 
     def save_head(extra: dict) -> None:
         eagle3.save_head(out, hcfg, dict(module.state_dict()), draft_ids, dtype=args.dtype, extra=extra)
