@@ -40,8 +40,9 @@ def main() -> int:
     parser.add_argument("--domain-id", type=int, default=random.randint(100, 200))
     args = parser.parse_args()
 
-    from spec_edge import config as cfgmod, tune
-    from spec_edge.bench import load_prompts
+    from spec_edge import config as cfgmod
+    from spec_edge.tools import tune
+    from spec_edge.tools.prompts import load_prompts
 
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     os.environ["ROS_DOMAIN_ID"] = str(args.domain_id)
@@ -60,8 +61,8 @@ def main() -> int:
                               start_new_session=True)
     import rclpy
 
-    from spec_edge.client import GenerateClient, fill_request
-    from spec_edge.node import response_to_dict
+    from spec_edge.ros2.client import GenerateClient, fill_request
+    from spec_edge.ros2.node import response_to_dict
 
     rclpy.init(args=[])
     client = GenerateClient(node_name="spec_edge_concurrency")

@@ -55,8 +55,8 @@ def main() -> int:
                         help="name=break_even:prior_accepted:prior_proposals (default: a built-in set)")
     args = parser.parse_args()
 
-    from spec_edge.bench import load_prompts
-    from spec_edge.drafters.ngram import NgramDrafter
+    from spec_edge.tools.prompts import load_prompts
+    from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     prompts = load_prompts()
     cache = Path(args.cache)
@@ -64,7 +64,7 @@ def main() -> int:
     key = str(args.max_new_tokens)
     if key not in data or set(data[key]) != {p["id"] for p in prompts}:
         from spec_edge.config import Config
-        from spec_edge.engine import Engine, GenerateRequest
+        from spec_edge.runtime.engine import Engine, GenerateRequest
 
         engine = Engine.from_config(Config().replace(**{"speculative.drafter": "none"}),
                                     lambda m: print(m, file=sys.stderr))

@@ -19,9 +19,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from spec_edge import speculative
+from spec_edge.runtime import speculative
 from spec_edge.config import Config
-from spec_edge.engine import Engine, GenerateRequest
+from spec_edge.runtime.engine import Engine, GenerateRequest
 
 
 def main() -> int:

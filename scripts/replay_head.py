@@ -20,7 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_edge import bench, eagle3, head_train, train
+from spec_edge.tools.prompts import load_prompts
+from spec_edge.heads import eagle3
+from spec_edge.training import fit as head_train, train
 
 
 def main() -> int:
@@ -35,7 +37,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    prompts = [entry["prompt"] for entry in bench.load_prompts(Path(args.prompts), args.kinds)]
+    prompts = [entry["prompt"] for entry in load_prompts(Path(args.prompts), args.kinds)]
     if not prompts:
         raise SystemExit(f"no prompts of kinds {args.kinds} in {args.prompts}")
     model, tok, cfg = train.load_hf_target("embedded")

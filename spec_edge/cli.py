@@ -9,8 +9,8 @@ import argparse
 import json
 import sys
 
-from . import config as cfgmod
-from .config import Config, ConfigError
+from spec_edge import config as cfgmod
+from spec_edge.config import Config, ConfigError
 
 
 def progress(message: str) -> None:
@@ -53,7 +53,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def cmd_export(args) -> int:
-    from . import export
+    from spec_edge.graphs import export
 
     cfg = config_from_args(args)
     roles = ["target"] + (["draft"] if cfg.model.draft else [])
@@ -66,14 +66,14 @@ def cmd_export(args) -> int:
             status = "all static" if not dynamic else f"DYNAMIC: {dynamic[:3]}"
             progress(f"[export] {onnx_file.name}: {checked} tensors, {status}")
         if cfg.runtime.backend == "onnxruntime":  # the post-export passes the engine would run on first load
-            from .engine import ort_graphs
+            from spec_edge.runtime.engine import ort_graphs
 
             progress(f"[export] {role}: ONNX Runtime runs {ort_graphs(cfg, role, out, progress)}")
     return 0
 
 
 def request_from_args(args):
-    from .engine import GenerateRequest
+    from spec_edge.runtime.engine import GenerateRequest
 
     return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -81,7 +81,7 @@ def request_from_args(args):
 
 
 def cmd_generate(args) -> int:
-    from .engine import Engine
+    from spec_edge.runtime.engine import Engine
 
     cfg = config_from_args(args)
     engine = Engine.from_config(cfg, progress)
@@ -101,13 +101,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from spec_edge.tools import bench
 
     return bench.main(config_from_args(args), args, progress)
 
 
 def cmd_tune(args) -> int:
-    from . import tune
+    from spec_edge.tools import tune
 
     return tune.main(config_from_args(args), args, progress)
 
@@ -167,16 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="pick k from measured verify/step costs and acceptance; write a profile")
     add_config_args(p)
-    from . import tune as tune_mod
+    from spec_edge.tools import tune as tune_mod
     tune_mod.add_args(p)
     p.set_defaults(func=cmd_tune)
 
     for name, module, function, text in (
-            ("build", "build", "build_main", "build TensorRT engines on the device"),
-            ("plan", "build", "plan_main", "print the memory plan of a profile"),
-            ("serve", "node", "serve_main", "start the ROS 2 node without ros2 launch"),
-            ("ask", "client", "ask_main", "call /generate as a ROS 2 client"),
-            ("train-draft", "train", "train_main", "train an EAGLE-3 head on the target's own outputs")):
+            ("build", "device.build", "build_main", "build TensorRT engines on the device"),
+            ("plan", "device.build", "plan_main", "print the memory plan of a profile"),
+            ("serve", "ros2.node", "serve_main", "start the ROS 2 node without ros2 launch"),
+            ("ask", "ros2.client", "ask_main", "call /generate as a ROS 2 client"),
+            ("train-draft", "training.train", "train_main", "train an EAGLE-3 head on the target's own outputs")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=forward(module, function))
@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .backends.base import BackendError
-    from .engine import RequestError
+    from spec_edge.runtime.backends.base import BackendError
+    from spec_edge.runtime.engine import RequestError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

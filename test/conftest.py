@@ -37,6 +37,6 @@ def tiny_cfg(tiny_models):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_cfg):
-    from spec_edge.engine import Engine
+    from spec_edge.runtime.engine import Engine
 
     return Engine.from_config(tiny_cfg, progress=lambda message: None)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_edge.bench import KINDS, PromptFileError, load_prompts
+from spec_edge.tools.prompts import KINDS, PromptFileError, load_prompts
 
 
 def test_shipped_prompt_set_covers_every_kind():

@@ -8,8 +8,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from spec_edge import build, export, io_names, memory
-from spec_edge.backends.onnxruntime import cpu_session
+from spec_edge.device import build, memory
+from spec_edge.graphs import export, io_names
+from spec_edge.runtime.backends.onnxruntime import cpu_session
 from spec_edge.config import Config, ConfigError, from_params, load
 
 TRT_VERSION = "10.13.0.35"
@@ -579,8 +580,8 @@ def test_dynamic_export_runs_every_width(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from spec_edge import model as model_mod
-    from spec_edge.weights import config_from_hf
+    from spec_edge.graphs import model as model_mod
+    from spec_edge.graphs.weights import config_from_hf
 
     hf = dict(TINY_HF, model_type="qwen3", head_dim=8, rms_norm_eps=1e-6)
     folder = tmp_path / "tiny"

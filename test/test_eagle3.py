@@ -12,7 +12,7 @@ import torch
 from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
                   head_inputs, ort_session, set_config, train_draft_argv)
-from spec_edge import eagle3
+from spec_edge.heads import eagle3
 from spec_edge.config import ConfigError
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers: EAGLE-3's default (1, L/2-1, L-4) would collide
@@ -75,7 +75,7 @@ class FakeHead:
 def test_eagle3_drafter_bookkeeping():
     """Pairs (target hidden at p, token p+1) are fed once each, at position p; after a verify that
     accepted n drafts exactly the n + 1 new pairs are ingested; draft steps follow at last+1 ...."""
-    from spec_edge.drafters.eagle3 import Eagle3Drafter
+    from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
 
     head = FakeHead()
     drafter, sampler = fake_drafter(Eagle3Drafter, head)
@@ -132,8 +132,8 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
 def test_fused_head_matches_exported_head(head_engine):
     """The head's fused-attention graphs (GroupQueryAttention writing the head cache in place, the
     default on ONNX Runtime) give the exported graphs' drafts: a padded ingest, then draft steps."""
-    from spec_edge import export, ort_attention
-    from spec_edge.backends.ort_heads import OrtEagle3Head
+    from spec_edge.graphs import export, ort_attention
+    from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
     exported = export.artifact_dir(head_engine.cfg, "eagle3")
     fused = ort_attention.ensure_fused(exported, progress=lambda m: None)
@@ -166,8 +166,8 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     (it runs the default)."""
     import onnx
 
-    from spec_edge import export, ort_attention, quantize
-    from spec_edge.backends.ort_heads import OrtEagle3Head
+    from spec_edge.graphs import export, ort_attention, quantize
+    from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
     running = head_engine._drafter("eagle3").head
     assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
@@ -244,7 +244,8 @@ def test_eagle3_without_head_is_a_clear_error(tiny_cfg):
 def test_train_draft_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
     """`spec-edge train-draft` end to end on the tiny target (a few steps): a head folder that loads
     against the target, and a second run that resumes from the first run's step."""
-    from spec_edge import cli, weights
+    from spec_edge import cli
+    from spec_edge.graphs import weights
 
     out = tmp_path / "head"
     argv = train_draft_argv(tmp_path, tiny_models, out) + ["--dtype", "float32"]

@@ -8,8 +8,8 @@ import onnx
 import pytest
 import torch
 
-from spec_edge import export, model, ort_attention, weights
-from spec_edge.backends.onnxruntime import OrtRunner
+from spec_edge.graphs import export, model, ort_attention, weights
+from spec_edge.runtime.backends.onnxruntime import OrtRunner
 from spec_edge.config import Config, ConfigError
 
 REL_TOL = 5e-5  # fp32: max |ONNX Runtime - torch| relative to the largest |value| (logits here ~15)

@@ -8,13 +8,13 @@ import pytest
 
 from test_eagle3 import make_head
 from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain
-from spec_edge import speculative
+from spec_edge.runtime import speculative
 from spec_edge.config import DRAFTERS, ConfigError
-from spec_edge.drafters.eagle3 import Eagle3Drafter
-from spec_edge.drafters.hybrid import HybridDrafter
-from spec_edge.drafters.ngram import NgramDrafter
-from spec_edge.sampling import SamplingParams
-from spec_edge.speculative import Draft, Sampler
+from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
+from spec_edge.runtime.drafters.hybrid import HybridDrafter
+from spec_edge.runtime.drafters.ngram import NgramDrafter
+from spec_edge.runtime.sampling import SamplingParams
+from spec_edge.runtime.speculative import Draft, Sampler
 
 REPEAT = "Ünïcödé 🤖 robot robot robot robot"  # lookup finds matches (the random target rarely agrees)
 NO_REPEAT = "Move the arm to the left"
@@ -205,7 +205,7 @@ class FirstStep(Scripted):
 def test_hybrid_sampling_keeps_target_distribution(head_engine):
     """Speculative sampling over a lookup draft (one-hot) followed by head drafts (their q rows) in
     one request: the first three tokens follow the target's exact distribution (chi-square)."""
-    from spec_edge.engine import GenerateRequest
+    from spec_edge.runtime.engine import GenerateRequest
 
     ids = head_engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     guess = plain(head_engine, ids, 4)[1:]  # the greedy continuation: often accepted at top_k=3

@@ -14,10 +14,11 @@ import torch
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, head_inputs,
                   ort_session, set_config, train_draft_argv)
-from spec_edge import medusa, speculative
+from spec_edge.heads import medusa
+from spec_edge.runtime import speculative
 from spec_edge.config import ConfigError
-from spec_edge.engine import Engine, GenerateRequest, RequestError
-from spec_edge.sampling import SamplingParams
+from spec_edge.runtime.engine import Engine, GenerateRequest, RequestError
+from spec_edge.runtime.sampling import SamplingParams
 
 
 def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):
@@ -127,7 +128,8 @@ def test_profile_k_above_head_count_refused(medusa_engine):
 
 
 def test_train_draft_medusa_tiny_saves_loadable_heads_and_resumes(tmp_path, tiny_models):
-    from spec_edge import cli, weights
+    from spec_edge import cli
+    from spec_edge.graphs import weights
 
     out = tmp_path / "medusa"
     argv = train_draft_argv(tmp_path, tiny_models, out, "--kind", "medusa", "--medusa-heads", "3") + [

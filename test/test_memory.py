@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from spec_edge import memory
+from spec_edge.device import memory
 from spec_edge.config import MODEL_PRESETS, GraphSection, MemorySection
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]

@@ -15,9 +15,10 @@ import torch
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
                   head_inputs, ort_session, train_draft_argv)
-from spec_edge import eagle3, export, peagle
+from spec_edge.heads import eagle3, peagle
+from spec_edge.graphs import export
 from spec_edge.config import ConfigError
-from spec_edge.engine import Engine
+from spec_edge.runtime.engine import Engine
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers
 
@@ -72,7 +73,7 @@ class FakeHead:
 def test_peagle_drafter_bookkeeping():
     """Pairs (target hidden at p, token p+1) are fed once each at row p: the newest through the draft
     pass (one call for all k drafts), the ones before it through an ingest pass."""
-    from spec_edge.drafters.peagle import PEagleDrafter
+    from spec_edge.runtime.drafters.peagle import PEagleDrafter
 
     head = FakeHead()
     drafter, sampler = fake_drafter(PEagleDrafter, head)
@@ -197,7 +198,8 @@ def test_two_heads_share_the_target_hidden_outputs(tiny_models, tiny_cfg):
 
 
 def test_train_draft_peagle_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
-    from spec_edge import cli, weights
+    from spec_edge import cli
+    from spec_edge.graphs import weights
 
     out = tmp_path / "peagle"
     argv = train_draft_argv(tmp_path, tiny_models, out, "--kind", "peagle", "--parallel-k", "3", "--anchors", "4") + [

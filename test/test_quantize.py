@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spec_edge.backends.onnxruntime import cpu_session
+from spec_edge.runtime.backends.onnxruntime import cpu_session
 
-from spec_edge import quantize
-from spec_edge.quantize import QuantizeError
+from spec_edge.graphs import quantize
+from spec_edge.graphs.quantize import QuantizeError
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from spec_edge.config import Config
-from spec_edge.engine import Engine, GenerateRequest
+from spec_edge.runtime.engine import Engine, GenerateRequest
 
 REPO = Path(__file__).resolve().parents[1]
 EDIT = ("Rewrite the following text, replacing 'robot' with 'rover' and changing nothing else: "
@@ -31,7 +31,7 @@ def test_logits_match_transformers(engine):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from spec_edge.weights import embedded_gguf_path
+    from spec_edge.graphs.weights import embedded_gguf_path
 
     path = embedded_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32").eval()
@@ -80,9 +80,9 @@ def test_q4_carries_every_linear_layer(engine):
     graphs' (same weights; fp32 activations here, so only the summation order differs)."""
     import onnx
 
-    from spec_edge import quantize
-    from spec_edge.backends.onnxruntime import OrtRunner
-    from spec_edge.weights import embedded_gguf_path
+    from spec_edge.graphs import quantize
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.graphs.weights import embedded_gguf_path
 
     q4_dir = quantize.ensure_q4(engine.graph_dir, embedded_gguf_path(), accuracy_level=0,
                                 progress=lambda m: print(m, file=sys.stderr))
@@ -105,8 +105,8 @@ def test_q4_carries_every_linear_layer(engine):
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
     assert int(np.argmax(got)) == int(np.argmax(want))
     # fp32 activations (q4_fp32act): speculative greedy on the 4-bit graphs == their own target-only
-    from spec_edge import speculative
-    from spec_edge.drafters.ngram import NgramDrafter
+    from spec_edge.runtime import speculative
+    from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     edit = engine.prompt_ids(GenerateRequest(prompt=EDIT))
     plain, _, _ = speculative.generate(q4, edit, max_new_tokens=40, eos_ids=engine.eos_ids)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from spec_edge.config import ConfigError
-from spec_edge.engine import GenerateRequest, RequestError, check_same_tokenizer
-from spec_edge.tokenizer import Tokenizer
+from spec_edge.runtime.engine import GenerateRequest, RequestError, check_same_tokenizer
+from spec_edge.runtime.tokenizer import Tokenizer
 
 BAD = [
     (dict(prompt=""), "prompt is empty"),

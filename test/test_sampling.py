@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spec_edge import speculative
-from spec_edge.backends.onnxruntime import OrtRunner
-from spec_edge.drafters.draft_model import ModelDrafter
-from spec_edge.engine import GenerateRequest
-from spec_edge.sampling import SamplingParams, probabilities, speculative_accept
-from spec_edge.speculative import Draft
+from spec_edge.runtime import speculative
+from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.drafters.draft_model import ModelDrafter
+from spec_edge.runtime.engine import GenerateRequest
+from spec_edge.runtime.sampling import SamplingParams, probabilities, speculative_accept
+from spec_edge.runtime.speculative import Draft
 from tiny import assert_sampling_follows_target, chi2_critical, chi2_statistic
 
 

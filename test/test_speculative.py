@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from tiny import TINY_K_VALUES
-from spec_edge import speculative
-from spec_edge.backends.onnxruntime import OrtRunner
-from spec_edge.drafters.draft_model import ModelDrafter
-from spec_edge.drafters.ngram import NgramDrafter
-from spec_edge.engine import GenerateRequest
-from spec_edge.speculative import Draft
+from spec_edge.runtime import speculative
+from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.drafters.draft_model import ModelDrafter
+from spec_edge.runtime.drafters.ngram import NgramDrafter
+from spec_edge.runtime.engine import GenerateRequest
+from spec_edge.runtime.speculative import Draft
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
            "The robot picks up the red box and places it on the shelf. The robot picks up the"]

@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from spec_edge import build
+from spec_edge.device import build
 from spec_edge.config import from_params
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -30,13 +30,13 @@ def trt_cfg(tmp_path, **extra):
 
 
 def test_module_imports_without_tensorrt():
-    from spec_edge.backends import tensorrt as backend
+    from spec_edge.runtime.backends import tensorrt as backend
     assert hasattr(backend, "TensorRTRunner") and hasattr(backend, "load_runners")
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="tensorrt is installed: the missing-package path cannot be shown")
 def test_clear_error_without_tensorrt(tmp_path):
-    from spec_edge.backends.tensorrt import TensorRTRunner, load_runners
+    from spec_edge.runtime.backends.tensorrt import TensorRTRunner, load_runners
     cfg = trt_cfg(tmp_path)
     for make in (lambda: TensorRTRunner(cfg), lambda: load_runners(cfg)):
         with pytest.raises(build.BuildError, match="TensorRT's Python package is not importable"):
@@ -65,8 +65,8 @@ def engines(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(engines, tmp_path_factory):
     """The ONNX Runtime runner over a float32 export of the same model and shapes."""
-    from spec_edge import export
-    from spec_edge.backends.onnxruntime import OrtRunner
+    from spec_edge.graphs import export
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
     tmp = tmp_path_factory.mktemp("ort")
     cfg = engines.replace(**{"runtime.backend": "onnxruntime", "graphs.dtype": "float32",
                              "runtime.engine_dir": str(tmp)})
@@ -84,7 +84,7 @@ def margin(row: np.ndarray) -> float:
 
 @needs_device
 def test_parity_with_onnxruntime(engines, reference):
-    from spec_edge.backends.tensorrt import TensorRTRunner
+    from spec_edge.runtime.backends.tensorrt import TensorRTRunner
     trt_runner = TensorRTRunner(engines)
     a = trt_runner.prefill(PROMPT, 0)
     b = reference.prefill(PROMPT, 0)
@@ -102,7 +102,7 @@ def test_parity_with_onnxruntime(engines, reference):
 
 @needs_device
 def test_argmax_on_device_matches_logits_and_eager(engines):
-    from spec_edge.backends.tensorrt import TensorRTRunner
+    from spec_edge.runtime.backends.tensorrt import TensorRTRunner
     graphed = TensorRTRunner(engines)
     eager = TensorRTRunner(engines, cuda_graphs=False)
     for runner in (graphed, eager):
@@ -158,7 +158,7 @@ def speculative(runner, drafter, prompt, n, k):
 
 @needs_device
 def test_speculative_equals_plain_greedy(engines):
-    from spec_edge.backends.tensorrt import TensorRTRunner
+    from spec_edge.runtime.backends.tensorrt import TensorRTRunner
     runner = TensorRTRunner(engines)
     plain = greedy(runner, PROMPT, 48)
     assert speculative(runner, None, PROMPT, 48, 4) == plain
@@ -169,7 +169,7 @@ def test_speculative_equals_plain_greedy(engines):
 
 @needs_device
 def test_runtime_refuses_a_changed_profile(engines):
-    from spec_edge.backends.tensorrt import TensorRTRunner
+    from spec_edge.runtime.backends.tensorrt import TensorRTRunner
     with pytest.raises(build.ManifestError, match="graphs.max_context"):
         TensorRTRunner(engines.replace(**{"graphs.max_context": 512}))
 
@@ -177,7 +177,7 @@ def test_runtime_refuses_a_changed_profile(engines):
 def test_scratch_is_shared_and_grows():
     """One context-memory buffer for every context; growing re-binds all and drops CUDA graphs."""
     torch = pytest.importorskip("torch")
-    from spec_edge.backends.tensorrt import Scratch
+    from spec_edge.runtime.backends.tensorrt import Scratch
 
     class Context:
         def set_device_memory(self, ptr, size):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_edge.tokenizer import StreamDecoder, Tokenizer
+from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
 @pytest.fixture(scope="module")

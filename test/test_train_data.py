@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from spec_edge import head_train, train
-from spec_edge.train import answer_batch, load_hf_target
+from spec_edge.training import fit as head_train, train
+from spec_edge.training.train import answer_batch, load_hf_target
 from tiny import train_draft_argv
 
 

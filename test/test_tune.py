@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from spec_edge import tune
+from spec_edge.tools import tune
 
 
 def test_geometric_expected_tokens():

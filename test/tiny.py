@@ -99,7 +99,7 @@ def head_inputs(target_dir: Path, *, seed: int, draft_vocab: int):
     import numpy as np
     from safetensors.torch import load_file
 
-    from spec_edge import weights
+    from spec_edge.graphs import weights
 
     target_cfg, _, _ = weights.load(str(target_dir))
     state = load_file(str(target_dir / "model.safetensors"))
@@ -109,13 +109,13 @@ def head_inputs(target_dir: Path, *, seed: int, draft_vocab: int):
 
 def plain(engine, prompt_ids, max_new=40):
     """Target-only greedy output."""
-    from spec_edge import speculative
+    from spec_edge.runtime import speculative
 
     return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids)[0]
 
 
 def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new=40) -> None:
-    from spec_edge import speculative
+    from spec_edge.runtime import speculative
 
     for prompt in prompts:
         ids = engine.tokenizer.encode(prompt)
@@ -130,8 +130,8 @@ def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
     vocabulary that gives each drafted token a chance."""
     import numpy as np
 
-    from spec_edge import speculative
-    from spec_edge.sampling import SamplingParams
+    from spec_edge.runtime import speculative
+    from spec_edge.runtime.sampling import SamplingParams
 
     seen = []
 
@@ -169,7 +169,7 @@ def exported_graphs(engine, role: str, min_tensors: int) -> tuple[Path, dict]:
     """(artifact folder, manifest) of a head's export, every graph in it checked fully static."""
     import onnx
 
-    from spec_edge import export
+    from spec_edge.graphs import export
 
     head_dir = export.artifact_dir(engine.cfg, role)
     manifest = json.loads((head_dir / "manifest.json").read_text())
@@ -208,14 +208,14 @@ def train_draft_argv(tmp_path: Path, tiny_models: dict, out: Path, *extra: str) 
 
 def engine_with(tiny_cfg, settings: dict):
     """An Engine for the session's tiny config with these dotted settings (profile, head, drafter)."""
-    from spec_edge.engine import Engine
+    from spec_edge.runtime.engine import Engine
 
     return Engine.from_config(tiny_cfg.replace(**settings), progress=lambda message: None)
 
 
 def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
     """A greedy request through the engine with the drafter == the same request without speculation."""
-    from spec_edge.engine import GenerateRequest
+    from spec_edge.runtime.engine import GenerateRequest
 
     spec = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter=drafter, k=k))
     base = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
@@ -246,7 +246,7 @@ def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_he
     config.json names another vocabulary size. Returns (a head folder that fits, the target's config)."""
     import pytest
 
-    from spec_edge import weights
+    from spec_edge.graphs import weights
     from spec_edge.config import ConfigError
 
     path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=7)
@@ -265,8 +265,8 @@ def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_he
 
 def fake_drafter(drafter_class, head):
     """(drafter_class over head and FakeHiddenTarget, started on the prompt [5, 6, 7]; a greedy sampler)."""
-    from spec_edge.sampling import SamplingParams
-    from spec_edge.speculative import Sampler
+    from spec_edge.runtime.sampling import SamplingParams
+    from spec_edge.runtime.speculative import Sampler
 
     drafter = drafter_class(FakeHiddenTarget(), head)
     drafter.start([5, 6, 7])
@@ -301,10 +301,10 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     through the real loop, chi-square below its 0.999 quantile (seeds fixed)."""
     import numpy as np
 
-    from spec_edge import speculative
-    from spec_edge.backends.onnxruntime import OrtRunner
-    from spec_edge.engine import GenerateRequest
-    from spec_edge.sampling import SamplingParams, probabilities
+    from spec_edge.runtime import speculative
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.engine import GenerateRequest
+    from spec_edge.runtime.sampling import SamplingParams, probabilities
 
     params = SamplingParams(temperature=1.0, top_k=3)
     runner = OrtRunner(engine.graph_dir)

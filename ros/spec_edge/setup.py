@@ -33,8 +33,8 @@ setup(
     entry_points={
         "console_scripts": [
             "spec-edge = spec_edge.cli:main",
-            "generate_server = spec_edge.node:main",
-            "build_engines = spec_edge.build:build_main",
+            "generate_server = spec_edge.ros2.node:main",
+            "build_engines = spec_edge.device.build:build_main",
         ],
     },
 )

@@ -15,8 +15,8 @@ import time
 
 import rclpy
 
-from spec_edge.client import GenerateClient, fill_request
-from spec_edge.node import response_to_dict
+from spec_edge.ros2.client import GenerateClient, fill_request
+from spec_edge.ros2.node import response_to_dict
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path)
     """--no-autostart: a lifecycle manager (here a client process) drives configure/activate/cleanup."""
     params = write_params(tmp_path / "lifecycle.yaml", test_params())
     server = Server(module_env, params, tmp_path / "lifecycle.log", argv=[
-        sys.executable, "-m", "spec_edge.node", "--no-autostart", "--ros-args", "--params-file", str(params)])
+        sys.executable, "-m", "spec_edge.ros2.node", "--no-autostart", "--ros-args", "--params-file", str(params)])
     server.start(ready="waiting for a lifecycle manager")
     try:
         assert "engine loaded" not in server.log()

@@ -1,0 +1,444 @@
+"""Memory plan of a TensorRT deployment: pure byte arithmetic, a refusal with the numbers, and the
+largest cache that fits. `spec-edge plan <profile>` prints it; `spec-edge build` runs it before any
+export or engine build starts.
+
+Units: every `*_gb` value in the config is GiB (2**30 bytes); every number here is bytes.
+
+Engine layout (decided here, built by build.py, counted here)
+-------------------------------------------------------------
+A TensorRT engine embeds its own copy of every weight it uses. One engine per graph shape
+(prefill C, step 1, verify k+1 ...) would therefore hold the 16 GB of an 8B bf16 target three or
+four times. Instead each model gets ONE engine that holds every width it runs: the ONNX graph is
+exported with a dynamic token axis T, and the engine gets one optimization profile per width with
+min = opt = max = T, so TensorRT still tunes fixed-shape kernels per width while the weights are
+stored once. The prefill chunk is simply the width-C profile (the backend picks the last real row
+of its (C, V) logits on the device). So:
+
+  target engine   weights x 1, widths {C, 1, k+1 for each k in graphs.k_values}
+  draft engine    weights x 1 (drafter=draft), widths {C, 1}
+  layer-skip      a separate engine over the target's first n layers + final norm + head: its
+                  weights ARE a second copy of those layers, the embedding and the head, and are
+                  counted as such; its KV is the target's first n cache layers (no extra KV).
+
+When a profile's ONNX folder holds only static per-width graphs, build.py builds one engine per
+graph and the plan counts one weight copy per engine (`layout="per_graph"`): 98 GiB instead of
+35 GiB for Llama-3.1-8B + 3.2-1B in bf16.
+
+Tied embeddings (Llama-3.2-1B, Qwen3-0.6B): the Gather table and the lm_head GEMM weight end up
+as two engine constants, so they are counted twice (conservative; the measured engine size in the
+build manifest replaces the estimate once an engine exists).
+
+Execution is serialised on one CUDA stream, so all execution contexts of all engines share ONE
+scratch buffer (TensorRT USER_MANAGED context memory) sized to the largest profile: activations
+are counted once, as the maximum over models and widths, not summed.
+
+Precision bytes per weight (linear layers only: q/k/v/o, gate/up/down; embeddings, lm_head and
+norms stay in the activation dtype, as ModelOpt's default FP8/NVFP4 recipes leave them):
+  float32 4, float16/bfloat16 2,
+  fp8   1 byte + one fp32 scale per tensor for the weight and one for its input,
+  nvfp4 0.5 byte (E2M1) + one FP8 E4M3 scale per 16-element block (1/16 byte) = 0.5625 byte,
+        + one fp32 global scale per tensor for the weight and one for its input.
+The KV cache stays in graphs.dtype (2 bytes for bf16).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from spec_edge.config import ConfigError, GraphSection, MemorySection, ModelConfig
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+QUANTIZATIONS = ("none", "fp8", "nvfp4")
+LINEARS_PER_LAYER = 7          # q, k, v, o, gate, up, down
+NVFP4_BLOCK = 16               # elements per FP8 block scale
+CONTEXT_STEP = 256             # the largest max_context is reported in multiples of this
+
+
+class PlanError(ConfigError):
+    """A plan that does not fit the device; the message holds the whole table."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure arithmetic
+
+
+def weight_bytes(m: ModelConfig, dtype: str, quantization: str = "none", n_layers: int | None = None,
+                 tied_copies: int = 2) -> int:
+    """Bytes of the weights an engine of `m` (or of its first n_layers) holds.
+
+    linear weights in the quantized format (or dtype), embedding + head + norms in dtype; a tied
+    embedding counts `tied_copies` times (Gather table + GEMM weight are two engine constants)."""
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
+    layers = m.n_layers if n_layers is None else n_layers
+    dt = DTYPE_BYTES[dtype]
+    h, d = m.hidden_size, m.head_dim
+    linear = h * d * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * h * m.intermediate_size
+    norms = 2 * h + (2 * d if m.qk_norm else 0)
+    if quantization == "none":
+        linear_bytes = linear * dt
+    elif quantization == "fp8":
+        linear_bytes = linear + LINEARS_PER_LAYER * 2 * 4
+    else:  # nvfp4: 4-bit values + FP8 scale per 16-element block + 2 fp32 global scales per tensor
+        linear_bytes = linear // 2 + linear // NVFP4_BLOCK + LINEARS_PER_LAYER * 2 * 4
+    embed = m.vocab_size * h * (tied_copies if m.tie_embeddings else 2)
+    return layers * (linear_bytes + norms * dt) + (embed + h) * dt
+
+
+def kv_bytes(m: ModelConfig, max_context: int, dtype: str, n_layers: int | None = None) -> int:
+    """K + V cache (L, Hkv, S, D) x 2 in dtype."""
+    layers = m.n_layers if n_layers is None else n_layers
+    return 2 * layers * m.n_kv_heads * max_context * m.head_dim * DTYPE_BYTES[dtype]
+
+
+def activation_bytes(m: ModelConfig, max_context: int, width: int, dtype: str) -> int:
+    """Peak live intermediates of one width-T call (TensorRT reuses them layer after layer), for
+    the graph of spec_edge/model.py:
+      dense   T x (2 hidden [residual, normed] + (Hq + 2 Hkv) D [q,k,v] + Hq D [attn out]
+                   + 3 inter [gate, up, act]) in dtype
+      concat  keys and values of one layer, cache + new: 2 x Hkv x (S + T) x D in dtype
+      scores  Hq x T x (S + T) three times: scores (dtype), fp32 softmax (4), probs (dtype)
+      head    T x V in dtype before the float32 cast
+    An estimate: the engine's device_memory_size replaces it once built (build manifest)."""
+    dt = DTYPE_BYTES[dtype]
+    t, s = width, max_context
+    h, d, hq, hkv = m.hidden_size, m.head_dim, m.n_heads, m.n_kv_heads
+    dense = t * (2 * h + (hq + 2 * hkv) * d + hq * d + 3 * m.intermediate_size) * dt
+    concat = 2 * hkv * (s + t) * d * dt
+    scores = hq * t * (s + t) * (2 * dt + 4)
+    head = t * m.vocab_size * dt
+    return dense + concat + scores + head
+
+
+def io_bytes(m: ModelConfig, width: int, dtype: str, n_layers: int | None = None) -> int:
+    """Engine outputs the backend allocates once at the widest width: logits (T, V) float32 and
+    k_new / v_new (L, Hkv, T, D); plus tokens (1, T), position, last_index int64."""
+    layers = m.n_layers if n_layers is None else n_layers
+    return (width * m.vocab_size * 4 + 2 * layers * m.n_kv_heads * width * m.head_dim * DTYPE_BYTES[dtype]
+            + (width + 2) * 8)
+
+
+def target_widths(graphs: GraphSection) -> tuple[int, ...]:
+    """Widths of the target engine's profiles: prefill chunk, step, each verify."""
+    return tuple(sorted({graphs.prefill_chunk, 1, *(k + 1 for k in graphs.k_values)}))
+
+
+def draft_widths(graphs: GraphSection) -> tuple[int, ...]:
+    """Widths of the draft engine: prefill chunk and step (export.graph_plan's draft graphs)."""
+    return tuple(sorted({graphs.prefill_chunk, 1}))
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Memory as read on the device: total and available now (bytes), and where it was read."""
+    total: int
+    available: int
+    source: str
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything a plan depends on (no files, no device): see plan()."""
+    target: ModelConfig
+    graphs: GraphSection
+    memory: MemorySection
+    drafter: str = "none"             # speculative.drafter
+    k: int = 4                        # speculative.k
+    draft: ModelConfig | None = None  # drafter == "draft"
+    layout: str = "shared"            # shared: one engine per model; per_graph: one per width
+    measured_activation: int | None = None  # an engine's device_memory_size, when built
+
+
+@dataclass(frozen=True)
+class Plan:
+    inputs: PlanInputs
+    max_context: int
+    lines: tuple[tuple[str, int], ...]  # (what, bytes) in display order, reserve last
+    total: int
+    device: int                         # bytes the plan may use (config, capped by the device)
+    device_source: str                  # "config" or where it was measured
+    available_now: int | None           # measured free memory now, None off the device
+    build_peak: int                     # bytes while the largest engine is built
+    largest_max_context: int            # the largest S (multiple of CONTEXT_STEP) that fits
+    context_cap: int = 0                # the models' position limit the search stops at
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.device and self.build_peak <= self.device and (
+            self.available_now is None or self.runtime_need <= self.available_now)
+
+    @property
+    def runtime_need(self) -> int:
+        """What the service allocates itself: everything but the OS + ROS reserve."""
+        return self.total - dict(self.lines)["OS + ROS reserve"]
+
+    def table(self) -> str:
+        i = self.inputs
+        title = (f"plan: target {i.target.name or '?'} {_precision(i)}"
+                 + (f" + draft {i.draft.name or '?'} {i.graphs.dtype}" if i.draft is not None else "")
+                 + f", drafter={i.drafter}, k={i.k}, max_context={self.max_context}, layout={i.layout}")
+        rows = [title]
+        for what, n in self.lines:
+            rows.append(f"  {what:<46s} {_gib(n):>10s}")
+        rows.append(f"  {'total':<46s} {_gib(self.total):>10s}")
+        rows.append(f"  {'device memory (' + self.device_source + ')':<46s} {_gib(self.device):>10s}"
+                    f"   {'fits' if self.total <= self.device else 'DOES NOT FIT'}"
+                    f" ({_gib(self.device - self.total)} headroom)")
+        rows.append(f"  {'build peak (largest engine)':<46s} {_gib(self.build_peak):>10s}"
+                    f"   {'fits' if self.build_peak <= self.device else 'DOES NOT FIT'}")
+        if self.available_now is not None:
+            rows.append(f"  {'service allocations vs free now':<46s} {_gib(self.runtime_need):>10s}"
+                        f" of {_gib(self.available_now)} available now")
+        capped = " (the model's position limit)" if self.largest_max_context >= self.context_cap else ""
+        rows.append(f"  largest max_context that fits with k={i.k}: {self.largest_max_context}{capped}")
+        return "\n".join(rows)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _precision(i: PlanInputs) -> str:
+    q = i.graphs.quantization
+    return i.graphs.dtype if q == "none" else f"{q} weights / {i.graphs.dtype} activations"
+
+
+def _quantization(graphs: GraphSection) -> str:
+    return graphs.quantization
+
+
+def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], int]:
+    """(lines, build_peak) for one cache length."""
+    g, mem, dtype = i.graphs, i.memory, i.graphs.dtype
+    quant = _quantization(g)
+    t_widths = target_widths(g)
+    copies = 1 if i.layout == "shared" else len(t_widths)
+    target_w = weight_bytes(i.target, dtype, quant)
+    lines: list[tuple[str, int]] = [(f"target weights ({copies} engine{'s' if copies > 1 else ''})",
+                                     target_w * copies)]
+    engines = [target_w]
+    draft_w = draft_kv = 0
+    acts = [max(activation_bytes(i.target, max_context, w, dtype) for w in t_widths)]
+    io = io_bytes(i.target, max(t_widths), dtype)
+    if i.drafter == "draft":
+        if i.draft is None:
+            raise ConfigError("speculative.drafter=draft needs model.draft (a model folder or preset)")
+        d_widths = draft_widths(g)
+        d_copies = 1 if i.layout == "shared" else len(d_widths)
+        one = weight_bytes(i.draft, dtype)
+        draft_w = one * d_copies
+        engines.append(one)
+        draft_kv = kv_bytes(i.draft, max_context, dtype)
+        acts.append(max(activation_bytes(i.draft, max_context, w, dtype) for w in d_widths))
+        io += io_bytes(i.draft, max(d_widths), dtype)
+    elif i.drafter == "layerskip":
+        n = g.layer_skip_layers
+        if not 1 <= n < i.target.n_layers:
+            raise ConfigError(f"graphs.layer_skip_layers must be in [1, {i.target.n_layers - 1}], got {n}")
+        one = weight_bytes(i.target, dtype, quant, n_layers=n)
+        draft_w = one
+        engines.append(one)
+        io += io_bytes(i.target, 2, dtype, n_layers=n)
+    lines.append(("draft weights" if i.drafter != "layerskip"
+                  else f"layer-skip engine weights ({g.layer_skip_layers} layers + head)", draft_w))
+    lines.append((f"target KV ({max_context} positions)", kv_bytes(i.target, max_context, dtype)))
+    lines.append(("draft KV" if i.drafter != "layerskip" else "draft KV (shares target layers)", draft_kv))
+    activation = i.measured_activation if i.measured_activation is not None else max(acts)
+    lines.append(("activations (shared scratch" + (", measured)" if i.measured_activation is not None
+                                                  else ", estimate)"), activation))
+    lines.append(("engine I/O buffers (logits, k_new, v_new)", io))
+    workspace = int(mem.workspace_gb * GIB)
+    lines.append(("TensorRT workspace limit", workspace))
+    overhead = int(mem.context_overhead_gb * GIB)
+    lines.append(("TensorRT + CUDA context", overhead))
+    reserve = int(mem.os_ros_reserve_gb * GIB)
+    lines.append(("OS + ROS reserve", reserve))
+    # Building the largest engine holds the parsed ONNX weights (host = device memory on Thor),
+    # the engine being built and its serialized copy, plus the builder workspace.
+    build_peak = 3 * max(engines) + workspace + overhead + reserve
+    return lines, build_peak
+
+
+def plan(i: PlanInputs, device: DeviceMemory | None = None) -> Plan:
+    """The breakdown at graphs.max_context, and the largest max_context that fits.
+
+    The device budget is memory.device_memory_gb, capped by the measured total when `device` is
+    given (on Thor: /proc/meminfo MemTotal of the unified memory)."""
+    if i.layout not in ("shared", "per_graph"):
+        raise ConfigError(f"unknown engine layout {i.layout!r}")
+    budget = int(i.memory.device_memory_gb * GIB)
+    source = "config"
+    if device is not None and device.total < budget:
+        budget, source = device.total, device.source
+    s = i.graphs.max_context
+    lines, build_peak = _breakdown(i, s)
+    total = sum(n for _, n in lines)
+
+    def fits(ctx: int) -> bool:
+        ls, _ = _breakdown(i, ctx)
+        return sum(n for _, n in ls) <= budget
+
+    cap = i.target.max_position_embeddings
+    if i.drafter == "draft" and i.draft is not None:
+        cap = min(cap, i.draft.max_position_embeddings)
+    lo, hi = 0, cap // CONTEXT_STEP  # in steps; fits() is monotonic in the cache length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * CONTEXT_STEP):
+            lo = mid
+        else:
+            hi = mid - 1
+    return Plan(inputs=i, max_context=s, lines=tuple(lines), total=total, device=budget,
+                device_source=source, available_now=None if device is None else device.available,
+                build_peak=build_peak, largest_max_context=lo * CONTEXT_STEP,
+                context_cap=cap // CONTEXT_STEP * CONTEXT_STEP)
+
+
+def check(p: Plan) -> Plan:
+    """Return the plan when it fits; raise PlanError with the table and what to change."""
+    if p.fits:
+        return p
+    hints = []
+    if p.total > p.device:
+        hints.append(f"the plan needs {_gib(p.total)} of {_gib(p.device)}")
+        if p.largest_max_context >= p.inputs.graphs.prefill_chunk:
+            hints.append(f"set graphs.max_context <= {p.largest_max_context}")
+        if _quantization(p.inputs.graphs) == "none":
+            hints.append("or quantize the target (graphs.quantization: fp8)")
+    if p.build_peak > p.device:
+        hints.append(f"building the largest engine needs {_gib(p.build_peak)}: quantize, or lower "
+                     "memory.workspace_gb")
+    if p.available_now is not None and p.runtime_need > p.available_now:
+        hints.append(f"only {_gib(p.available_now)} is free now for {_gib(p.runtime_need)}: stop other "
+                     "processes or lower graphs.max_context")
+    raise PlanError("memory plan does not fit: " + "; ".join(hints) + "\n" + p.table())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading the device (not pure; kept apart)
+
+
+def is_jetson() -> bool:
+    """A Jetson (Thor, Orin): unified memory, /proc/meminfo is the device's memory."""
+    if Path("/etc/nv_tegra_release").exists():
+        return True
+    try:
+        model = Path("/proc/device-tree/model").read_text(errors="ignore")
+    except OSError:
+        return False
+    return "jetson" in model.lower() or "thor" in model.lower()
+
+
+def parse_meminfo(text: str) -> tuple[int, int]:
+    """(MemTotal, MemAvailable) in bytes from /proc/meminfo text."""
+    values = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            values[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    if "MemTotal" not in values or "MemAvailable" not in values:
+        raise ValueError("no MemTotal/MemAvailable in meminfo")
+    return values["MemTotal"], values["MemAvailable"]
+
+
+def read_device_memory() -> DeviceMemory | None:
+    """The device's memory when this is the device: on a Jetson the unified memory from
+    /proc/meminfo; with a discrete CUDA GPU torch.cuda.mem_get_info; None elsewhere (plan with
+    the config's memory.device_memory_gb)."""
+    if is_jetson():
+        total, available = parse_meminfo(Path("/proc/meminfo").read_text())
+        return DeviceMemory(total, available, "/proc/meminfo, unified")
+    if os.environ.get("SPEC_EDGE_NO_CUDA_PROBE"):
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return DeviceMemory(int(total), int(free), f"cuda:{torch.cuda.current_device()} mem_get_info")
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing k: bytes read per call -> time, and the expected gain of k drafts per verify.
+# Decode on Thor is memory-bound: a call reads every weight once (the embedding only by rows) and,
+# with static-shape graphs, the WHOLE cache of S positions whatever the real length - so
+# max_context costs time on every step, not only memory.
+
+THOR_BANDWIDTH = 273e9      # bytes/s: Jetson AGX Thor, 256-bit LPDDR5X-8533
+BANDWIDTH_EFFICIENCY = 0.75  # fraction of peak a decode step achieves (assumed; `spec-edge bench` measures)
+PER_LAYER_LATENCY = 20e-6    # s per layer per call: kernel launches and small-kernel tails (assumed)
+VERIFY_OVERHEAD = 1.05       # a k+1 <= 9 wide verify costs ~ one step: the same bytes, more math
+
+
+def bytes_read_per_call(m: ModelConfig, dtype: str, quantization: str, max_context: int,
+                        n_layers: int | None = None) -> int:
+    """Weights streamed by one call (layers + head + final norm; the embedding Gather reads only
+    T rows) plus the full K and V cache of the layers it runs."""
+    layers = m.n_layers if n_layers is None else n_layers
+    dt = DTYPE_BYTES[dtype]
+    no_embed = weight_bytes(m, dtype, quantization, n_layers=layers, tied_copies=1)
+    if not m.tie_embeddings:
+        no_embed -= m.vocab_size * m.hidden_size * dt  # untied: the separate head is read, the table is not
+    return no_embed + kv_bytes(m, max_context, dtype, n_layers=layers)
+
+
+def call_seconds(read_bytes: int, n_layers: int, bandwidth: float = THOR_BANDWIDTH) -> float:
+    return read_bytes / (bandwidth * BANDWIDTH_EFFICIENCY) + n_layers * PER_LAYER_LATENCY
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verify yields with k drafts each accepted with probability alpha (i.i.d.):
+    accepted drafts + the target's own token = (1 - alpha**(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def speedup(alpha: float, k: int, draft_cost: float) -> float:
+    """Speed relative to plain decoding, draft_cost = draft call time / target step time."""
+    return expected_tokens(alpha, k) / (k * draft_cost + VERIFY_OVERHEAD)
+
+
+def best_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
+    return max(range(1, k_max + 1), key=lambda k: speedup(alpha, k, draft_cost))
+
+
+def draft_cost(i: PlanInputs) -> float | None:
+    """Draft call time / target step time for the plan's drafter (None: no drafter). ngram
+    drafting is a host-side lookup: cost 0."""
+    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
+    target = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
+    if i.drafter == "draft" and i.draft is not None:
+        return call_seconds(bytes_read_per_call(i.draft, dtype, "none", s), i.draft.n_layers) / target
+    if i.drafter == "layerskip":
+        n = i.graphs.layer_skip_layers
+        return call_seconds(bytes_read_per_call(i.target, dtype, q, s, n_layers=n), n) / target
+    if i.drafter == "ngram":
+        return 0.0
+    return None
+
+
+def k_table(i: PlanInputs, alpha: float, k_max: int = 8) -> str:
+    """Expected tokens per verify and speed-up for k = 1..k_max at acceptance rate alpha."""
+    c = draft_cost(i)
+    if c is None:
+        return "drafter=none: no speculative decoding"
+    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
+    step = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
+    rows = [f"k choice at acceptance alpha={alpha:.2f}: target step ~{step * 1e3:.0f} ms "
+            f"(memory-bound model, S={s}), draft call = {c:.3f} x step",
+            "   k  tokens/verify  speed-up"]
+    best = best_k(alpha, c, k_max)
+    for k in range(1, k_max + 1):
+        mark = "  <- best" if k == best else ("  <- configured" if k == i.k else "")
+        if k == best and k == i.k:
+            mark = "  <- best, configured"
+        rows.append(f"  {k:2d}  {expected_tokens(alpha, k):13.2f}  {speedup(alpha, k, c):8.2f}x{mark}")
+    return "\n".join(rows)

@@ -1,0 +1,552 @@
+"""4-bit weights for the ONNX Runtime backend: the GGUF's own Q4_1 blocks carried into MatMulNBits.
+
+graphs.weights = q4 rewrites the exported fp32 graphs after export (a post-export ONNX pass); it
+never re-quantizes. Every linear weight of the target that the GGUF stores as Q4_1 (blocks of 32
+along the input dimension, w = d * q + m with fp16 d and m, 4-bit q) becomes a com.microsoft
+MatMulNBits node with exactly those codes and scales, and the tied LM head, stored as Q8_0
+(w = d * q, int8 q), becomes an 8-bit MatMulNBits node.
+
+Why the minimum is carried beside the node, not as its zero point: MatMulNBits dequantizes
+(code - zero_point) * scale. With scale = d, Q4_1 needs zero_point = -m / d, which is not an
+integer, so the packed 4-bit uint8 zero points cannot hold it. The op does accept float zero points
+(same type as A, unpacked, shape (N, blocks)), but ONNX Runtime's CPU kernel then falls back to
+dequantizing the whole matrix on every call (measured here: 3.1 ms instead of 0.13 ms for a
+1536 x 576 weight, 35x slower). So each Q4_1 linear layer is written as
+
+    y = MatMulNBits(x; codes q, scale d, zero point 0) + BlockSum32(x) @ M      M[b, n] = m[n, b]
+
+which is the same sum, d*q + m per weight, regrouped: BlockSum32(x) is x reshaped to
+(T, K/32, 32) and summed over the last axis, and M costs K/32 x N floats (1/8 of the 4-bit codes).
+Weights are exact; only float summation order differs from the fp32 graph (parity: test_quantize.py
+and `spec-edge bench --weights fp32 q4`).
+
+q/k rows: transformers un-permutes the GGUF's q/k rows (rotary layout) when it loads, so each ONNX
+row is matched to its GGUF row by value (the dequantized fp32 row must be identical, byte for byte);
+that match is also the proof that no second rounding happened. A weight without an exact match is
+refused, never re-quantized.
+
+    <engine_dir>/<profile>/onnx/target_q4/   same stems and manifest as target/, plus "weights": "q4"
+
+Draft heads are the one place weights are rounded (graphs.head_weights q8, ensure_head_q8): a head
+has no GGUF blocks, its drafts are always verified by the target, and its step is small enough that
+reading fp32 weights is most of its cost. Its linear weights become Q8_0 blocks (8-bit MatMulNBits):
+
+    <artifact>/onnx/eagle3_fused_q8/   same stems and manifest as eagle3_fused/, plus "head_weights": "q8"
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+QK = 32                  # weights per block (Q4_1, Q8_0, and our MatMulNBits block_size)
+Q4_1_BYTES = 20          # fp16 d, fp16 m, 16 bytes of 4-bit codes
+Q8_0_BYTES = 34          # fp16 d, 32 int8 codes
+MS_DOMAIN = "com.microsoft"
+Q4_FORMAT = 3            # 2: sibling Q4_1 layers stacked into one MatMulNBits; 3: packed QKV into fused
+                         # attention; older folders are redone
+Progress = Callable[[str], None]
+
+
+class QuantizeError(RuntimeError):
+    """The graphs cannot be given 4-bit weights; the message says why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Block formats (pure numpy; GGUF layout: rows = output features N, blocks along K)
+
+
+@dataclass(frozen=True)
+class Q41:
+    codes: np.ndarray   # (N, K) uint8 in [0, 15]
+    d: np.ndarray       # (N, K/32) float32 (exactly the fp16 value)
+    m: np.ndarray       # (N, K/32) float32
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        blocks = self.codes.reshape(n, k // QK, QK).astype(np.float32)
+        return (blocks * self.d[..., None] + self.m[..., None]).reshape(n, k)
+
+
+@dataclass(frozen=True)
+class Q80:
+    codes: np.ndarray   # (N, K) int8
+    d: np.ndarray       # (N, K/32) float32
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        return (self.codes.reshape(n, k // QK, QK).astype(np.float32) * self.d[..., None]).reshape(n, k)
+
+
+def parse_q4_1(raw: np.ndarray) -> Q41:
+    """(N, K/32 * 20) uint8 GGUF rows -> codes, d, m. Within a block, byte j holds weight j in its low
+    nibble and weight j + 16 in its high nibble."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, Q4_1_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # (N, nb, 32): weights 0..15, then 16..31
+    return Q41(codes=codes.reshape(n, -1), d=d, m=m)
+
+
+def parse_q8_0(raw: np.ndarray) -> Q80:
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8)
+    return Q80(codes=codes.reshape(n, -1), d=d)
+
+
+def quantize_q4_1(w: np.ndarray) -> np.ndarray:
+    """fp32 (N, K) -> GGUF Q4_1 rows (N, K/32 * 20) uint8, llama.cpp's reference rounding. Only tests
+    use it (to make blocks for a tiny model); the runtime path never quantizes."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // QK, QK).astype(np.float32)
+    lo, hi = blocks.min(-1), blocks.max(-1)
+    d = ((hi - lo) / 15).astype(np.float16)
+    m = lo.astype(np.float16)
+    inv = np.where(d.astype(np.float32) != 0, 1 / np.where(d == 0, 1, d.astype(np.float32)), 0)
+    q = np.clip(np.floor((blocks - m.astype(np.float32)[..., None]) * inv[..., None] + 0.5), 0, 15).astype(np.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    out = np.concatenate([d[..., None].view(np.uint8).reshape(n, -1, 2), m[..., None].view(np.uint8).reshape(n, -1, 2),
+                          qs], axis=-1)
+    return out.reshape(n, -1)
+
+
+def quantize_q8_0(w: np.ndarray) -> Q80:
+    """fp32 (N, K) -> Q8_0 blocks, llama.cpp's rounding: per block of 32 along K, d = max|w| / 127
+    (fp16), codes round(w / d). Used only for draft heads (graphs.head_weights q8): the target's
+    weights are never re-quantized."""
+    n, k = w.shape
+    blocks = np.asarray(w, np.float32).reshape(n, k // QK, QK)
+    d = (np.abs(blocks).max(-1) / 127).astype(np.float16).astype(np.float32)  # (N, K/32)
+    inv = np.where(d != 0, 1 / np.where(d == 0, 1, d), 0)
+    codes = np.clip(np.round(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return Q80(codes=codes.reshape(n, k), d=d)
+
+
+def pack_nbits_4(codes: np.ndarray) -> np.ndarray:
+    """(N, K) codes in [0, 15] -> MatMulNBits B (N, K/32, 16): two codes per byte, low nibble first
+    along K."""
+    n, k = codes.shape
+    pairs = codes.reshape(n, k // QK, QK // 2, 2).astype(np.uint8)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+
+
+def matmulnbits_q4_1(q: Q41) -> dict[str, np.ndarray]:
+    """MatMulNBits inputs for Q4_1: B, scales = d, zero points 0 (packed), and the minima M (K/32, N)
+    added through BlockSum32(x) @ M."""
+    n, k = q.codes.shape
+    nb = k // QK
+    return {"B": pack_nbits_4(q.codes), "scales": q.d.copy(),
+            "zero_points": np.zeros((n, (nb + 1) // 2), np.uint8),
+            "mins": np.ascontiguousarray(q.m.T)}
+
+
+def matmulnbits_q8_0(q: Q80) -> dict[str, np.ndarray]:
+    """8-bit MatMulNBits inputs for Q8_0: codes + 128 as uint8 with zero point 128 (exact)."""
+    n, k = q.codes.shape
+    codes = (q.codes.astype(np.int16) + 128).astype(np.uint8)
+    return {"B": codes.reshape(n, k // QK, QK), "scales": q.d.copy(),
+            "zero_points": np.full((n, k // QK), 128, np.uint8)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching exported fp32 weights to GGUF blocks
+
+
+def _row_keys(w: np.ndarray) -> list[bytes]:
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in w]
+
+
+def match_rows(exported: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """perm with exported[i] == reference[perm[i]] bit for bit (q/k rows are permuted by the GGUF
+    loader); raises QuantizeError when a row has no identical twin."""
+    if exported.shape != reference.shape:
+        raise QuantizeError(f"shape {exported.shape} vs GGUF {reference.shape}")
+    index = {key: i for i, key in enumerate(_row_keys(reference))}
+    perm = np.empty(exported.shape[0], np.int64)
+    for i, key in enumerate(_row_keys(exported)):
+        j = index.get(key)
+        if j is None:
+            diff = np.abs(reference - exported[i]).max(axis=1).min()
+            raise QuantizeError(f"row {i} has no bit-identical GGUF row (closest differs by {diff:.3g}): "
+                                f"these weights were not dequantized from this GGUF's blocks")
+        perm[i] = j
+    return perm
+
+
+def take_rows(q, perm: np.ndarray):
+    if isinstance(q, Q41):
+        return Q41(codes=q.codes[perm], d=q.d[perm], m=q.m[perm])
+    return Q80(codes=q.codes[perm], d=q.d[perm])
+
+
+_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """'model.layers.3.mlp.up_proj.weight' -> 'blk.3.ffn_up.weight'; embeddings -> token_embd."""
+    if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return "token_embd.weight" if hf_name == "model.embed_tokens.weight" else "output.weight"
+    parts = hf_name.split(".")
+    if len(parts) == 6 and parts[:2] == ["model", "layers"] and parts[-1] == "weight":
+        short = _HF_TO_GGUF.get(".".join(parts[3:5]))
+        return f"blk.{parts[2]}.{short}.weight" if short else None
+    return None
+
+
+class GgufBlocks:
+    """Q4_1 / Q8_0 tensors of a GGUF file by name, parsed on demand."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        reader = gguf.GGUFReader(str(path))
+        self._tensors = {t.name: t for t in reader.tensors}
+        self._types = {name: t.tensor_type.name for name, t in self._tensors.items()}
+
+    def kind(self, name: str) -> str | None:
+        return self._types.get(name)
+
+    def get(self, name: str):
+        tensor = self._tensors[name]
+        raw = np.asarray(tensor.data)
+        if self._types[name] == "Q4_1":
+            return parse_q4_1(raw)
+        if self._types[name] == "Q8_0":
+            return parse_q8_0(raw)
+        raise QuantizeError(f"{name} is {self._types[name]}, not Q4_1 or Q8_0")
+
+
+# ---------------------------------------------------------------------------------------------
+# The ONNX rewrite
+
+
+@dataclass
+class RewriteReport:
+    q4_layers: int = 0
+    q8_layers: int = 0
+    kept_fp32: list[str] = None
+    fp32_bytes_removed: int = 0
+    quant_bytes_added: int = 0
+
+
+def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_level: int = 0,
+                  merge: bool = True) -> RewriteReport:
+    """Replace, in place, every Gemm(x, W, transB=1) and MatMul(x, Transpose(W)) whose W `blocks(name)`
+    returns Q41 / Q80 blocks for (already row-matched to W) with MatMulNBits; with merge, Q4_1 layers
+    that read the same input share one MatMulNBits (rows stacked) and a Split, and a stacked q/k/v
+    that only feeds a GroupQueryAttention becomes its packed QKV input (pack_qkv). The fp32
+    initializers that no node reads any more are dropped. q4_layers counts linear layers, merged or not."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {out: node for node in graph.node for out in node.output}
+    report = RewriteReport(kept_fp32=[])
+    new_nodes = []
+    new_inits = []
+    block_sums: dict[str, str] = {}  # input name -> its BlockSum32 tensor (shared by q/k/v, gate/up)
+    shape_const = None
+
+    def attr(node, name, default):
+        for a in node.attribute:
+            if a.name == name:
+                return helper.get_attribute_value(a)
+        return default
+
+    # pass 1: the weight (and its blocks) each linear node reads
+    found = []  # (node, weight name, blocks or None)
+    for node in graph.node:
+        weight_name = None
+        if node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in inits \
+                and attr(node, "transB", 0) == 1 and attr(node, "transA", 0) == 0 and attr(node, "alpha", 1.0) == 1.0:
+            weight_name = node.input[1]
+        elif node.op_type == "MatMul" and node.input[1] in producers:
+            prod = producers[node.input[1]]
+            if prod.op_type == "Transpose" and prod.input[0] in inits and list(attr(prod, "perm", [1, 0])) == [1, 0]:
+                weight_name = prod.input[0]
+        q = blocks(weight_name) if weight_name else None
+        if isinstance(q, Q80) and accuracy_level < 4:
+            q = None  # 8-bit MatMulNBits at accuracy level 0 dequantizes the whole matrix every call (174 ms)
+        found.append((node, weight_name, q))
+    # Q4_1 layers that read the same input (q/k/v, gate/up) become one MatMulNBits over their rows
+    # stacked, then a Split: fewer, wider kernels (each column's sum is the same)
+    siblings: dict[str, list[int]] = defaultdict(list)
+    if merge:
+        for i, (node, _, q) in enumerate(found):
+            if isinstance(q, Q41):
+                siblings[node.input[0]].append(i)
+
+    # pass 2: emit
+    for i, (node, weight_name, q) in enumerate(found):
+        if q is None:
+            new_nodes.append(node)
+            continue
+        group = siblings.get(node.input[0], [])
+        if len(group) > 1 and i != group[0]:
+            continue  # emitted with the first of its group
+        outputs = [node.output[0]]
+        if len(group) > 1:
+            members = [found[j] for j in group]
+            q = Q41(codes=np.concatenate([m[2].codes for m in members]), d=np.concatenate([m[2].d for m in members]),
+                    m=np.concatenate([m[2].m for m in members]))
+            weight_name = "+".join(m[1] for m in members)
+            outputs = [m[0].output[0] for m in members]
+            report.q4_layers += len(members) - 1
+        x = node.input[0]
+        n, k = q.codes.shape
+        base = weight_name.replace("/", "_")
+        bits = 4 if isinstance(q, Q41) else 8
+        parts = matmulnbits_q4_1(q) if bits == 4 else matmulnbits_q8_0(q)
+        suffix = f"_q{bits}"
+        for key in ("B", "scales", "zero_points"):
+            new_inits.append(numpy_helper.from_array(parts[key], f"{base}{suffix}_{key}"))
+            report.quant_bytes_added += parts[key].nbytes
+        out = outputs[0] if len(outputs) == 1 else f"{base}_q4_stacked"
+        main_out = out if bits == 8 else f"{out}_q4main"
+        new_nodes.append(helper.make_node(
+            "MatMulNBits", [x] + [f"{base}{suffix}_{key}" for key in ("B", "scales", "zero_points")], [main_out],
+            name=f"{node.name}_nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=QK,
+            accuracy_level=accuracy_level))
+        if bits == 4:
+            report.q4_layers += 1
+            if x not in block_sums:
+                if shape_const is None:
+                    shape_const = "q4_blocksum_shape"
+                    new_inits.append(numpy_helper.from_array(np.array([0, -1, QK], np.int64), shape_const))
+                blocked, summed = f"{x}_blocks32", f"{x}_blocksum32"
+                new_nodes.append(helper.make_node("Reshape", [x, shape_const], [blocked], name=f"{x}_q4_reshape"))
+                new_nodes.append(helper.make_node("ReduceSum", [blocked, "q4_sum_axes"], [summed],
+                                                  name=f"{x}_q4_blocksum", keepdims=0))
+                block_sums[x] = summed
+            mins = f"{base}_q4_mins"
+            new_inits.append(numpy_helper.from_array(parts["mins"], mins))
+            report.quant_bytes_added += parts["mins"].nbytes
+            new_nodes.append(helper.make_node("MatMul", [block_sums[x], mins], [f"{out}_q4min"],
+                                              name=f"{node.name}_q4min"))
+            new_nodes.append(helper.make_node("Add", [main_out, f"{out}_q4min"], [out], name=f"{node.name}_q4add"))
+            if len(outputs) > 1:
+                split = f"{base}_q4_split"
+                new_inits.append(numpy_helper.from_array(
+                    np.array([m[2].codes.shape[0] for m in (found[j] for j in group)], np.int64), split))
+                new_nodes.append(helper.make_node("Split", [out, split], outputs, name=f"{node.name}_q4split", axis=-1))
+        else:
+            report.q8_layers += 1
+    if block_sums:
+        new_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "q4_sum_axes"))
+    if merge:
+        new_nodes = pack_qkv(new_nodes)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    used = {name for node in graph.node for name in node.input}
+    keep = []
+    for t in graph.initializer:
+        if t.name in used:
+            keep.append(t)
+        else:
+            report.fp32_bytes_removed += int(np.prod(t.dims)) * 4
+    del graph.initializer[:]
+    graph.initializer.extend(keep + new_inits)
+    # graph outputs are unchanged; drop stale value_info of rewritten tensors (they keep their shapes)
+    if not any(op.domain == MS_DOMAIN for op in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    return report
+
+
+def pack_qkv(nodes: list) -> list:
+    """Fused-attention graphs (ort_attention.py): where a stacked q/k/v result is split only to be
+    unsqueezed into a GroupQueryAttention's query/key/value, give the op the stacked rows as its
+    packed QKV input instead (one Unsqueeze, no Split: the op's own layout, (1, T, (H + 2 Hkv) D))."""
+    from onnx import helper
+
+    consumers: dict[str, list] = defaultdict(list)
+    for node in nodes:
+        for name in node.input:
+            consumers[name].append(node)
+    dropped, replaced = set(), {}
+    for split in nodes:
+        if split.op_type != "Split" or len(split.output) != 3:
+            continue
+        unsqueezes = [consumers[out][0] if len(consumers[out]) == 1 else None for out in split.output]
+        if any(u is None or u.op_type != "Unsqueeze" for u in unsqueezes):
+            continue
+        users = [consumers[u.output[0]] for u in unsqueezes]
+        if any(len(u) != 1 for u in users):
+            continue
+        gqa = users[0][0]
+        if gqa.op_type != "GroupQueryAttention" or any(u[0] is not gqa for u in users) \
+                or list(gqa.input[:3]) != [u.output[0] for u in unsqueezes]:
+            continue
+        packed = f"{split.input[0]}_packed"
+        replaced[id(unsqueezes[0])] = helper.make_node("Unsqueeze", [split.input[0], unsqueezes[0].input[1]], [packed],
+                                                       name=f"{split.name}_packed")
+        gqa.input[0], gqa.input[1], gqa.input[2] = packed, "", ""
+        dropped.update({id(split), id(unsqueezes[1]), id(unsqueezes[2])})
+    return [replaced.get(id(node), node) for node in nodes if id(node) not in dropped]
+
+
+# ---------------------------------------------------------------------------------------------
+# The artifact folder
+
+
+def q4_dir(fp32_dir: Path, accuracy_level: int) -> Path:
+    return fp32_dir.parent / f"{fp32_dir.name}_q4" if accuracy_level == 4 else fp32_dir.parent / f"{fp32_dir.name}_q4a{accuracy_level}"
+
+
+ACCURACY_LEVELS = {"q4": 4, "q4_fp32act": 0}  # graphs.weights -> MatMulNBits accuracy_level
+
+
+def for_config(cfg, fp32_dir: Path, progress: Progress = print) -> Path:
+    """The graph folder for cfg.graphs.weights (q4 / q4_fp32act), made from the fp32 export."""
+    from spec_edge.config import ConfigError
+    from spec_edge.graphs.weights import resolve
+
+    source = resolve(cfg.model.target)
+    if source.suffix != ".gguf":
+        raise ConfigError(f"graphs.weights={cfg.graphs.weights} carries a GGUF's Q4_1 blocks over; the target "
+                          f"'{cfg.model.target}' is not a GGUF file (use weights fp32)")
+    return ensure_q4(fp32_dir, source, ACCURACY_LEVELS[cfg.graphs.weights], progress)
+
+
+def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress: Progress = print) -> Path:
+    """The q4 copy of an exported fp32 folder (made once; redone when the fp32 export changes)."""
+    from spec_edge.graphs.export import ensure_derived, source_stamp
+
+    fp32_dir = Path(fp32_dir)
+    stamp = source_stamp(fp32_dir)
+    wanted = {"source_stamp": stamp, "accuracy_level": accuracy_level, "q4_format": Q4_FORMAT}
+    return ensure_derived(q4_dir(fp32_dir, accuracy_level), wanted,
+                          lambda tmp: _convert(fp32_dir, tmp, gguf_path, stamp, accuracy_level, progress))
+
+
+def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: int, progress: Progress) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    from spec_edge.graphs import export
+    from spec_edge.graphs.export import WeightStore
+
+    started = time.monotonic()
+    progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ({dst.name}) ...")
+    gguf = GgufBlocks(gguf_path)
+    manifest = json.loads((src / "manifest.json").read_text())
+    dst.mkdir(parents=True)
+    store = WeightStore(dst / "weights.bin")
+    matched: dict[str, object] = {}  # by initializer name: the row-matched blocks (or None: keep fp32)
+    totals = RewriteReport(kept_fp32=[])
+    for stem in manifest["graphs"]:
+        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
+        arrays = {t.name: t for t in model.graph.initializer}
+
+        def blocks(name: str):
+            if name in matched:
+                return matched[name]
+            gname = gguf_name(name)
+            if gname is None or gguf.kind(gname) not in ("Q4_1", "Q8_0") or name not in arrays:
+                matched[name] = None
+                return None
+            weight = numpy_helper.to_array(arrays[name])
+            q = gguf.get(gname)
+            perm = match_rows(weight, q.dequantize())
+            matched[name] = take_rows(q, perm)
+            return matched[name]
+
+        report = rewrite_model(model, blocks, accuracy_level=accuracy_level)
+        if report.q4_layers == 0:  # never hand out fp32 graphs labelled q4
+            raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {gguf_path.name} "
+                                f"(initializer names should be Hugging Face's, e.g. "
+                                f"model.layers.0.self_attn.q_proj.weight); re-export the graphs")
+        totals.q4_layers = max(totals.q4_layers, report.q4_layers)
+        totals.q8_layers = max(totals.q8_layers, report.q8_layers)
+        export.save(model, dst / f"{stem}.onnx", store)
+        progress(f"[q4]   {stem}: {report.q4_layers} Q4_1 + {report.q8_layers} Q8_0 layers")
+    store.close()
+    for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(src / name, dst / name)
+    manifest.update(weights="q4", q4_format=Q4_FORMAT, source_stamp=stamp, accuracy_level=accuracy_level,
+                    weights_bytes=store.size,
+                    q4_seconds=round(time.monotonic() - started, 1))
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    progress(f"[q4] ready: weights.bin {store.size / 1e6:.0f} MB (fp32 export: "
+             f"{(src / 'weights.bin').stat().st_size / 1e6:.0f} MB) in {manifest['q4_seconds']} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft heads: 8-bit weights (graphs.head_weights q8)
+
+HEAD_Q8_FORMAT = 1
+
+
+def for_head(cfg, head_dir: Path, progress: Progress = print) -> Path:
+    """The folder ONNX Runtime runs for an exported draft head (EAGLE-3, P-EAGLE, Medusa): head_dir
+    itself for graphs.head_weights fp32, its 8-bit copy for q8."""
+    if cfg.graphs.head_weights == "fp32":
+        return Path(head_dir)
+    return ensure_head_q8(head_dir, progress)
+
+
+def ensure_head_q8(src_dir: Path, progress: Progress = print) -> Path:
+    """The 8-bit copy <src_dir>_q8 of a head folder: every bias-free linear weight (K a multiple of
+    32) rounded to Q8_0 blocks and run as MatMulNBits with int8 activations (accuracy level 4; level 0
+    would dequantize the whole matrix on every call). Made once; redone when src_dir changes."""
+    from spec_edge.graphs.export import ensure_derived, source_stamp
+
+    src_dir = Path(src_dir)
+    stamp = source_stamp(src_dir)
+    return ensure_derived(src_dir.parent / f"{src_dir.name}_q8", {"q8_source_stamp": stamp, "head_q8_format": HEAD_Q8_FORMAT},
+                          lambda tmp: _convert_head(src_dir, tmp, stamp, progress))
+
+
+def _convert_head(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    from spec_edge.graphs import export
+
+    started = time.monotonic()
+    progress(f"[q8] rounding the head's linear weights to 8 bits ({src.name} -> {src.name}_q8) ...")
+    manifest = json.loads((src / "manifest.json").read_text())
+    dst.mkdir(parents=True)
+    store = export.WeightStore(dst / "weights.bin")
+    rounded: dict[str, Q80 | None] = {}  # by initializer name, shared by the graphs
+    layers = 0
+    for stem in manifest["graphs"]:
+        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
+        arrays = {t.name: t for t in model.graph.initializer}
+
+        def blocks(name: str) -> Q80 | None:
+            if name not in rounded:
+                weight = numpy_helper.to_array(arrays[name]) if name in arrays else None
+                fits = weight is not None and weight.dtype == np.float32 and weight.ndim == 2 and weight.shape[1] % QK == 0
+                rounded[name] = quantize_q8_0(weight) if fits else None
+            return rounded[name]
+
+        report = rewrite_model(model, blocks, accuracy_level=4, merge=False)
+        layers = max(layers, report.q8_layers)
+        export.save(model, dst / f"{stem}.onnx", store)
+    store.close()
+    if layers == 0:
+        raise QuantizeError(f"{src}: no linear weight of the head could be rounded to 8 bits; set "
+                            f"graphs.head_weights: fp32")
+    for name in export.head_side_files(src):
+        shutil.copy2(src / name, dst / name)
+    manifest.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=stamp, weights_bytes=store.size,
+                    q8_seconds=round(time.monotonic() - started, 1))
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    progress(f"[q8] ready: {layers} linear layers per graph, weights.bin {store.size / 1e6:.1f} MB "
+             f"(fp32: {(src / 'weights.bin').stat().st_size / 1e6:.1f} MB) in {manifest['q8_seconds']} s")

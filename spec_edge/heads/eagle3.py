@@ -1,0 +1,486 @@
+"""EAGLE-3 draft heads: the checkpoint layout, the static head graphs, and their export.
+
+A head drafts from three hidden states of the target (a low, a middle and a high layer):
+
+    fc:        (T, 3 * Ht) -> (T, H)             fuses the target's hidden states
+    midlayer:  one decoder layer over [input_layernorm(embed(x)) ; hidden_norm(h)] (2H into q/k/v),
+               residual on h, its own KV cache (1, Hkv, S, D)
+    norm, lm_head over the reduced draft vocabulary (Vd); d2t maps a draft id to a target id:
+               target_id = draft_id + d2t[draft_id]  (SafeAILab's offset form)
+
+Pairing (as in EAGLE): the head row at position p holds (target hidden at p, token p+1) and predicts
+token p+2. Its output hidden h' (before the final norm) is the next draft step's input hidden, which
+then skips fc. So k drafts cost one ingest pass (the verified pairs, width <= k+1) + k-1 [1, 1] steps.
+
+Graphs (all static; S = max context, W = width, V = target vocab, Vd = draft vocab):
+    eagle3_ingest_<W>: tokens (1, W), hidden (W, 3Ht), position (1,), last_index (1,),
+                       k_cache / v_cache (1, Hkv, S, D), embed_table (V, H)
+                       -> logits (1, Vd), k_new / v_new (1, Hkv, W, D), hidden_out (1, H)
+    eagle3_step_1:     the same with hidden (1, H) (the head's own output; no fc)
+The token embedding table is a graph *input* bound to the target's own embedding (a memory map of
+the target's weights.bin), so the head costs no second copy of the V x H table.
+
+Checkpoint layouts read (config.json + model.safetensors or pytorch_model.bin):
+  SafeAILab/EAGLE (yuhuili/EAGLE3-*): llama fields + draft_vocab_size; tensors fc.weight,
+    midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight, midlayer.self_attn.*,
+    midlayer.mlp.*, norm.weight, lm_head.weight, d2t (offsets), t2d (bool); layers (2, L/2, L-3) in
+    "input of layer" indexing = outputs of layers (1, L/2-1, L-4).
+  NVIDIA Model Optimizer heads (nvidia/*-Eagle3): same tensors (also accepted under layers.0. /
+    model. prefixes), config eagle_config.eagle_aux_hidden_state_layer_ids = layer *outputs*.
+  vLLM speculators: transformer_layer_config + top-level eagle_aux_hidden_state_layer_ids in vLLM's
+    indexing (id j = output of layer j-1), norm_before_residual.
+Saved heads (spec-edge train-draft) use the SafeAILab tensor names and the NVIDIA-style eagle_config.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spec_edge.heads import folder as head_folder
+from spec_edge.config import ConfigError, ModelConfig
+
+HEAD_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden_size: int             # H (the head's own width; EAGLE-3 heads use the target's)
+    intermediate_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    target_hidden_size: int      # Ht: fc takes 3 * Ht
+    target_vocab_size: int       # V
+    draft_vocab_size: int        # Vd
+    aux_layers: tuple[int, ...]  # target layers whose *outputs* feed fc (our 0-based indexing)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_llama3: tuple[float, float, float, int] | None = None
+    norm_before_residual: bool = False
+    target_layers: int = 0       # layer count of the target it was made for (0 = not recorded)
+    has_embedding: bool = False  # the head ships its own embed_tokens (else it uses the target's)
+
+    def as_model_config(self) -> ModelConfig:
+        """The attention/rope geometry in the core's ModelConfig form (vocab = draft vocab)."""
+        return ModelConfig(vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, n_layers=1, n_heads=self.n_heads,
+                           n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+                           rope_theta=self.rope_theta, rope_llama3=self.rope_llama3, name="eagle3-head")
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default layers as outputs of layers: inputs of (2, L/2, L-3)."""
+    return (1, n_layers // 2 - 1, n_layers - 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint reading / writing
+
+_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.", "model.midlayer.")
+
+
+def _canonical_name(name: str) -> str:
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return "midlayer." + name[len(prefix):]
+    if name.startswith("model.") and name[6:] in ("fc.weight", "norm.weight", "embed_tokens.weight"):
+        return name[6:]
+    return name
+
+
+def _read_tensors(path: Path) -> dict:
+    state = head_folder.read_tensors(path, "EAGLE-3 head", ("pytorch_model.bin",))
+    return {_canonical_name(name): tensor for name, tensor in state.items()}
+
+
+def parse_head_config(raw: dict, target: ModelConfig) -> HeadConfig:
+    """HeadConfig from a head's config.json (any of the three layouts) for a given target."""
+    layer_cfg = raw.get("transformer_layer_config") or raw  # vLLM speculators nest the layer config
+    hidden = int(layer_cfg.get("hidden_size", 0))
+    if not hidden:
+        raise ConfigError("EAGLE-3 head config.json has no hidden_size")
+    n_heads = int(layer_cfg.get("num_attention_heads", 0)) or 1
+    n_layers_head = int(layer_cfg.get("num_hidden_layers", 1))
+    if n_layers_head != 1:
+        raise ConfigError(f"EAGLE-3 head has {n_layers_head} decoder layers; spec_edge runs one-layer heads")
+    aux = None
+    eagle_cfg = raw.get("eagle_config") or {}
+    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
+        aux = tuple(int(i) for i in eagle_cfg["eagle_aux_hidden_state_layer_ids"])  # layer outputs
+    elif raw.get("eagle_aux_hidden_state_layer_ids"):  # vLLM indexing: j = output of layer j-1
+        aux = tuple(int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"])
+    if aux is None:
+        aux = default_aux_layers(target.n_layers)
+    rope = dict(layer_cfg.get("rope_scaling") or {})
+    llama3 = None
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                  int(rope["original_max_position_embeddings"]))
+    vocab = int(layer_cfg.get("vocab_size", raw.get("vocab_size", target.vocab_size)))
+    return HeadConfig(
+        hidden_size=hidden, intermediate_size=int(layer_cfg.get("intermediate_size", 4 * hidden)),
+        n_heads=n_heads, n_kv_heads=int(layer_cfg.get("num_key_value_heads", n_heads)),
+        head_dim=int(layer_cfg.get("head_dim") or hidden // n_heads),
+        target_hidden_size=int(raw.get("target_hidden_size") or hidden),
+        target_vocab_size=vocab, draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
+        aux_layers=aux, rms_norm_eps=float(layer_cfg.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(layer_cfg.get("rope_theta", (layer_cfg.get("rope_parameters") or {}).get(
+            "rope_theta", target.rope_theta))),
+        rope_llama3=llama3, norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        target_layers=int(raw.get("target_num_hidden_layers", 0)))
+
+
+def check_head(hcfg: HeadConfig, state: dict, target: ModelConfig, where: str = "EAGLE-3 head") -> None:
+    """Refuse a head that does not fit the target, naming the mismatch."""
+    problems = []
+    fc = state.get("fc.weight")
+    if fc is None:
+        problems.append("it has no fc.weight (not an EAGLE-3 head: EAGLE-1/2 heads are not supported)")
+    else:
+        if fc.shape[1] != 3 * target.hidden_size:
+            problems.append(f"fc.weight takes {fc.shape[1]} inputs but the target's hidden size is "
+                            f"{target.hidden_size} (3 x {target.hidden_size} = {3 * target.hidden_size}): "
+                            f"the head was trained for another model")
+        if fc.shape[0] != hcfg.hidden_size:
+            problems.append(f"fc.weight gives {fc.shape[0]} outputs but config hidden_size is {hcfg.hidden_size}")
+    if not hcfg.has_embedding and hcfg.hidden_size != target.hidden_size:
+        problems.append(f"head hidden size {hcfg.hidden_size} differs from the target's {target.hidden_size} "
+                        f"and the head has no embedding of its own")
+    problems += head_folder.target_problems(hcfg.target_vocab_size, hcfg.target_layers, target)
+    bad = [i for i in hcfg.aux_layers if not 0 <= i < target.n_layers]
+    if bad or len(hcfg.aux_layers) != 3:
+        problems.append(f"auxiliary layers {list(hcfg.aux_layers)} do not fit a {target.n_layers}-layer target "
+                        f"(need three layer indices in [0, {target.n_layers}))")
+    lm_head = state.get("lm_head.weight")
+    if lm_head is None:
+        problems.append("it has no lm_head.weight")
+    elif lm_head.shape[0] != hcfg.draft_vocab_size:
+        problems.append(f"lm_head has {lm_head.shape[0]} rows but draft_vocab_size is {hcfg.draft_vocab_size}")
+    problems += head_folder.d2t_problems(state.get("d2t"), hcfg.draft_vocab_size, hcfg.target_vocab_size,
+                                         target.vocab_size, earlier=bool(problems))
+    wanted = [name for name in head_parameter_names(hcfg) if name not in state]
+    if wanted and not problems:
+        problems.append(f"tensors missing: {wanted[:4]}")
+    head_folder.refuse(problems, where, target)
+
+
+def head_parameter_names(hcfg: HeadConfig) -> list[str]:
+    names = ["fc.weight", "norm.weight", "lm_head.weight"]
+    names += [f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")]
+    names += [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
+    names += [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return names
+
+
+def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, np.ndarray]:
+    """(config, float32 state dict, draft-to-target id map (Vd,) int64) of a head folder, checked
+    against the target."""
+    path = Path(path).expanduser()
+    raw = head_folder.read_config(path, "EAGLE-3 head", "spec-edge train-draft")
+    state = _read_tensors(path)
+    hcfg = parse_head_config(raw, target)
+    if "embed_tokens.weight" in state:
+        hcfg = dataclasses.replace(hcfg, has_embedding=True)
+    check_head(hcfg, state, target, f"EAGLE-3 head '{path}'")
+    draft_ids = head_folder.draft_ids_of(state.get("d2t"), hcfg.draft_vocab_size)
+    float_state = {name: tensor.float() for name, tensor in state.items()
+                   if name not in ("d2t", "t2d") and tensor.is_floating_point()}
+    return hcfg, float_state, draft_ids
+
+
+def head_fingerprint(path: str | Path) -> str:
+    return head_folder.fingerprint(path, (".json", ".safetensors", ".bin"), ("train_state.json",))
+
+
+def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.ndarray,
+              dtype: str = "float16", extra: dict | None = None, more_tensors: tuple[str, ...] = (),
+              more_config: dict | None = None) -> Path:
+    """Write a head folder in the SafeAILab tensor layout (+ NVIDIA-style eagle_config);
+    more_tensors / more_config: what a variant (the P-EAGLE head) adds."""
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": hcfg.hidden_size, "intermediate_size": hcfg.intermediate_size,
+        "num_attention_heads": hcfg.n_heads, "num_key_value_heads": hcfg.n_kv_heads, "head_dim": hcfg.head_dim,
+        "num_hidden_layers": 1, "rms_norm_eps": hcfg.rms_norm_eps, "rope_theta": hcfg.rope_theta,
+        "rope_scaling": None if hcfg.rope_llama3 is None else dict(
+            rope_type="llama3", factor=hcfg.rope_llama3[0], low_freq_factor=hcfg.rope_llama3[1],
+            high_freq_factor=hcfg.rope_llama3[2], original_max_position_embeddings=hcfg.rope_llama3[3]),
+        "vocab_size": hcfg.target_vocab_size, "draft_vocab_size": hcfg.draft_vocab_size,
+        "target_hidden_size": hcfg.target_hidden_size, "target_num_hidden_layers": hcfg.target_layers,
+        "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(hcfg.aux_layers), "use_aux_hidden_state": True},
+        "spec_edge": dict(format=HEAD_FORMAT, **(extra or {})),
+        **(more_config or {}),
+    }
+    return head_folder.write(path, state, head_parameter_names(hcfg) + list(more_tensors), draft_ids,
+                             hcfg.target_vocab_size, dtype, config)
+
+
+def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
+               feature_std=None) -> dict:
+    """A fresh head: small random layer, lm_head rows and final norm from the target's own head
+    (a warm start that already speaks the target's output space), fc starting as the high layer's
+    state. feature_std (3Ht,): the spread of each input feature in the training data; fc is scaled
+    by its inverse, so a few huge ("massive activation") features do not swamp the rest."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    H, Ht = hcfg.hidden_size, hcfg.target_hidden_size
+    q_out, kv_out = hcfg.n_heads * hcfg.head_dim, hcfg.n_kv_heads * hcfg.head_dim
+
+    def rand(*shape, std=0.02):
+        return torch.randn(*shape, generator=gen) * std
+
+    target_head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
+    inv = torch.ones(3 * Ht) if feature_std is None else 1.0 / torch.as_tensor(feature_std).float().clamp(min=1e-3)
+    fc = torch.zeros(H, 3 * Ht)
+    fc[:, 2 * Ht:] = torch.eye(H, Ht)  # start from the high layer's state
+    fc += rand(H, 3 * Ht, std=0.005)
+    fc = fc * inv[None, :]
+    return {
+        "fc.weight": fc, "norm.weight": target_state["model.norm.weight"].clone(),
+        "lm_head.weight": target_head[torch.from_numpy(np.asarray(draft_ids))].clone(),
+        "midlayer.hidden_norm.weight": torch.ones(H), "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "midlayer.self_attn.q_proj.weight": rand(q_out, 2 * H), "midlayer.self_attn.k_proj.weight": rand(kv_out, 2 * H),
+        "midlayer.self_attn.v_proj.weight": rand(kv_out, 2 * H),
+        "midlayer.self_attn.o_proj.weight": rand(H, q_out, std=0.02 / math.sqrt(2)),
+        "midlayer.mlp.gate_proj.weight": rand(hcfg.intermediate_size, H),
+        "midlayer.mlp.up_proj.weight": rand(hcfg.intermediate_size, H),
+        "midlayer.mlp.down_proj.weight": rand(H, hcfg.intermediate_size, std=0.02 / math.sqrt(2)),
+    }
+
+
+def head_config_for(target: ModelConfig, draft_vocab_size: int, aux_layers: tuple[int, ...] | None = None,
+                    intermediate_size: int | None = None) -> HeadConfig:
+    """The geometry spec_edge trains for a target: the target's own attention/MLP shapes."""
+    return HeadConfig(
+        hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
+        n_heads=target.n_heads, n_kv_heads=target.n_kv_heads, head_dim=target.head_dim,
+        target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size, aux_layers=tuple(aux_layers or default_aux_layers(target.n_layers)),
+        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_llama3=target.rope_llama3,
+        target_layers=target.n_layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# The head as a torch module (export graphs and training share it)
+
+def build_module(hcfg: HeadConfig, state: dict | None = None):
+    return head_folder.load_state(head_class(hcfg)(), state, "EAGLE-3 head")
+
+
+def head_class(hcfg: HeadConfig):
+    """The head's torch module class for hcfg (the P-EAGLE head in peagle.py extends it)."""
+    import torch
+    from torch import nn
+
+    from spec_edge.graphs.model import MLP, Attention, RMSNorm, rope_and_mask, rope_inv_freq, rotate_half
+
+    mcfg = hcfg.as_model_config()
+
+    class MidLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attention(mcfg)
+            H = hcfg.hidden_size
+            self.self_attn.q_proj = nn.Linear(2 * H, hcfg.n_heads * hcfg.head_dim, bias=False)
+            self.self_attn.k_proj = nn.Linear(2 * H, hcfg.n_kv_heads * hcfg.head_dim, bias=False)
+            self.self_attn.v_proj = nn.Linear(2 * H, hcfg.n_kv_heads * hcfg.head_dim, bias=False)
+            self.mlp = MLP(mcfg)
+            self.hidden_norm = RMSNorm(H, hcfg.rms_norm_eps)
+            self.input_layernorm = RMSNorm(H, hcfg.rms_norm_eps)
+            self.post_attention_layernorm = RMSNorm(H, hcfg.rms_norm_eps)
+
+    class Eagle3Head(nn.Module):
+        """forward(tokens, hidden, position, last_index, k_cache, v_cache, embed_table)
+        -> logits (1, Vd), k_new, v_new (1, Hkv, W, D), hidden_out (1, H)."""
+
+        def __init__(self, fused: bool = True):
+            super().__init__()
+            self.fused = fused  # True: hidden is the target's (W, 3Ht) and goes through fc
+            self.fc = nn.Linear(3 * hcfg.target_hidden_size, hcfg.hidden_size, bias=False)
+            self.midlayer = MidLayer()
+            self.norm = RMSNorm(hcfg.hidden_size, hcfg.rms_norm_eps)
+            self.lm_head = nn.Linear(hcfg.hidden_size, hcfg.draft_vocab_size, bias=False)
+            self.register_buffer("inv_freq", rope_inv_freq(mcfg), persistent=False)
+
+        def layer_inputs(self, emb, h):
+            mid = self.midlayer
+            h_normed = mid.hidden_norm(h)
+            residual = h_normed if hcfg.norm_before_residual else h
+            return torch.cat((mid.input_layernorm(emb), h_normed), dim=-1), residual
+
+        def forward(self, tokens, hidden, position, last_index, k_cache, v_cache, embed_table):
+            emb = torch.index_select(embed_table, 0, tokens[0])  # (W, H)
+            h = self.fc(hidden) if self.fused else hidden      # (W, H)
+            h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, tokens.shape[1])
+            h_last = torch.index_select(h, 0, last_index)  # (1, H)
+            logits = self.lm_head(self.norm(h_last)).float()
+            return logits, k_new[None], v_new[None], h_last
+
+        def layer(self, emb, h, position, k_cache, v_cache, seq: int):
+            """The decoder layer over seq rows at positions position.. (causal, after the cache rows
+            < position): h' (seq, H) before the final norm, k_new, v_new (Hkv, seq, D)."""
+            cache_len = k_cache.shape[2]
+            cos, sin, mask = rope_and_mask(self.inv_freq, position, seq, cache_len, h.dtype)
+            x, residual = self.layer_inputs(emb, h)
+            attn, k_new, v_new = self.midlayer.self_attn(x, cos, sin, k_cache[0], v_cache[0], mask)
+            h = residual + attn
+            h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+            return h, k_new, v_new
+
+        # -- training: all positions of a batch, several draft steps unrolled ("training-time test")
+        def train_forward(self, emb_steps, hid3, n_steps: int):
+            """emb_steps: (n_steps, B, N, H) embeddings of the tokens each step consumes (step j at
+            index t consumes token t+j+1); hid3: (B, N, 3Ht). Returns a list of (B, N, Vd) logits,
+            step j at index t predicting token t+j+2 (chain t: real pairs <= t, then j own steps)."""
+            attn = self.midlayer.self_attn
+            B, N = hid3.shape[:2]
+            nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
+            group = nh // nkv
+            h = self.fc(hid3)
+            causal = torch.ones(N, N, dtype=torch.bool).tril()
+            neg = torch.finfo(h.dtype).min
+            keys, values, outs = [], [], []
+            for j in range(n_steps):
+                pos = torch.arange(N, dtype=torch.float32) + j
+                freqs = pos[:, None] * self.inv_freq[None, :]
+                rot = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = rot.cos(), rot.sin()  # (N, D)
+                x, residual = self.layer_inputs(emb_steps[j], h)
+                q = attn.q_proj(x).view(B, N, nh, hd).transpose(1, 2)    # (B, nh, N, D)
+                k = attn.k_proj(x).view(B, N, nkv, hd).transpose(1, 2)   # (B, nkv, N, D)
+                v = attn.v_proj(x).view(B, N, nkv, hd).transpose(1, 2)
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
+                keys.append(k)
+                values.append(v)
+                scale = 1.0 / math.sqrt(hd)
+                s0 = torch.matmul(q, keys[0].transpose(-1, -2)) * scale       # (B, nh, N, N)
+                s0 = s0.masked_fill(~causal, neg)
+                diag = [(q * keys[i]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # (B, nh, N, 1)
+                probs = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
+                out = torch.matmul(probs[..., :N], values[0])
+                for i in range(1, j + 1):
+                    out = out + probs[..., N + i - 1:N + i] * values[i]
+                out = out.transpose(1, 2).reshape(B, N, nh * hd)
+                h = residual + attn.o_proj(out)
+                h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+                outs.append(self.norm(h))
+            return outs
+
+    return Eagle3Head
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+def head_graph_plan(widths: list[int]) -> dict[str, dict]:
+    plan = {f"eagle3_ingest_{w}": {"kind": "ingest", "width": w} for w in sorted(set(widths))}
+    plan["eagle3_step_1"] = {"kind": "step", "width": 1}
+    return plan
+
+
+def head_widths(cfg) -> list[int]:
+    """Ingest widths for a config: 1, each k+1 and the prefill chunk."""
+    return sorted({1, cfg.graphs.prefill_chunk} | {k + 1 for k in cfg.graphs.k_values})
+
+
+def export_head(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
+    """Export the head graphs for cfg into out_dir (its own weights.bin), unless up to date."""
+    head_path = Path(head_path).expanduser()
+    hcfg, state, draft_ids = load_head(head_path, target)
+    wanted = {"format": HEAD_FORMAT, "role": "eagle3", "source": str(head_path),
+              "fingerprint": head_fingerprint(head_path), "max_context": cfg.graphs.max_context,
+              "dtype": cfg.graphs.dtype, "graphs": head_graph_plan(head_widths(cfg))}
+
+    def write_graph(spec: dict, path: Path, store) -> None:
+        export_head_graph(hcfg, state, path, store, fused=spec["kind"] == "ingest", width=spec["width"],
+                          max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
+
+    return head_folder.export(out_dir, wanted, write_graph, hcfg, draft_ids, "eagle3 head", progress,
+                              embed_arrays(state))
+
+
+def embed_arrays(state: dict) -> dict:
+    """embed_tokens.npy for an exported head that ships its own embedding."""
+    return {"embed_tokens": state["embed_tokens.weight"].numpy()} if "embed_tokens.weight" in state else {}
+
+
+def read_head_config(out_dir: Path) -> HeadConfig:
+    raw = json.loads((Path(out_dir) / "head.json").read_text())
+    raw["aux_layers"] = tuple(raw["aux_layers"])
+    if raw.get("rope_llama3") is not None:
+        raw["rope_llama3"] = tuple(raw["rope_llama3"])
+    return HeadConfig(**raw)
+
+
+def export_head_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, fused: bool, width: int,
+                      max_context: int, dtype: str = "float32") -> None:
+    import torch
+
+    from spec_edge.graphs import export, io_names
+
+    tdtype = export.torch_dtype(dtype)
+    module = build_module(hcfg, state).to(tdtype).eval()
+    module.fused = fused
+    shape = (1, hcfg.n_kv_heads, max_context, hcfg.head_dim)
+    hidden_in = 3 * hcfg.target_hidden_size if fused else hcfg.hidden_size
+    args = (torch.zeros(1, width, dtype=torch.int64), torch.zeros(width, hidden_in, dtype=tdtype),
+            torch.tensor([0]), torch.tensor([width - 1]), torch.zeros(shape, dtype=tdtype),
+            torch.zeros(shape, dtype=tdtype), torch.zeros(hcfg.target_vocab_size, hcfg.hidden_size, dtype=tdtype))
+    inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.LAST_INDEX, io_names.K_CACHE,
+              io_names.V_CACHE, io_names.EMBED_TABLE]
+    outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW, io_names.HIDDEN_OUT]
+    export.save_static(module, args, inputs, outputs, path, store)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the target's graphs must return for a configured head
+
+def target_n_layers(source: str) -> int:
+    """The target's layer count, read cheaply (config.json or GGUF metadata, no weights)."""
+    from spec_edge.graphs import weights
+
+    path = weights.resolve(source)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    for field in reader.fields.values():
+        if field.name.endswith(".block_count"):
+            return int(field.parts[field.data[0]][0])
+    raise ConfigError(f"{path}: GGUF metadata has no block_count")
+
+
+def target_hidden_layers(cfg) -> tuple[int, ...]:
+    """The target layers (outputs, ascending) the configured EAGLE-3 head reads; () without a head."""
+    head = cfg.speculative.eagle3_head
+    return head_hidden_layers(head, cfg.model.target) if head else ()
+
+
+def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
+    """The target layers (outputs, ascending) an EAGLE-3-style head folder reads (its config.json)."""
+    path = Path(head).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"head '{head}' is not a head folder (no config.json)")
+    raw = json.loads((path / "config.json").read_text())
+    eagle_cfg = raw.get("eagle_config") or {}
+    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
+        layers = tuple(int(i) for i in eagle_cfg["eagle_aux_hidden_state_layer_ids"])
+    elif raw.get("eagle_aux_hidden_state_layer_ids"):
+        layers = tuple(int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"])
+    else:
+        layers = default_aux_layers(target_n_layers(target_source))
+    if list(layers) != sorted(set(layers)):
+        raise ConfigError(f"head '{head}': auxiliary layers {list(layers)} must be distinct and ascending")
+    return layers

@@ -1,0 +1,298 @@
+"""Medusa heads: several extra heads on the target's last hidden state, no draft KV cache.
+
+Input: h, the target's hidden state after its final norm (what feeds its lm_head) at the position
+whose argmax is the pending token. Head i (1-based) predicts the token i positions after the pending
+one, so one pass over h gives drafts d1..dn at once:
+
+    head i:  r_i = h + SiLU(W_i h + b_i)     (a ResBlock, medusa_num_layers of them in sequence)
+             logits_i = U_i r_i              U_i (Vd, H): over the reduced draft vocabulary
+    draft ids map to target ids: target_id = draft_id + d2t[draft_id]  (EAGLE-3's offset form)
+
+Graph (static): medusa_<n>: hidden (1, H) -> logits (n, Vd), all heads in one pass.
+
+Checkpoint layout (FasterDecoding/Medusa tensor names, so published full-vocabulary Medusa-1 heads
+load too): config.json with medusa_num_heads, medusa_num_layers, hidden_size, vocab_size,
+draft_vocab_size, target_num_hidden_layers; model.safetensors with
+medusa_head.{i}.{j}.linear.weight / .bias (ResBlock j of head i), medusa_head.{i}.{L}.weight (the
+output rows), d2t (Vd,) offsets and t2d (V,) bool.
+
+Training (spec-edge train-draft --kind medusa, train_medusa below): heads on the target's own
+final-norm states of its greedy answers, head i's label the target's argmax i positions ahead
+(decayed by 0.8 per head), Medusa-1 style (the target is frozen).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from spec_edge.heads import folder as head_folder
+from spec_edge.config import ConfigError, ModelConfig
+
+HEAD_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    n_heads: int                 # n: drafts per pass (k <= n)
+    hidden_size: int             # H: the target's
+    target_vocab_size: int       # V
+    draft_vocab_size: int        # Vd
+    n_layers: int = 1            # ResBlocks per head
+    target_layers: int = 0       # layer count of the target it was made for (0 = not recorded)
+
+
+def config_for(target: ModelConfig, n_heads: int, draft_vocab_size: int, n_layers: int = 1) -> MedusaConfig:
+    return MedusaConfig(n_heads=n_heads, hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+                        draft_vocab_size=draft_vocab_size, n_layers=n_layers, target_layers=target.n_layers)
+
+
+def parameter_names(mcfg: MedusaConfig) -> list[str]:
+    names = []
+    for i in range(mcfg.n_heads):
+        for j in range(mcfg.n_layers):
+            names += [f"medusa_head.{i}.{j}.linear.weight", f"medusa_head.{i}.{j}.linear.bias"]
+        names.append(f"medusa_head.{i}.{mcfg.n_layers}.weight")
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint reading / writing
+
+def check_heads(mcfg: MedusaConfig, state: dict, target: ModelConfig, where: str = "Medusa head") -> None:
+    """Refuse heads that do not fit the target, naming the mismatch."""
+    problems = []
+    if mcfg.n_heads < 1:
+        problems.append(f"medusa_num_heads is {mcfg.n_heads}")
+    if mcfg.hidden_size != target.hidden_size:
+        problems.append(f"head hidden size {mcfg.hidden_size} differs from the target's {target.hidden_size}: "
+                        f"the heads were trained for another model")
+    problems += head_folder.target_problems(mcfg.target_vocab_size, mcfg.target_layers, target, "heads were")
+    if not problems:
+        missing = [name for name in parameter_names(mcfg) if name not in state]
+        if missing:
+            problems.append(f"tensors missing: {missing[:4]}")
+    if not problems:
+        for i in range(mcfg.n_heads):
+            linear = state[f"medusa_head.{i}.0.linear.weight"]
+            out = state[f"medusa_head.{i}.{mcfg.n_layers}.weight"]
+            if tuple(linear.shape) != (mcfg.hidden_size, mcfg.hidden_size):
+                problems.append(f"head {i} ResBlock is {tuple(linear.shape)}, not {mcfg.hidden_size} x {mcfg.hidden_size} "
+                                f"(hidden size of the target)")
+                break
+            if tuple(out.shape) != (mcfg.draft_vocab_size, mcfg.hidden_size):
+                problems.append(f"head {i} output is {tuple(out.shape)}, draft_vocab_size x hidden is "
+                                f"({mcfg.draft_vocab_size}, {mcfg.hidden_size})")
+                break
+    if not problems:
+        problems += head_folder.d2t_problems(state.get("d2t"), mcfg.draft_vocab_size, mcfg.target_vocab_size,
+                                             target.vocab_size, earlier=False)
+    head_folder.refuse(problems, where, target)
+
+
+def load_heads(path: str | Path, target: ModelConfig) -> tuple[MedusaConfig, dict, np.ndarray]:
+    """(config, float32 state dict, draft-to-target id map (Vd,) int64) of a Medusa folder, checked
+    against the target."""
+    path = Path(path).expanduser()
+    raw = head_folder.read_config(path, "Medusa head", "spec-edge train-draft --kind medusa")
+    if "medusa_num_heads" not in raw:
+        raise ConfigError(f"'{path}' is not a Medusa head: its config.json has no medusa_num_heads")
+    # medusa_lm_head.pt: FasterDecoding's own file name
+    state = head_folder.read_tensors(path, "Medusa head", ("medusa_lm_head.pt", "pytorch_model.bin"))
+    n_heads, n_layers = int(raw["medusa_num_heads"]), int(raw.get("medusa_num_layers", 1))
+    out = state.get(f"medusa_head.0.{n_layers}.weight")
+    linear = state.get("medusa_head.0.0.linear.weight")
+    hidden = int(raw.get("hidden_size") or (linear.shape[1] if linear is not None else 0))
+    vocab = int(raw.get("vocab_size") or (out.shape[0] if out is not None else 0))
+    mcfg = MedusaConfig(n_heads=n_heads, hidden_size=hidden, target_vocab_size=vocab,
+                        draft_vocab_size=int(raw.get("draft_vocab_size") or vocab), n_layers=n_layers,
+                        target_layers=int(raw.get("target_num_hidden_layers", 0)))
+    check_heads(mcfg, state, target, f"Medusa head '{path}'")
+    draft_ids = head_folder.draft_ids_of(state.get("d2t"), mcfg.draft_vocab_size)
+    float_state = {name: state[name].float() for name in parameter_names(mcfg)}
+    return mcfg, float_state, draft_ids
+
+
+def save_heads(path: str | Path, mcfg: MedusaConfig, state: dict, draft_ids: np.ndarray,
+               dtype: str = "float16", extra: dict | None = None) -> Path:
+    """Write a Medusa folder (FasterDecoding tensor names + EAGLE-3's d2t / t2d)."""
+    config = {"architectures": ["MedusaHeads"], "medusa_num_heads": mcfg.n_heads,
+              "medusa_num_layers": mcfg.n_layers, "hidden_size": mcfg.hidden_size,
+              "vocab_size": mcfg.target_vocab_size, "draft_vocab_size": mcfg.draft_vocab_size,
+              "target_num_hidden_layers": mcfg.target_layers, "torch_dtype": dtype,
+              "spec_edge": dict(format=HEAD_FORMAT, **(extra or {}))}
+    return head_folder.write(path, state, parameter_names(mcfg), draft_ids, mcfg.target_vocab_size, dtype, config)
+
+
+def head_fingerprint(path: str | Path) -> str:
+    return head_folder.fingerprint(path, (".json", ".safetensors", ".bin", ".pt"), ("train_state.pt", "train_data.pt"))
+
+
+def init_state(mcfg: MedusaConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
+               std: float = 0.0) -> dict:
+    """Fresh heads: each head's output rows are the target's lm_head rows of the draft vocabulary;
+    the ResBlocks start at zero (std = 0: every head begins as the target's own next-token head, as
+    Medusa does) or random with std (for tests)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    H = mcfg.hidden_size
+    target_head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
+    rows = target_head[torch.from_numpy(np.asarray(draft_ids))].float()
+    state = {}
+    for i in range(mcfg.n_heads):
+        for j in range(mcfg.n_layers):
+            state[f"medusa_head.{i}.{j}.linear.weight"] = torch.randn(H, H, generator=gen) * std
+            state[f"medusa_head.{i}.{j}.linear.bias"] = torch.randn(H, generator=gen) * std
+        state[f"medusa_head.{i}.{mcfg.n_layers}.weight"] = rows.clone()
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# The heads as a torch module (export and training share it)
+
+def build_module(mcfg: MedusaConfig, state: dict | None = None):
+    import torch
+    from torch import nn
+
+    class ResBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(mcfg.hidden_size, mcfg.hidden_size)
+
+        def forward(self, x):
+            return x + nn.functional.silu(self.linear(x))
+
+    class MedusaHeads(nn.Module):
+        """forward(hidden (1, H)) -> logits (n, Vd); heads(h (R, H)) -> n x (R, Vd)."""
+
+        def __init__(self):
+            super().__init__()
+            self.medusa_head = nn.ModuleList(
+                nn.Sequential(*[ResBlock() for _ in range(mcfg.n_layers)],
+                              nn.Linear(mcfg.hidden_size, mcfg.draft_vocab_size, bias=False))
+                for _ in range(mcfg.n_heads))
+
+        def heads(self, hidden):
+            return [head(hidden) for head in self.medusa_head]
+
+        def forward(self, hidden):
+            return torch.cat(self.heads(hidden), dim=0).float()  # (n, Vd)
+
+    return head_folder.load_state(MedusaHeads(), state, "Medusa head")
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+def graph_stem(mcfg: MedusaConfig) -> str:
+    return f"medusa_{mcfg.n_heads}"
+
+
+def export_heads(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
+    """Export the heads' graph into out_dir (its own weights.bin), unless up to date."""
+    from spec_edge.graphs import export, io_names
+
+    head_path = Path(head_path).expanduser()
+    mcfg, state, draft_ids = load_heads(head_path, target)
+    wanted = {"format": HEAD_FORMAT, "role": "medusa", "source": str(head_path),
+              "fingerprint": head_fingerprint(head_path), "dtype": cfg.graphs.dtype,
+              "graphs": {graph_stem(mcfg): {"kind": "medusa", "width": 1, "n_heads": mcfg.n_heads}}}
+
+    def write_graph(spec: dict, path: Path, store) -> None:
+        import torch
+
+        tdtype = export.torch_dtype(cfg.graphs.dtype)
+        module = build_module(mcfg, state).to(tdtype).eval()
+        export.save_static(module, (torch.zeros(1, mcfg.hidden_size, dtype=tdtype),), [io_names.HIDDEN],
+                           [io_names.LOGITS], path, store)
+
+    return head_folder.export(out_dir, wanted, write_graph, mcfg, draft_ids, "medusa heads", progress)
+
+
+def read_config(out_dir: Path) -> MedusaConfig:
+    return MedusaConfig(**json.loads((Path(out_dir) / "head.json").read_text()))
+
+
+def max_heads(head_path: str | Path) -> int:
+    """medusa_num_heads of a head folder, read cheaply (config.json only)."""
+    path = Path(head_path).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"Medusa head '{head_path}' has no config.json")
+    return int(json.loads((path / "config.json").read_text()).get("medusa_num_heads", 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (spec-edge train-draft --kind medusa)
+
+def _rows(items: list[dict], t2d, n_heads: int, answer_only: bool = False):
+    """h (R, H) float32 and labels (n, R) in draft ids (-100 = none): head i (0-based) at row t
+    predicts token t + i + 2, i.e. the target's argmax at t + i + 1."""
+    import torch
+
+    hs, labels = [], []
+    for item in items:
+        N = len(item["tokens"])
+        lab = torch.full((n_heads, N), -100, dtype=torch.long)
+        target = item["labels"].long()
+        for i in range(n_heads):
+            if N > i + 1:
+                lab[i, :N - i - 1] = t2d[target[i + 1:]]
+            if answer_only:  # score the answer only: predicted token index t + i + 2 >= n_prompt
+                lab[i, :max(item["n_prompt"] - i - 2, 0)] = -100
+        hs.append(item["hlast"].float())
+        labels.append(lab)
+    return torch.cat(hs), torch.cat(labels, dim=1)
+
+
+def train_medusa(args, argv: list[str], data: list[dict], target_state: dict, cfg: ModelConfig, out: Path,
+                 eos_ids) -> int:
+    import torch
+
+    from spec_edge.training import fit as head_train
+
+    n_heads = args.medusa_heads
+    if n_heads < 1:
+        raise ConfigError(f"--medusa-heads must be >= 1, got {n_heads}")
+    if any("hlast" not in item for item in data):
+        raise ConfigError("the training data lacks the final-norm hidden states (hlast) Medusa heads learn from")
+    identity = {"kind": "medusa", "draft_vocab": args.draft_vocab, "n_heads": n_heads,
+                "n_layers": args.medusa_layers, "train_lm_head": args.train_lm_head}
+    resume = head_train.load_resume(out, identity)
+    draft_ids, t2d = head_train.draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
+    mcfg = config_for(cfg, n_heads, len(draft_ids), args.medusa_layers)
+    module = build_module(mcfg, init_state(mcfg, target_state, draft_ids, args.seed))
+    if not args.train_lm_head:  # keep the target's own output rows: less to overfit
+        for head in module.medusa_head:
+            head[-1].weight.requires_grad_(False)
+    weights = [0.8 ** i for i in range(n_heads)]
+    eval_data, train_data = head_train.split(data)
+
+    def batch_loss(items):
+        h, labels = _rows(items, t2d, n_heads)
+        losses = []
+        for w, logits, lab in zip(weights, module.heads(h), labels):
+            valid = lab != -100
+            if valid.any():
+                losses.append(w * torch.nn.functional.cross_entropy(logits[valid], lab[valid]))
+        return sum(losses) / sum(weights)
+
+    def evaluate() -> list[float]:
+        """Top-1 agreement with the target per head on the held-out answers."""
+        hits, total = np.zeros(n_heads), np.zeros(n_heads)
+        for start in range(0, len(eval_data), args.batch):  # (rows, n, Vd) logits: a batch at a time
+            h, labels = _rows(eval_data[start:start + args.batch], t2d, n_heads, answer_only=True)
+            for i, (logits, lab) in enumerate(zip(module.heads(h), labels)):
+                valid = lab != -100
+                hits[i] += (logits[valid].argmax(-1) == lab[valid]).sum().item()
+                total[i] += valid.sum().item()
+        return list(hits / np.maximum(total, 1))
+
+    def save_head(extra: dict) -> None:
+        save_heads(out, mcfg, dict(module.state_dict()), draft_ids, dtype=args.dtype, extra=extra)
+
+    return head_train.fit(args=args, argv=argv, out=out, kind="medusa", module=module, identity=identity,
+                          resume=resume, draft_ids=draft_ids, train_data=train_data, batch_loss=batch_loss,
+                          evaluate=evaluate, save_head=save_head, n_sequences=len(data))

@@ -1,0 +1,312 @@
+"""Parallel drafting in the P-EAGLE style: an EAGLE-3-like head that drafts all k tokens in ONE pass.
+
+The head is EAGLE-3's (spec_edge/eagle3.py: fc over the target's three hidden states, one decoder
+layer over [embed(token) ; hidden] with its own KV cache, norm, lm_head over the draft vocabulary,
+d2t) plus two learned vectors (H,): mask_embed, the token embedding of a position whose token is not
+known yet, and mask_hidden, its placeholder hidden state (in the head's H space, after fc).
+
+Cache rows as in EAGLE-3: row p holds the pair (target hidden at p, token p+1). After a verify the
+pairs before the newest are ingested (EAGLE-3's ingest graphs, width <= k); then one draft pass of
+width k at position `last` (the newest pair's row):
+
+    row 0:        [embed(pending token) ; fc(target hidden at last)]   -> logits of draft 1
+    rows 1..k-1:  [mask_embed ; mask_hidden] at positions last+1 ..   -> logits of drafts 2..k
+    causal attention over the head's cache (rows < last) and these k rows
+
+Row 0's K/V is a real pair and is written into the cache; the placeholder rows are not. So the
+drafter costs one [1, k] pass (plus an ingest pass when the verify accepted drafts), instead of
+EAGLE-3's k sequential steps.
+
+Graphs (static; S = max context, W = width, V = target vocab, Vd = draft vocab):
+    eagle3_ingest_<W>:  EAGLE-3's ingest graph (the same module and weights)
+    peagle_draft_<k>:   tokens (1, 1), hidden (1, 3Ht), position (1,), k_cache / v_cache (1, Hkv, S, D),
+                        embed_table (V, H) -> logits (k, Vd), k_new / v_new (1, Hkv, k, D)
+
+Layout: an EAGLE-3 head folder (SafeAILab names, eagle_config) + tensors mask_embed, mask_hidden and
+config "parallel_drafting": {"k": the draft width it was trained for}.
+
+Training (spec-edge train-draft --kind peagle, train_peagle below): all real pairs of a sequence
+(draft 1 at every position) plus, for --anchors sampled positions per sequence, k-1 mask rows that
+see the real pairs up to their anchor and the anchor's earlier mask rows (one attention mask over
+real + mask rows, as P-EAGLE trains), the loss on the target's argmax (decayed by 0.8 per position).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from spec_edge.heads import eagle3, folder as head_folder
+from spec_edge.config import ConfigError, ModelConfig
+from spec_edge.heads.eagle3 import HeadConfig
+
+HEAD_FORMAT = 1
+MASK_TENSORS = ("mask_embed", "mask_hidden")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint
+
+def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, np.ndarray]:
+    """(config, float32 state, draft ids (Vd,)) of a P-EAGLE head folder, checked against the target."""
+    hcfg, state, draft_ids = eagle3.load_head(path, target)
+    missing = [name for name in MASK_TENSORS if name not in state]
+    if missing:
+        raise ConfigError(f"'{path}' is not a parallel-drafting (P-EAGLE) head: it has no {' / '.join(missing)} "
+                          f"tensors (an EAGLE-3 head runs with drafter eagle3)")
+    for name in MASK_TENSORS:
+        if tuple(state[name].shape) != (hcfg.hidden_size,):
+            raise ConfigError(f"P-EAGLE head '{path}': {name} is {tuple(state[name].shape)}, "
+                              f"the head's hidden size is {hcfg.hidden_size}")
+    return hcfg, state, draft_ids
+
+
+def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.ndarray, parallel_k: int,
+              dtype: str = "float16", extra: dict | None = None) -> Path:
+    return eagle3.save_head(path, hcfg, state, draft_ids, dtype=dtype, extra=extra, more_tensors=MASK_TENSORS,
+                            more_config={"architectures": ["LlamaForCausalLMPEagle"],
+                                         "parallel_drafting": {"k": parallel_k}})
+
+
+def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
+               feature_std=None) -> dict:
+    """EAGLE-3's fresh head + mask_embed (the target's mean token embedding) and a small random
+    mask_hidden."""
+    import torch
+
+    state = eagle3.init_state(hcfg, target_state, draft_ids, seed, feature_std)
+    gen = torch.Generator().manual_seed(seed + 1)
+    state["mask_embed"] = target_state["model.embed_tokens.weight"].float().mean(0).clone()
+    state["mask_hidden"] = torch.randn(hcfg.hidden_size, generator=gen) * 0.02
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# The module (the draft graph and training share it; the ingest graph is EAGLE-3's)
+
+def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
+    import torch
+    from torch import nn
+
+    from spec_edge.graphs.model import rotate_half
+
+    class PEagleHead(eagle3.head_class(hcfg)):
+        """forward(tokens (1, 1), hidden (1, 3Ht), position, k_cache, v_cache, embed_table)
+        -> logits (width, Vd), k_new, v_new (1, Hkv, width, D)."""
+
+        def __init__(self):
+            super().__init__()
+            self.mask_embed = nn.Parameter(torch.zeros(hcfg.hidden_size))
+            self.mask_hidden = nn.Parameter(torch.zeros(hcfg.hidden_size))
+            self.width = width  # k: static in the exported graph
+
+        def forward(self, tokens, hidden, position, k_cache, v_cache, embed_table):
+            seq = self.width
+            emb = torch.index_select(embed_table, 0, tokens[0])  # (1, H)
+            h = self.fc(hidden)                                  # (1, H)
+            if seq > 1:
+                emb = torch.cat((emb, self.mask_embed[None, :].expand(seq - 1, -1)), dim=0)  # (k, H)
+                h = torch.cat((h, self.mask_hidden[None, :].expand(seq - 1, -1)), dim=0)     # (k, H)
+            h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, seq)
+            logits = self.lm_head(self.norm(h)).float()  # (k, Vd)
+            return logits, k_new[None], v_new[None]
+
+        # -- training: real rows + mask rows of sampled anchors, one attention mask
+        def train_forward(self, emb_real, hid3, anchors, k: int):
+            """emb_real (B, n, H): embedding of token t+1 for real row t; hid3 (B, n, 3Ht);
+            anchors (B, A) int64 in [0, n). Returns normed states (B, n + A*(k-1), H): real rows,
+            then per anchor its k-1 mask rows (mask row j of anchor t sits at position t+j)."""
+            attn = self.midlayer.self_attn
+            B, n = hid3.shape[:2]
+            A, m = anchors.shape[1], k - 1
+            H = hcfg.hidden_size
+            nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
+            R = n + A * m
+            h = torch.cat((self.fc(hid3), self.mask_hidden.expand(B, A * m, H)), dim=1)  # (B, R, H)
+            emb = torch.cat((emb_real, self.mask_embed.expand(B, A * m, H)), dim=1)     # (B, R, H)
+            depth = torch.arange(1, k).repeat(A)                                        # (A*m,)
+            group = torch.arange(A).repeat_interleave(m)                                # (A*m,)
+            anchor_row = anchors.repeat_interleave(m, dim=1)                            # (B, A*m)
+            pos = torch.cat((torch.arange(n).expand(B, n), anchor_row + depth[None, :]), dim=1).float()
+            allowed = torch.zeros(B, R, R, dtype=torch.bool)
+            allowed[:, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+            allowed[:, n:, :n] = torch.arange(n)[None, None, :] <= anchor_row[:, :, None]
+            allowed[:, n:, n:] = (group[:, None] == group[None, :]) & (depth[None, :] <= depth[:, None])
+            freqs = pos[..., None] * self.inv_freq                                      # (B, R, D/2)
+            rot = torch.cat((freqs, freqs), dim=-1)[:, None]                            # (B, 1, R, D)
+            cos, sin = rot.cos(), rot.sin()
+            x, residual = self.layer_inputs(emb, h)
+            q = attn.q_proj(x).view(B, R, nh, hd).transpose(1, 2)    # (B, nh, R, D)
+            kk = attn.k_proj(x).view(B, R, nkv, hd).transpose(1, 2)  # (B, nkv, R, D)
+            v = attn.v_proj(x).view(B, R, nkv, hd).transpose(1, 2)
+            q = q * cos + rotate_half(q) * sin
+            kk = kk * cos + rotate_half(kk) * sin
+            kk = kk.repeat_interleave(nh // nkv, dim=1)
+            v = v.repeat_interleave(nh // nkv, dim=1)
+            scores = torch.matmul(q, kk.transpose(-1, -2)) / math.sqrt(hd)     # (B, nh, R, R)
+            scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
+            out = torch.matmul(torch.softmax(scores, dim=-1), v)             # (B, nh, R, D)
+            out = out.transpose(1, 2).reshape(B, R, nh * hd)
+            h = residual + attn.o_proj(out)
+            h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
+            return self.norm(h)
+
+    return head_folder.load_state(PEagleHead(), state, "P-EAGLE head")
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+def graph_plan(cfg) -> dict[str, dict]:
+    """Ingest widths 1, each k and the prefill chunk (the newest pair goes through the draft pass,
+    so an ingest after a verify is at most k wide); a draft pass per built k."""
+    widths = sorted({1, cfg.graphs.prefill_chunk} | set(cfg.graphs.k_values))
+    plan = {f"eagle3_ingest_{w}": {"kind": "ingest", "width": w} for w in widths}
+    plan.update({f"peagle_draft_{k}": {"kind": "draft", "width": k} for k in sorted(set(cfg.graphs.k_values))})
+    return plan
+
+
+def export_head(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
+    """Export the head graphs for cfg into out_dir (its own weights.bin), unless up to date."""
+    head_path = Path(head_path).expanduser()
+    hcfg, state, draft_ids = load_head(head_path, target)
+    wanted = {"format": HEAD_FORMAT, "role": "peagle", "source": str(head_path),
+              "fingerprint": eagle3.head_fingerprint(head_path), "max_context": cfg.graphs.max_context,
+              "dtype": cfg.graphs.dtype, "graphs": graph_plan(cfg)}
+
+    def write_graph(spec: dict, path: Path, store) -> None:
+        if spec["kind"] == "ingest":
+            eagle3.export_head_graph(hcfg, state, path, store, fused=True, width=spec["width"],
+                                     max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
+        else:
+            export_draft_graph(hcfg, state, path, store, width=spec["width"], max_context=cfg.graphs.max_context,
+                               dtype=cfg.graphs.dtype)
+
+    return head_folder.export(out_dir, wanted, write_graph, hcfg, draft_ids, "peagle head", progress,
+                              eagle3.embed_arrays(state))
+
+
+def export_draft_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, width: int, max_context: int,
+                       dtype: str = "float32") -> None:
+    import torch
+
+    from spec_edge.graphs import export, io_names
+
+    tdtype = export.torch_dtype(dtype)
+    module = build_module(hcfg, state, width).to(tdtype).eval()
+    shape = (1, hcfg.n_kv_heads, max_context, hcfg.head_dim)
+    args = (torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 3 * hcfg.target_hidden_size, dtype=tdtype),
+            torch.tensor([0]), torch.zeros(shape, dtype=tdtype), torch.zeros(shape, dtype=tdtype),
+            torch.zeros(hcfg.target_vocab_size, hcfg.hidden_size, dtype=tdtype))
+    inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.K_CACHE, io_names.V_CACHE,
+              io_names.EMBED_TABLE]
+    outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW]
+    export.save_static(module, args, inputs, outputs, path, store)
+
+
+def target_hidden_layers(cfg) -> tuple[int, ...]:
+    """The target layers the configured P-EAGLE head reads; () without one."""
+    head = cfg.speculative.peagle_head
+    return eagle3.head_hidden_layers(head, cfg.model.target) if head else ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (spec-edge train-draft --kind peagle)
+
+def _collate(items: list[dict], t2d, embed, k: int, anchors_per_seq: int, rng: np.random.Generator | None):
+    """emb_real (B, n, H), hid3 (B, n, 3Ht), anchors (B, A), labels (B, n + A*(k-1)) in draft ids.
+    Real row t (the pair (h_t, x_{t+1})) is labelled with the target's argmax at t+1 (token t+2);
+    mask row j of anchor t with the argmax at t+1+j. rng None: every answer position is an anchor
+    (held-out scoring, batch of one), and only answer tokens are scored."""
+    import torch
+
+    n = max(len(item["tokens"]) for item in items) - 1
+    B, m = len(items), k - 1
+    tokens = torch.zeros(B, n + 1, dtype=torch.long)
+    target = torch.full((B, n + k + 1), -1, dtype=torch.long)
+    hid3 = torch.zeros(B, n, items[0]["hid3"].shape[1])
+    if rng is None:
+        first = max(items[0]["n_prompt"] - 2, 0)  # draft 1 from anchor t is token t+2: answer tokens only
+        anchor_list = [np.arange(first, max(len(items[0]["tokens"]) - 1, first + 1))]
+    else:
+        anchor_list = [rng.integers(0, max(len(item["tokens"]) - 1, 1), anchors_per_seq) for item in items]
+    anchors = torch.as_tensor(np.stack(anchor_list), dtype=torch.long)  # (B, A)
+    for b, item in enumerate(items):
+        length = len(item["tokens"])
+        tokens[b, :length] = item["tokens"]
+        target[b, :length] = item["labels"]
+        hid3[b, :length - 1] = item["hid3"][:length - 1].float()
+    emb_real = embed[tokens[:, 1:n + 1]]
+    real = target[:, 1:n + 1]                                                     # (B, n)
+    depth = torch.arange(1, k).repeat(anchors.shape[1])                           # (A*m,)
+    masked = torch.gather(target, 1, anchors.repeat_interleave(m, dim=1) + 1 + depth[None, :])  # (B, A*m)
+    if rng is None:  # scoring: real rows only at the anchors, i.e. answer positions
+        keep = torch.zeros_like(real, dtype=torch.bool)
+        keep[:, anchors[0]] = True
+        real = torch.where(keep, real, torch.full_like(real, -1))
+    labels = torch.cat((real, masked), dim=1)
+    draft_labels = torch.where(labels >= 0, t2d[labels.clamp(min=0)], torch.full_like(labels, -100))
+    return emb_real, hid3, anchors, draft_labels
+
+
+def _depth_of_rows(n: int, A: int, k: int):
+    import torch
+
+    return torch.cat((torch.zeros(n, dtype=torch.long), torch.arange(1, k).repeat(A)))  # (R,)
+
+
+def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cfg: ModelConfig, out: Path,
+                 eos_ids, aux: tuple[int, ...]) -> int:
+    import torch
+
+    from spec_edge.training import fit as head_train
+    from spec_edge.training.train import feature_std
+
+    k = args.parallel_k
+    if not 1 <= k <= 16:
+        raise ConfigError(f"--parallel-k must be in [1, 16], got {k}")
+    identity = {"kind": "peagle", "draft_vocab": args.draft_vocab, "aux": list(aux), "k": k,
+                "train_lm_head": args.train_lm_head}
+    resume = head_train.load_resume(out, identity)
+    draft_ids, t2d = head_train.draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
+    hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
+    module = build_module(hcfg, init_state(hcfg, target_state, draft_ids, args.seed, feature_std(data)))
+    if not args.train_lm_head:  # keep the target's own output rows and final norm: less to overfit
+        module.lm_head.weight.requires_grad_(False)
+        module.norm.weight.requires_grad_(False)
+    embed = target_state["model.embed_tokens.weight"]
+    weights = [0.8 ** j for j in range(k)]
+    eval_data, train_data = head_train.split(data)
+    rng = np.random.default_rng(args.seed + (resume["step"] if resume is not None else 0))  # anchors
+
+    def per_depth(items, sample):
+        emb, hid, anchors, labels = _collate(items, t2d, embed, k, args.anchors, rng if sample else None)
+        normed = module.train_forward(emb, hid, anchors, k)
+        depth = _depth_of_rows(hid.shape[1], anchors.shape[1], k)
+        for j in range(k):
+            rows = normed[:, depth == j]   # (B, rows, H)
+            lab = labels[:, depth == j]
+            valid = lab != -100
+            yield j, module.lm_head(rows[valid]), lab[valid]
+
+    def batch_loss(items):
+        losses = [weights[j] * torch.nn.functional.cross_entropy(logits, lab)
+                  for j, logits, lab in per_depth(items, True) if lab.numel()]
+        return sum(losses) / sum(weights)
+
+    def evaluate() -> list[float]:
+        """Top-1 agreement with the target per draft position on the held-out answers."""
+        hits, total = np.zeros(k), np.zeros(k)
+        for item in eval_data:
+            for j, logits, lab in per_depth([item], False):
+                hits[j] += (logits.argmax(-1) == lab).sum().item()
+                total[j] += lab.numel()
+        return list(hits / np.maximum(total, 1))
+
+    def save(extra: dict) -> None:
+        save_head(out, hcfg, dict(module.state_dict()), draft_ids, k, dtype=args.dtype, extra=extra)
+
+    return head_train.fit(args=args, argv=argv, out=out, kind="peagle", module=module, identity=identity,
+                          resume=resume, draft_ids=draft_ids, train_data=train_data, batch_loss=batch_loss,
+                          evaluate=evaluate, save_head=save, n_sequences=len(data))

@@ -1,0 +1,5 @@
+"""What a request touches: the engine (request -> result), the speculative loop, sampling, the
+tokenizer, the backends (ONNX Runtime, TensorRT) and the drafters.
+
+May import: config, graphs, heads, device.
+"""

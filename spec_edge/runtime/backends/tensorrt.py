@@ -1,0 +1,375 @@
+"""TensorRT on the device: the engines `spec-edge build` made, run around a resident KV cache.
+
+State, allocated once per runner (torch CUDA tensors, bound to TensorRT by name and address):
+  k_cache, v_cache   (L, Hkv, S, D) graphs.dtype   resident cache; never leaves the device; bound
+                                                    one layer view per input (k_cache_<i>, v_cache_<i>)
+  per width T:       tokens (1, T) int64, position (1,) int64, [last_index (1,) int64: static prefill]
+                     logits (T, V) float32 [(1, V) static prefill], k_new / v_new (L, Hkv, T, D),
+                     index (T,) int64 = position + arange(T), ids (T,) int64 = argmax(logits)
+                     pinned host copies of tokens, position and ids
+  scratch            one uint8 buffer shared by every execution context of every runner built from
+                     the same Scratch (TensorRT USER_MANAGED context memory): calls are serialised
+                     on one stream, so one buffer the size of the largest profile serves them all
+
+A call: copy tokens/position host -> device (pinned, async) -> execute_async_v3 -> write k_new/v_new
+into the cache at [position, position + T) with index_copy_ on the device -> argmax on the device ->
+copy T ids (argmax) or T x V logits (forward) to the host. The fixed-width calls (step 1, verify
+k+1) run as one captured CUDA graph each: execute + cache write + argmax in a single launch.
+
+Engine layouts (memory.py): 'shared' - one engine per model, one optimization profile per width,
+one execution context per width with its profile selected once; 'per_graph' - one engine per
+width. Prefill in the shared layout uses the width-C profile and takes the last real row on the
+device; in per_graph it runs the exported prefill graph with last_index.
+
+layer_skip(n) returns a runner over the layer-skip engine whose caches are views of this runner's
+first n cache layers (the first n layers compute the same keys/values, so the verify pass simply
+overwrites what the drafter wrote).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from spec_edge.graphs import io_names
+from spec_edge.device.build import (ManifestError, check_engines, context_memory_size, gpu_identity, import_tensorrt,
+                     profile_dir)
+from spec_edge.config import Config
+from spec_edge.runtime.backends.base import BackendError, Runner
+
+log = logging.getLogger(__name__)
+
+
+def _torch_cuda():
+    try:
+        import torch
+    except ImportError as err:
+        raise BackendError("the TensorRT backend needs torch with CUDA for its device buffers") from err
+    if not torch.cuda.is_available():
+        raise BackendError("the TensorRT backend needs a CUDA device; use runtime.backend: onnxruntime here")
+    return torch
+
+
+def _torch_dtype(trt, torch, dtype):
+    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+             trt.int64: torch.int64, trt.int32: torch.int32, trt.int8: torch.int8, trt.bool: torch.bool,
+             trt.uint8: torch.uint8}
+    if dtype not in table:
+        raise BackendError(f"engine I/O dtype {dtype} has no torch equivalent")
+    return table[dtype]
+
+
+class Scratch:
+    """The execution-context memory shared by every context registered here (grows to the largest).
+    Growing re-binds every context and drops captured CUDA graphs (they hold the old address)."""
+
+    def __init__(self, torch, device: str = "cuda"):
+        self.torch, self.device = torch, device
+        self.buffer = None
+        self.size = 0
+        self.contexts: list[Any] = []
+        self.on_realloc: list[Any] = []
+
+    def register(self, context, size: int) -> None:
+        self.contexts.append(context)
+        if size > self.size or self.buffer is None:
+            self.size = max(size, self.size)
+            self.buffer = self.torch.empty(max(self.size, 256), dtype=self.torch.uint8, device=self.device)
+            for ctx in self.contexts:
+                self._bind(ctx)
+            for callback in self.on_realloc:
+                callback()
+        else:
+            self._bind(context)
+
+    def _bind(self, context) -> None:
+        ptr = self.buffer.data_ptr()  # torch allocations are 512-byte aligned (TensorRT needs 256)
+        try:
+            context.set_device_memory(ptr, self.buffer.numel())
+        except (AttributeError, TypeError):  # TensorRT 10.0: the one-argument property form
+            context.device_memory = ptr
+
+
+@dataclass
+class _Call:
+    """One width's execution context and buffers."""
+    width: int
+    kind: str                       # prefill | step | verify | layerskip
+    context: Any
+    tokens: Any                     # (1, T) int64 device
+    position: Any                   # (1,) int64 device
+    last_index: Any | None          # (1,) int64 device, static prefill only
+    logits: Any                     # (T, V) or (1, V) float32 device
+    k_new: Any                      # (L, Hkv, T, D) device
+    v_new: Any
+    index: Any                      # (T,) int64 device: position + arange(T)
+    ids: Any                        # (T,) int64 device: argmax of logits
+    host_tokens: Any                # pinned (1, T) int64
+    host_position: Any              # pinned (1,) int64
+    host_ids: Any                   # pinned (T,) int64
+    staged: Any = None              # CUDA event: the last host -> device copy of the pinned inputs
+    graph: Any = None               # torch.cuda.CUDAGraph of execute + cache write + argmax
+    eager: bool = False             # capture failed once: run without a graph
+
+
+class TensorRTRunner(Runner):
+    def __init__(self, cfg: Config, role: str = "target", *, manifest: dict | None = None,
+                 scratch: Scratch | None = None, stream=None, cuda_graphs: bool = True,
+                 verify: str = "full", _parent: "TensorRTRunner | None" = None):
+        self.trt = trt = import_tensorrt()
+        self.torch = torch = _torch_cuda()
+        self.cfg, self.role = cfg, role
+        if manifest is None:
+            manifest = check_engines(cfg, trt_version=trt.__version__, gpu=gpu_identity(), verify=verify)
+        self.manifest = manifest
+        self.directory = profile_dir(cfg)
+        entries = {name: e for name, e in manifest["engines"].items() if e["role"] == role}
+        if not entries:
+            raise ManifestError(f"no {role} engine in {self.directory}: rebuild with `spec-edge build`")
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        self.stream = _parent.stream if _parent is not None else (stream or torch.cuda.Stream())
+        self.scratch = scratch if scratch is not None else (_parent.scratch if _parent else Scratch(torch))
+        self.scratch.on_realloc.append(self._drop_graphs)
+        self.use_cuda_graphs = cuda_graphs
+        self.engines = {}
+        for name, entry in entries.items():
+            path = self.directory / entry["file"]
+            engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+            if engine is None:
+                raise ManifestError(f"TensorRT cannot deserialize {path} (built by another TensorRT or "
+                                    f"GPU?): rebuild with `spec-edge build`")
+            self.engines[name] = engine
+        first = next(iter(self.engines.values()))
+        n_layers = sum(first.get_tensor_name(i).startswith(io_names.K_CACHE_PREFIX)
+                       for i in range(first.num_io_tensors))
+        if n_layers == 0:
+            raise ManifestError(f"{self.directory}: the engines have no per-layer cache inputs "
+                                f"({io_names.k_cache(0)}, ...): built from an older export; rebuild with "
+                                f"`spec-edge build`")
+        cache_shape = (n_layers,) + tuple(first.get_tensor_shape(io_names.k_cache(0)))  # (L, Hkv, S, D)
+        self.n_layers, n_kv, self.max_context, head_dim = cache_shape
+        self.cache_dtype = _torch_dtype(trt, torch, first.get_tensor_dtype(io_names.k_cache(0)))
+        self.vocab_size = int(first.get_tensor_shape(io_names.LOGITS)[-1])
+        with torch.cuda.stream(self.stream):
+            if _parent is None:
+                self.k_cache = torch.zeros(cache_shape, dtype=self.cache_dtype, device="cuda")
+                self.v_cache = torch.zeros(cache_shape, dtype=self.cache_dtype, device="cuda")
+            else:  # layer-skip: the parent's first n layers, same storage
+                if self.n_layers > _parent.n_layers or (n_kv, self.max_context, head_dim) != tuple(
+                        _parent.k_cache.shape[1:]):
+                    raise BackendError(f"layer-skip engine cache {cache_shape} does not fit the target's "
+                                       f"{tuple(_parent.k_cache.shape)}")
+                self.k_cache = _parent.k_cache[:self.n_layers]
+                self.v_cache = _parent.v_cache[:self.n_layers]
+            self._arange = torch.arange(max(max(e["widths"]) for e in entries.values()),
+                                        dtype=torch.int64, device="cuda")
+            self._calls: dict[int, _Call] = {}
+            self._prefill: _Call | None = None
+            for name, entry in entries.items():
+                engine = self.engines[name]
+                for width_s, profile in entry.get("profiles", {str(entry["widths"][0]): 0}).items():
+                    width = int(width_s)
+                    call = self._make_call(engine, entry, width, int(profile))
+                    if call.kind == "prefill":
+                        self._prefill = call
+                        if call.last_index is None and width - 1 in cfg.graphs.k_values:
+                            self._calls[width] = call  # a dynamic-layout prefill profile is also verify k+1
+                    else:
+                        self._calls[width] = call
+        self.prefill_chunk = self._prefill.width if self._prefill is not None else 0
+        self.widths = frozenset(self._calls)
+        self.stream.synchronize()
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _make_call(self, engine, entry: dict, width: int, profile: int) -> _Call:
+        trt, torch = self.trt, self.torch
+        context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        if context is None:
+            raise BackendError(f"cannot create an execution context for {entry['file']}")
+        if entry.get("dynamic"):
+            if not context.set_optimization_profile_async(profile, self.stream.cuda_stream):
+                raise BackendError(f"{entry['file']}: cannot select optimization profile {profile}")
+            if not context.set_input_shape(io_names.TOKENS, (1, width)):
+                raise BackendError(f"{entry['file']}: tokens shape (1, {width}) is outside profile {profile}")
+        self.scratch.register(context, context_memory_size(engine, profile if entry.get("dynamic") else 0))
+        kind = entry["kinds"][str(width)]
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        static_prefill = io_names.LAST_INDEX in names
+        shape = lambda n: tuple(context.get_tensor_shape(n))  # noqa: E731 - resolved for this profile
+        dtype = lambda n: _torch_dtype(trt, torch, engine.get_tensor_dtype(n))  # noqa: E731
+        cuda = {"device": "cuda"}
+        call = _Call(
+            width=width, kind=kind, context=context,
+            tokens=torch.zeros(shape(io_names.TOKENS), dtype=dtype(io_names.TOKENS), **cuda),
+            position=torch.zeros(shape(io_names.POSITION), dtype=dtype(io_names.POSITION), **cuda),
+            last_index=(torch.zeros(shape(io_names.LAST_INDEX), dtype=dtype(io_names.LAST_INDEX), **cuda)
+                        if static_prefill else None),
+            logits=torch.zeros(shape(io_names.LOGITS), dtype=dtype(io_names.LOGITS), **cuda),
+            k_new=torch.zeros(shape(io_names.K_NEW), dtype=dtype(io_names.K_NEW), **cuda),
+            v_new=torch.zeros(shape(io_names.V_NEW), dtype=dtype(io_names.V_NEW), **cuda),
+            index=torch.zeros((width,), dtype=torch.int64, **cuda),
+            ids=torch.zeros((shape(io_names.LOGITS)[0],), dtype=torch.int64, **cuda),
+            host_tokens=torch.zeros((1, width), dtype=torch.int64).pin_memory(),
+            host_position=torch.zeros((1,), dtype=torch.int64).pin_memory(),
+            host_ids=torch.zeros((shape(io_names.LOGITS)[0],), dtype=torch.int64).pin_memory(),
+            staged=torch.cuda.Event())
+        buffers = {io_names.TOKENS: call.tokens, io_names.POSITION: call.position,
+                   io_names.LAST_INDEX: call.last_index, io_names.LOGITS: call.logits,
+                   io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new}
+        for layer in range(self.n_layers):  # (Hkv, S, D) views of the resident cache: contiguous, no copy
+            buffers[io_names.k_cache(layer)] = self.k_cache[layer]
+            buffers[io_names.v_cache(layer)] = self.v_cache[layer]
+        for name in names:
+            buffer = buffers.get(name)
+            if buffer is None:
+                raise BackendError(f"{entry['file']} has an I/O tensor '{name}' this backend does not "
+                                   f"know (io_names.py): rebuild from the current export")
+            if tuple(buffer.shape) != shape(name):
+                raise BackendError(f"{entry['file']}: '{name}' is {shape(name)}, the buffer is "
+                                   f"{tuple(buffer.shape)}")
+            if not buffer.is_contiguous():
+                raise BackendError(f"'{name}' buffer is not contiguous")
+            context.set_tensor_address(name, buffer.data_ptr())
+        return call
+
+    def _drop_graphs(self) -> None:
+        for call in getattr(self, "_calls", {}).values():
+            call.graph = None
+
+    def _enqueue(self, call: _Call) -> None:
+        """execute + cache write at [position, position + T) + argmax, all on self.stream."""
+        torch = self.torch
+        if not call.context.execute_async_v3(self.stream.cuda_stream):
+            raise BackendError(f"TensorRT execution failed (width {call.width})")
+        torch.add(self._arange[:call.width], call.position, out=call.index)
+        self.k_cache.index_copy_(2, call.index, call.k_new)
+        self.v_cache.index_copy_(2, call.index, call.v_new)
+        torch.argmax(call.logits, dim=-1, out=call.ids)
+
+    def _capture(self, call: _Call) -> None:
+        """Capture a fixed-width call (execute + cache write + argmax) as a CUDA graph, at its first
+        use. TensorRT wants one plain execution first (it finishes shape-dependent setup); that
+        warm-up writes only k_new/v_new/logits, never the cache, so capturing mid-conversation is
+        safe. A failed capture leaves the call eager (logged once)."""
+        torch = self.torch
+        try:
+            with torch.cuda.stream(self.stream):
+                if not call.context.execute_async_v3(self.stream.cuda_stream):
+                    raise RuntimeError("warm-up execution failed")
+            self.stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                self._enqueue(call)
+            call.graph = graph
+        except RuntimeError as err:
+            log.warning("CUDA graph capture of width %d failed (%s); running it eagerly", call.width, err)
+            call.graph, call.eager = None, True
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    def _stage(self, call: _Call, token_ids: Sequence[int], position: int) -> None:
+        call.staged.synchronize()  # the previous async copy out of the pinned buffers is done
+        call.host_tokens[0, :len(token_ids)] = self.torch.as_tensor(list(token_ids), dtype=self.torch.int64)
+        call.host_position[0] = position
+        call.tokens.copy_(call.host_tokens, non_blocking=True)
+        call.position.copy_(call.host_position, non_blocking=True)
+        call.staged.record(self.stream)
+
+    def _run(self, token_ids: Sequence[int], position: int) -> _Call:
+        width = len(token_ids)
+        self.check_width(width)
+        self.check_room(position, width)
+        call = self._calls[width]
+        if self.use_cuda_graphs and call.graph is None and not call.eager:
+            self._capture(call)
+        with self.torch.cuda.stream(self.stream):
+            self._stage(call, token_ids, position)
+            if call.graph is not None:
+                call.graph.replay()
+            else:
+                self._enqueue(call)
+        return call
+
+    def argmax(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        """Greedy token after each position: only T int64 ids cross to the host."""
+        call = self._run(token_ids, position)
+        with self.torch.cuda.stream(self.stream):
+            call.host_ids.copy_(call.ids, non_blocking=True)
+        self.stream.synchronize()
+        return call.host_ids.numpy().copy()
+
+    def forward(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        call = self._run(token_ids, position)
+        with self.torch.cuda.stream(self.stream):
+            logits = call.logits.to("cpu", non_blocking=False)
+        return logits.numpy()
+
+    def prefill(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        call = self._prefill
+        if call is None:
+            raise BackendError("this runner has no prefill engine")
+        n_tokens = len(token_ids)
+        if n_tokens == 0:
+            raise BackendError("prefill needs at least one token")
+        self.check_room(position, n_tokens)
+        chunk, torch = call.width, self.torch
+        last_row = 0
+        with torch.cuda.stream(self.stream):
+            for start in range(0, n_tokens, chunk):
+                part = list(token_ids[start:start + chunk])
+                n_valid = len(part)
+                # pad a short last chunk with its last token: causal masking keeps padding out of the
+                # real rows, and only the n_valid real rows are written to the cache
+                self._stage(call, part + [part[-1]] * (chunk - n_valid), position + start)
+                if call.last_index is not None:
+                    call.last_index.fill_(n_valid - 1)
+                if not call.context.execute_async_v3(self.stream.cuda_stream):
+                    raise BackendError("TensorRT prefill execution failed")
+                at = position + start
+                self.k_cache[:, :, at:at + n_valid].copy_(call.k_new[:, :, :n_valid])
+                self.v_cache[:, :, at:at + n_valid].copy_(call.v_new[:, :, :n_valid])
+                last_row = 0 if call.last_index is not None else n_valid - 1
+            logits = call.logits[last_row].to("cpu")
+        return logits.numpy()
+
+    def close(self) -> None:
+        """Release graphs, contexts and engines now (explicit; nothing is done in __del__)."""
+        self.stream.synchronize()
+        for call in list(self._calls.values()) + ([self._prefill] if self._prefill else []):
+            call.graph = None
+            call.context = None
+        self._calls, self._prefill, self.engines = {}, None, {}
+        self.widths = frozenset()
+
+    def layer_skip(self, n_layers: int) -> "TensorRTRunner":
+        if self.role != "target":
+            raise BackendError("layer-skip runs over the target model")
+        if n_layers != self.cfg.graphs.layer_skip_layers:
+            raise BackendError(f"engines were built for layer-skip over {self.cfg.graphs.layer_skip_layers} "
+                               f"layers, not {n_layers}: set graphs.layer_skip_layers and rebuild")
+        return TensorRTRunner(self.cfg, "layerskip", manifest=self.manifest, cuda_graphs=self.use_cuda_graphs,
+                              _parent=self)
+
+
+def load_runners(cfg: Config, *, verify: str = "full", cuda_graphs: bool = True
+                 ) -> tuple[TensorRTRunner, TensorRTRunner | None]:
+    """(target, draft or None): the engines are checked once against cfg (refusing a missing,
+    corrupted or mismatched one), both runners share one stream-ordered scratch buffer."""
+    trt = import_tensorrt()
+    manifest = check_engines(cfg, trt_version=trt.__version__, gpu=gpu_identity(), verify=verify)
+    torch = _torch_cuda()
+    scratch = Scratch(torch)
+    target = TensorRTRunner(cfg, "target", manifest=manifest, scratch=scratch, cuda_graphs=cuda_graphs)
+    draft = None
+    if cfg.speculative.drafter == "draft":  # same stream: the shared scratch is never used concurrently
+        draft = TensorRTRunner(cfg, "draft", manifest=manifest, scratch=scratch, stream=target.stream,
+                               cuda_graphs=cuda_graphs)
+    return target, draft
+
+
+__all__ = ["TensorRTRunner", "load_runners", "Scratch"]

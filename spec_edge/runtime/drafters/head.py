@@ -1,0 +1,48 @@
+"""What the drafters over the target's own hidden states share (EAGLE-3, P-EAGLE, Medusa).
+
+The head's graphs come with its draft vocabulary (`head.draft_ids`, (Vd,) draft id -> target id).
+Greedy: the argmax over the draft vocabulary, mapped to a target id. Sampling: the draft logits are
+spread over the full target vocabulary (-inf outside the draft vocabulary) and sampled with the
+request's sampler, so each q row is a proper (V,) distribution and speculative sampling keeps the
+target's distribution exactly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.speculative import Draft, Sampler
+
+
+class HeadDrafter:
+    name = "head"
+
+    def __init__(self, target: Runner, head, columns: np.ndarray | None = None):
+        self.target = target    # must return hidden states (graphs exported with the head configured)
+        self.head = head        # a backends.ort_heads head: draft_ids, its graphs
+        self.columns = columns  # the head's layers in the target's hidden rows (None = all)
+        self.draft_ids = head.draft_ids  # (Vd,) int64 draft id -> target id
+        self._full = np.full(target.vocab_size, -np.inf, np.float32)  # (V,) reused logits row
+        self._ingested = 0      # real pairs in the head's cache (heads with a cache)
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self._ingested = 0
+
+    def observe(self, n_proposed: int, n_accepted: int) -> None:
+        pass
+
+    def hidden(self, start: int, stop: int) -> np.ndarray:
+        """The target's hidden-state rows start..stop-1, the head's columns only."""
+        hidden = self.target.hidden_states(start, stop)
+        return hidden if self.columns is None else hidden[:, self.columns]
+
+    def pick(self, logits: np.ndarray, sampler: Sampler) -> tuple[int, np.ndarray | None]:
+        """(target id, q row or None when greedy) from one row of draft-vocabulary logits."""
+        if sampler.params.greedy:
+            return int(self.draft_ids[int(np.argmax(logits))]), None
+        self._full[self.draft_ids] = logits
+        return sampler.pick(self._full)
+
+    def draft_rows(self, logits: np.ndarray, k: int, sampler: Sampler) -> Draft:
+        """The Draft of the first k rows of (rows, Vd) logits, one draft per row."""
+        return Draft.from_picks([self.pick(logits[i], sampler) for i in range(k)])

@@ -1,0 +1,49 @@
+"""Hybrid: prompt lookup first, the EAGLE-3 head otherwise.
+
+Each step asks the n-gram drafter (drafters/ngram.py) first: when the sequence's suffix has an
+earlier occurrence whose match length has been paying off, its copy is the draft (free to make,
+often long runs of accepted tokens on edits, code and quoted text). Otherwise the EAGLE-3 head
+(drafters/eagle3.py) drafts. The verify outcome goes to whichever of the two proposed the draft,
+so the n-gram drafter keeps adapting its per-length statistics only from its own drafts.
+
+The head needs no bookkeeping here: its cache holds the pairs it has ingested (`_ingested`), and
+its next propose feeds every pair the target has verified since then in one ingest call (chunked
+by the widest ingest graph), however many steps the n-gram drafter (or plain steps) took meanwhile.
+
+Drafts keep their source's form: the n-gram draft is deterministic (q_draft None, one-hot under
+speculative sampling), the head's carries its (k, V) q rows when sampling. Which source drafts
+depends only on the sequence so far, so speculative sampling keeps the target's distribution.
+"""
+from __future__ import annotations
+
+from spec_edge.runtime.speculative import Draft, Sampler
+
+
+class HybridDrafter:
+    name = "hybrid"
+
+    def __init__(self, ngram, head):
+        self.ngram = ngram      # drafters.ngram.NgramDrafter
+        self.head = head        # drafters.eagle3.Eagle3Drafter
+        self._last = None       # the drafter whose draft is being verified
+        self.proposals = {"ngram": 0, "eagle3": 0}  # drafts per source in the current request
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.ngram.start(prompt_ids)
+        self.head.start(prompt_ids)
+        self._last = None
+        self.proposals = {"ngram": 0, "eagle3": 0}
+
+    def propose(self, seq: list[int], k: int, sampler: Sampler) -> Draft | None:
+        self._last = None
+        for source, key in ((self.ngram, "ngram"), (self.head, "eagle3")):
+            draft = source.propose(seq, k, sampler)
+            if draft is not None:
+                self._last = source
+                self.proposals[key] += 1
+                return draft
+        return None
+
+    def observe(self, n_proposed: int, n_accepted: int) -> None:
+        if self._last is not None:
+            self._last.observe(n_proposed, n_accepted)

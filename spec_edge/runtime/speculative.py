@@ -1,0 +1,189 @@
+"""The speculative loop: draft k, verify k+1 in one target call, accept, correct. Fixed k.
+
+Invariant: the target's cache holds seq[:pos] and seq[pos] (= seq[-1]) is the pending token, the
+last one chosen and not yet fed. One iteration feeds [pending, d1..dk] at positions pos..pos+k,
+accepts n drafts, appends d1..dn and the target's own next token, and moves pos by n + 1. Rows
+written for rejected drafts stay in the cache, masked by position until they are overwritten:
+rolling back is only moving pos.
+
+Without a drafter (or when the drafter has nothing worth verifying, or the verify window no longer
+fits the cache) an iteration is a plain [1, 1] step. Target-only decoding is this same loop with
+no drafter, so greedy speculative output equals it token for token.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, sample, speculative_accept
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]             # k proposed ids
+    q_draft: np.ndarray | None    # (k, V) drafter probabilities; None = greedy or deterministic
+
+    @classmethod
+    def from_picks(cls, picks: list[tuple[int, np.ndarray | None]]) -> Draft:
+        """The Draft of k (token, q row) picks as Sampler.pick returns them (q None when greedy)."""
+        q_rows = [q_row for _, q_row in picks if q_row is not None]
+        return cls(tokens=[token for token, _ in picks], q_draft=np.stack(q_rows) if q_rows else None)
+
+
+class Sampler:
+    """Chooses tokens from logits with the request's sampling parameters and random stream."""
+
+    def __init__(self, params: SamplingParams, seed: int | None = None):
+        self.params = params
+        self.rng = np.random.default_rng(seed)
+
+    def pick(self, logits_row: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """(token, probabilities row or None when greedy) for a (V,) logits row."""
+        if self.params.greedy:
+            return int(np.argmax(logits_row)), None
+        probs = probabilities(logits_row[None, :], self.params)[0]
+        return sample(probs, self.rng), probs
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt_ids: list[int]) -> None: ...
+
+    def propose(self, seq: list[int], k: int, sampler: Sampler) -> Draft | None: ...
+
+    def observe(self, n_proposed: int, n_accepted: int) -> None: ...
+
+
+@dataclass
+class Stats:
+    drafter: str = "none"
+    k: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    drafted: int = 0               # draft tokens sent to verify
+    accepted: int = 0              # of those, accepted
+    verify_calls: int = 0
+    step_calls: int = 0            # plain [1, 1] target steps (no proposal, or no room)
+    accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted
+    prefill_time_s: float = 0.0
+    target_time_s: float = 0.0     # verify + step calls (prefill excluded)
+    draft_time_s: float = 0.0
+    total_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify call (accepted drafts + the target's own token)."""
+        return (self.accepted + self.verify_calls) / self.verify_calls if self.verify_calls else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: new tokens after the first over the time after the first token."""
+        decode = self.total_time_s - self.time_to_first_token_s
+        return (self.new_tokens - 1) / decode if self.new_tokens > 1 and decode > 0 else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [n / self.verify_calls for n in self.accepted_at] if self.verify_calls else []
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for name in ("acceptance_rate", "mean_accepted_length", "tokens_per_s", "acceptance_per_position"):
+            out[name] = getattr(self, name)
+        return out
+
+
+# emit(new_tokens) -> True to stop (a stop string was found); cancel() -> None or a finish reason
+Emit = Callable[[list[int]], bool]
+Cancel = Callable[[], "str | None"]
+
+
+def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: tuple[int, ...],
+             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+             drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
+             cancel: Cancel | None = None) -> tuple[list[int], str, Stats]:
+    """Decode up to max_new_tokens after prompt_ids. Returns (new token ids without EOS,
+    finish_reason in eos | stop | length | context_full | <cancel's reason>, stats)."""
+    if drafter is not None:
+        target.check_width(k + 1)
+    stats = Stats(drafter=drafter.name if drafter else "none", k=k if drafter else 0,
+                  prompt_tokens=len(prompt_ids), accepted_at=[0] * (k if drafter else 0))
+    sampler = Sampler(sampling, seed)
+    eos = set(eos_ids)
+    started = time.perf_counter()
+    logits = target.prefill(prompt_ids, 0)
+    stats.prefill_time_s = time.perf_counter() - started
+    first, _ = sampler.pick(logits)
+    seq = list(prompt_ids) + [first]
+    pos = len(prompt_ids)
+    new_tokens: list[int] = []
+
+    def accept(chunk: list[int]) -> str | None:
+        """Append a chunk of chosen tokens to the output; returns a finish reason or None."""
+        reason = None
+        for i, token in enumerate(chunk):
+            if token in eos:
+                chunk, reason = chunk[:i], "eos"
+                break
+        if len(new_tokens) + len(chunk) >= max_new_tokens and reason is None:
+            chunk, reason = chunk[:max_new_tokens - len(new_tokens)], "length"
+        new_tokens.extend(chunk)
+        if chunk and emit is not None and emit(chunk):
+            reason = "stop"
+        return reason
+
+    finish = accept([first])
+    stats.time_to_first_token_s = time.perf_counter() - started
+    if drafter is not None and finish is None:
+        t0 = time.perf_counter()
+        drafter.start(list(prompt_ids))
+        stats.draft_time_s += time.perf_counter() - t0
+    while finish is None:
+        if cancel is not None and (reason := cancel()):
+            finish = reason
+            break
+        if pos >= target.max_context:
+            finish = "context_full"
+            break
+        draft = None
+        if drafter is not None and pos + k + 1 <= target.max_context:
+            t0 = time.perf_counter()
+            draft = drafter.propose(seq, k, sampler)
+            stats.draft_time_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if draft is None:
+            logits = target.forward([seq[-1]], pos)
+            chunk = [sampler.pick(logits[0])[0]]
+            stats.step_calls += 1
+            pos += 1
+        else:
+            window = [seq[-1]] + draft.tokens
+            if sampling.greedy:
+                n_accepted, next_token = greedy_accept(target.argmax(window, pos), draft.tokens)
+            else:
+                p_target = probabilities(target.forward(window, pos), sampling)
+                n_accepted, next_token = speculative_accept(p_target, draft.q_draft, draft.tokens, sampler.rng)
+            drafter.observe(k, n_accepted)
+            stats.verify_calls += 1
+            stats.drafted += k
+            stats.accepted += n_accepted
+            for i in range(n_accepted):
+                stats.accepted_at[i] += 1
+            chunk = draft.tokens[:n_accepted] + [next_token]
+            pos += n_accepted + 1
+        stats.target_time_s += time.perf_counter() - t0
+        seq.extend(chunk)
+        finish = accept(chunk)
+    stats.new_tokens = len(new_tokens)
+    stats.total_time_s = time.perf_counter() - started
+    return new_tokens, finish, stats

@@ -1,0 +1,146 @@
+"""The package's layout: imports run one way between the subpackages, no module imports itself
+back through others, modules stay readable in one sitting, and the ROS node pulls in neither the
+training nor the benchmark code.
+
+Imports are read from the source (ast), lazy ones inside functions included: an import that runs
+only on some call still ties the modules together."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "spec_edge"
+
+# what each room may use (besides itself); the top-level config.py is the shared leaf, cli.py the top
+ALLOWED = {
+    "config": set(),
+    "graphs": {"config"},
+    "heads": {"config", "graphs"},
+    "device": {"config", "graphs", "heads"},
+    "runtime": {"config", "graphs", "heads", "device"},
+    "training": {"config", "graphs", "heads", "runtime"},
+    "tools": {"config", "graphs", "heads", "device", "runtime"},
+    "ros2": {"config", "runtime"},
+    "cli": {"config", "graphs", "heads", "device", "runtime", "training", "tools", "ros2"},
+}
+MAX_LINES = 400
+LONGER = {}  # module -> why it reads better whole (none so far)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The spec_edge modules `name` imports (resolved to modules, not names inside them)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                root = ".".join(base + ([node.module] if node.module else []))
+            else:
+                root = node.module or ""
+            targets = [f"{root}.{alias.name}" if f"{root}.{alias.name}" in known else root for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` of a function's dotted name
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("spec_edge"):
+                found.add(target)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+
+
+def room(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "config"  # spec_edge/__init__.py holds nothing
+
+
+def test_every_room_is_known_and_documented():
+    rooms = {room(name) for name in modules()}
+    assert rooms <= set(ALLOWED), f"subpackages without a rule in ALLOWED: {rooms - set(ALLOWED)}"
+    for sub in PACKAGE.iterdir():
+        if sub.is_dir() and (sub / "__init__.py").exists():
+            doc = ast.get_docstring(ast.parse((sub / "__init__.py").read_text()))
+            assert doc and "import" in doc, f"{sub.name}/__init__.py must say what lives there and what it may import"
+
+
+def test_imports_run_one_way():
+    upward = [f"{a} -> {b}" for a, targets in graph().items() for b in targets
+              if room(b) != room(a) and room(b) not in ALLOWED[room(a)]]
+    assert not upward, "imports against the layering (see ALLOWED):\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycles():
+    edges = graph()
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for start in sorted(edges):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_modules_stay_readable_in_one_sitting():
+    long = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+    over = {name: n for name, n in long.items() if n > MAX_LINES and name not in LONGER}
+    assert not over, f"modules over {MAX_LINES} lines (split them, or say in LONGER why they read better whole): {over}"
+
+
+def test_the_node_pulls_in_no_training_or_benchmark_code():
+    edges = graph()
+    seen, todo = set(), ["spec_edge.ros2.node", "spec_edge.ros2.client"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(edges[name])
+    assert not {n for n in seen if room(n) in ("training", "tools")}, sorted(seen)
+
+
+def test_the_node_imports_with_training_and_tools_unimportable():
+    """The same, at run time: the node module and the engine import with spec_edge.training and
+    spec_edge.tools blocked (a finder that refuses them)."""
+    pytest.importorskip("rclpy")
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[:2] in (["spec_edge", "training"], ["spec_edge", "tools"]):
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+import spec_edge.ros2.node, spec_edge.ros2.client, spec_edge.runtime.engine
+node_cls = spec_edge.ros2.node.make_node_class()
+print("ok", node_cls.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
