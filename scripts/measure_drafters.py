@@ -21,7 +21,9 @@ from pathlib import Path
 
 from spec_edge.runtime import speculative
 from spec_edge.config import Config
-from spec_edge.runtime.engine import Engine, GenerateRequest
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.tools.prompts import load_prompts
 
 
 def main() -> int:
@@ -56,9 +58,7 @@ def main() -> int:
                               "speculative.drafter": "none", "speculative.k": args.ks[0],
                               "runtime.threads": args.threads})
     engine = Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
-    prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    if args.kinds:
-        prompts = [q for q in prompts if q["kind"] in args.kinds]
+    prompts = load_prompts(Path(args.prompts), args.kinds)
     if args.limit:
         per_kind: dict[str, int] = defaultdict(int)
         kept = []
@@ -68,14 +68,13 @@ def main() -> int:
                 per_kind[q["kind"]] += 1
         prompts = kept
     heads = ("eagle3", "hybrid", "medusa", "peagle")
-    drafters = {d: engine._drafter(d) for d in args.drafters if d not in heads}
+    drafters = {d: engine.drafter(d) for d in args.drafters if d not in heads}
     head_weights = args.head_weights or [cfg.graphs.head_weights]
     for weights in head_weights:  # each head drafter once per head weights (a fresh head each)
-        engine.cfg = engine.cfg.replace(**{"graphs.head_weights": weights})
-        engine._drafters.eagle3_head = engine._drafters.medusa_heads = engine._drafters.peagle_head = None
+        engine.use_head_weights(weights)
         for d in args.drafters:
             if d in heads:
-                drafters[d if len(head_weights) == 1 else f"{d}@{weights}"] = engine._drafter(d)
+                drafters[d if len(head_weights) == 1 else f"{d}@{weights}"] = engine.drafter(d)
     systems = [("none", 0)] + [(d, k) for d in drafters
                                for k in (args.ks if d.split("@")[0] in heads or not args.other_ks else args.other_ks)]
     agg = defaultdict(lambda: defaultdict(float))

@@ -2,7 +2,7 @@
 
 The target (transformers, fp32) answers the held-out prompts greedily; each head then runs over
 those answers teacher-forced (train_forward, as in training) and the live greedy loop is replayed on
-its chain predictions (head_train.replay_chain): draft k from the last verified pair, keep the
+its chain predictions (fit.replay_chain): draft k from the last verified pair, keep the
 agreeing prefix and the target's own token, move on. On the 12 free-form eval prompts this matched
 the live runs of scripts/measure_drafters.py within 0.01-0.02 at k=2..5 (heads/README.md). Also
 printed: top-1 agreement per draft position over all answer positions (what training reports).
@@ -22,7 +22,8 @@ import torch
 
 from spec_edge.tools.prompts import load_prompts
 from spec_edge.heads import eagle3
-from spec_edge.training import fit as head_train, train
+from spec_edge.training import data as train_data, fit
+from spec_edge.training.eagle3 import answer_agreement, collate
 
 
 def main() -> int:
@@ -40,8 +41,8 @@ def main() -> int:
     prompts = [entry["prompt"] for entry in load_prompts(Path(args.prompts), args.kinds)]
     if not prompts:
         raise SystemExit(f"no prompts of kinds {args.kinds} in {args.prompts}")
-    model, tok, cfg = train.load_hf_target("embedded")
-    prompt_ids = train.chat_prompt_ids(tok, prompts)
+    model, tok, cfg = train_data.load_hf_target("embedded")
+    prompt_ids = train_data.chat_prompt_ids(tok, prompts)
     eos_ids = set(cfg.eos_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos_ids)
     embed = model.get_input_embeddings().weight.detach().float()  # (V, H)
@@ -54,7 +55,7 @@ def main() -> int:
         module = eagle3.build_module(hcfg, state).eval()
         aux = tuple(hcfg.aux_layers)
         if aux not in answers_by_aux:  # the target's answers, with the hidden states this head reads
-            answers_by_aux[aux] = train.answer_batch(model, prompt_ids, args.max_new_tokens, eos_ids, pad_id, aux)
+            answers_by_aux[aux] = train_data.answer_batch(model, prompt_ids, args.max_new_tokens, eos_ids, pad_id, aux)
         items = answers_by_aux[aux]
         to_target = torch.from_numpy(np.asarray(draft_ids))
         t2d = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
@@ -63,16 +64,16 @@ def main() -> int:
         with torch.no_grad():
             for start in range(0, len(items), 8):
                 batch = items[start:start + 8]
-                emb, hid, _ = train.collate(batch, t2d, embed, n_steps)
+                emb, hid, _ = collate(batch, t2d, embed, n_steps)
                 outs = module.train_forward(emb, hid, n_steps)
                 chain_preds = [to_target[module.lm_head(normed).argmax(-1)] for normed in outs]  # (B, N) each
                 for b, item in enumerate(batch):
                     for k in args.ks:
-                        calls, emitted = head_train.replay_chain([pred[b] for pred in chain_preds],
+                        calls, emitted = fit.replay_chain([pred[b] for pred in chain_preds],
                                                                  item["tokens"], item["n_prompt"], k)
                         replayed[k][0] += calls
                         replayed[k][1] += emitted
-            agreement = " / ".join(f"{a:.3f}" for a in train.answer_agreement(module, items, t2d, embed, n_steps, 8))
+            agreement = " / ".join(f"{a:.3f}" for a in answer_agreement(module, items, t2d, embed, n_steps, 8))
         lengths = " / ".join(f"{emitted / calls:.3f}" for calls, emitted in replayed.values())
         steps = json.loads((Path(head) / "config.json").read_text()).get("spec_edge", {}).get("trained_steps", "?")
         print(f"{head} (step {steps}): agreement per draft position {agreement}; "

@@ -66,14 +66,14 @@ def cmd_export(args) -> int:
             status = "all static" if not dynamic else f"DYNAMIC: {dynamic[:3]}"
             progress(f"[export] {onnx_file.name}: {checked} tensors, {status}")
         if cfg.runtime.backend == "onnxruntime":  # the post-export passes the engine would run on first load
-            from spec_edge.runtime.engine import ort_graphs
+            from spec_edge.runtime.backends.onnxruntime import ort_graphs
 
             progress(f"[export] {role}: ONNX Runtime runs {ort_graphs(cfg, role, out, progress)}")
     return 0
 
 
 def request_from_args(args):
-    from spec_edge.runtime.engine import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest
 
     return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -172,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     for name, module, function, text in (
-            ("build", "device.build", "build_main", "build TensorRT engines on the device"),
-            ("plan", "device.build", "plan_main", "print the memory plan of a profile"),
+            ("build", "device.commands", "build_main", "build TensorRT engines on the device"),
+            ("plan", "device.commands", "plan_main", "print the memory plan of a profile"),
             ("serve", "ros2.node", "serve_main", "start the ROS 2 node without ros2 launch"),
             ("ask", "ros2.client", "ask_main", "call /generate as a ROS 2 client"),
             ("train-draft", "training.train", "train_main", "train an EAGLE-3 head on the target's own outputs")):
@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from spec_edge.runtime.backends.base import BackendError
-    from spec_edge.runtime.engine import RequestError
+    from spec_edge.runtime.requests import RequestError
 
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)

@@ -126,18 +126,18 @@ class GraphSection:
     layer_skip_layers: int = 8       # layers of the target the layer-skip drafter runs
     quantization: str = "none"       # none | fp8 | nvfp4: target linear weights (TensorRT, Q/DQ ONNX)
     # ONNX Runtime target weights: fp32 | q4 | q4_fp32act. q4 carries the GGUF's Q4_1 blocks (and the
-    # Q8_0 head) into MatMulNBits without re-rounding (spec_edge/quantize.py); q4 multiplies with int8
+    # Q8_0 head) into MatMulNBits without re-rounding (spec_edge/graphs/quantize.py); q4 multiplies with int8
     # activations like llama.cpp (logits move ~1, greedy text may differ from fp32), q4_fp32act keeps
     # fp32 activations (logits within 1e-4 of fp32, less speed-up)
     weights: str = "fp32"
     # ONNX Runtime attention: fused | graph. fused rewrites each layer's attention into one
     # GroupQueryAttention node that writes the cache in place and reads only rows < position + T
-    # (spec_edge/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
+    # (spec_edge/graphs/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
     # attention as it is. TensorRT builds from the exported graphs and ignores this key.
     ort_attention: str = "fused"
     # ONNX Runtime draft-head weights (EAGLE-3, P-EAGLE, Medusa): q8 | fp32. q8 rounds each linear
     # weight of the exported head to 8 bits in blocks of 32 (MatMulNBits, int8 activations;
-    # spec_edge/quantize.py): a head step reads a quarter of the bytes (0.9 -> 0.2 ms measured
+    # spec_edge/graphs/quantize.py): a head step reads a quarter of the bytes (0.9 -> 0.2 ms measured
     # alone). Only the drafts can change, never the output: the target verifies every draft.
     head_weights: str = "q8"
 

@@ -8,7 +8,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from spec_edge.device import build, memory
+from spec_edge.device import builder, commands, memory, profiles
+from spec_edge.device.manifest import ManifestError, check_engines, identity_config, model_identity, profile_dir
+from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, onnx_quantization,
+                                    onnx_token_width)
 from spec_edge.graphs import export, io_names
 from spec_edge.runtime.backends.onnxruntime import cpu_session
 from spec_edge.config import Config, ConfigError, from_params, load
@@ -58,7 +61,7 @@ def write_graph(path: Path, width, weights_file: str = "weights.bin", seed: int 
 
 
 def fake_export(cfg):
-    folder = build.profile_dir(cfg) / "onnx" / "target"
+    folder = profile_dir(cfg) / "onnx" / "target"
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / "step_1.onnx").exists():
         write_graph(folder / "prefill_16.onnx", 16, prefill=True)
@@ -82,10 +85,10 @@ def fake_trt(monkeypatch):
         return {"build_seconds": 0.0, "profiles": {str(w): i for i, w in enumerate(spec.widths)},
                 "context_memory": 1 << 20}
 
-    monkeypatch.setattr(build, "import_tensorrt", lambda: FakeTrt)
-    monkeypatch.setattr(build, "gpu_identity", lambda: dict(GPU))
-    monkeypatch.setattr(build, "export_all", lambda cfg, progress: fake_export(cfg))
-    monkeypatch.setattr(build, "build_engine", fake_build_engine)
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: FakeTrt)
+    monkeypatch.setattr(builder, "gpu_identity", lambda: dict(GPU))
+    monkeypatch.setattr(builder, "export_all", lambda cfg, progress: fake_export(cfg))
+    monkeypatch.setattr(builder, "build_engine", fake_build_engine)
     monkeypatch.setattr(memory, "read_device_memory", lambda: None)
     return built
 
@@ -96,7 +99,7 @@ def quiet(_msg):
 
 def test_build_then_rebuild_only_what_changed(tmp_path, checkpoint, fake_trt):
     cfg = make_cfg(tmp_path, checkpoint)
-    manifest = build.build(cfg, progress=quiet)
+    manifest = builder.build(cfg, progress=quiet)
     assert sorted(fake_trt) == ["target_prefill_16", "target_step_1", "target_verify_5"]
     assert manifest["layout"] == "per_graph"
     assert manifest["tensorrt_version"] == TRT_VERSION and manifest["gpu"] == GPU
@@ -104,48 +107,48 @@ def test_build_then_rebuild_only_what_changed(tmp_path, checkpoint, fake_trt):
     entry = manifest["engines"]["target_verify_5"]
     assert entry["widths"] == [5] and entry["kinds"] == {"5": "verify"} and len(entry["sha256"]) == 64
     assert manifest["engines"]["target_prefill_16"]["kinds"] == {"16": "prefill"}
-    on_disk = json.loads((build.profile_dir(cfg) / "manifest.json").read_text())
+    on_disk = json.loads((profile_dir(cfg) / "manifest.json").read_text())
     assert on_disk == manifest
 
     fake_trt.clear()
-    build.build(cfg, progress=quiet)
+    builder.build(cfg, progress=quiet)
     assert fake_trt == []  # nothing changed
 
-    folder = build.profile_dir(cfg) / "onnx" / "target"
+    folder = profile_dir(cfg) / "onnx" / "target"
     write_graph(folder / "verify_5.onnx", 5, seed=1)  # new weights for one graph
-    build.build(cfg, progress=quiet)
+    builder.build(cfg, progress=quiet)
     assert fake_trt == ["target_verify_5"]
 
     fake_trt.clear()
-    (build.profile_dir(cfg) / "target_step_1.engine").write_bytes(b"garbage")  # a damaged engine
-    build.build(cfg, progress=quiet)
+    (profile_dir(cfg) / "target_step_1.engine").write_bytes(b"garbage")  # a damaged engine
+    builder.build(cfg, progress=quiet)
     assert fake_trt == ["target_step_1"]
 
     fake_trt.clear()
-    build.build(cfg, progress=quiet, force=True)
+    builder.build(cfg, progress=quiet, force=True)
     assert len(fake_trt) == 3
-    build.check_engines(cfg, trt_version=TRT_VERSION, gpu=GPU)
+    check_engines(cfg, trt_version=TRT_VERSION, gpu=GPU)
 
 
 def test_layerskip_profile_builds_the_layerskip_engine(tmp_path, checkpoint, fake_trt):
     cfg = make_cfg(tmp_path, checkpoint, **{"speculative.drafter": "layerskip"})
-    manifest = build.build(cfg, progress=quiet)
+    manifest = builder.build(cfg, progress=quiet)
     assert "target_layerskip1_step_1" in fake_trt
     assert manifest["engines"]["target_layerskip1_step_1"]["role"] == "layerskip"
-    build.check_engines(cfg)
+    check_engines(cfg)
 
 
 def test_plan_runs_before_anything(tmp_path, checkpoint, fake_trt, monkeypatch):
     cfg = make_cfg(tmp_path, checkpoint, **{"memory.device_memory_gb": 1.0, "memory.os_ros_reserve_gb": 0.5})
     with pytest.raises(memory.PlanError):
-        build.build(cfg, progress=quiet)
-    assert fake_trt == [] and not build.profile_dir(cfg).exists()
+        builder.build(cfg, progress=quiet)
+    assert fake_trt == [] and not profile_dir(cfg).exists()
 
 
 def test_quantized_profile_needs_a_quantized_export(tmp_path, checkpoint, fake_trt):
     cfg = make_cfg(tmp_path, checkpoint, **{"graphs.quantization": "fp8"})
-    with pytest.raises(build.BuildError, match="ModelOpt"):
-        build.build(cfg, progress=quiet)
+    with pytest.raises(BuildError, match="ModelOpt"):
+        builder.build(cfg, progress=quiet)
     assert fake_trt == []
 
 
@@ -157,10 +160,10 @@ def test_onnx_quantization_detects_fp8_weights(tmp_path):
                               [helper.make_tensor_value_info("w", TensorProto.FLOAT, [2, 2])], [w, scale])
     path = tmp_path / "q.onnx"
     onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)]), str(path))
-    assert build.onnx_quantization(path) == "fp8"
+    assert onnx_quantization(path) == "fp8"
     plain = tmp_path / "plain.onnx"
     write_graph(plain, 1)
-    assert build.onnx_quantization(plain) == "none"
+    assert onnx_quantization(plain) == "none"
 
 
 def test_dynamic_graph_gives_one_engine_with_a_profile_per_width(tmp_path, checkpoint):
@@ -168,10 +171,10 @@ def test_dynamic_graph_gives_one_engine_with_a_profile_per_width(tmp_path, check
     folder = tmp_path / "onnx"
     folder.mkdir()
     write_graph(folder / "dynamic.onnx", None)
-    (spec,) = build.engine_specs(cfg, {"target": folder})
+    (spec,) = engine_specs(cfg, {"target": folder})
     assert spec.dynamic and spec.name == "target" and spec.widths == (1, 4, 5, 16)
     assert spec.kinds == {1: "step", 4: "verify", 5: "verify", 16: "prefill"}
-    assert build.external_data_files(folder / "dynamic.onnx") == [folder / "dynamic_weights.bin"]
+    assert external_data_files(folder / "dynamic.onnx") == [folder / "dynamic_weights.bin"]
 
 
 # -- the runtime's refusals ----------------------------------------------------------------------
@@ -180,88 +183,88 @@ def test_dynamic_graph_gives_one_engine_with_a_profile_per_width(tmp_path, check
 @pytest.fixture
 def built(tmp_path, checkpoint, fake_trt):
     cfg = make_cfg(tmp_path, checkpoint)
-    build.build(cfg, progress=quiet)
+    builder.build(cfg, progress=quiet)
     return cfg
 
 
 def test_check_passes_on_a_good_build(built):
-    manifest = build.check_engines(built, trt_version=TRT_VERSION, gpu=GPU)
+    manifest = check_engines(built, trt_version=TRT_VERSION, gpu=GPU)
     assert set(manifest["engines"]) == {"target_prefill_16", "target_step_1", "target_verify_5"}
-    build.check_engines(built, verify="quick")
+    check_engines(built, verify="quick")
 
 
 def test_missing_manifest(tmp_path, checkpoint):
     cfg = make_cfg(tmp_path, checkpoint)
-    with pytest.raises(build.ManifestError, match="no engines for profile 'tiny'.*spec-edge build"):
-        build.check_engines(cfg)
+    with pytest.raises(ManifestError, match="no engines for profile 'tiny'.*spec-edge build"):
+        check_engines(cfg)
 
 
 def test_unreadable_manifest(built):
-    (build.profile_dir(built) / "manifest.json").write_text("{not json")
-    with pytest.raises(build.ManifestError, match="missing or unreadable"):
-        build.check_engines(built)
+    (profile_dir(built) / "manifest.json").write_text("{not json")
+    with pytest.raises(ManifestError, match="missing or unreadable"):
+        check_engines(built)
 
 
 def test_missing_engine_file(built):
-    (build.profile_dir(built) / "target_verify_5.engine").unlink()
-    with pytest.raises(build.ManifestError, match=r"target_verify_5.engine is missing.*spec-edge build"):
-        build.check_engines(built)
+    (profile_dir(built) / "target_verify_5.engine").unlink()
+    with pytest.raises(ManifestError, match=r"target_verify_5.engine is missing.*spec-edge build"):
+        check_engines(built)
 
 
 def test_corrupted_engine_same_size(built):
-    path = build.profile_dir(built) / "target_step_1.engine"
+    path = profile_dir(built) / "target_step_1.engine"
     data = bytearray(path.read_bytes())
     data[3] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(build.ManifestError, match=r"target_step_1.engine is corrupted \(sha256"):
-        build.check_engines(built)
-    build.check_engines(built, verify="quick")  # the quick check only sees sizes
+    with pytest.raises(ManifestError, match=r"target_step_1.engine is corrupted \(sha256"):
+        check_engines(built)
+    check_engines(built, verify="quick")  # the quick check only sees sizes
 
 
 def test_truncated_engine(built):
-    path = build.profile_dir(built) / "target_step_1.engine"
+    path = profile_dir(built) / "target_step_1.engine"
     path.write_bytes(path.read_bytes()[:-2])
-    with pytest.raises(build.ManifestError, match="corrupted \\(size"):
-        build.check_engines(built, verify="quick")
+    with pytest.raises(ManifestError, match="corrupted \\(size"):
+        check_engines(built, verify="quick")
 
 
 def test_config_mismatch_names_the_key(built):
     other = built.replace(**{"graphs.max_context": 128})
-    with pytest.raises(build.ManifestError, match="graphs.max_context: engines have 64, config says 128"):
-        build.check_engines(other)
+    with pytest.raises(ManifestError, match="graphs.max_context: engines have 64, config says 128"):
+        check_engines(other)
     other = built.replace(**{"graphs.k_values": [3], "speculative.k": 3})
-    with pytest.raises(build.ManifestError, match="graphs.k_values"):
-        build.check_engines(other)
+    with pytest.raises(ManifestError, match="graphs.k_values"):
+        check_engines(other)
 
 
 def test_checkpoint_changed(built, checkpoint):
     (checkpoint / "model.safetensors").write_bytes(b"\1" * 100)
-    with pytest.raises(build.ManifestError, match="target checkpoint changed"):
-        build.check_engines(built)
+    with pytest.raises(ManifestError, match="target checkpoint changed"):
+        check_engines(built)
 
 
 def test_other_tensorrt_or_gpu(built):
-    with pytest.raises(build.ManifestError, match="TensorRT 10.13.0.35, this is TensorRT 10.14"):
-        build.check_engines(built, trt_version="10.14.1")
-    with pytest.raises(build.ManifestError, match="this GPU"):
-        build.check_engines(built, gpu={"name": "Orin", "compute_capability": "8.7"})
+    with pytest.raises(ManifestError, match="TensorRT 10.13.0.35, this is TensorRT 10.14"):
+        check_engines(built, trt_version="10.14.1")
+    with pytest.raises(ManifestError, match="this GPU"):
+        check_engines(built, gpu={"name": "Orin", "compute_capability": "8.7"})
 
 
 def test_missing_role(built):
     other = built.replace(**{"speculative.drafter": "layerskip"})
-    path = build.profile_dir(built) / "manifest.json"
+    path = profile_dir(built) / "manifest.json"
     manifest = json.loads(path.read_text())
-    manifest["config"] = build.identity_config(other)
+    manifest["config"] = identity_config(other)
     path.write_text(json.dumps(manifest))
-    with pytest.raises(build.ManifestError, match="no layerskip engine"):
-        build.check_engines(other)
+    with pytest.raises(ManifestError, match="no layerskip engine"):
+        check_engines(other)
 
 
 def test_identity_depends_on_config_and_weights():
-    a = build.model_identity({"graphs.max_context": 64}, {"target": "abc"})
-    assert a == build.model_identity({"graphs.max_context": 64}, {"target": "abc"})
-    assert a != build.model_identity({"graphs.max_context": 65}, {"target": "abc"})
-    assert a != build.model_identity({"graphs.max_context": 64}, {"target": "abd"})
+    a = model_identity({"graphs.max_context": 64}, {"target": "abc"})
+    assert a == model_identity({"graphs.max_context": 64}, {"target": "abc"})
+    assert a != model_identity({"graphs.max_context": 65}, {"target": "abc"})
+    assert a != model_identity({"graphs.max_context": 64}, {"target": "abd"})
 
 
 # -- profiles and the command lines --------------------------------------------------------------
@@ -274,9 +277,9 @@ def test_thor_profiles_load_and_fit(path):
     cfg = load(path)
     assert cfg.runtime.backend == "tensorrt" and cfg.runtime.profile == path.stem
     for layout in ("shared", "per_graph"):
-        p = build.plan_for_config(cfg, None, layout)
+        p = profiles.plan_for_config(cfg, None, layout)
         assert p.fits, p.table()
-    assert cfg.graphs.max_context <= build.plan_for_config(cfg, None, "shared").largest_max_context
+    assert cfg.graphs.max_context <= profiles.plan_for_config(cfg, None, "shared").largest_max_context
 
 
 def test_there_are_thor_profiles():
@@ -286,19 +289,19 @@ def test_there_are_thor_profiles():
 
 
 def test_model_config_without_weights():
-    assert build.model_config("/models/Llama-3.1-8B-Instruct").n_layers == 32
-    assert build.model_config("qwen3-0.6b").qk_norm
+    assert profiles.model_config("/models/Llama-3.1-8B-Instruct").n_layers == 32
+    assert profiles.model_config("qwen3-0.6b").qk_norm
     with pytest.raises(ConfigError, match="cannot tell the architecture"):
-        build.model_config("/models/Unknown-Model")
+        profiles.model_config("/models/Unknown-Model")
 
 
 def test_plan_main(capsys):
-    assert build.plan_main(["thor_llama31_8b_bf16", "--config-only"]) == 0
+    assert commands.plan_main(["thor_llama31_8b_bf16", "--config-only"]) == 0
     out = capsys.readouterr().out
     assert "target weights" in out and "largest max_context" in out and "tokens/verify" in out
-    assert build.plan_main(["thor_llama31_8b_bf16", "--config-only", "--max-context", "131072",
+    assert commands.plan_main(["thor_llama31_8b_bf16", "--config-only", "--max-context", "131072",
                             "--layout", "per_graph"]) in (0, 1)
-    assert build.plan_main(["no_such_profile"]) == 2
+    assert commands.plan_main(["no_such_profile"]) == 2
 
 
 def test_plan_main_refuses(tmp_path, capsys):
@@ -307,7 +310,7 @@ def test_plan_main_refuses(tmp_path, capsys):
                        "    graphs: {max_context: 8192, dtype: bfloat16}\n"
                        "    runtime: {backend: tensorrt, profile: small}\n"
                        "    memory: {device_memory_gb: 16.0}\n")
-    assert build.plan_main([str(profile), "--config-only"]) == 1
+    assert commands.plan_main([str(profile), "--config-only"]) == 1
     assert "does not fit" in capsys.readouterr().err
 
 
@@ -316,48 +319,48 @@ def test_build_main_check_reports_missing_engines(tmp_path, capsys):
     profile.write_text(f"/**:\n  ros__parameters:\n    model: {{target: /models/Llama-3.1-8B-Instruct}}\n"
                        f"    graphs: {{dtype: bfloat16}}\n"
                        f"    runtime: {{backend: tensorrt, profile: p, engine_dir: {tmp_path / 'e'}}}\n")
-    assert build.build_main([str(profile), "--check"]) == 1
+    assert commands.build_main([str(profile), "--check"]) == 1
     assert "spec-edge build" in capsys.readouterr().err
 
 
 def test_engine_sizes_larger_than_planned_are_reported(built):
-    manifest = json.loads((build.profile_dir(built) / "manifest.json").read_text())
-    assert build.report_engine_sizes(built, manifest, quiet) == []  # tiny fake engines
+    manifest = json.loads((profile_dir(built) / "manifest.json").read_text())
+    assert builder.report_engine_sizes(built, manifest, quiet) == []  # tiny fake engines
     for entry in manifest["engines"].values():
         entry["size"] = 10 ** 9  # as if TensorRT had stored a weight copy per profile
-    warnings = build.report_engine_sizes(built, manifest, quiet)
+    warnings = builder.report_engine_sizes(built, manifest, quiet)
     assert len(warnings) == 1 and "MORE than planned" in warnings[0]
 
 
 def test_profile_docs_are_current(tmp_path):
     """config/thor_*.yaml plan comments and docs/thor_profiles.md match the code (regenerate with
-    build.write_profile_docs(Path('config'), Path('docs/thor_profiles.md')))."""
+    commands.write_profile_docs(Path('config'), Path('docs/thor_profiles.md')))."""
     import shutil
     root = Path(__file__).resolve().parents[1]
     shutil.copytree(root / "config", tmp_path / "config")
-    build.write_profile_docs(tmp_path / "config", tmp_path / "thor_profiles.md")
+    commands.write_profile_docs(tmp_path / "config", tmp_path / "thor_profiles.md")
     for path in PROFILES:
         assert (tmp_path / "config" / path.name).read_text() == path.read_text(), path.name
     assert (tmp_path / "thor_profiles.md").read_text() == (root / "docs" / "thor_profiles.md").read_text()
 
 
 def test_ros_args_are_ignored():
-    assert build._without_ros_args(["p", "--ros-args", "-r", "__node:=x"]) == ["p"]
+    assert commands._without_ros_args(["p", "--ros-args", "-r", "__node:=x"]) == ["p"]
 
 
 def test_shared_layout_build(tmp_path, checkpoint, fake_trt, monkeypatch):
     """With a dynamic-width export: one engine per model, a profile per width, weights counted once."""
     def dynamic_export(cfg):
-        folder = build.profile_dir(cfg) / "onnx" / "target"
+        folder = profile_dir(cfg) / "onnx" / "target"
         folder.mkdir(parents=True, exist_ok=True)
         write_graph(folder / "dynamic.onnx", None)
         write_graph(folder / "layerskip1_dynamic.onnx", None)
         return {"target": folder}
 
-    monkeypatch.setattr(build, "export_all", lambda cfg, progress: dynamic_export(cfg))
-    monkeypatch.setattr(build, "engine_layout", lambda: "shared")
+    monkeypatch.setattr(builder, "export_all", lambda cfg, progress: dynamic_export(cfg))
+    monkeypatch.setattr(profiles, "engine_layout", lambda: "shared")
     cfg = make_cfg(tmp_path, checkpoint, **{"speculative.drafter": "layerskip"})
-    manifest = build.build(cfg, progress=quiet)
+    manifest = builder.build(cfg, progress=quiet)
     assert manifest["layout"] == "shared"
     assert sorted(fake_trt) == ["layerskip1", "target"]
     target = manifest["engines"]["target"]
@@ -365,9 +368,9 @@ def test_shared_layout_build(tmp_path, checkpoint, fake_trt, monkeypatch):
     assert target["profiles"] == {"1": 0, "5": 1, "16": 2}
     assert target["kinds"] == {"1": "step", "5": "verify", "16": "prefill"}
     assert manifest["engines"]["layerskip1"]["role"] == "layerskip"
-    build.check_engines(cfg, trt_version=TRT_VERSION, gpu=GPU)
-    lines = dict(build.plan_for_config(cfg, None, "shared").lines)
-    assert lines["target weights (1 engine)"] == memory.weight_bytes(build.model_config(str(checkpoint)),
+    check_engines(cfg, trt_version=TRT_VERSION, gpu=GPU)
+    lines = dict(profiles.plan_for_config(cfg, None, "shared").lines)
+    assert lines["target weights (1 engine)"] == memory.weight_bytes(profiles.model_config(str(checkpoint)),
                                                                      "bfloat16")
 
 
@@ -521,15 +524,15 @@ def spec_for(tmp_path, dynamic=True):
     path = tmp_path / "g.onnx"
     write_graph(path, None if dynamic else 5)
     widths = (1, 5, 16) if dynamic else (5,)
-    return build.EngineSpec("target", "target", path, widths, {w: "verify" for w in widths}, dynamic)
+    return EngineSpec("target", "target", path, widths, {w: "verify" for w in widths}, dynamic)
 
 
 def test_build_engine_drives_the_documented_api(tmp_path, monkeypatch):
     fake = FakeTensorRT()
-    monkeypatch.setattr(build, "import_tensorrt", lambda: fake)
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: fake)
     lines = []
     cache = tmp_path / "timing.cache"
-    info = build.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=123,
+    info = builder.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=123,
                               timing_cache=cache, progress=lines.append)
     assert fake.log["flags"] == 1 << 1  # STRONGLY_TYPED only: precision from the ONNX
     assert fake.log["workspace"] == 123
@@ -540,8 +543,8 @@ def test_build_engine_drives_the_documented_api(tmp_path, monkeypatch):
     assert fake.log["cache_in"] == b"" and cache.read_bytes() == b"+tuned"
     assert any("Tactic selection" in line and line.startswith("[build]   ") for line in lines)
     fake2 = FakeTensorRT()
-    monkeypatch.setattr(build, "import_tensorrt", lambda: fake2)
-    build.build_engine(spec_for(tmp_path, dynamic=False), tmp_path / "s.engine", workspace_bytes=1,
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: fake2)
+    builder.build_engine(spec_for(tmp_path, dynamic=False), tmp_path / "s.engine", workspace_bytes=1,
                        timing_cache=cache, progress=quiet)
     assert fake2.log["cache_in"] == b"+tuned"  # the persisted cache is read back
     assert fake2.log["profiles"] == []  # static graph: TensorRT's implicit profile
@@ -549,24 +552,24 @@ def test_build_engine_drives_the_documented_api(tmp_path, monkeypatch):
 
 def test_build_engine_reports_parser_errors_and_failures(tmp_path, monkeypatch):
     lines = []
-    monkeypatch.setattr(build, "import_tensorrt", lambda: FakeTensorRT(parse_ok=False))
-    with pytest.raises(build.BuildError, match="cannot parse.*UNSUPPORTED_NODE"):
-        build.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: FakeTensorRT(parse_ok=False))
+    with pytest.raises(BuildError, match="cannot parse.*UNSUPPORTED_NODE"):
+        builder.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,
                            timing_cache=tmp_path / "c", progress=lines.append)
     assert any("ONNX parser: In node 3" in line for line in lines)
-    monkeypatch.setattr(build, "import_tensorrt", lambda: FakeTensorRT(build_ok=False))
-    with pytest.raises(build.BuildError, match="could not build"):
-        build.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: FakeTensorRT(build_ok=False))
+    with pytest.raises(BuildError, match="could not build"):
+        builder.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,
                            timing_cache=tmp_path / "c", progress=quiet)
     assert not (tmp_path / "t.engine").exists()
 
 
 def test_build_engine_cancel(tmp_path, monkeypatch):
-    monkeypatch.setattr(build, "import_tensorrt", lambda: FakeTensorRT())
-    cancel = build._Cancel()
+    monkeypatch.setattr(builder, "import_tensorrt", lambda: FakeTensorRT())
+    cancel = builder._Cancel()
     cancel.event.set()
-    with pytest.raises(build.BuildError, match="cancelled"):
-        build.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,
+    with pytest.raises(BuildError, match="cancelled"):
+        builder.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,
                            timing_cache=tmp_path / "c", progress=quiet, cancel=cancel)
 
 
@@ -596,7 +599,7 @@ def test_dynamic_export_runs_every_width(tmp_path):
     save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(folder / "model.safetensors"))
     cfg = make_cfg(tmp_path, folder, **{"graphs.dtype": "float32", "graphs.layer_skip_layers": 1})
     out = export.export_model(cfg, "target", tmp_path / "onnx", progress=quiet, dynamic=True)
-    assert build.onnx_token_width(out / "dynamic.onnx") is None
+    assert onnx_token_width(out / "dynamic.onnx") is None
     assert (out / "layerskip1_dynamic.onnx").is_file()
     session = cpu_session(str(out / "dynamic.onnx"))
     k_cache, v_cache = model_mod.empty_cache(mcfg, 64)
@@ -615,10 +618,10 @@ def test_dynamic_export_runs_every_width(tmp_path):
     mtime = (out / "dynamic.onnx").stat().st_mtime_ns
     export.export_model(cfg, "target", tmp_path / "onnx", progress=quiet, dynamic=True)
     assert (out / "dynamic.onnx").stat().st_mtime_ns == mtime
-    specs = build.engine_specs(cfg.replace(**{"speculative.drafter": "layerskip"}), {"target": out})
+    specs = engine_specs(cfg.replace(**{"speculative.drafter": "layerskip"}), {"target": out})
     assert [(s.name, s.role, s.widths, s.dynamic) for s in specs] == [
         ("target", "target", (1, 5, 16), True), ("layerskip1", "layerskip", (1,), True)]
 
 
 def test_unused_keys_do_not_invalidate(built):
-    build.check_engines(built.replace(**{"graphs.layer_skip_layers": 2}))  # drafter is ngram
+    check_engines(built.replace(**{"graphs.layer_skip_layers": 2}))  # drafter is ngram

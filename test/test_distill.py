@@ -10,7 +10,8 @@ from spec_edge import cli
 from spec_edge.training import draft_model as distill
 from spec_edge.runtime import speculative
 from spec_edge.config import ConfigError
-from spec_edge.runtime.engine import Engine, GenerateRequest
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest
 
 
 def test_layer_choice_spreads_first_to_last():

@@ -12,7 +12,8 @@ import torch
 from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
                   head_inputs, ort_session, set_config, train_draft_argv)
-from spec_edge.heads import eagle3
+from spec_edge.graphs import hidden
+from spec_edge.heads import eagle3, eagle3_export
 from spec_edge.config import ConfigError
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers: EAGLE-3's default (1, L/2-1, L-4) would collide
@@ -40,7 +41,7 @@ def head_engine(tiny_models, tiny_cfg):
 
 @pytest.mark.parametrize("k", TINY_K_VALUES)
 def test_eagle3_greedy_equals_plain(head_engine, k):
-    assert_greedy_equals_plain(head_engine, head_engine._drafter("eagle3"), k)
+    assert_greedy_equals_plain(head_engine, head_engine.drafter("eagle3"), k)
 
 
 def test_eagle3_through_engine_request(head_engine):
@@ -52,7 +53,7 @@ def test_eagle3_greedy_second_head_k3(tiny_models, tiny_cfg):
     head, _ = make_head(tiny_models["root"] / "head_b", tiny_models["target"], seed=3, draft_vocab=320, aux=(0, 1, 3))
     engine = engine_with(tiny_cfg, {"runtime.profile": "tiny-eagle3b", "speculative.eagle3_head": str(head),
                                     "speculative.drafter": "eagle3", "graphs.k_values": [3], "speculative.k": 3})
-    assert_greedy_equals_plain(engine, engine._drafter("eagle3"), 3, max_new=60)
+    assert_greedy_equals_plain(engine, engine.drafter("eagle3"), 3, max_new=60)
 
 
 class FakeHead:
@@ -96,13 +97,13 @@ def test_eagle3_drafter_bookkeeping():
 
 
 def test_eagle3_sampling_runs_with_full_vocab_q(head_engine):
-    assert_sampling_uses_full_vocab_q(head_engine, head_engine._drafter("eagle3"))
+    assert_sampling_uses_full_vocab_q(head_engine, head_engine.drafter("eagle3"))
 
 
 def test_eagle3_sampling_keeps_target_distribution(head_engine):
     """Speculative sampling with the head's q_draft: the first three tokens follow the target's
     exact distribution (chi-square, fixed seeds)."""
-    assert_sampling_follows_target(head_engine, head_engine._drafter("eagle3"))
+    assert_sampling_follows_target(head_engine, head_engine.drafter("eagle3"))
 
 
 def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
@@ -118,7 +119,7 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
     hidden = rng.standard_normal((width, 3 * hcfg.target_hidden_size)).astype(np.float32)
     k_cache = rng.standard_normal((1, hcfg.n_kv_heads, S, hcfg.head_dim)).astype(np.float32)
     v_cache = rng.standard_normal((1, hcfg.n_kv_heads, S, hcfg.head_dim)).astype(np.float32)
-    embed = head_engine._drafter("eagle3").head.embed_table
+    embed = head_engine.drafter("eagle3").head.embed_table
     feeds = {"tokens": tokens, "hidden": hidden, "position": np.array([7]), "last_index": np.array([3]),
              "k_cache": k_cache, "v_cache": v_cache, "embed_table": np.asarray(embed)}
     got = ort_session(head_dir / f"eagle3_ingest_{width}.onnx").run(None, feeds)
@@ -136,8 +137,9 @@ def test_fused_head_matches_exported_head(head_engine):
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
     exported = export.artifact_dir(head_engine.cfg, "eagle3")
-    fused = ort_attention.ensure_fused(exported, progress=lambda m: None)
-    embed = head_engine._drafter("eagle3").head.embed_table
+    fused = ort_attention.ensure_fused(exported, progress=lambda m: None,
+                                       geometry=eagle3_export.read_head_config(exported).as_model_config())
+    embed = head_engine.drafter("eagle3").head.embed_table
     heads = [OrtEagle3Head(folder, embed) for folder in (exported, fused)]
     assert not heads[0].fused and heads[1].fused
     rng = np.random.default_rng(1)
@@ -169,9 +171,11 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     from spec_edge.graphs import export, ort_attention, quantize
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
-    running = head_engine._drafter("eagle3").head
+    running = head_engine.drafter("eagle3").head
     assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
-    fp32_dir = ort_attention.ensure_fused(export.artifact_dir(head_engine.cfg, "eagle3"), progress=lambda m: None)
+    exported = export.artifact_dir(head_engine.cfg, "eagle3")
+    fp32_dir = ort_attention.ensure_fused(exported, progress=lambda m: None,
+                                          geometry=eagle3_export.read_head_config(exported).as_model_config())
     assert quantize.ensure_head_q8(fp32_dir, progress=lambda m: None) == running.head_dir  # made once, reused
     step = onnx.load(str(running.head_dir / "eagle3_step_1.onnx"), load_external_data=False)
     assert sum(node.op_type == "MatMulNBits" for node in step.graph.node) >= 7  # q k v o, gate up down (+ head)
@@ -221,7 +225,7 @@ def test_published_layout_names_load(tmp_path, tiny_models):
     (safeai / "config.json").write_text(json.dumps(raw_safeai))
     # no layer ids: EAGLE-3's default for the target's layer count
     hcfg = eagle3.load_head(safeai, target_cfg)[0]
-    assert hcfg.aux_layers == eagle3.default_aux_layers(4)
+    assert hcfg.aux_layers == hidden.default_aux_layers(4)
     raw_safeai["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]  # vLLM indexing: outputs of 0, 1, 2
     (safeai / "config.json").write_text(json.dumps(raw_safeai))
     assert eagle3.load_head(safeai, target_cfg)[0].aux_layers == (0, 1, 2)

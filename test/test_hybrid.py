@@ -37,7 +37,7 @@ def run(engine, drafter, prompt, k, max_new=48, **kwargs):
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_hybrid_greedy_equals_plain_both_sources(head_engine, k):
-    drafter = head_engine._drafter("hybrid")
+    drafter = head_engine.drafter("hybrid")
     assert isinstance(drafter, HybridDrafter)
     used = {"ngram": 0, "eagle3": 0}
     for prompt in [REPEAT, NO_REPEAT, "def add(a, b):"]:
@@ -100,7 +100,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     whole sequence from scratch. The run stops right after that draft, so the target's hidden rows
     below its position are still the verified ones for the reference."""
     k = 3
-    eagle = head_engine._drafter("eagle3")
+    eagle = head_engine.drafter("eagle3")
     head = eagle.head
     ingested, seen = [], []  # (rows, position) per ingest call; (seq, draft) per EAGLE-3 draft
     real_ingest, real_propose = head.ingest, eagle.propose
@@ -170,7 +170,7 @@ def test_real_lookup_stats_adapt_only_on_its_own_drafts():
 
 def test_hybrid_sampling_mixes_deterministic_and_head_drafts(head_engine):
     """Sampling: lookup drafts go to verify one-hot (q_draft None), head drafts with their (k, V) rows."""
-    drafter = head_engine._drafter("hybrid")
+    drafter = head_engine.drafter("hybrid")
     forms = {"ngram": set(), "eagle3": set()}
     real = drafter.propose
 
@@ -205,11 +205,11 @@ class FirstStep(Scripted):
 def test_hybrid_sampling_keeps_target_distribution(head_engine):
     """Speculative sampling over a lookup draft (one-hot) followed by head drafts (their q rows) in
     one request: the first three tokens follow the target's exact distribution (chi-square)."""
-    from spec_edge.runtime.engine import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest
 
     ids = head_engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     guess = plain(head_engine, ids, 4)[1:]  # the greedy continuation: often accepted at top_k=3
-    eagle = head_engine._drafter("eagle3")
+    eagle = head_engine.drafter("eagle3")
     head_drafts = []
     real = eagle.propose
     eagle.propose = lambda seq, k, sampler: head_drafts.append(seq) or real(seq, k, sampler)

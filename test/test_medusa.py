@@ -17,7 +17,8 @@ from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, a
 from spec_edge.heads import medusa
 from spec_edge.runtime import speculative
 from spec_edge.config import ConfigError
-from spec_edge.runtime.engine import Engine, GenerateRequest, RequestError
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams
 
 
@@ -39,13 +40,13 @@ def medusa_engine(tiny_models, tiny_cfg):
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_medusa_greedy_equals_plain(medusa_engine, k):
-    assert_greedy_equals_plain(medusa_engine, medusa_engine._drafter("medusa"), k)
+    assert_greedy_equals_plain(medusa_engine, medusa_engine.drafter("medusa"), k)
 
 
 def test_medusa_drafts_are_the_heads_argmax(medusa_engine):
     """Draft i is head i's argmax on the target's final-norm state at the last verified position,
     which is the state the target's own head turned into the pending token."""
-    drafter = medusa_engine._drafter("medusa")
+    drafter = medusa_engine.drafter("medusa")
     target = medusa_engine.target
     ids = medusa_engine.tokenizer.encode(PROMPTS[0])
     logits = target.prefill(ids, 0)
@@ -71,13 +72,13 @@ def test_medusa_through_engine_request_and_k_refused(medusa_engine):
 
 
 def test_medusa_sampling_runs_with_full_vocab_q(medusa_engine):
-    assert_sampling_uses_full_vocab_q(medusa_engine, medusa_engine._drafter("medusa"))
+    assert_sampling_uses_full_vocab_q(medusa_engine, medusa_engine.drafter("medusa"))
 
 
 def test_medusa_sampling_keeps_target_distribution(medusa_engine):
     """Speculative sampling with the head's q_draft: the first three tokens follow the target's
     exact distribution (chi-square, fixed seeds)."""
-    assert_sampling_follows_target(medusa_engine, medusa_engine._drafter("medusa"))
+    assert_sampling_follows_target(medusa_engine, medusa_engine.drafter("medusa"))
 
 
 def test_medusa_graph_static_and_matches_torch(medusa_engine):

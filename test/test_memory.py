@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from spec_edge.device import memory
+from spec_edge.device import memory, projection
 from spec_edge.config import MODEL_PRESETS, GraphSection, MemorySection
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]
@@ -176,9 +176,9 @@ def test_parse_meminfo():
 
 def test_expected_tokens_and_best_k():
     # alpha = 0.75, k = 4: (1 - 0.75**5) / 0.25 = (1 - 0.2373046875) / 0.25 = 3.05078125
-    assert memory.expected_tokens(0.75, 4) == pytest.approx(3.05078125)
-    assert memory.expected_tokens(1.0, 4) == 5.0
+    assert projection.expected_tokens(0.75, 4) == pytest.approx(3.05078125)
+    assert projection.expected_tokens(1.0, 4) == 5.0
     # free drafts (ngram): more is never worse at alpha < 1 under this model
-    assert memory.best_k(0.6, 0.0, 8) == 8
+    assert projection.best_k(0.6, 0.0, 8) == 8
     # expensive drafts: k = 1
-    assert memory.best_k(0.4, 0.3, 8) == 1
+    assert projection.best_k(0.4, 0.3, 8) == 1

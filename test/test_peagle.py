@@ -16,7 +16,7 @@ from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, a
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
                   head_inputs, ort_session, train_draft_argv)
 from spec_edge.heads import eagle3, peagle
-from spec_edge.graphs import export
+from spec_edge.graphs import hidden
 from spec_edge.config import ConfigError
 from spec_edge.runtime.engine import Engine
 
@@ -46,7 +46,7 @@ def peagle_engine(tiny_models, tiny_cfg):
 
 @pytest.mark.parametrize("k", [1, 3, 4])
 def test_peagle_greedy_equals_plain(peagle_engine, k):
-    assert_greedy_equals_plain(peagle_engine, peagle_engine._drafter("peagle"), k)
+    assert_greedy_equals_plain(peagle_engine, peagle_engine.drafter("peagle"), k)
 
 
 def test_peagle_through_engine_request(peagle_engine):
@@ -95,13 +95,13 @@ def test_peagle_drafter_bookkeeping():
 
 
 def test_peagle_sampling_runs_with_full_vocab_q(peagle_engine):
-    assert_sampling_uses_full_vocab_q(peagle_engine, peagle_engine._drafter("peagle"))
+    assert_sampling_uses_full_vocab_q(peagle_engine, peagle_engine.drafter("peagle"))
 
 
 def test_peagle_sampling_keeps_target_distribution(peagle_engine):
     """Speculative sampling with the head's q_draft: the first three tokens follow the target's
     exact distribution (chi-square, fixed seeds)."""
-    assert_sampling_follows_target(peagle_engine, peagle_engine._drafter("peagle"))
+    assert_sampling_follows_target(peagle_engine, peagle_engine.drafter("peagle"))
 
 
 def test_peagle_graphs_static_and_match_torch(peagle_engine):
@@ -112,7 +112,7 @@ def test_peagle_graphs_static_and_match_torch(peagle_engine):
     rng = np.random.default_rng(0)
     S = peagle_engine.cfg.graphs.max_context
     cache = rng.standard_normal((2, 1, hcfg.n_kv_heads, S, hcfg.head_dim)).astype(np.float32)
-    embed = np.asarray(peagle_engine._drafter("peagle").head.embed_table)
+    embed = np.asarray(peagle_engine.drafter("peagle").head.embed_table)
     feeds = {"tokens": np.array([[17]]), "hidden": rng.standard_normal((1, 3 * hcfg.target_hidden_size)).astype(np.float32),
              "position": np.array([9]), "k_cache": cache[0], "v_cache": cache[1], "embed_table": embed}
 
@@ -191,10 +191,10 @@ def test_two_heads_share_the_target_hidden_outputs(tiny_models, tiny_cfg):
     cfg = tiny_cfg.replace(**{"runtime.profile": "tiny-two-heads", "speculative.peagle_head": str(head),
                               "speculative.medusa_head": str(heads), "speculative.drafter": "peagle",
                               "graphs.k_values": [3], "speculative.k": 3})
-    assert export.target_hidden_layers(cfg) == (0, 1, 3, 4)
+    assert hidden.target_hidden_layers(cfg) == (0, 1, 3, 4)
     engine = Engine.from_config(cfg, progress=lambda message: None)
     for name in ("peagle", "medusa"):
-        assert_greedy_equals_plain(engine, engine._drafter(name), 3, PROMPTS[:3])
+        assert_greedy_equals_plain(engine, engine.drafter(name), 3, PROMPTS[:3])
 
 
 def test_train_draft_peagle_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):

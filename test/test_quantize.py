@@ -13,8 +13,8 @@ import pytest
 
 from spec_edge.runtime.backends.onnxruntime import cpu_session
 
-from spec_edge.graphs import quantize
-from spec_edge.graphs.quantize import QuantizeError
+from spec_edge.graphs import gguf_blocks, quantize
+from spec_edge.graphs.gguf_blocks import QuantizeError
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -37,18 +37,18 @@ def test_parse_matches_gguf_dequantizer():
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 96)).astype(np.float32)
-    raw4 = quantize.quantize_q4_1(w)
+    raw4 = gguf_blocks.quantize_q4_1(w)
     ref4 = gguf_quants.dequantize(raw4, gguf.GGMLQuantizationType.Q4_1)
-    np.testing.assert_array_equal(quantize.parse_q4_1(raw4).dequantize(), ref4.reshape(8, 96))
+    np.testing.assert_array_equal(gguf_blocks.parse_q4_1(raw4).dequantize(), ref4.reshape(8, 96))
     raw8 = q8_0_rows(w)
     ref8 = gguf_quants.dequantize(raw8, gguf.GGMLQuantizationType.Q8_0)
-    np.testing.assert_array_equal(quantize.parse_q8_0(raw8).dequantize(), ref8.reshape(8, 96))
+    np.testing.assert_array_equal(gguf_blocks.parse_q8_0(raw8).dequantize(), ref8.reshape(8, 96))
 
 
 def test_packing_keeps_codes():
     rng = np.random.default_rng(1)
-    q = quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal((4, 64)).astype(np.float32)))
-    packed = quantize.pack_nbits_4(q.codes)  # (N, K/32, 16)
+    q = gguf_blocks.parse_q4_1(gguf_blocks.quantize_q4_1(rng.standard_normal((4, 64)).astype(np.float32)))
+    packed = gguf_blocks.pack_nbits_4(q.codes)  # (N, K/32, 16)
     low, high = packed & 0x0F, packed >> 4
     unpacked = np.stack([low, high], axis=-1).reshape(4, 64)  # low nibble first along K
     np.testing.assert_array_equal(unpacked, q.codes)
@@ -77,9 +77,9 @@ def _run(model, x):
 @pytest.mark.parametrize("accuracy_level,tolerance", [(0, 1e-5), (4, 2e-2)])
 def test_rewrite_parity(accuracy_level, tolerance):
     rng = np.random.default_rng(2)
-    blocks = {"w1": quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal((96, 64)).astype(np.float32) * 0.1)),
-              "w2": quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal((64, 96)).astype(np.float32) * 0.1)),
-              "emb": quantize.parse_q8_0(q8_0_rows(rng.standard_normal((128, 64)).astype(np.float32)))}
+    blocks = {"w1": gguf_blocks.parse_q4_1(gguf_blocks.quantize_q4_1(rng.standard_normal((96, 64)).astype(np.float32) * 0.1)),
+              "w2": gguf_blocks.parse_q4_1(gguf_blocks.quantize_q4_1(rng.standard_normal((64, 96)).astype(np.float32) * 0.1)),
+              "emb": gguf_blocks.parse_q8_0(q8_0_rows(rng.standard_normal((128, 64)).astype(np.float32)))}
     fp32 = _model(blocks["w1"].dequantize(), blocks["w2"].dequantize(), blocks["emb"].dequantize(), t=5)
     x = rng.standard_normal((5, 64)).astype(np.float32)
     want = _run(fp32, x)
@@ -104,7 +104,7 @@ def test_siblings_stack_into_one_matmulnbits(merge):
 
     rng = np.random.default_rng(4)
     shapes = {"wa": (96, 64), "wb": (32, 64), "wc": (32, 64)}
-    blocks = {name: quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal(shape).astype(np.float32) * 0.1))
+    blocks = {name: gguf_blocks.parse_q4_1(gguf_blocks.quantize_q4_1(rng.standard_normal(shape).astype(np.float32) * 0.1))
               for name, shape in shapes.items()}
     nodes = [helper.make_node("Gemm", ["x", name], [f"y_{name}"], transB=1, name=f"g_{name}") for name in shapes]
     outputs = [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, [5, shape[0]])
@@ -127,33 +127,33 @@ def test_siblings_stack_into_one_matmulnbits(merge):
 
 def test_rows_matched_after_permutation():
     rng = np.random.default_rng(3)
-    q = quantize.parse_q4_1(quantize.quantize_q4_1(rng.standard_normal((16, 64)).astype(np.float32)))
+    q = gguf_blocks.parse_q4_1(gguf_blocks.quantize_q4_1(rng.standard_normal((16, 64)).astype(np.float32)))
     perm = rng.permutation(16)
     exported = q.dequantize()[perm]
-    found = quantize.match_rows(exported, q.dequantize())
+    found = gguf_blocks.match_rows(exported, q.dequantize())
     np.testing.assert_array_equal(found, perm)
-    moved = quantize.take_rows(q, found)
+    moved = gguf_blocks.take_rows(q, found)
     np.testing.assert_array_equal(moved.dequantize(), exported)
     exported[3, 5] += 1e-3  # not what the blocks give: refuse rather than re-quantize
     with pytest.raises(QuantizeError, match="row 3"):
-        quantize.match_rows(exported, q.dequantize())
+        gguf_blocks.match_rows(exported, q.dequantize())
 
 
 def test_head_rounding_is_llama_cpp_q8_0():
     """quantize_q8_0 (draft heads only) gives llama.cpp's Q8_0 blocks, read back by parse_q8_0."""
     w = np.random.default_rng(3).standard_normal((6, 64)).astype(np.float32)
     w[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
-    ours, reference = quantize.quantize_q8_0(w), quantize.parse_q8_0(q8_0_rows(w))
+    ours, reference = gguf_blocks.quantize_q8_0(w), gguf_blocks.parse_q8_0(q8_0_rows(w))
     np.testing.assert_array_equal(ours.codes, reference.codes)
     np.testing.assert_array_equal(ours.d, reference.d)
     assert np.abs(ours.dequantize() - w).max() <= np.abs(w).max() / 127
 
 
 def test_gguf_names():
-    assert quantize.gguf_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
-    assert quantize.gguf_name("model.layers.0.self_attn.o_proj.weight") == "blk.0.attn_output.weight"
-    assert quantize.gguf_name("model.embed_tokens.weight") == "token_embd.weight"
-    assert quantize.gguf_name("model.norm.weight") is None
+    assert gguf_blocks.gguf_name("model.layers.3.mlp.up_proj.weight") == "blk.3.ffn_up.weight"
+    assert gguf_blocks.gguf_name("model.layers.0.self_attn.o_proj.weight") == "blk.0.attn_output.weight"
+    assert gguf_blocks.gguf_name("model.embed_tokens.weight") == "token_embd.weight"
+    assert gguf_blocks.gguf_name("model.norm.weight") is None
 
 
 def test_config_field():

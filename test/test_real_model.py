@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from spec_edge.config import Config
-from spec_edge.runtime.engine import Engine, GenerateRequest
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest
 
 REPO = Path(__file__).resolve().parents[1]
 EDIT = ("Rewrite the following text, replacing 'robot' with 'rover' and changing nothing else: "

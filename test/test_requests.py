@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from spec_edge.config import ConfigError
-from spec_edge.runtime.engine import GenerateRequest, RequestError, check_same_tokenizer
+from spec_edge.runtime.drafting import check_same_tokenizer
+from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
 BAD = [

@@ -13,7 +13,7 @@ import pytest
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.onnxruntime import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
-from spec_edge.runtime.engine import GenerateRequest
+from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams, probabilities, speculative_accept
 from spec_edge.runtime.speculative import Draft
 from tiny import assert_sampling_follows_target, chi2_critical, chi2_statistic
@@ -78,7 +78,7 @@ def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
     target's own graphs, vs speculative sampling through the real loop and ONNX Runtime."""
     # draft: another model, q != p (mostly rejections: the residual path); self: q == p (accepts);
     # greedy-self: deterministic drafts, the one-hot q path
-    drafter = {"draft": lambda: tiny_engine._drafter("draft"),
+    drafter = {"draft": lambda: tiny_engine.drafter("draft"),
                "self": lambda: ModelDrafter(OrtRunner(tiny_engine.graph_dir)),
                "greedy-self": lambda: GreedySelfDrafter(OrtRunner(tiny_engine.graph_dir))}[drafter_name]()
     assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft")

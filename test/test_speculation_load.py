@@ -1,7 +1,8 @@
 """serve.speculate_max_queue: above that many queued requests a request runs target-only, same output."""
 from __future__ import annotations
 
-from spec_edge.runtime.engine import Engine, GenerateRequest, speculation_off_reason
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest, speculation_off_reason
 
 
 def test_rule():

@@ -10,7 +10,7 @@ from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.onnxruntime import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
-from spec_edge.runtime.engine import GenerateRequest
+from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.speculative import Draft
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
@@ -67,9 +67,9 @@ def drafters(engine, self_runner, name):
     if name == "ngram":
         return NgramDrafter()
     if name == "draft":
-        return engine._drafter("draft")
+        return engine.drafter("draft")
     if name == "layerskip":
-        return engine._drafter("layerskip")
+        return engine.drafter("layerskip")
     if name == "self":
         return ModelDrafter(self_runner, name="self")
     if name == "wrong":

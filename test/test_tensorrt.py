@@ -6,7 +6,9 @@ import importlib.util
 import numpy as np
 import pytest
 
-from spec_edge.device import build
+from spec_edge.device import builder
+from spec_edge.device.manifest import ManifestError
+from spec_edge.device.specs import BuildError
 from spec_edge.config import from_params
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -39,7 +41,7 @@ def test_clear_error_without_tensorrt(tmp_path):
     from spec_edge.runtime.backends.tensorrt import TensorRTRunner, load_runners
     cfg = trt_cfg(tmp_path)
     for make in (lambda: TensorRTRunner(cfg), lambda: load_runners(cfg)):
-        with pytest.raises(build.BuildError, match="TensorRT's Python package is not importable"):
+        with pytest.raises(BuildError, match="TensorRT's Python package is not importable"):
             make()
 
 
@@ -58,7 +60,7 @@ def engines(tmp_path_factory):
         pytest.skip("needs tensorrt and CUDA")
     tmp = tmp_path_factory.mktemp("trt")
     cfg = trt_cfg(tmp, **{"speculative.drafter": "layerskip"})
-    build.build(cfg, progress=lambda _m: None)
+    builder.build(cfg, progress=lambda _m: None)
     return cfg
 
 
@@ -170,7 +172,7 @@ def test_speculative_equals_plain_greedy(engines):
 @needs_device
 def test_runtime_refuses_a_changed_profile(engines):
     from spec_edge.runtime.backends.tensorrt import TensorRTRunner
-    with pytest.raises(build.ManifestError, match="graphs.max_context"):
+    with pytest.raises(ManifestError, match="graphs.max_context"):
         TensorRTRunner(engines.replace(**{"graphs.max_context": 512}))
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from spec_edge.training import fit as head_train, train
-from spec_edge.training.train import answer_batch, load_hf_target
+from spec_edge.training import data as train_data, fit, train
+from spec_edge.training.data import answer_batch, load_hf_target
 from tiny import train_draft_argv
 
 
@@ -38,16 +38,16 @@ def test_data_cache_reuses_answers_and_loses_none(tmp_path, tiny_models, monkeyp
     eos = set(cfg.eos_ids)
     out = tmp_path / "head"
     argv = train_draft_argv(tmp_path, tiny_models, out)
-    n_prompts = len(train.read_prompts(argv[argv.index("--prompts") + 1], 0))
+    n_prompts = len(train_data.read_prompts(argv[argv.index("--prompts") + 1], 0))
     assert n_prompts >= 3
     answered: list[int] = []  # prompts per answer_batch call: what really ran the target
-    real_answer_batch = train.answer_batch
-    monkeypatch.setattr(train, "answer_batch", lambda model, prompts, *rest: (
+    real_answer_batch = train_data.answer_batch
+    monkeypatch.setattr(train_data, "answer_batch", lambda model, prompts, *rest: (
         answered.append(len(prompts)) or real_answer_batch(model, prompts, *rest)))
 
     def data_for(max_prompts: int) -> list[dict]:
         args = train.parse_args(argv[1:] + ["--max-prompts", str(max_prompts)])
-        return train.make_data(args, model, tok, (0, 1, 2), eos, out)
+        return train_data.make_data(args, model, tok, (0, 1, 2), eos, out)
 
     first = data_for(2)
     assert sum(answered) == 2
@@ -70,7 +70,7 @@ def test_feature_std_equals_std_over_all_positions():
     gen = torch.Generator().manual_seed(0)
     data = [{"hid3": (torch.randn(n, 12, generator=gen) * torch.arange(1, 13) + 3.0).half()} for n in (5, 17, 3)]
     want = torch.cat([item["hid3"].float() for item in data]).std(dim=0)
-    torch.testing.assert_close(train.feature_std(data), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(train_data.feature_std(data), want, rtol=1e-5, atol=1e-5)
 
 
 def test_replay_chain_moves_like_the_live_loop():
@@ -80,8 +80,8 @@ def test_replay_chain_moves_like_the_live_loop():
     wrong = [row[:] for row in right]
     wrong[0][5] = -1
     # k=2, all right: pairs 2 -> 5 -> 8; verifies emit 4,5,6 then 7,8,9
-    assert head_train.replay_chain(right, tokens, 3, 2) == (2, 6)
+    assert fit.replay_chain(right, tokens, 3, 2) == (2, 6)
     # k=2, a miss at pair 5: 4,5,6 | 7 (own token) | 8,9 (draft + own; the answer ends)
-    assert head_train.replay_chain(wrong, tokens, 3, 2) == (3, 6)
+    assert fit.replay_chain(wrong, tokens, 3, 2) == (3, 6)
     # k=3: 4,5,6,7 | 8,9
-    assert head_train.replay_chain(right, tokens, 3, 3) == (2, 6)
+    assert fit.replay_chain(right, tokens, 3, 3) == (2, 6)

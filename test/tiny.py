@@ -215,7 +215,7 @@ def engine_with(tiny_cfg, settings: dict):
 
 def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
     """A greedy request through the engine with the drafter == the same request without speculation."""
-    from spec_edge.runtime.engine import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest
 
     spec = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter=drafter, k=k))
     base = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
@@ -303,7 +303,7 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
 
     from spec_edge.runtime import speculative
     from spec_edge.runtime.backends.onnxruntime import OrtRunner
-    from spec_edge.runtime.engine import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.sampling import SamplingParams, probabilities
 
     params = SamplingParams(temperature=1.0, top_k=3)

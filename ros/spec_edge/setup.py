@@ -34,7 +34,7 @@ setup(
         "console_scripts": [
             "spec-edge = spec_edge.cli:main",
             "generate_server = spec_edge.ros2.node:main",
-            "build_engines = spec_edge.device.build:build_main",
+            "build_engines = spec_edge.device.commands:build_main",
         ],
     },
 )

@@ -1,11 +1,11 @@
 """Memory plan of a TensorRT deployment: pure byte arithmetic, a refusal with the numbers, and the
 largest cache that fits. `spec-edge plan <profile>` prints it; `spec-edge build` runs it before any
-export or engine build starts.
+export or engine build starts. The decode-speed projection (the k table) is projection.py.
 
 Units: every `*_gb` value in the config is GiB (2**30 bytes); every number here is bytes.
 
-Engine layout (decided here, built by build.py, counted here)
--------------------------------------------------------------
+Engine layout (decided here, built by builder.py, counted here)
+---------------------------------------------------------------
 A TensorRT engine embeds its own copy of every weight it uses. One engine per graph shape
 (prefill C, step 1, verify k+1 ...) would therefore hold the 16 GB of an 8B bf16 target three or
 four times. Instead each model gets ONE engine that holds every width it runs: the ONNX graph is
@@ -20,9 +20,9 @@ of its (C, V) logits on the device). So:
                   weights ARE a second copy of those layers, the embedding and the head, and are
                   counted as such; its KV is the target's first n cache layers (no extra KV).
 
-When a profile's ONNX folder holds only static per-width graphs, build.py builds one engine per
-graph and the plan counts one weight copy per engine (`layout="per_graph"`): 98 GiB instead of
-35 GiB for Llama-3.1-8B + 3.2-1B in bf16.
+When a profile's ONNX folder holds only static per-width graphs, specs.engine_specs() gives one
+engine per graph and the plan counts one weight copy per engine (`layout="per_graph"`): 98 GiB
+instead of 35 GiB for Llama-3.1-8B + 3.2-1B in bf16.
 
 Tied embeddings (Llama-3.2-1B, Qwen3-0.6B): the Gather table and the lm_head GEMM weight end up
 as two engine constants, so they are counted twice (conservative; the measured engine size in the
@@ -97,7 +97,7 @@ def kv_bytes(m: ModelConfig, max_context: int, dtype: str, n_layers: int | None 
 
 def activation_bytes(m: ModelConfig, max_context: int, width: int, dtype: str) -> int:
     """Peak live intermediates of one width-T call (TensorRT reuses them layer after layer), for
-    the graph of spec_edge/model.py:
+    the graph of spec_edge/graphs/model.py:
       dense   T x (2 hidden [residual, normed] + (Hq + 2 Hkv) D [q,k,v] + Hq D [attn out]
                    + 3 inter [gate, up, act]) in dtype
       concat  keys and values of one layer, cache + new: 2 x Hkv x (S + T) x D in dtype
@@ -363,82 +363,3 @@ def read_device_memory() -> DeviceMemory | None:
         return None
     free, total = torch.cuda.mem_get_info()
     return DeviceMemory(int(total), int(free), f"cuda:{torch.cuda.current_device()} mem_get_info")
-
-
-# ---------------------------------------------------------------------------------------------
-# Choosing k: bytes read per call -> time, and the expected gain of k drafts per verify.
-# Decode on Thor is memory-bound: a call reads every weight once (the embedding only by rows) and,
-# with static-shape graphs, the WHOLE cache of S positions whatever the real length - so
-# max_context costs time on every step, not only memory.
-
-THOR_BANDWIDTH = 273e9      # bytes/s: Jetson AGX Thor, 256-bit LPDDR5X-8533
-BANDWIDTH_EFFICIENCY = 0.75  # fraction of peak a decode step achieves (assumed; `spec-edge bench` measures)
-PER_LAYER_LATENCY = 20e-6    # s per layer per call: kernel launches and small-kernel tails (assumed)
-VERIFY_OVERHEAD = 1.05       # a k+1 <= 9 wide verify costs ~ one step: the same bytes, more math
-
-
-def bytes_read_per_call(m: ModelConfig, dtype: str, quantization: str, max_context: int,
-                        n_layers: int | None = None) -> int:
-    """Weights streamed by one call (layers + head + final norm; the embedding Gather reads only
-    T rows) plus the full K and V cache of the layers it runs."""
-    layers = m.n_layers if n_layers is None else n_layers
-    dt = DTYPE_BYTES[dtype]
-    no_embed = weight_bytes(m, dtype, quantization, n_layers=layers, tied_copies=1)
-    if not m.tie_embeddings:
-        no_embed -= m.vocab_size * m.hidden_size * dt  # untied: the separate head is read, the table is not
-    return no_embed + kv_bytes(m, max_context, dtype, n_layers=layers)
-
-
-def call_seconds(read_bytes: int, n_layers: int, bandwidth: float = THOR_BANDWIDTH) -> float:
-    return read_bytes / (bandwidth * BANDWIDTH_EFFICIENCY) + n_layers * PER_LAYER_LATENCY
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verify yields with k drafts each accepted with probability alpha (i.i.d.):
-    accepted drafts + the target's own token = (1 - alpha**(k+1)) / (1 - alpha)."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def speedup(alpha: float, k: int, draft_cost: float) -> float:
-    """Speed relative to plain decoding, draft_cost = draft call time / target step time."""
-    return expected_tokens(alpha, k) / (k * draft_cost + VERIFY_OVERHEAD)
-
-
-def best_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
-    return max(range(1, k_max + 1), key=lambda k: speedup(alpha, k, draft_cost))
-
-
-def draft_cost(i: PlanInputs) -> float | None:
-    """Draft call time / target step time for the plan's drafter (None: no drafter). ngram
-    drafting is a host-side lookup: cost 0."""
-    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
-    target = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
-    if i.drafter == "draft" and i.draft is not None:
-        return call_seconds(bytes_read_per_call(i.draft, dtype, "none", s), i.draft.n_layers) / target
-    if i.drafter == "layerskip":
-        n = i.graphs.layer_skip_layers
-        return call_seconds(bytes_read_per_call(i.target, dtype, q, s, n_layers=n), n) / target
-    if i.drafter == "ngram":
-        return 0.0
-    return None
-
-
-def k_table(i: PlanInputs, alpha: float, k_max: int = 8) -> str:
-    """Expected tokens per verify and speed-up for k = 1..k_max at acceptance rate alpha."""
-    c = draft_cost(i)
-    if c is None:
-        return "drafter=none: no speculative decoding"
-    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
-    step = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
-    rows = [f"k choice at acceptance alpha={alpha:.2f}: target step ~{step * 1e3:.0f} ms "
-            f"(memory-bound model, S={s}), draft call = {c:.3f} x step",
-            "   k  tokens/verify  speed-up"]
-    best = best_k(alpha, c, k_max)
-    for k in range(1, k_max + 1):
-        mark = "  <- best" if k == best else ("  <- configured" if k == i.k else "")
-        if k == best and k == i.k:
-            mark = "  <- best, configured"
-        rows.append(f"  {k:2d}  {expected_tokens(alpha, k):13.2f}  {speedup(alpha, k, c):8.2f}x{mark}")
-    return "\n".join(rows)

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from spec_edge.graphs import io_names
+from spec_edge.graphs import hidden, io_names
 from spec_edge.config import Config, ConfigError, ModelConfig
 
 FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
@@ -63,52 +63,12 @@ def graph_plan(cfg: Config, role: str, dynamic: bool = False) -> dict[str, dict]
             plan[io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1}
         plan[io_names.graph_file(f"layerskip{g.layer_skip_layers}_step", 1)] = {
             "kind": "layerskip", "width": 1, "n_layers": g.layer_skip_layers}
-        hidden_layers = target_hidden_layers(cfg)
+        hidden_layers = hidden.target_hidden_layers(cfg)
         if hidden_layers:  # a head is configured: the full-model graphs also return the hidden states it reads
             for spec in plan.values():
                 if spec["kind"] in ("prefill", "step", "verify"):
                     spec["hidden_layers"] = list(hidden_layers)
     return plan
-
-
-def target_hidden_layers(cfg: Config) -> tuple[int, ...]:
-    """The hidden states the target's graphs return (ascending; index L = after the final norm):
-    the union of what the configured heads read (EAGLE-3 / P-EAGLE: three layers, Medusa: L)."""
-    s = cfg.speculative
-    if not (s.eagle3_head or s.peagle_head or s.medusa_head):
-        return ()
-    from spec_edge.heads import eagle3
-
-    layers: set[int] = set()
-    for head in (s.eagle3_head, s.peagle_head):
-        if head:
-            layers.update(eagle3.head_hidden_layers(head, cfg.model.target))
-    if s.medusa_head:
-        layers.add(eagle3.target_n_layers(cfg.model.target))
-    return tuple(sorted(layers))
-
-
-def returned_hidden_layers(graph_dir: Path) -> tuple[int, ...]:
-    """The hidden states an exported target's graphs return (its manifest), () when none."""
-    path = Path(graph_dir) / "manifest.json"
-    if not path.is_file():
-        return ()
-    for spec in json.loads(path.read_text()).get("graphs", {}).values():
-        if spec.get("hidden_layers"):
-            return tuple(spec["hidden_layers"])
-    return ()
-
-
-def hidden_columns(have: tuple[int, ...], layers: tuple[int, ...], hidden_size: int):
-    """Column indices (len(layers) * hidden_size,) of `layers`' blocks in hidden-state rows that hold
-    the layers `have` side by side (see target_hidden_layers)."""
-    import numpy as np
-
-    missing = [i for i in layers if i not in have]
-    if missing:
-        raise ConfigError(f"the target graphs do not return the hidden states of layers {missing} (they return "
-                          f"{list(have)}): set the head in the config and re-export")
-    return np.concatenate([np.arange(hidden_size) + have.index(i) * hidden_size for i in layers])
 
 
 def wanted_manifest(cfg: Config, role: str, fingerprint: str, source: str, dynamic: bool = False) -> dict:

@@ -1,6 +1,6 @@
 """The one place graph tensor names are defined.
 
-Export (spec_edge/export.py) names the ONNX inputs/outputs with these, and every backend
+Export (spec_edge/graphs/export.py) names the ONNX inputs/outputs with these, and every backend
 (ONNX Runtime, TensorRT) binds tensors by these names. Shapes, with
 L = layers, Hkv = KV heads, S = max context (cache length), D = head dim, T = graph width, V = vocab:
 """
@@ -19,7 +19,7 @@ V_CACHE = "v_cache"
 LOGITS = "logits"            # (T, V) float32 for step/verify graphs, (1, V) for prefill graphs
 K_NEW = "k_new"              # (L, Hkv, T, D) keys of the processed tokens; the caller writes them
 V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, position + n_valid)
-# graphs.ort_attention = fused (ONNX Runtime only, spec_edge/ort_attention.py): no k_new / v_new; the
+# graphs.ort_attention = fused (ONNX Runtime only, spec_edge/graphs/ort_attention.py): no k_new / v_new; the
 # cache inputs are (1, Hkv, S + C, D) (C spare rows for a padded chunk) and each layer writes its T
 # new rows in place, through an output the caller binds to the same memory as the input
 K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S + C, D) aliases k_cache_<i>
@@ -27,7 +27,7 @@ V_PRESENT_PREFIX = "v_present_"
 K_PRESENT = "k_present"      # the EAGLE-3 head graphs' one layer: (1, Hkv, S + W, D) aliases k_cache
 V_PRESENT = "v_present"
 HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers the configured heads read
-                             # (export.target_hidden_layers: EAGLE-3's low/mid/high, Medusa's final-norm
+                             # (hidden.target_hidden_layers: EAGLE-3's low/mid/high, Medusa's final-norm
                              # state); an output of the target's graphs, an input of the head graphs
 EMBED_TABLE = "embed_table"  # (V, hidden) EAGLE-3 head input: the target's token embedding, bound by pointer
 HIDDEN_OUT = "hidden_out"    # (1, hidden) EAGLE-3 head output: its own hidden state for the next draft step

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from spec_edge.config import ModelConfig
 from spec_edge.graphs import io_names
 
 MS_DOMAIN = "com.microsoft"
@@ -199,10 +200,12 @@ def fused_dir(src_dir: Path) -> Path:
     return src_dir.parent / f"{src_dir.name}_fused"
 
 
-def for_config(cfg, src_dir: Path, progress: Progress = print) -> Path:
+def for_config(cfg, src_dir: Path, progress: Progress = print, geometry: ModelConfig | None = None) -> Path:
     """The graph folder to run for graphs.ort_attention: src_dir itself for graph; its fused copy
     for fused, except (with a note) for a model whose attention has q/k norms, which the rewrite
-    does not cover. src_dir: an exported target, draft model or EAGLE-3 head folder."""
+    does not cover. src_dir: an exported target, draft model or EAGLE-3 head folder; geometry: a
+    head folder's attention geometry (heads.eagle3.HeadConfig.as_model_config; a target or draft
+    folder carries its own model.json)."""
     from spec_edge.graphs.export import read_model_config
 
     if cfg.graphs.ort_attention != "fused":
@@ -212,21 +215,22 @@ def for_config(cfg, src_dir: Path, progress: Progress = print) -> Path:
         progress("[fused] this model has q/k norms, which fused attention does not cover: running the exported "
                  "attention (set graphs.ort_attention: graph to silence this)")
         return src_dir
-    return ensure_fused(src_dir, progress)
+    return ensure_fused(src_dir, progress, geometry)
 
 
-def ensure_fused(src_dir: Path, progress: Progress = print) -> Path:
-    """The fused-attention copy of an exported target / draft model / EAGLE-3 head folder; made
-    once, redone when the source folder changes."""
+def ensure_fused(src_dir: Path, progress: Progress = print, geometry: ModelConfig | None = None) -> Path:
+    """The fused-attention copy of an exported target / draft model / EAGLE-3 head folder (geometry:
+    the head's attention geometry, as in for_config); made once, redone when the source folder
+    changes."""
     from spec_edge.graphs.export import ensure_derived, source_stamp
 
     src_dir = Path(src_dir)
     stamp = source_stamp(src_dir)
     return ensure_derived(fused_dir(src_dir), {"fused_source_stamp": stamp, "fused_format": FUSED_FORMAT},
-                          lambda tmp: _convert(src_dir, tmp, stamp, progress))
+                          lambda tmp: _convert(src_dir, tmp, stamp, progress, geometry))
 
 
-def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
+def _convert(src: Path, dst: Path, stamp: str, progress: Progress, geometry: ModelConfig | None) -> None:
     import onnx
 
     from spec_edge.graphs import export
@@ -244,9 +248,10 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
         widest = int(manifest["prefill_chunk"])  # the only padded graph
         copies = ("model.json", "tokenizer.json", "tokenizer_config.json")
     elif role == "eagle3":  # the head's ingest graphs are padded up to their width
-        from spec_edge.heads.eagle3 import read_head_config
-
-        model_cfg = read_head_config(src).as_model_config()
+        if geometry is None:
+            raise AttentionRewriteError(f"{src}: fusing a head's attention needs the head's geometry "
+                                        f"(heads.eagle3_export.read_head_config(folder).as_model_config())")
+        model_cfg = geometry
         widest = max(int(spec["width"]) for spec in manifest["graphs"].values())
         copies = export.head_side_files(src)
     else:

@@ -1,4 +1,5 @@
-"""EAGLE-3 draft heads: the checkpoint layout, the static head graphs, and their export.
+"""EAGLE-3 draft heads: the config, the checkpoint layouts, the torch module (heads/eagle3_export.py
+exports its static graphs; the layer ids it reads are graphs/hidden.py's).
 
 A head drafts from three hidden states of the target (a low, a middle and a high layer):
 
@@ -12,13 +13,9 @@ Pairing (as in EAGLE): the head row at position p holds (target hidden at p, tok
 token p+2. Its output hidden h' (before the final norm) is the next draft step's input hidden, which
 then skips fc. So k drafts cost one ingest pass (the verified pairs, width <= k+1) + k-1 [1, 1] steps.
 
-Graphs (all static; S = max context, W = width, V = target vocab, Vd = draft vocab):
-    eagle3_ingest_<W>: tokens (1, W), hidden (W, 3Ht), position (1,), last_index (1,),
-                       k_cache / v_cache (1, Hkv, S, D), embed_table (V, H)
-                       -> logits (1, Vd), k_new / v_new (1, Hkv, W, D), hidden_out (1, H)
-    eagle3_step_1:     the same with hidden (1, H) (the head's own output; no fc)
-The token embedding table is a graph *input* bound to the target's own embedding (a memory map of
-the target's weights.bin), so the head costs no second copy of the V x H table.
+Graphs (heads/eagle3_export.py; all static, S = max context): an ingest graph per width W and a
+[1, 1] draft step. The token embedding table is a graph *input* bound to the target's own embedding
+(a memory map of the target's weights.bin), so the head costs no second copy of the V x H table.
 
 Checkpoint layouts read (config.json + model.safetensors or pytorch_model.bin):
   SafeAILab/EAGLE (yuhuili/EAGLE3-*): llama fields + draft_vocab_size; tensors fc.weight,
@@ -34,14 +31,14 @@ Saved heads (spec-edge train-draft) use the SafeAILab tensor names and the NVIDI
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from spec_edge.heads import folder as head_folder
+from spec_edge.graphs.hidden import configured_aux_layers, default_aux_layers
+from spec_edge.heads import head_folder
 from spec_edge.config import ConfigError, ModelConfig
 
 HEAD_FORMAT = 1
@@ -71,11 +68,6 @@ class HeadConfig:
                            intermediate_size=self.intermediate_size, n_layers=1, n_heads=self.n_heads,
                            n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
                            rope_theta=self.rope_theta, rope_llama3=self.rope_llama3, name="eagle3-head")
-
-
-def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default layers as outputs of layers: inputs of (2, L/2, L-3)."""
-    return (1, n_layers // 2 - 1, n_layers - 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,12 +100,7 @@ def parse_head_config(raw: dict, target: ModelConfig) -> HeadConfig:
     n_layers_head = int(layer_cfg.get("num_hidden_layers", 1))
     if n_layers_head != 1:
         raise ConfigError(f"EAGLE-3 head has {n_layers_head} decoder layers; spec_edge runs one-layer heads")
-    aux = None
-    eagle_cfg = raw.get("eagle_config") or {}
-    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
-        aux = tuple(int(i) for i in eagle_cfg["eagle_aux_hidden_state_layer_ids"])  # layer outputs
-    elif raw.get("eagle_aux_hidden_state_layer_ids"):  # vLLM indexing: j = output of layer j-1
-        aux = tuple(int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"])
+    aux = configured_aux_layers(raw)
     if aux is None:
         aux = default_aux_layers(target.n_layers)
     rope = dict(layer_cfg.get("rope_scaling") or {})
@@ -378,109 +365,3 @@ def head_class(hcfg: HeadConfig):
             return outs
 
     return Eagle3Head
-
-
-# ---------------------------------------------------------------------------------------------
-# Export
-
-def head_graph_plan(widths: list[int]) -> dict[str, dict]:
-    plan = {f"eagle3_ingest_{w}": {"kind": "ingest", "width": w} for w in sorted(set(widths))}
-    plan["eagle3_step_1"] = {"kind": "step", "width": 1}
-    return plan
-
-
-def head_widths(cfg) -> list[int]:
-    """Ingest widths for a config: 1, each k+1 and the prefill chunk."""
-    return sorted({1, cfg.graphs.prefill_chunk} | {k + 1 for k in cfg.graphs.k_values})
-
-
-def export_head(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
-    """Export the head graphs for cfg into out_dir (its own weights.bin), unless up to date."""
-    head_path = Path(head_path).expanduser()
-    hcfg, state, draft_ids = load_head(head_path, target)
-    wanted = {"format": HEAD_FORMAT, "role": "eagle3", "source": str(head_path),
-              "fingerprint": head_fingerprint(head_path), "max_context": cfg.graphs.max_context,
-              "dtype": cfg.graphs.dtype, "graphs": head_graph_plan(head_widths(cfg))}
-
-    def write_graph(spec: dict, path: Path, store) -> None:
-        export_head_graph(hcfg, state, path, store, fused=spec["kind"] == "ingest", width=spec["width"],
-                          max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
-
-    return head_folder.export(out_dir, wanted, write_graph, hcfg, draft_ids, "eagle3 head", progress,
-                              embed_arrays(state))
-
-
-def embed_arrays(state: dict) -> dict:
-    """embed_tokens.npy for an exported head that ships its own embedding."""
-    return {"embed_tokens": state["embed_tokens.weight"].numpy()} if "embed_tokens.weight" in state else {}
-
-
-def read_head_config(out_dir: Path) -> HeadConfig:
-    raw = json.loads((Path(out_dir) / "head.json").read_text())
-    raw["aux_layers"] = tuple(raw["aux_layers"])
-    if raw.get("rope_llama3") is not None:
-        raw["rope_llama3"] = tuple(raw["rope_llama3"])
-    return HeadConfig(**raw)
-
-
-def export_head_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, fused: bool, width: int,
-                      max_context: int, dtype: str = "float32") -> None:
-    import torch
-
-    from spec_edge.graphs import export, io_names
-
-    tdtype = export.torch_dtype(dtype)
-    module = build_module(hcfg, state).to(tdtype).eval()
-    module.fused = fused
-    shape = (1, hcfg.n_kv_heads, max_context, hcfg.head_dim)
-    hidden_in = 3 * hcfg.target_hidden_size if fused else hcfg.hidden_size
-    args = (torch.zeros(1, width, dtype=torch.int64), torch.zeros(width, hidden_in, dtype=tdtype),
-            torch.tensor([0]), torch.tensor([width - 1]), torch.zeros(shape, dtype=tdtype),
-            torch.zeros(shape, dtype=tdtype), torch.zeros(hcfg.target_vocab_size, hcfg.hidden_size, dtype=tdtype))
-    inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.LAST_INDEX, io_names.K_CACHE,
-              io_names.V_CACHE, io_names.EMBED_TABLE]
-    outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW, io_names.HIDDEN_OUT]
-    export.save_static(module, args, inputs, outputs, path, store)
-
-
-# ---------------------------------------------------------------------------------------------
-# What the target's graphs must return for a configured head
-
-def target_n_layers(source: str) -> int:
-    """The target's layer count, read cheaply (config.json or GGUF metadata, no weights)."""
-    from spec_edge.graphs import weights
-
-    path = weights.resolve(source)
-    if path.is_dir():
-        return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    for field in reader.fields.values():
-        if field.name.endswith(".block_count"):
-            return int(field.parts[field.data[0]][0])
-    raise ConfigError(f"{path}: GGUF metadata has no block_count")
-
-
-def target_hidden_layers(cfg) -> tuple[int, ...]:
-    """The target layers (outputs, ascending) the configured EAGLE-3 head reads; () without a head."""
-    head = cfg.speculative.eagle3_head
-    return head_hidden_layers(head, cfg.model.target) if head else ()
-
-
-def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
-    """The target layers (outputs, ascending) an EAGLE-3-style head folder reads (its config.json)."""
-    path = Path(head).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"head '{head}' is not a head folder (no config.json)")
-    raw = json.loads((path / "config.json").read_text())
-    eagle_cfg = raw.get("eagle_config") or {}
-    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
-        layers = tuple(int(i) for i in eagle_cfg["eagle_aux_hidden_state_layer_ids"])
-    elif raw.get("eagle_aux_hidden_state_layer_ids"):
-        layers = tuple(int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"])
-    else:
-        layers = default_aux_layers(target_n_layers(target_source))
-    if list(layers) != sorted(set(layers)):
-        raise ConfigError(f"head '{head}': auxiliary layers {list(layers)} must be distinct and ascending")
-    return layers

@@ -204,7 +204,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(cfg, args, progress) -> int:
     from spec_edge import config as cfgmod
     from spec_edge.tools.prompts import load_prompts
-    from spec_edge.runtime.engine import Engine, GenerateRequest
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.requests import GenerateRequest
 
     drafter = args.drafter or (cfg.speculative.drafter if cfg.speculative.drafter != "none" else "ngram")
     ks = sorted(set(args.ks or cfg.graphs.k_values))
@@ -216,7 +217,7 @@ def main(cfg, args, progress) -> int:
     engine = Engine.from_config(cfg, progress)
     extra = {}
     if drafter in ("layerskip", "draft"):
-        runner = engine._drafter(drafter).runner
+        runner = engine.drafter(drafter).runner
         extra["draft"] = lambda: runner.forward([11], 100)
     costs = measure_costs(engine.target, ks, rounds=args.rounds, extra=extra)
     draft_ms = costs["extra_ms"].get("draft", 0.0)

@@ -3,7 +3,7 @@
 The draft model is the target's architecture with --draft-layers decoder layers, initialised from
 evenly spaced target layers (the first and the last included) and the target's embedding, final
 norm and output head (frozen: the tied 49k x 576 table is most of a small model's weights). It is
-trained on the same cached data as the heads (train.make_data: the target's own greedy answers) to
+trained on the same cached data as the heads (data.make_data: the target's own greedy answers) to
 predict the target's argmax at every position (cross-entropy on the target's choice), and saved as
 a Hugging Face folder (config.json, model.safetensors, the target's tokenizer files), the form
 `model.draft` loads; `speculative.drafter: draft` then runs it through the same backend.
@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
+from spec_edge.training.data import log
+from spec_edge.training.fit import fit, load_resume, split
 
 
 def layer_choice(n_target: int, n_draft: int) -> list[int]:
@@ -100,18 +102,17 @@ def train_draft_model(args, argv: list[str], data: list[dict], target_state: dic
                       hf_config: dict, out: Path) -> int:
     import torch
 
-    from spec_edge.training import fit as head_train
     from spec_edge.graphs import weights
 
     layers = layer_choice(cfg.n_layers, args.draft_layers)
     identity = {"kind": "draft", "layers": layers}
-    resume = head_train.load_resume(out, identity)
+    resume = load_resume(out, identity)
     hf_config = {key: value for key, value in hf_config.items()
                  if key not in ("_name_or_path", "torch_dtype", "dtype", "transformers_version")}
     module = build_module(hf_config, len(layers), init_state(target_state, layers, cfg.tie_embeddings))
     tokenizer_files = weights.load(args.target)[2]
-    eval_data, train_data = head_train.split(data)
-    head_train.log(f"[train-draft] draft model: {len(layers)} layers initialised from target layers {layers}")
+    eval_data, train_data = split(data)
+    log(f"[train-draft] draft model: {len(layers)} layers initialised from target layers {layers}")
 
     def batch_loss(items):
         tokens, labels = _batch(items)
@@ -133,6 +134,6 @@ def train_draft_model(args, argv: list[str], data: list[dict], target_state: dic
         save_draft_model(out, hf_config, module, tokenizer_files, args.dtype,
                          {**extra, "initialised_from_target_layers": layers})
 
-    return head_train.fit(args=args, argv=argv, out=out, kind="draft", module=module, identity=identity,
-                          resume=resume, draft_ids=np.zeros(0, np.int64), train_data=train_data,
-                          batch_loss=batch_loss, evaluate=evaluate, save_head=save_head, n_sequences=len(data))
+    return fit(args=args, argv=argv, out=out, kind="draft", module=module, identity=identity,
+               resume=resume, draft_ids=np.zeros(0, np.int64), train_data=train_data,
+               batch_loss=batch_loss, evaluate=evaluate, save_head=save_head, n_sequences=len(data))

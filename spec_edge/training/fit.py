@@ -1,11 +1,13 @@
-"""The training loop the Medusa and P-EAGLE heads share (spec-edge train-draft --kind medusa|peagle).
+"""The training loop every kind of spec-edge train-draft shares (eagle3, medusa, peagle, draft).
 
-The same conventions as the EAGLE-3 loop in train.py: AdamW, warm-up then cosine learning rate,
-gradient clipping, a progress bar on stderr, bounded by --steps and --time-budget; every
---save-every steps the held-out score is measured and the head folder keeps the best checkpoint;
-<out>/train_state.pt (module, optimizer, step, draft vocabulary) makes a rerun with the same --out
-and the same head shape resume. The kind-specific code supplies the module, the loss of a batch,
-the held-out evaluation (top-1 agreement per draft position) and how to save the head.
+AdamW, warm-up then cosine learning rate, gradient clipping, a progress bar on stderr, bounded by
+--steps and --time-budget; every --save-every steps the held-out score is measured and the head
+folder keeps the best checkpoint; <out>/train_state.pt (module, optimizer, step, draft vocabulary)
+makes a rerun with the same --out and the same head shape resume. The kind-specific code
+(eagle3.py, medusa.py, peagle.py, draft_model.py) supplies the module, the loss of a batch, the
+held-out evaluation (top-1 agreement per draft position) and how to save the head. Also here:
+the resume state, the draft vocabulary map, the held-out split, and the scores of a head's
+per-position agreements (expected_length) and of its chain predictions (replay_chain).
 """
 from __future__ import annotations
 
@@ -18,9 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+from spec_edge.training.data import batches, draft_vocabulary, log
 
 
 def load_resume(out: Path, identity: dict) -> dict | None:
@@ -41,8 +41,6 @@ def draft_vocab_map(resume: dict | None, data: list[dict], vocab_size: int, draf
     """(draft_ids (Vd,) draft id -> target id, t2d (V,) long tensor target id -> draft id or -100):
     the resumed run's draft vocabulary, else the most frequent tokens of the target's answers."""
     import torch
-
-    from spec_edge.training.train import draft_vocabulary
 
     draft_ids = (np.asarray(resume["draft_ids"]) if resume is not None
                  else draft_vocabulary(data, vocab_size, draft_vocab, eos_ids))
@@ -94,8 +92,6 @@ def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, 
         save_head: Callable[[dict], None], n_sequences: int) -> int:
     import torch
     from tqdm import tqdm
-
-    from spec_edge.training.train import batches
 
     out = Path(out)
     state_path = out / "train_state.pt"

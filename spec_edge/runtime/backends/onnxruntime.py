@@ -6,7 +6,7 @@ State, allocated once per runner:
   per graph: tokens (1, T) int64, position (1,), logits (T, V), k_new / v_new (L, Hkv, T, D)
 Inputs and outputs are bound with IO binding to these numpy buffers, so a call copies nothing but
 the new keys/values (T rows per layer) into the cache. Graphs with fused attention (manifest
-"attention": "fused", spec_edge/ort_attention.py) write those rows themselves: their k_present_<i>
+"attention": "fused", spec_edge/graphs/ort_attention.py) write those rows themselves: their k_present_<i>
 outputs are bound to the same (1, Hkv, cache_rows, D) views as their k_cache_<i> inputs, and the
 cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding).
 
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs import io_names
+from spec_edge.config import Config
+from spec_edge.graphs import io_names, ort_attention, quantize
 from spec_edge.graphs.export import read_model_config
 from spec_edge.runtime.backends.base import BackendError, Runner
 
@@ -220,3 +221,22 @@ class OrtRunner(Runner):
         if not 1 <= n_layers < self.model_cfg.n_layers:
             raise BackendError(f"layer-skip needs 1 <= n_layers < {self.model_cfg.n_layers}, got {n_layers}")
         return OrtRunner(self.graph_dir, self.threads, _shared_from=self, _n_layers=n_layers)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a config runs
+
+
+def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str], None]) -> Path:
+    """The folder ONNX Runtime runs for an exported target or draft model: the post-export passes
+    the config asks for (fused attention, graphs/ort_attention.py; for the target with
+    graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, graphs/quantize.py)."""
+    graph_dir = ort_attention.for_config(cfg, exported, progress)
+    if role == "target" and cfg.graphs.weights != "fp32":
+        graph_dir = quantize.for_config(cfg, graph_dir, progress)
+    return graph_dir
+
+
+def load_runner(cfg: Config, graph_dir: Path) -> Runner:
+    """An ONNX Runtime runner over exported graphs (TensorRT runners come from load_runners)."""
+    return OrtRunner(graph_dir, cfg.runtime.threads)

@@ -1,5 +1,5 @@
-"""ONNX Runtime runners of the draft heads' static graphs: EAGLE-3 (spec_edge/eagle3.py), its
-parallel-drafting variant (spec_edge/peagle.py) and Medusa heads (spec_edge/medusa.py).
+"""ONNX Runtime runners of the draft heads' static graphs: EAGLE-3 (spec_edge/heads/eagle3.py), its
+parallel-drafting variant (spec_edge/heads/peagle.py) and Medusa heads (spec_edge/heads/medusa.py).
 
 EAGLE-3 / P-EAGLE:
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.graphs import io_names
-from spec_edge.heads.eagle3 import read_head_config
+from spec_edge.heads.eagle3_export import read_head_config
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.onnxruntime import cpu_session
 
@@ -77,7 +77,7 @@ class OrtEagle3Head:
         self.threads = threads
         self._ort = ort
         c = self.cfg
-        # fused attention (spec_edge/ort_attention.py): the graphs write their rows into the cache
+        # fused attention (spec_edge/graphs/ort_attention.py): the graphs write their rows into the cache
         # themselves (k_present bound to the k_cache memory); spare rows take an ingest's padding
         self.fused = self.manifest.get("attention") == "fused"
         shape = (1, c.n_kv_heads, int(self.manifest.get("cache_rows", self.max_context)), c.head_dim)

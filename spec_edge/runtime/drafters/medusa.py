@@ -2,7 +2,7 @@
 
 The hidden state at the last verified position (len(seq) - 2, whose argmax is the pending token
 seq[-1]) goes through the heads' graph once; head i gives draft i (k <= n heads). No draft cache, so
-nothing to roll back. The target graphs return that hidden state (spec_edge/medusa.py: index L of
+nothing to roll back. The target graphs return that hidden state (spec_edge/heads/medusa.py: index L of
 target_hidden_layers) for every position they process, prefill included.
 
 Greedy and sampled picks over the draft vocabulary: drafters/head.py.

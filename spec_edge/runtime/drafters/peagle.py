@@ -4,7 +4,7 @@ Bookkeeping as in drafters/eagle3.py: the head's cache row p holds the pair (tar
 token p+1); `_ingested` counts the real pairs in it. Before drafting, the pairs verified since the
 last call except the newest are fed in one ingest pass (none after a verify that accepted nothing
 or a plain step); the newest pair (target hidden at last, pending token) is row 0 of the draft pass,
-whose k-1 mask rows give drafts 2..k (spec_edge/peagle.py). The pass writes only row 0 into the
+whose k-1 mask rows give drafts 2..k (spec_edge/heads/peagle.py). The pass writes only row 0 into the
 cache, so rolling back is only moving `_ingested`.
 
 Greedy and sampled picks over the draft vocabulary: drafters/head.py. The mask rows do not see the

@@ -1,0 +1,278 @@
+"""`spec-edge build`'s work: TensorRT engines from the exported ONNX, with a manifest.
+
+Order of a build: plan check (memory.py) -> export (export.export_model(dynamic=True): one graph per model
+with a dynamic token axis; skipped when up to date) -> for each engine (specs.engine_specs),
+build only when its build key or file hash changed -> manifest (manifest.py). The runtime calls
+manifest.check_engines(), which refuses a missing, corrupted or mismatched engine with the command
+that rebuilds it.
+
+TensorRT is imported lazily (import_tensorrt); everything except build_engine() and gpu_identity()
+runs and is testable without tensorrt.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from spec_edge.config import Config, ConfigError
+from spec_edge.device import memory
+from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, manifest_header, precision, profile_dir,
+                                       read_manifest, write_json_atomic)
+from spec_edge.device.profiles import engine_layout, plan_for_config, plan_inputs
+from spec_edge.device.specs import BuildError, EngineSpec, engine_specs, file_sha256, onnx_quantization
+
+Progress = Callable[[str], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT (imported lazily)
+
+
+def import_tensorrt():
+    try:
+        import tensorrt as trt
+    except ImportError as err:
+        raise BuildError("TensorRT's Python package is not importable: on Jetson install JetPack's "
+                         "python3-libnvinfer (TensorRT 10.x) and create the venv with "
+                         "--system-site-packages") from err
+    return trt
+
+
+def gpu_identity() -> dict[str, str]:
+    import torch
+    if not torch.cuda.is_available():
+        raise BuildError("no CUDA device: TensorRT engines are built on the device that runs them")
+    major, minor = torch.cuda.get_device_capability()
+    return {"name": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}"}
+
+
+def timing_cache_path(engine_root: Path, trt_version: str, gpu: dict[str, str]) -> Path:
+    cc = gpu["compute_capability"].replace(".", "")
+    return Path(engine_root) / f"timing_trt{trt_version}_sm{cc}.cache"
+
+
+class _Cancel:
+    """Set from the SIGINT handler; the progress monitor then asks TensorRT to stop the build."""
+
+    def __init__(self):
+        self.event = threading.Event()
+
+
+def make_progress_monitor(trt, progress: Progress, cancel: _Cancel):
+    """An IProgressMonitor that prints nested phases with step counts (at most one line per second
+    per phase, plus start and finish) and cancels the build when `cancel` is set."""
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self._lock = threading.Lock()
+            self._depth: dict[str, int] = {}
+            self._steps: dict[str, int] = {}
+            self._last: dict[str, float] = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            with self._lock:
+                depth = self._depth.get(parent_phase, -1) + 1 if parent_phase else 0
+                self._depth[phase_name] = depth
+                self._steps[phase_name] = num_steps
+                self._last[phase_name] = time.monotonic()
+                progress(f"[build] {'  ' * depth}{phase_name} (0/{num_steps})")
+
+        def step_complete(self, phase_name, step):
+            with self._lock:
+                now = time.monotonic()
+                if now - self._last.get(phase_name, 0.0) >= 1.0:
+                    self._last[phase_name] = now
+                    depth = self._depth.get(phase_name, 0)
+                    progress(f"[build] {'  ' * depth}{phase_name} ({step + 1}/{self._steps.get(phase_name, '?')})")
+            return not cancel.event.is_set()
+
+        def phase_finish(self, phase_name):
+            with self._lock:
+                depth = self._depth.pop(phase_name, 0)
+                if depth == 0:
+                    progress(f"[build] {phase_name} done")
+                self._steps.pop(phase_name, None)
+                self._last.pop(phase_name, None)
+
+    return Monitor()
+
+
+def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timing_cache: Path,
+                 progress: Progress = print, cancel: _Cancel | None = None) -> dict[str, Any]:
+    """Build one engine from spec.onnx (strongly typed: precisions are the ONNX dtypes and Q/DQ
+    nodes) and write it to out_path. Returns what the manifest records about TensorRT's memory."""
+    trt = import_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    progress(f"[build] parsing {spec.onnx}")
+    if not parser.parse_from_file(str(spec.onnx)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        for error in errors:
+            progress(f"[build] ONNX parser: {error}")
+        raise BuildError(f"TensorRT cannot parse {spec.onnx} ({len(errors)} errors, first: "
+                         f"{errors[0] if errors else '?'}); re-export with `spec-edge export`")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_bytes))
+    cached = timing_cache.read_bytes() if timing_cache.is_file() else b""
+    cache = config.create_timing_cache(cached)
+    if not config.set_timing_cache(cache, ignore_mismatch=False):
+        progress(f"[build] timing cache {timing_cache} does not match this device/TensorRT; starting a new one")
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, ignore_mismatch=False)
+    cancel = cancel or _Cancel()
+    monitor = make_progress_monitor(trt, progress, cancel)
+    config.progress_monitor = monitor
+    profiles: list[int] = []
+    if spec.dynamic:
+        for width in spec.widths:
+            profile = builder.create_optimization_profile()
+            for i in range(network.num_inputs):
+                tensor = network.get_input(i)
+                shape = tuple(width if d < 0 else d for d in tensor.shape)
+                profile.set_shape(tensor.name, shape, shape, shape)
+            profiles.append(config.add_optimization_profile(profile))
+    started = time.monotonic()
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        if cancel.event.is_set():
+            raise BuildError(f"build of {out_path.name} cancelled")
+        raise BuildError(f"TensorRT could not build {out_path.name} from {spec.onnx} (see the errors "
+                         f"above; a too small memory.workspace_gb can cause this)")
+    tmp = out_path.with_suffix(".engine.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(memoryview(serialized))
+    os.replace(tmp, out_path)
+    cache_tmp = timing_cache.with_suffix(".tmp")
+    cache_tmp.write_bytes(memoryview(config.get_timing_cache().serialize()))
+    os.replace(cache_tmp, timing_cache)
+    seconds = round(time.monotonic() - started, 1)
+    del serialized, config, parser, network, builder
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(out_path.read_bytes())
+    if engine is None:
+        raise BuildError(f"the engine just built ({out_path}) does not deserialize")
+    per_profile = [context_memory_size(engine, p) for p in range(engine.num_optimization_profiles)]
+    progress(f"[build] {out_path.name}: {seconds} s, context memory {max(per_profile, default=0) / 2**20:.0f} MiB")
+    by_width = dict(zip(spec.widths, profiles)) if spec.dynamic else {spec.widths[0]: 0}
+    return {"build_seconds": seconds, "profiles": {str(w): int(i) for w, i in by_width.items()},
+            "context_memory": max(per_profile, default=0)}
+
+
+def context_memory_size(engine, profile: int) -> int:
+    """Bytes of execution-context memory a profile needs (the *_v2 calls are TensorRT >= 10.1)."""
+    if hasattr(engine, "get_device_memory_size_for_profile_v2"):
+        return int(engine.get_device_memory_size_for_profile_v2(profile))
+    if hasattr(engine, "device_memory_size_v2"):
+        return int(engine.device_memory_size_v2)
+    return int(engine.device_memory_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# The build
+
+
+def export_all(cfg: Config, progress: Progress) -> dict[str, Path]:
+    """Export (or reuse) the ONNX graphs of the target and, for drafter=draft, the draft."""
+    from spec_edge.graphs import export
+    dynamic = engine_layout() == "shared"
+    dirs = {"target": export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress, dynamic)}
+    if cfg.speculative.drafter == "draft":
+        dirs["draft"] = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), progress, dynamic)
+    return dirs
+
+
+def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:
+    """A quantized profile needs a quantized export: refuse before TensorRT silently builds bf16."""
+    want = cfg.graphs.quantization
+    for spec in specs:
+        if spec.role == "draft":
+            continue
+        have = onnx_quantization(spec.onnx)
+        if have != want:
+            raise BuildError(f"graphs.quantization={want} but {spec.onnx} carries {have} weights: "
+                             f"export the target through ModelOpt ({want}) first, see docs/tensorrt.md")
+
+
+def build(cfg: Config, *, progress: Progress = print, force: bool = False,
+          device: memory.DeviceMemory | None = None, cancel: _Cancel | None = None) -> dict[str, Any]:
+    """Plan check, export, engines, manifest. Returns the manifest."""
+    if cfg.runtime.backend != "tensorrt":
+        raise ConfigError(f"runtime.backend is {cfg.runtime.backend}: engines are built for "
+                          f"runtime.backend: tensorrt profiles")
+    the_plan = memory.check(plan_for_config(cfg, device if device is not None else memory.read_device_memory()))
+    progress(the_plan.table())
+    trt = import_tensorrt()
+    gpu = gpu_identity()
+    directory = profile_dir(cfg)
+    directory.mkdir(parents=True, exist_ok=True)
+    onnx_dirs = export_all(cfg, progress)
+    specs = engine_specs(cfg, onnx_dirs)
+    check_quantization(cfg, specs)
+    fingerprints = checkpoint_fingerprints(cfg)
+    old = read_manifest(directory) or {}
+    manifest = manifest_header(cfg, fingerprints, trt.__version__, gpu)
+    manifest["layout"] = "shared" if any(s.dynamic for s in specs) else "per_graph"
+    timing = timing_cache_path(directory.parent, trt.__version__, gpu)
+    extra = {"precision": precision(cfg), "tensorrt": trt.__version__, "gpu": gpu["compute_capability"],
+             "workspace": int(cfg.memory.workspace_gb * memory.GIB)}
+    for spec in specs:
+        path = directory / f"{spec.name}.engine"
+        key = spec.build_key(extra)
+        previous = old.get("engines", {}).get(spec.name)
+        if (not force and previous and previous.get("build_key") == key and path.is_file()
+                and path.stat().st_size == previous.get("size") and file_sha256(path) == previous.get("sha256")):
+            progress(f"[build] {spec.name}: up to date")
+            manifest["engines"][spec.name] = previous
+            continue
+        progress(f"[build] {spec.name}: widths {list(spec.widths)} from {spec.onnx.name}")
+        info = build_engine(spec, path, workspace_bytes=extra["workspace"], timing_cache=timing,
+                            progress=progress, cancel=cancel)
+        manifest["engines"][spec.name] = {
+            "file": path.name, "role": spec.role, "onnx": str(spec.onnx), "widths": list(spec.widths),
+            "kinds": {str(w): k for w, k in spec.kinds.items()}, "dynamic": spec.dynamic,
+            "size": path.stat().st_size, "sha256": file_sha256(path), "build_key": key,
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info}
+    for stale in set(old.get("engines", {})) - set(manifest["engines"]):
+        (directory / old["engines"][stale]["file"]).unlink(missing_ok=True)
+    manifest["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write_json_atomic(directory / MANIFEST, manifest)
+    report_engine_sizes(cfg, manifest, progress)
+    measured = max((e.get("context_memory", 0) for e in manifest["engines"].values()), default=0)
+    progress(memory.plan(plan_inputs(cfg, manifest["layout"], measured or None),
+                         memory.read_device_memory()).table())
+    progress(f"[build] engines for '{cfg.runtime.profile}' in {directory}")
+    return manifest
+
+
+def report_engine_sizes(cfg: Config, manifest: dict[str, Any], progress: Progress) -> list[str]:
+    """Compare each role's engine bytes on disk with the weights the plan counted for it and warn
+    when TensorRT stored more (e.g. weights duplicated across optimization profiles): the plan
+    is then optimistic and `spec-edge plan --layout per_graph` is the safer bound."""
+    inputs = plan_inputs(cfg, manifest.get("layout"))
+    dtype, quant = cfg.graphs.dtype, cfg.graphs.quantization
+    expected = {"target": memory.weight_bytes(inputs.target, dtype, quant),
+                "layerskip": memory.weight_bytes(inputs.target, dtype, quant,
+                                                 n_layers=cfg.graphs.layer_skip_layers)}
+    if inputs.draft is not None:
+        expected["draft"] = memory.weight_bytes(inputs.draft, dtype)
+    warnings = []
+    for role, weights_bytes in expected.items():
+        entries = [e for e in manifest["engines"].values() if e["role"] == role]
+        if not entries:
+            continue
+        on_disk = sum(e["size"] for e in entries)
+        planned = weights_bytes * (1 if manifest.get("layout") == "shared" else len(entries))
+        line = (f"[build] {role} engines: {on_disk / memory.GIB:.2f} GiB on disk, plan counted "
+                f"{planned / memory.GIB:.2f} GiB of weights")
+        if on_disk > 1.15 * planned:
+            line += " - MORE than planned: trust `spec-edge plan --layout per_graph` for this device"
+            warnings.append(line)
+        progress(line)
+    return warnings

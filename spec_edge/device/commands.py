@@ -1,0 +1,152 @@
+"""The command lines `spec-edge plan` and `spec-edge build` (also the ROS executable build_engines),
+and the generated plan documentation: docs/thor_profiles.md and the `#@plan` comment block of each
+config/thor_*.yaml (write_profile_docs).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from spec_edge.config import Config, ConfigError, load
+from spec_edge.device import memory, projection
+from spec_edge.device.builder import _Cancel, build
+from spec_edge.device.manifest import ManifestError, check_engines, precision
+from spec_edge.device.profiles import plan_for_config, resolve_profile
+from spec_edge.device.specs import BuildError
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines (the lead wires these into `spec-edge build|plan` and the ROS executable)
+
+
+def _load_profile(arg: str, overrides: dict[str, Any]) -> Config:
+    cfg = load(resolve_profile(arg))
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def _without_ros_args(argv: Sequence[str] | None) -> list[str]:
+    """argv without the `--ros-args ...` tail `ros2 run` / launch may append."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    return args[:args.index("--ros-args")] if "--ros-args" in args else args
+
+
+def plan_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spec-edge plan", description="Print the memory plan of a profile.")
+    parser.add_argument("profile", help="profile yaml, or a name in config/ (e.g. thor_llama31_8b_bf16)")
+    parser.add_argument("--max-context", type=int, help="plan this graphs.max_context instead")
+    parser.add_argument("--k", type=int, help="plan this speculative.k (must be in graphs.k_values)")
+    parser.add_argument("--layout", choices=("shared", "per_graph"), help="engine layout (default: what build does)")
+    parser.add_argument("--config-only", action="store_true", help="ignore the memory of this machine")
+    parser.add_argument("--alpha", type=float,
+                        help="draft acceptance rate for the k table (default: the profile's assumed rate, "
+                             "0.7 when none; measure it with `spec-edge bench`)")
+    args = parser.parse_args(_without_ros_args(argv))
+    overrides: dict[str, Any] = {}
+    if args.max_context:
+        overrides["graphs.max_context"] = args.max_context
+    if args.k:
+        overrides["speculative.k"] = args.k
+    try:
+        cfg = _load_profile(args.profile, overrides)
+        device = None if args.config_only else memory.read_device_memory()
+        the_plan = plan_for_config(cfg, device, args.layout)
+    except ConfigError as err:
+        print(f"spec-edge plan: {err}", file=sys.stderr)
+        return 2
+    print(the_plan.table())
+    alpha = args.alpha if args.alpha is not None else ASSUMED_ALPHA.get(cfg.runtime.profile, 0.7)
+    print(projection.k_table(the_plan.inputs, alpha))
+    if not the_plan.fits:
+        try:
+            memory.check(the_plan)
+        except memory.PlanError as err:
+            print(str(err).split("\n", 1)[0], file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spec-edge build",
+                                     description="Export and build the TensorRT engines of a profile.")
+    parser.add_argument("profile", help="profile yaml, or a name in config/")
+    parser.add_argument("--force", action="store_true", help="rebuild every engine")
+    parser.add_argument("--engine-dir", help="override runtime.engine_dir")
+    parser.add_argument("--check", action="store_true", help="only check the built engines against the profile")
+    args = parser.parse_args(_without_ros_args(argv))
+    overrides = {"runtime.engine_dir": args.engine_dir} if args.engine_dir else {}
+    try:
+        cfg = _load_profile(args.profile, overrides)
+        if args.check:
+            manifest = check_engines(cfg)
+            print(f"engines for '{cfg.runtime.profile}' are complete and match the profile "
+                  f"({len(manifest['engines'])} engines, TensorRT {manifest['tensorrt_version']})")
+            return 0
+        cancel = _Cancel()
+        if threading.current_thread() is not threading.main_thread():
+            build(cfg, force=args.force, cancel=cancel)
+            return 0
+        # Ctrl-C asks TensorRT to stop at its next step (the monitor returns False) instead of
+        # leaving a half-written engine; the engine file is only replaced once complete anyway.
+        previous = signal.signal(signal.SIGINT, lambda *_: cancel.event.set())
+        try:
+            build(cfg, force=args.force, cancel=cancel)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    except (ConfigError, BuildError, ManifestError) as err:
+        print(f"spec-edge build: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/thor_profiles.md and the plan comments of config/thor_*.yaml
+
+# acceptance rates assumed for the k tables until `spec-edge bench` has measured them on the robot
+ASSUMED_ALPHA = {"thor_llama31_8b_bf16": 0.75, "thor_llama31_8b_fp8": 0.75, "thor_qwen3_8b_bf16": 0.70,
+                 "thor_llama31_8b_layerskip": 0.40}
+
+
+def profile_report(cfg: Config, alpha: float) -> str:
+    """The shared-layout plan, the per-graph total for comparison, and the k table."""
+    shared = plan_for_config(cfg, None, "shared")
+    per_graph = plan_for_config(cfg, None, "per_graph")
+    return (shared.table() + f"\n  (with one engine per static graph instead: total "
+            f"{per_graph.total / memory.GIB:.2f} GiB)\n" + projection.k_table(shared.inputs, alpha))
+
+
+def write_profile_docs(config_dir: Path, doc_path: Path) -> None:
+    """Regenerate the `#@plan` comment block of each config/thor_*.yaml and docs/thor_profiles.md."""
+    sections = ["# Thor profiles\n",
+                "Generated by `spec_edge.device.commands.write_profile_docs` from config/thor_*.yaml "
+                "(memory.py's and projection.py's arithmetic; acceptance rates are assumptions until "
+                "`spec-edge bench` measures them). `spec-edge plan <profile>` prints the same on the robot, "
+                "with its real free memory.\n",
+                "| profile | target + draft | precision | k | max_context | total GiB | largest context | "
+                "speed-up at k (assumed alpha) |", "|---|---|---|---|---|---|---|---|"]
+    details = []
+    for path in sorted(Path(config_dir).glob("thor_*.yaml")):
+        cfg = load(path)
+        alpha = ASSUMED_ALPHA.get(path.stem, 0.7)
+        report = profile_report(cfg, alpha)
+        p = plan_for_config(cfg, None, "shared")
+        c = projection.draft_cost(p.inputs) or 0.0
+        draft = (Path(cfg.model.draft).name if cfg.speculative.drafter == "draft"
+                 else f"layer-skip {cfg.graphs.layer_skip_layers}" if cfg.speculative.drafter == "layerskip"
+                 else cfg.speculative.drafter)
+        sections.append(f"| {path.stem} | {Path(cfg.model.target).name} + {draft} | {precision(cfg)} | "
+                        f"{cfg.speculative.k} | {cfg.graphs.max_context} | {p.total / memory.GIB:.1f} | "
+                        f"{p.largest_max_context} | {projection.speedup(alpha, cfg.speculative.k, c):.2f}x "
+                        f"({alpha}) |")
+        details.append(f"\n## {path.stem}\n\n```\n{report}\n```\n")
+        text = path.read_text()
+        head, sep, body = text.partition("/**:")
+        kept = [line for line in head.splitlines() if not line.startswith("#|")]
+        block = [line.replace("#@plan", "") for line in kept]
+        block = [line for line in block if line] + ["#@plan"] + ["#| " + r for r in report.splitlines()]
+        path.write_text("\n".join(block) + "\n" + sep + body)
+    doc_path.write_text("\n".join(sections) + "\n" + "".join(details))

@@ -1,0 +1,70 @@
+"""A profile without its weights: where its yaml is, the architecture of each model it names, the
+engine layout, and the memory plan of the profile (memory.PlanInputs from a Config).
+
+Nothing here reads a checkpoint or needs TensorRT: `spec-edge plan` runs on any machine.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spec_edge.config import MODEL_PRESETS, Config, ConfigError, ModelConfig
+from spec_edge.device import memory
+
+
+def resolve_profile(arg: str) -> Path:
+    """A profile path, or a name looked up as config/<name>.yaml here, in the source tree, and in
+    the installed package share directory."""
+    path = Path(arg).expanduser()
+    if path.is_file():
+        return path
+    name = arg if arg.endswith(".yaml") else f"{arg}.yaml"
+    candidates = [Path.cwd() / "config" / name, Path(__file__).resolve().parents[2] / "config" / name]
+    try:
+        from ament_index_python.packages import get_package_share_directory
+        candidates.append(Path(get_package_share_directory("spec_edge")) / "config" / name)
+    except Exception:  # ament_index missing or the package not installed: only the local paths apply
+        pass
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"profile '{arg}' not found (looked for {', '.join(str(c) for c in candidates)})")
+
+
+def model_config(source: str) -> ModelConfig:
+    """The architecture a model source names: a preset name, an HF folder's config.json, or (for a
+    folder not downloaded yet) the preset whose published name is the folder's name."""
+    if source in MODEL_PRESETS:
+        return MODEL_PRESETS[source]
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        from spec_edge.graphs.weights import config_from_hf
+        return config_from_hf(json.loads((path / "config.json").read_text()))
+    by_name = {m.name.lower(): m for m in MODEL_PRESETS.values()}
+    if path.name.lower() in by_name:
+        return by_name[path.name.lower()]
+    if source == "embedded":
+        return MODEL_PRESETS["smollm2-135m"]
+    raise ConfigError(f"cannot tell the architecture of '{source}': give a Hugging Face folder with "
+                      f"config.json, or a preset ({', '.join(MODEL_PRESETS)})")
+
+
+def engine_layout() -> str:
+    """'shared': one engine per model, one optimization profile per width, over the dynamic-width
+    graph export.export_model(dynamic=True) writes (memory.py explains why). specs.engine_specs()
+    still builds one engine per graph ('per_graph') when it finds only static graphs."""
+    return "shared"
+
+
+def plan_inputs(cfg: Config, layout: str | None = None, measured_activation: int | None = None
+                ) -> memory.PlanInputs:
+    drafter = cfg.speculative.drafter
+    draft = model_config(cfg.model.draft) if drafter == "draft" else None
+    return memory.PlanInputs(target=model_config(cfg.model.target), graphs=cfg.graphs, memory=cfg.memory,
+                             drafter=drafter, k=cfg.speculative.k, draft=draft,
+                             layout=layout or engine_layout(), measured_activation=measured_activation)
+
+
+def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None, layout: str | None = None,
+                    measured_activation: int | None = None) -> memory.Plan:
+    return memory.plan(plan_inputs(cfg, layout, measured_activation), device)

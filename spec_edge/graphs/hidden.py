@@ -1,0 +1,100 @@
+"""The hidden states a target's graphs return for its draft heads.
+
+A head reads some of the target's layer outputs: EAGLE-3 and P-EAGLE a low, a middle and a high
+layer (their config.json names them), Medusa the final-norm state (index L). The full-model graphs
+(prefill, step, verify) then also return those states side by side, (T, len(layers) * H), ascending
+by layer (index L = after the final norm). This is what the export needs to know of a head before
+any head module is loaded: the layer ids, read from the head folder's config.json alone.
+
+Layer ids here are 0-based layer *outputs* (id i = the output of layer i).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from spec_edge.config import ConfigError
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default layers as outputs of layers: inputs of (2, L/2, L-3)."""
+    return (1, n_layers // 2 - 1, n_layers - 4)
+
+
+def configured_aux_layers(raw: dict) -> tuple[int, ...] | None:
+    """The layer ids an EAGLE-3-style head's config.json names, as layer outputs; None when it names
+    none (then the default for the target applies). Model Optimizer's eagle_config ids are layer
+    outputs; vLLM speculators' top-level ids count layer inputs (j = output of layer j-1)."""
+    eagle_cfg = raw.get("eagle_config") or {}
+    if eagle_cfg.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(i) for i in eagle_cfg["eagle_aux_hidden_state_layer_ids"])
+    if raw.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(i) - 1 for i in raw["eagle_aux_hidden_state_layer_ids"])
+    return None
+
+
+def target_n_layers(source: str) -> int:
+    """The target's layer count, read cheaply (config.json or GGUF metadata, no weights)."""
+    from spec_edge.graphs import weights
+
+    path = weights.resolve(source)
+    if path.is_dir():
+        return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    for field in reader.fields.values():
+        if field.name.endswith(".block_count"):
+            return int(field.parts[field.data[0]][0])
+    raise ConfigError(f"{path}: GGUF metadata has no block_count")
+
+
+def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
+    """The target layers (outputs, ascending) an EAGLE-3-style head folder reads (its config.json)."""
+    path = Path(head).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"head '{head}' is not a head folder (no config.json)")
+    layers = configured_aux_layers(json.loads((path / "config.json").read_text()))
+    if layers is None:
+        layers = default_aux_layers(target_n_layers(target_source))
+    if list(layers) != sorted(set(layers)):
+        raise ConfigError(f"head '{head}': auxiliary layers {list(layers)} must be distinct and ascending")
+    return layers
+
+
+def target_hidden_layers(cfg) -> tuple[int, ...]:
+    """The hidden states the target's graphs return (ascending; index L = after the final norm):
+    the union of what the configured heads read (EAGLE-3 / P-EAGLE: three layers, Medusa: L)."""
+    s = cfg.speculative
+    if not (s.eagle3_head or s.peagle_head or s.medusa_head):
+        return ()
+    layers: set[int] = set()
+    for head in (s.eagle3_head, s.peagle_head):
+        if head:
+            layers.update(head_hidden_layers(head, cfg.model.target))
+    if s.medusa_head:
+        layers.add(target_n_layers(cfg.model.target))
+    return tuple(sorted(layers))
+
+
+def returned_hidden_layers(graph_dir: Path) -> tuple[int, ...]:
+    """The hidden states an exported target's graphs return (its manifest), () when none."""
+    path = Path(graph_dir) / "manifest.json"
+    if not path.is_file():
+        return ()
+    for spec in json.loads(path.read_text()).get("graphs", {}).values():
+        if spec.get("hidden_layers"):
+            return tuple(spec["hidden_layers"])
+    return ()
+
+
+def hidden_columns(have: tuple[int, ...], layers: tuple[int, ...], hidden_size: int):
+    """Column indices (len(layers) * hidden_size,) of `layers`' blocks in hidden-state rows that hold
+    the layers `have` side by side (see target_hidden_layers)."""
+    import numpy as np
+
+    missing = [i for i in layers if i not in have]
+    if missing:
+        raise ConfigError(f"the target graphs do not return the hidden states of layers {missing} (they return "
+                          f"{list(have)}): set the head in the config and re-export")
+    return np.concatenate([np.arange(hidden_size) + have.index(i) * hidden_size for i in layers])

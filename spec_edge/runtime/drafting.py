@@ -1,0 +1,160 @@
+"""The drafters of one engine, made from its config on first use and kept: the runners and heads
+they need (a draft model's graphs, the layer-skip graphs, the EAGLE-3 / Medusa / P-EAGLE heads
+exported and passed through the ONNX Runtime passes the config asks for) are loaded once; the
+drafter objects themselves are cheap and made per request.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig
+from spec_edge.graphs import export, hidden, ort_attention, quantize
+from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
+from spec_edge.runtime.requests import RequestError
+from spec_edge.runtime.tokenizer import Tokenizer
+
+
+class Drafters:
+    """drafter(name) for one target. State, loaded on first use: draft_runner, layer_skip (Runners),
+    eagle3_head / peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads)."""
+
+    def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path, model_cfg: ModelConfig,
+                 progress: Callable[[str], None] = print, draft_runner: Runner | None = None):
+        self.cfg = cfg
+        self.target = target
+        self.tokenizer = tokenizer
+        self.graph_dir = graph_dir
+        self.model_cfg = model_cfg
+        self.progress = progress
+        self.draft_runner = draft_runner
+        self.layer_skip: Runner | None = None
+        self.eagle3_head = None   # backends.ort_heads.OrtEagle3Head
+        self.medusa_heads = None  # backends.ort_heads.OrtMedusaHeads
+        self.peagle_head = None   # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
+        self.hidden_layers = hidden.returned_hidden_layers(graph_dir)  # what the target's graphs return
+
+    def with_config(self, cfg: Config) -> "Drafters":
+        """The drafters for another config of the same target (graphs.head_weights changed, say): the
+        draft model and layer-skip runners are kept, the heads are loaded again on first use."""
+        other = Drafters(cfg, self.target, self.tokenizer, self.graph_dir, self.model_cfg, self.progress,
+                         self.draft_runner)
+        other.layer_skip = self.layer_skip
+        return other
+
+    def drafter(self, name: str):
+        from spec_edge.runtime.drafters.draft_model import ModelDrafter
+        from spec_edge.runtime.drafters.layer_skip import LayerSkipDrafter
+        from spec_edge.runtime.drafters.ngram import NgramDrafter
+
+        spec = self.cfg.speculative
+        if name == "ngram":
+            return NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max)
+        if name == "layerskip":
+            if self.layer_skip is None:
+                self.layer_skip = self.target.layer_skip(self.cfg.graphs.layer_skip_layers)
+            return LayerSkipDrafter(self.layer_skip, self.cfg.graphs.layer_skip_layers)
+        if name == "draft":
+            if self.draft_runner is None:
+                if not self.cfg.model.draft:
+                    raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
+                if self.cfg.runtime.backend == "tensorrt":
+                    raise RequestError("the draft model's engine is loaded only when speculative.drafter is "
+                                       "'draft' in the profile: set it and restart")
+                draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
+                                                self.progress)
+                check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
+                draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
+                self.draft_runner = load_runner(self.cfg, draft_dir)
+            return ModelDrafter(self.draft_runner)
+        if name == "eagle3":
+            return self._eagle3_drafter()
+        if name == "hybrid":
+            from spec_edge.runtime.drafters.hybrid import HybridDrafter
+
+            return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
+                                 self._eagle3_drafter("hybrid"))
+        if name == "medusa":
+            return self._medusa_drafter()
+        if name == "peagle":
+            return self._peagle_drafter()
+        raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
+
+    def _eagle3_drafter(self, name: str = "eagle3"):
+        from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
+
+        head = self.eagle3_head
+        if head is None:
+            head_path = self.cfg.speculative.eagle3_head
+            if not head_path:
+                raise RequestError(f"drafter {name} needs an EAGLE-3 head: set speculative.eagle3_head to a head "
+                                   f"folder (e.g. one made by `spec-edge train-draft`) and restart")
+            if self.cfg.runtime.backend != "onnxruntime":
+                raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
+            from spec_edge.heads import eagle3_export
+            from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
+
+            self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
+            head_dir = eagle3_export.export_head(self.cfg, head_path, self.model_cfg,
+                                                 export.artifact_dir(self.cfg, "eagle3"), self.progress)
+            head_dir = ort_attention.for_config(self.cfg, head_dir, self.progress,
+                                                eagle3_export.read_head_config(head_dir).as_model_config())
+            head_dir = quantize.for_head(self.cfg, head_dir, self.progress)
+            head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
+            self.eagle3_head = head
+        return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
+
+    def _export_head(self, name: str, field: str, what: str, export_head) -> Path:
+        """The configured head folder of a hidden-state drafter exported into its artifact folder by
+        export_head (e.g. medusa.export_heads), or a RequestError saying what is missing."""
+        path = getattr(self.cfg.speculative, field)
+        if not path:
+            raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
+                               f"made by `spec-edge train-draft --kind {name}`) and restart")
+        if self.cfg.runtime.backend != "onnxruntime":
+            raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
+        self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
+        head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, name), self.progress)
+        return quantize.for_head(self.cfg, head_dir, self.progress)
+
+    def _medusa_drafter(self):
+        from spec_edge.runtime.drafters.medusa import MedusaDrafter
+
+        heads = self.medusa_heads
+        if heads is None:
+            from spec_edge.heads import medusa
+            from spec_edge.runtime.backends.ort_heads import OrtMedusaHeads
+
+            heads = OrtMedusaHeads(self._export_head("medusa", "medusa_head", "Medusa heads", medusa.export_heads),
+                                   self.cfg.runtime.threads)
+            if self.cfg.speculative.drafter == "medusa":
+                MedusaDrafter(self.target, heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
+            self.medusa_heads = heads
+        return MedusaDrafter(self.target, heads, self._columns((self.model_cfg.n_layers,)))
+
+    def _peagle_drafter(self):
+        from spec_edge.runtime.drafters.peagle import PEagleDrafter
+
+        head = self.peagle_head
+        if head is None:
+            from spec_edge.heads import peagle
+            from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
+
+            head_dir = self._export_head("peagle", "peagle_head", "a parallel-drafting head", peagle.export_head)
+            head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
+            self.peagle_head = head
+        return PEagleDrafter(self.target, head, self._columns(head.cfg.aux_layers))
+
+    def _columns(self, layers: tuple[int, ...]):
+        """Where a head's layers sit in the target's hidden-state rows (union of all heads' layers)."""
+        return hidden.hidden_columns(self.hidden_layers, tuple(layers), self.model_cfg.hidden_size)
+
+
+def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_source: str) -> None:
+    draft_vocab, target_vocab = draft.vocab(), target.vocab()
+    if draft_vocab != target_vocab:
+        differing = sum(1 for tok, idx in draft_vocab.items() if target_vocab.get(tok) != idx)
+        raise ConfigError(f"draft model '{draft_source}' uses another tokenizer ({len(draft_vocab)} tokens, "
+                          f"{differing} differ from the target's {len(target_vocab)}): a draft model must "
+                          f"share the target's tokenizer")

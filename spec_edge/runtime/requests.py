@@ -1,0 +1,77 @@
+"""A request and its result, as the CLI, the ROS node and the tools hand them to the engine; the
+checks on a request's own fields (text, stop strings) that need no model; the load rule that
+switches speculation off under a queue."""
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass
+
+from spec_edge.runtime.speculative import Stats
+
+FINISH_REASONS = ("eos", "stop", "length", "context_full", "cancelled", "error")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str = ""
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content); used instead of prompt when given
+    system_prompt: str = ""                     # "" = config default, then the template's default
+    max_new_tokens: int | None = None           # None = config default
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    speculate: bool = True
+    drafter: str | None = None
+    k: int | None = None
+    chat: bool = True                           # False: the prompt is fed as raw text
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+    prompt_tokens: int = 0
+    message: str = ""
+    queued_at_start: int = 1         # requests in the caller's queue as it started, itself included
+    speculation_off_reason: str = ""  # why it ran target-only though it would have speculated ("" = it did not)
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "message": self.message,
+                "queued_at_start": self.queued_at_start, "speculation_off_reason": self.speculation_off_reason,
+                "stats": self.stats.as_dict()}
+
+
+def speculation_off_reason(drafter: str, queued: int, max_queue: int) -> str:
+    """The load rule of serve.speculate_max_queue: "" when a request resolved to `drafter` speculates
+    as asked, else why it runs target-only. queued: requests in the queue as it starts, itself
+    included (1 = it is alone); max_queue: serve.speculate_max_queue, 0 = never switch off."""
+    if drafter == "none" or max_queue <= 0 or queued <= max_queue:
+        return ""
+    return (f"{queued} requests queued (this one included) > serve.speculate_max_queue={max_queue}: "
+            f"ran target-only instead of drafter {drafter}")
+
+
+def check_text(name: str, text: str) -> None:
+    for i, char in enumerate(text):
+        if char in "\n\t\r":
+            continue
+        category = unicodedata.category(char)
+        if category == "Cs":
+            raise RequestError(f"{name} is not valid UTF-8 (undecodable byte at character {i}): send UTF-8 text")
+        if category == "Cc":
+            raise RequestError(f"{name} contains control character U+{ord(char):04X} at character {i}: "
+                               f"remove it (only newline, tab and carriage return are accepted)")
+
+
+def check_stop(stop: tuple[str, ...]) -> None:
+    for item in stop:
+        check_text("stop string", item)

@@ -1,0 +1,126 @@
+"""spec_edge's own systems for `spec-edge bench`, and the record of one measured run.
+
+A System is one thing the bench times: a name, its family (spec_edge, transformers, llama.cpp), the
+weights it runs, its drafter and k, the plain system of its family (its ratio baseline) and a run()
+that decodes one prompt into a Run. spec_systems builds spec_edge's: target-only and every drafter x k
+per weights x ort_attention variant, each variant on its own Engine. The peers' systems are in
+spec_edge.tools.peers.
+"""
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+# ---------------------------------------------------------------------------------------------
+# One measured generation
+
+
+@dataclass
+class Run:
+    system: str
+    prompt_id: str
+    kind: str
+    temperature: float
+    repeat: int
+    token_ids: list[int]
+    tokens_per_s: float
+    ttft_s: float
+    total_s: float
+    drafted: int = 0
+    accepted: int = 0
+    verify_calls: int = 0
+    step_calls: int = 0
+    acceptance: float | None = None
+    mean_accepted_length: float | None = None
+    finish: str = ""
+
+
+@dataclass
+class System:
+    name: str
+    family: str            # spec_edge | transformers | llama.cpp
+    weights: str           # fp32 | q4 | q4_fp32act | Q4_1 (GGUF, llama.cpp)
+    drafter: str           # none | ngram | layerskip | draft | prompt-lookup | assistant ...
+    k: int
+    plain: str             # the name of this family's plain system (its own ratio baseline)
+    run: Callable[[dict, list[int], float, int, int], Run] = field(repr=False)
+    temperatures: bool = True   # also runs at temperature > 0
+    memory_mb: float = 0.0      # resident memory added when the system was loaded
+    note: str = ""
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 1e6
+    except ImportError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# spec_edge systems
+
+
+def variant_label(weights: str, ort_attention: str) -> str:
+    """A spec_edge variant's name in the report: 'q4', or 'q4+graph' for the exported attention."""
+    return weights if ort_attention == "fused" else f"{weights}+{ort_attention}"
+
+
+def label_weights(label: str) -> str:
+    return label.split("+")[0]
+
+
+def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], progress,
+                 attentions: tuple[str, ...] = ("fused",)) -> tuple[list[System], dict]:
+    """Target-only and drafter x k systems per weights x ort_attention variant. At temperature > 0
+    only target-only and the profile's k (else the largest k asked) run: the temperature sweep is
+    about acceptance."""
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.requests import GenerateRequest
+
+    temp_k = cfg.speculative.k if cfg.speculative.k in ks else max(ks)
+
+    systems: list[System] = []
+    engines = {}
+    for weights_name, attention in ((w, a) for w in weights for a in attentions):
+        before = _rss_mb()
+        engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
+                                                   "speculative.drafter": "none"}), progress)
+        w = variant_label(weights_name, attention)  # the report's label of this variant
+        engines[w] = engine
+        plain_name = f"spec_edge[{w}] target-only"
+
+        def make(engine=engine, drafter="none", k=0):
+            def run(prompt, prompt_ids, temperature, seed, max_new):
+                request = GenerateRequest(prompt=prompt["prompt"], drafter=drafter if drafter != "none" else None,
+                                          speculate=drafter != "none", k=k or None, max_new_tokens=max_new,
+                                          temperature=temperature, seed=seed)
+                result = engine.generate(request)
+                s = result.stats
+                return Run(system="", prompt_id=prompt["id"], kind=prompt["kind"], temperature=temperature,
+                           repeat=0, token_ids=list(result.token_ids), tokens_per_s=s.tokens_per_s,
+                           ttft_s=s.time_to_first_token_s, total_s=s.total_time_s, drafted=s.drafted,
+                           accepted=s.accepted, verify_calls=s.verify_calls, step_calls=s.step_calls,
+                           acceptance=s.acceptance_rate if drafter != "none" else None,
+                           mean_accepted_length=s.mean_accepted_length if drafter != "none" else None,
+                           finish=result.finish_reason)
+            return run
+
+        systems.append(System(plain_name, "spec_edge", w, "none", 0, plain_name, make()))
+        for drafter in drafters:
+            try:
+                engine.drafter(drafter)  # load it now (layer-skip graphs, draft model)
+            except Exception as err:  # a drafter this engine cannot run: say so, go on
+                progress(f"[bench] spec_edge[{w}] drafter {drafter} skipped: {err}")
+                continue
+            for k in ks:
+                systems.append(System(f"spec_edge[{w}] {drafter} k={k}", "spec_edge", w, drafter, k, plain_name,
+                                      make(engine, drafter, k), temperatures=k == temp_k))
+        mem = _rss_mb() - before
+        for s in systems:
+            if s.weights == w and s.family == "spec_edge":
+                s.memory_mb = mem
+    return systems, engines
