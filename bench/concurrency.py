@@ -62,7 +62,7 @@ def main() -> int:
     import rclpy
 
     from spec_edge.ros2.client import GenerateClient, fill_request
-    from spec_edge.ros2.node import response_to_dict
+    from spec_edge.ros2.messages import response_to_dict
 
     rclpy.init(args=[])
     client = GenerateClient(node_name="spec_edge_concurrency")

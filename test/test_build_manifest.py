@@ -566,7 +566,7 @@ def test_build_engine_reports_parser_errors_and_failures(tmp_path, monkeypatch):
 
 def test_build_engine_cancel(tmp_path, monkeypatch):
     monkeypatch.setattr(builder, "import_tensorrt", lambda: FakeTensorRT())
-    cancel = builder._Cancel()
+    cancel = builder.Cancel()
     cancel.event.set()
     with pytest.raises(BuildError, match="cancelled"):
         builder.build_engine(spec_for(tmp_path), tmp_path / "t.engine", workspace_bytes=1,

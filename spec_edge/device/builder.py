@@ -55,14 +55,14 @@ def timing_cache_path(engine_root: Path, trt_version: str, gpu: dict[str, str]) 
     return Path(engine_root) / f"timing_trt{trt_version}_sm{cc}.cache"
 
 
-class _Cancel:
+class Cancel:
     """Set from the SIGINT handler; the progress monitor then asks TensorRT to stop the build."""
 
     def __init__(self):
         self.event = threading.Event()
 
 
-def make_progress_monitor(trt, progress: Progress, cancel: _Cancel):
+def make_progress_monitor(trt, progress: Progress, cancel: Cancel):
     """An IProgressMonitor that prints nested phases with step counts (at most one line per second
     per phase, plus start and finish) and cancels the build when `cancel` is set."""
 
@@ -103,7 +103,7 @@ def make_progress_monitor(trt, progress: Progress, cancel: _Cancel):
 
 
 def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timing_cache: Path,
-                 progress: Progress = print, cancel: _Cancel | None = None) -> dict[str, Any]:
+                 progress: Progress = print, cancel: Cancel | None = None) -> dict[str, Any]:
     """Build one engine from spec.onnx (strongly typed: precisions are the ONNX dtypes and Q/DQ
     nodes) and write it to out_path. Returns what the manifest records about TensorRT's memory."""
     trt = import_tensorrt()
@@ -126,7 +126,7 @@ def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timi
         progress(f"[build] timing cache {timing_cache} does not match this device/TensorRT; starting a new one")
         cache = config.create_timing_cache(b"")
         config.set_timing_cache(cache, ignore_mismatch=False)
-    cancel = cancel or _Cancel()
+    cancel = cancel or Cancel()
     monitor = make_progress_monitor(trt, progress, cancel)
     config.progress_monitor = monitor
     profiles: list[int] = []
@@ -201,7 +201,7 @@ def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:
 
 
 def build(cfg: Config, *, progress: Progress = print, force: bool = False,
-          device: memory.DeviceMemory | None = None, cancel: _Cancel | None = None) -> dict[str, Any]:
+          device: memory.DeviceMemory | None = None, cancel: Cancel | None = None) -> dict[str, Any]:
     """Plan check, export, engines, manifest. Returns the manifest."""
     if cfg.runtime.backend != "tensorrt":
         raise ConfigError(f"runtime.backend is {cfg.runtime.backend}: engines are built for "

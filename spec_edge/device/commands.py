@@ -14,7 +14,7 @@ from typing import Any
 
 from spec_edge.config import Config, ConfigError, load
 from spec_edge.device import memory, projection
-from spec_edge.device.builder import _Cancel, build
+from spec_edge.device.builder import Cancel, build
 from spec_edge.device.manifest import ManifestError, check_engines, precision
 from spec_edge.device.profiles import plan_for_config, resolve_profile
 from spec_edge.device.specs import BuildError
@@ -86,7 +86,7 @@ def build_main(argv: Sequence[str] | None = None) -> int:
             print(f"engines for '{cfg.runtime.profile}' are complete and match the profile "
                   f"({len(manifest['engines'])} engines, TensorRT {manifest['tensorrt_version']})")
             return 0
-        cancel = _Cancel()
+        cancel = Cancel()
         if threading.current_thread() is not threading.main_thread():
             build(cfg, force=args.force, cancel=cancel)
             return 0

@@ -147,7 +147,7 @@ def ask_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import rclpy
-    from spec_edge.ros2.node import response_to_dict
+    from spec_edge.ros2.messages import response_to_dict
 
     if "ROS_AUTOMATIC_DISCOVERY_RANGE" not in os.environ:
         print("spec-edge ask: note: ROS_AUTOMATIC_DISCOVERY_RANGE is unset; "

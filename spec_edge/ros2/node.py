@@ -13,31 +13,28 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   stats carry queued_at_start and speculation_off_reason, /diagnostics counts speculation_off.
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s.
 
-Everything the node knows about generation comes from the Engine; it only translates.
+Everything the node knows about generation comes from the Engine; it only translates
+(spec_edge.ros2.messages) and queues (spec_edge.ros2.worker).
 """
 from __future__ import annotations
 
 import argparse
 import array
-import collections
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn
+from typing import Any, NoReturn
 
 from spec_edge import config as cfgmod
+from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request
+from spec_edge.ros2.worker import Job, Worker
 
 NODE_NAME = "spec_edge"
 SERVICE_NAME = "generate"   # relative: /generate, or /<namespace>/generate
 ACTION_NAME = "generate"
-REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
-SHUTTING_DOWN = "the node is shutting down; retry on its successor"
 # History depth of the generate endpoints (service requests/responses, action services, feedback).
 # ROS's default of 10 drops requests when more than 10 arrive at once (they are taken only as
 # executor threads free up) and drops feedback deltas a slow client has not read yet.
@@ -45,239 +42,7 @@ QOS_DEPTH = 256
 
 
 # ---------------------------------------------------------------------------------------------
-# Translation between ROS messages and the engine's request/result (no rclpy needed here)
-
-
-def _optional(values: Any) -> Any:
-    """A bounded `T[<=1]` field -> its value, or None when empty (node default)."""
-    return values[0] if len(values) else None
-
-
-def check_decoded(name: str, text: str) -> None:
-    """Refuse text that arrived as broken UTF-8: rclpy decodes a string field with
-    errors="replace", so undecodable bytes reach us as U+FFFD. (Control characters and the rest
-    are the engine's to check.)"""
-    from spec_edge.runtime.engine import RequestError
-    at = text.find("\ufffd")
-    if at >= 0:
-        raise RequestError(f"{name} is not valid UTF-8 (undecodable bytes at character {at}): "
-                           "send UTF-8 text")
-
-
-def to_engine_request(msg: Any):
-    """A Generate service request or action goal -> engine.GenerateRequest (RequestError if bad)."""
-    from spec_edge.runtime.engine import GenerateRequest
-    check_decoded("prompt", msg.prompt)
-    check_decoded("system_prompt", msg.system_prompt)
-    for i, m in enumerate(msg.messages):
-        check_decoded(f"messages[{i}]", m.role + m.content)
-    for i, stop in enumerate(msg.stop):
-        check_decoded(f"stop[{i}]", stop)
-    temperature = _optional(msg.temperature)
-    top_p = _optional(msg.top_p)
-    return GenerateRequest(
-        prompt=msg.prompt,
-        messages=tuple((m.role, m.content) for m in msg.messages),
-        system_prompt=msg.system_prompt,
-        max_new_tokens=_optional(msg.max_new_tokens),
-        temperature=None if temperature is None else float(temperature),
-        top_p=None if top_p is None else float(top_p),
-        top_k=_optional(msg.top_k),
-        seed=_optional(msg.seed),
-        stop=tuple(msg.stop),
-        speculate=bool(msg.speculate),
-        drafter=msg.drafter or None,
-        k=_optional(msg.k),
-    )
-
-
-@dataclass
-class Outcome:
-    """What the node answers: the fields of the service response / action result."""
-    success: bool
-    message: str = ""
-    text: str = ""
-    num_tokens: int = 0
-    finish_reason: str = REFUSED
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def refused(cls, message: str) -> "Outcome":
-        return cls(success=False, message=message)
-
-
-def fill_response(resp: Any, outcome: Outcome) -> Any:
-    """Write an Outcome into a Generate response / action result message."""
-    resp.success = outcome.success
-    resp.message = outcome.message
-    resp.text = outcome.text
-    resp.num_tokens = outcome.num_tokens
-    resp.finish_reason = outcome.finish_reason
-    for name in resp.stats.get_fields_and_field_types():
-        if name in outcome.stats and outcome.stats[name] is not None:
-            current = getattr(resp.stats, name)
-            value = outcome.stats[name]
-            if isinstance(current, str):
-                value = str(value)
-            elif isinstance(current, int):
-                value = int(value)
-            else:
-                value = float(value)
-                if not math.isfinite(value):
-                    value = 0.0
-            setattr(resp.stats, name, value)
-    return resp
-
-
-def response_to_dict(resp: Any) -> dict[str, Any]:
-    """A Generate response / action result -> plain dict (the `spec-edge ask --json` object)."""
-    out = {name: getattr(resp, name) for name in resp.get_fields_and_field_types() if name != "stats"}
-    out["stats"] = {name: getattr(resp.stats, name) for name in resp.stats.get_fields_and_field_types()}
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The queue in front of the engine (no rclpy here either)
-
-
-@dataclass
-class Job:
-    request: Any                                    # engine.GenerateRequest
-    on_text: Callable[[str, int], None] | None = None
-    cancel_requested: Callable[[], bool] = lambda: False
-    deadline: float = math.inf                      # time.monotonic() past which it ends as error
-    done: threading.Event = field(default_factory=threading.Event)
-    outcome: Outcome | None = None
-    timed_out: bool = False
-    queued_at_start: int = 0                        # requests queued as it started, itself included
-
-    def finish(self, outcome: Outcome) -> None:
-        self.outcome = outcome
-        self.done.set()
-
-
-class Worker:
-    """One thread that runs queued jobs through the engine, first in first out."""
-
-    def __init__(self, engine: Any, cfg: cfgmod.Config, logger: Any):
-        self.engine = engine
-        self.cfg = cfg
-        self.logger = logger
-        self._lock = threading.Lock()
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._wake = threading.Condition(self._lock)
-        self._stopping = False
-        self.current: Job | None = None
-        self.served = 0
-        self.refused_busy = 0
-        self.speculation_off = 0  # requests run target-only by serve.speculate_max_queue
-        self.last_stats: dict[str, Any] = {}
-        self._thread = threading.Thread(target=self._run, name="spec_edge-worker", daemon=True)
-        self._thread.start()
-
-    @property
-    def queue_depth(self) -> int:
-        """Requests waiting (not counting the one running)."""
-        return len(self._waiting)
-
-    def submit(self, job: Job) -> bool:
-        """Queue a job; False (and the job answered "busy") when serve.queue_limit are waiting."""
-        limit = self.cfg.serve.queue_limit
-        with self._lock:
-            if self._stopping:
-                job.finish(Outcome.refused(SHUTTING_DOWN))
-                return False
-            if len(self._waiting) >= limit:
-                self.refused_busy += 1
-                job.finish(Outcome.refused(
-                    f"busy: {len(self._waiting)} requests already wait (serve.queue_limit={limit}); "
-                    "retry later"))
-                return False
-            job.deadline = time.monotonic() + self.cfg.serve.request_timeout_s
-            self._waiting.append(job)
-            self._wake.notify()
-        return True
-
-    def stop(self, timeout: float) -> None:
-        """Refuse what waits, cancel what runs (between speculative steps), join."""
-        with self._lock:
-            self._stopping = True
-            waiting, self._waiting = list(self._waiting), collections.deque()
-            self._wake.notify_all()
-        for job in waiting:
-            job.finish(Outcome.refused(SHUTTING_DOWN))
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                while not self._waiting and not self._stopping:
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                job = self._waiting.popleft()
-                job.queued_at_start = len(self._waiting) + 1
-                self.current = job
-            try:
-                job.finish(self._generate(job))
-            finally:
-                with self._lock:
-                    self.current = None
-
-    def _cancel_reason(self, job: Job) -> str | None:
-        if self._stopping or job.cancel_requested():
-            return "cancelled"
-        if time.monotonic() > job.deadline:
-            job.timed_out = True
-            return "error"
-        return None
-
-    def _generate(self, job: Job) -> Outcome:
-        from spec_edge.runtime.engine import RequestError
-        early = self._cancel_reason(job)
-        if early == "cancelled":
-            return Outcome(success=True, finish_reason="cancelled")
-        if early is not None:
-            return self._timeout_outcome(job, None)
-        try:
-            result = self.engine.generate(job.request, on_text=job.on_text,
-                                          cancel=lambda: self._cancel_reason(job), queued=job.queued_at_start)
-        except RequestError as err:
-            return Outcome.refused(str(err))
-        except Exception as err:  # the engine failed on a valid request: report it, keep serving
-            self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
-            return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
-                           finish_reason="error")
-        self.served += 1
-        if result.speculation_off_reason:
-            self.speculation_off += 1
-            self.logger.info(f"speculation off: {result.speculation_off_reason}")
-        stats = result_stats(result)
-        self.last_stats = stats
-        if job.timed_out:
-            return self._timeout_outcome(job, result)
-        outcome = Outcome(success=True, message=getattr(result, "message", ""), text=result.text,
-                          num_tokens=len(result.token_ids), finish_reason=result.finish_reason, stats=stats)
-        if self._stopping and result.finish_reason == "cancelled":
-            outcome.success = False
-            outcome.message = "the node shut down during the generation; retry on its successor"
-        return outcome
-
-    def _timeout_outcome(self, job: Job, result: Any) -> Outcome:
-        limit = self.cfg.serve.request_timeout_s
-        return Outcome(
-            success=False, finish_reason="error",
-            message=(f"timed out: the request was not finished within serve.request_timeout_s={limit} s "
-                     "(queue wait included); ask for fewer max_new_tokens or raise the timeout"),
-            text=result.text if result else "", num_tokens=len(result.token_ids) if result else 0,
-            stats=result_stats(result) if result else {})
-
-
-def result_stats(result: Any) -> dict[str, Any]:
-    """The GenerationStats fields of an engine result: the loop's stats plus the queue's decision."""
-    stats = result.stats.as_dict()
-    stats.update(queued_at_start=result.queued_at_start, speculation_off_reason=result.speculation_off_reason)
-    return stats
+# Endpoint QoS (the client uses the same)
 
 
 def endpoint_qos():
@@ -433,7 +198,7 @@ def make_node_class():
                 state = self.state_name()
                 return Outcome.refused(f"the node is {state}, not active: it serves once a lifecycle "
                                        "manager configures and activates it")
-            from spec_edge.runtime.engine import RequestError
+            from spec_edge.runtime.requests import RequestError
             try:
                 request = to_engine_request(msg)
                 # refused at once, not after waiting in the queue (and without taking a slot of it)

@@ -22,12 +22,8 @@ class Drafters:
 
     def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path, model_cfg: ModelConfig,
                  progress: Callable[[str], None] = print, draft_runner: Runner | None = None):
-        self.cfg = cfg
-        self.target = target
-        self.tokenizer = tokenizer
-        self.graph_dir = graph_dir
-        self.model_cfg = model_cfg
-        self.progress = progress
+        self.cfg, self.target, self.tokenizer, self.progress = cfg, target, tokenizer, progress
+        self.graph_dir, self.model_cfg = graph_dir, model_cfg  # the target's graphs and geometry
         self.draft_runner = draft_runner
         self.layer_skip: Runner | None = None
         self.eagle3_head = None   # backends.ort_heads.OrtEagle3Head

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 
-from spec_edge.tools.systems import Run, System, _rss_mb
+from spec_edge.tools.systems import Run, System, rss_mb
 
 
 def peer_run(prompt: dict, temperature: float, new: list[int], started: float, t_first: float | None) -> Run:
@@ -40,13 +40,13 @@ def hf_systems(cfg, ks: list[int], eos_ids: tuple[int, ...], progress, full: boo
     from spec_edge.graphs.weights import resolve
 
     source = resolve(cfg.model.target)
-    before = _rss_mb()
+    before = rss_mb()
     if source.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
     model.eval()
-    memory = _rss_mb() - before
+    memory = rss_mb() - before
     assistant = None
     assistant_note = ""
     if cfg.model.draft:
@@ -135,10 +135,10 @@ def llama_systems(cfg, ks: list[int], eos_ids: tuple[int, ...], threads: int, pr
         return [], ["llama.cpp peer skipped: the target is not a GGUF file"]
     n_threads = threads or os.cpu_count() or 1
     k_pl = max(ks)
-    before = _rss_mb()
+    before = rss_mb()
     plain_model = Llama(model_path=str(source), n_ctx=cfg.graphs.max_context, n_threads=n_threads,
                         n_threads_batch=n_threads, verbose=False, logits_all=False)
-    memory = _rss_mb() - before
+    memory = rss_mb() - before
     lookup_model = Llama(model_path=str(source), n_ctx=cfg.graphs.max_context, n_threads=n_threads,
                          n_threads_batch=n_threads, verbose=False,
                          draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k_pl))

@@ -51,7 +51,7 @@ class System:
     note: str = ""
 
 
-def _rss_mb() -> float:
+def rss_mb() -> float:
     try:
         import psutil
 
@@ -86,7 +86,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
     systems: list[System] = []
     engines = {}
     for weights_name, attention in ((w, a) for w in weights for a in attentions):
-        before = _rss_mb()
+        before = rss_mb()
         engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
                                                    "speculative.drafter": "none"}), progress)
         w = variant_label(weights_name, attention)  # the report's label of this variant
@@ -119,7 +119,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
             for k in ks:
                 systems.append(System(f"spec_edge[{w}] {drafter} k={k}", "spec_edge", w, drafter, k, plain_name,
                                       make(engine, drafter, k), temperatures=k == temp_k))
-        mem = _rss_mb() - before
+        mem = rss_mb() - before
         for s in systems:
             if s.weights == w and s.family == "spec_edge":
                 s.memory_mb = mem

@@ -16,7 +16,7 @@ import time
 import rclpy
 
 from spec_edge.ros2.client import GenerateClient, fill_request
-from spec_edge.ros2.node import response_to_dict
+from spec_edge.ros2.messages import response_to_dict
 
 
 def main() -> None:

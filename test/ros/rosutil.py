@@ -112,7 +112,7 @@ test_params.__test__ = False  # a helper, not a test
 
 def engine_request(**fields):
     """An engine.GenerateRequest from the same plain fields the clients send."""
-    from spec_edge.runtime.engine import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest
     fields = dict(fields)
     fields["messages"] = tuple(tuple(m) for m in fields.get("messages", ()))
     fields["stop"] = tuple(fields.get("stop", ()))

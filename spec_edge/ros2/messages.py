@@ -1,0 +1,108 @@
+"""Translation between the Generate messages and the engine: a service request or action goal ->
+GenerateRequest (refusing broken UTF-8), an engine result -> Outcome -> response / action result,
+a response -> plain dict (`spec-edge ask --json`).
+
+No rclpy here: the functions take the message objects they are handed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
+
+
+def _optional(values: Any) -> Any:
+    """A bounded `T[<=1]` field -> its value, or None when empty (node default)."""
+    return values[0] if len(values) else None
+
+
+def check_decoded(name: str, text: str) -> None:
+    """Refuse text that arrived as broken UTF-8: rclpy decodes a string field with
+    errors="replace", so undecodable bytes reach us as U+FFFD. (Control characters and the rest
+    are the engine's to check.)"""
+    from spec_edge.runtime.requests import RequestError
+    at = text.find("\ufffd")
+    if at >= 0:
+        raise RequestError(f"{name} is not valid UTF-8 (undecodable bytes at character {at}): "
+                           "send UTF-8 text")
+
+
+def to_engine_request(msg: Any):
+    """A Generate service request or action goal -> engine.GenerateRequest (RequestError if bad)."""
+    from spec_edge.runtime.requests import GenerateRequest
+    check_decoded("prompt", msg.prompt)
+    check_decoded("system_prompt", msg.system_prompt)
+    for i, m in enumerate(msg.messages):
+        check_decoded(f"messages[{i}]", m.role + m.content)
+    for i, stop in enumerate(msg.stop):
+        check_decoded(f"stop[{i}]", stop)
+    temperature = _optional(msg.temperature)
+    top_p = _optional(msg.top_p)
+    return GenerateRequest(
+        prompt=msg.prompt,
+        messages=tuple((m.role, m.content) for m in msg.messages),
+        system_prompt=msg.system_prompt,
+        max_new_tokens=_optional(msg.max_new_tokens),
+        temperature=None if temperature is None else float(temperature),
+        top_p=None if top_p is None else float(top_p),
+        top_k=_optional(msg.top_k),
+        seed=_optional(msg.seed),
+        stop=tuple(msg.stop),
+        speculate=bool(msg.speculate),
+        drafter=msg.drafter or None,
+        k=_optional(msg.k),
+    )
+
+
+@dataclass
+class Outcome:
+    """What the node answers: the fields of the service response / action result."""
+    success: bool
+    message: str = ""
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str = REFUSED
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def refused(cls, message: str) -> "Outcome":
+        return cls(success=False, message=message)
+
+
+def result_stats(result: Any) -> dict[str, Any]:
+    """The GenerationStats fields of an engine result: the loop's stats plus the queue's decision."""
+    stats = result.stats.as_dict()
+    stats.update(queued_at_start=result.queued_at_start, speculation_off_reason=result.speculation_off_reason)
+    return stats
+
+
+def fill_response(resp: Any, outcome: Outcome) -> Any:
+    """Write an Outcome into a Generate response / action result message."""
+    resp.success = outcome.success
+    resp.message = outcome.message
+    resp.text = outcome.text
+    resp.num_tokens = outcome.num_tokens
+    resp.finish_reason = outcome.finish_reason
+    for name in resp.stats.get_fields_and_field_types():
+        if name in outcome.stats and outcome.stats[name] is not None:
+            current = getattr(resp.stats, name)
+            value = outcome.stats[name]
+            if isinstance(current, str):
+                value = str(value)
+            elif isinstance(current, int):
+                value = int(value)
+            else:
+                value = float(value)
+                if not math.isfinite(value):
+                    value = 0.0
+            setattr(resp.stats, name, value)
+    return resp
+
+
+def response_to_dict(resp: Any) -> dict[str, Any]:
+    """A Generate response / action result -> plain dict (the `spec-edge ask --json` object)."""
+    out = {name: getattr(resp, name) for name in resp.get_fields_and_field_types() if name != "stats"}
+    out["stats"] = {name: getattr(resp.stats, name) for name in resp.stats.get_fields_and_field_types()}
+    return out
