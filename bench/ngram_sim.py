@@ -55,8 +55,8 @@ def main() -> int:
                         help="name=break_even:prior_accepted:prior_proposals (default: a built-in set)")
     args = parser.parse_args()
 
-    from spec_edge.tools.prompts import load_prompts
     from spec_edge.runtime.drafters.ngram import NgramDrafter
+    from spec_edge.tools.prompts import load_prompts
 
     prompts = load_prompts()
     cache = Path(args.cache)

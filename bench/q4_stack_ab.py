@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs import export, ort_attention, quantize
-from spec_edge.runtime.backends.onnxruntime import OrtRunner
 from spec_edge.config import Config
+from spec_edge.graphs import export, ort_attention, quantize
 from spec_edge.graphs.weights import embedded_gguf_path
+from spec_edge.runtime.backends.onnxruntime import OrtRunner
 
 
 def main() -> None:

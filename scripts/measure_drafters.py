@@ -19,8 +19,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from spec_edge.runtime import speculative
 from spec_edge.config import Config
+from spec_edge.runtime import speculative
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.tools.prompts import load_prompts

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spec_edge.tools.prompts import load_prompts
 from spec_edge.heads import eagle3
+from spec_edge.tools.prompts import load_prompts
 from spec_edge.training import data as train_data, fit
 from spec_edge.training.eagle3 import answer_agreement, collate
 

@@ -8,13 +8,13 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from spec_edge.config import Config, ConfigError, from_params, load
 from spec_edge.device import builder, commands, memory, profiles
 from spec_edge.device.manifest import ManifestError, check_engines, identity_config, model_identity, profile_dir
 from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, onnx_quantization,
                                     onnx_token_width)
 from spec_edge.graphs import export, io_names
 from spec_edge.runtime.backends.onnxruntime import cpu_session
-from spec_edge.config import Config, ConfigError, from_params, load
 
 TRT_VERSION = "10.13.0.35"
 GPU = {"name": "NVIDIA Thor", "compute_capability": "11.0"}

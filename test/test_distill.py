@@ -7,18 +7,18 @@ import json
 import pytest
 
 from spec_edge import cli
-from spec_edge.training import draft_model as distill
-from spec_edge.runtime import speculative
 from spec_edge.config import ConfigError
+from spec_edge.runtime import speculative
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.training import draft_model
 
 
 def test_layer_choice_spreads_first_to_last():
-    assert distill.layer_choice(30, 4) == [0, 10, 19, 29]
-    assert distill.layer_choice(30, 1) == [0]
+    assert draft_model.layer_choice(30, 4) == [0, 10, 19, 29]
+    assert draft_model.layer_choice(30, 1) == [0]
     with pytest.raises(ConfigError, match="--draft-layers"):
-        distill.layer_choice(4, 4)
+        draft_model.layer_choice(4, 4)
 
 
 def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models, tiny_cfg):

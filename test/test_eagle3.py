@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
-                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
-                  head_inputs, ort_session, set_config, train_draft_argv)
+from spec_edge.config import ConfigError
 from spec_edge.graphs import hidden
 from spec_edge.heads import eagle3, eagle3_export
-from spec_edge.config import ConfigError
+from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
+                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
+                  exported_graphs, fake_drafter, head_inputs, ort_session, set_config, train_draft_argv)
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers: EAGLE-3's default (1, L/2-1, L-4) would collide
 

@@ -8,9 +8,9 @@ import onnx
 import pytest
 import torch
 
+from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import export, model, ort_attention, weights
 from spec_edge.runtime.backends.onnxruntime import OrtRunner
-from spec_edge.config import Config, ConfigError
 
 REL_TOL = 5e-5  # fp32: max |ONNX Runtime - torch| relative to the largest |value| (logits here ~15)
 
@@ -117,9 +117,8 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
 def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
     """`spec-edge export` also runs the post-export pass the engine would run on first load, so a
     robot's first start after an export loads in seconds."""
-    from tiny import make_checkpoint
-
     from spec_edge import cli
+    from tiny import make_checkpoint
 
     folder = make_checkpoint(tmp_path / "m", seed=2)
     profile = tmp_path / "p.yaml"

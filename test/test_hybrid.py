@@ -5,16 +5,16 @@ outcomes routed to the source that drafted, sampling, the stats' name, and the c
 from __future__ import annotations
 
 import pytest
-
 from test_eagle3 import make_head
-from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain
-from spec_edge.runtime import speculative
+
 from spec_edge.config import DRAFTERS, ConfigError
+from spec_edge.runtime import speculative
 from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
 from spec_edge.runtime.drafters.hybrid import HybridDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import Draft, Sampler
+from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain
 
 REPEAT = "Ünïcödé 🤖 robot robot robot robot"  # lookup finds matches (the random target rarely agrees)
 NO_REPEAT = "Move the arm to the left"

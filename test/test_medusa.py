@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
-                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, head_inputs,
-                  ort_session, set_config, train_draft_argv)
+from spec_edge.config import ConfigError
 from spec_edge.heads import medusa
 from spec_edge.runtime import speculative
-from spec_edge.config import ConfigError
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams
+from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
+                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
+                  exported_graphs, head_inputs, ort_session, set_config, train_draft_argv)
 
 
 def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):

@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from spec_edge.device import memory, projection
 from spec_edge.config import MODEL_PRESETS, GraphSection, MemorySection
+from spec_edge.device import memory, projection
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]
 LLAMA1 = MODEL_PRESETS["llama-3.2-1b"]

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
-                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with, exported_graphs, fake_drafter,
-                  head_inputs, ort_session, train_draft_argv)
-from spec_edge.heads import eagle3, peagle
-from spec_edge.graphs import hidden
 from spec_edge.config import ConfigError
+from spec_edge.graphs import hidden
+from spec_edge.heads import eagle3, peagle
 from spec_edge.runtime.engine import Engine
+from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
+                  assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
+                  exported_graphs, fake_drafter, head_inputs, ort_session, train_draft_argv)
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spec_edge.runtime.backends.onnxruntime import cpu_session
-
 from spec_edge.graphs import gguf_blocks, quantize
 from spec_edge.graphs.gguf_blocks import QuantizeError
+from spec_edge.runtime.backends.onnxruntime import cpu_session
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")

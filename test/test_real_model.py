@@ -82,8 +82,8 @@ def test_q4_carries_every_linear_layer(engine):
     import onnx
 
     from spec_edge.graphs import quantize
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
     from spec_edge.graphs.weights import embedded_gguf_path
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
 
     q4_dir = quantize.ensure_q4(engine.graph_dir, embedded_gguf_path(), accuracy_level=0,
                                 progress=lambda m: print(m, file=sys.stderr))

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tiny import TINY_K_VALUES
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.onnxruntime import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.speculative import Draft
+from tiny import TINY_K_VALUES
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
            "The robot picks up the red box and places it on the shelf. The robot picks up the"]

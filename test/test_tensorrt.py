@@ -6,10 +6,10 @@ import importlib.util
 import numpy as np
 import pytest
 
+from spec_edge.config import from_params
 from spec_edge.device import builder
 from spec_edge.device.manifest import ManifestError
 from spec_edge.device.specs import BuildError
-from spec_edge.config import from_params
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 

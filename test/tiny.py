@@ -246,8 +246,8 @@ def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_he
     config.json names another vocabulary size. Returns (a head folder that fits, the target's config)."""
     import pytest
 
-    from spec_edge.graphs import weights
     from spec_edge.config import ConfigError
+    from spec_edge.graphs import weights
 
     path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=7)
     wide_head, _ = make_head(tmp_path / "wide_head",

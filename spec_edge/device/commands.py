@@ -19,7 +19,6 @@ from spec_edge.device.manifest import ManifestError, check_engines, precision
 from spec_edge.device.profiles import plan_for_config, resolve_profile
 from spec_edge.device.specs import BuildError
 
-
 # ---------------------------------------------------------------------------------------------
 # Command lines (the lead wires these into `spec-edge build|plan` and the ROS executable)
 

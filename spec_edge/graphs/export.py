@@ -27,8 +27,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from spec_edge.graphs import hidden, io_names
 from spec_edge.config import Config, ConfigError, ModelConfig
+from spec_edge.graphs import hidden, io_names
 
 FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
 ALIGN = 4096

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs.gguf_blocks import (QK, Q41, Q80, GgufBlocks, QuantizeError, gguf_name, match_rows,
+from spec_edge.graphs.gguf_blocks import (Q41, Q80, QK, GgufBlocks, QuantizeError, gguf_name, match_rows,
                                           matmulnbits_q4_1, matmulnbits_q8_0, quantize_q8_0, take_rows)
 
 MS_DOMAIN = "com.microsoft"

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import numpy as np
 
+from spec_edge.config import ConfigError, ModelConfig
 from spec_edge.graphs.hidden import configured_aux_layers, default_aux_layers
 from spec_edge.heads import head_folder
-from spec_edge.config import ConfigError, ModelConfig
 
 HEAD_FORMAT = 1
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.heads import head_folder
 from spec_edge.config import ConfigError, ModelConfig
+from spec_edge.heads import head_folder
 
 HEAD_FORMAT = 1
 

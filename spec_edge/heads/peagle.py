@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.heads import eagle3, eagle3_export, head_folder
 from spec_edge.config import ConfigError, ModelConfig
+from spec_edge.heads import eagle3, eagle3_export, head_folder
 from spec_edge.heads.eagle3 import HeadConfig
 
 HEAD_FORMAT = 1

@@ -40,9 +40,10 @@ class GenerateClient:
     def __init__(self, namespace: str = "", node_name: str = "spec_edge_client"):
         from rclpy.action import ActionClient
         from rclpy.node import Node
+
+        from spec_edge.ros2.node import ACTION_NAME, SERVICE_NAME, action_qos_kwargs, endpoint_qos
         from spec_edge_interfaces.action import Generate as GenerateAction
         from spec_edge_interfaces.srv import Generate as GenerateSrv
-        from spec_edge.ros2.node import ACTION_NAME, SERVICE_NAME, action_qos_kwargs, endpoint_qos
         self.node = Node(node_name, namespace=namespace)
         self.srv_type, self.action_type = GenerateSrv, GenerateAction
         self.service = self.node.create_client(GenerateSrv, SERVICE_NAME, qos_profile=endpoint_qos())
@@ -147,6 +148,7 @@ def ask_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import rclpy
+
     from spec_edge.ros2.messages import response_to_dict
 
     if "ROS_AUTOMATIC_DISCOVERY_RANGE" not in os.environ:

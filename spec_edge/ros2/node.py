@@ -48,6 +48,7 @@ QOS_DEPTH = 256
 def endpoint_qos():
     """The QoS of the generate service, the action's services and its feedback (both sides)."""
     import copy
+
     from rclpy.qos import qos_profile_services_default
     qos = copy.copy(qos_profile_services_default)
     qos.depth = QOS_DEPTH
@@ -76,11 +77,12 @@ def _param_value(value: Any) -> Any:
 
 
 def make_node_class():
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+    from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
     from rclpy.action import ActionServer, CancelResponse, GoalResponse
     from rclpy.callback_groups import ReentrantCallbackGroup
     from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
-    from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
-    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+
     from spec_edge_interfaces.action import Generate as GenerateAction
     from spec_edge_interfaces.srv import Generate as GenerateSrv
 

@@ -12,7 +12,6 @@ import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 # ---------------------------------------------------------------------------------------------
 # One measured generation
 

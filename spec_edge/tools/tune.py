@@ -35,7 +35,6 @@ import numpy as np
 
 from spec_edge.config import DRAFTERS
 
-
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
 
@@ -203,9 +202,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def main(cfg, args, progress) -> int:
     from spec_edge import config as cfgmod
-    from spec_edge.tools.prompts import load_prompts
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.tools.prompts import load_prompts
 
     drafter = args.drafter or (cfg.speculative.drafter if cfg.speculative.drafter != "none" else "ngram")
     ks = sorted(set(args.ks or cfg.graphs.k_values))

@@ -30,8 +30,8 @@ def _ros_missing() -> str | None:
     except ImportError as err:
         return f"rclpy is not importable ({err}); run scripts/setup_ros.sh"
     try:
-        import spec_edge_interfaces.srv  # noqa: F401
         import spec_edge_interfaces.action  # noqa: F401
+        import spec_edge_interfaces.srv  # noqa: F401
     except ImportError as err:
         return f"spec_edge_interfaces is not built ({err}); run scripts/setup_ros.sh"
     return None

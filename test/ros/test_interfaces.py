@@ -1,5 +1,5 @@
 """spec_edge_interfaces: the service and the action carry the same request and response fields."""
-from spec_edge.ros2.messages import fill_response, Outcome, response_to_dict
+from spec_edge.ros2.messages import Outcome, fill_response, response_to_dict
 
 
 def test_service_and_action_share_their_fields():
@@ -12,8 +12,8 @@ def test_service_and_action_share_their_fields():
 
 
 def test_optional_fields_default_to_the_node_default():
-    from spec_edge_interfaces.srv import Generate
     from spec_edge.ros2.client import OPTIONAL_FIELDS, fill_request
+    from spec_edge_interfaces.srv import Generate
     request = Generate.Request(prompt="hi")
     assert all(len(getattr(request, name)) == 0 for name in OPTIONAL_FIELDS)
     assert request.speculate is True and request.drafter == ""

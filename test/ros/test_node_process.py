@@ -55,6 +55,7 @@ def test_launch_file_describes_one_node():
         "launch_ros", reason="launch_ros is not installable from PyPI here; on a ROS 2 machine "
                              "`ros2 launch spec_edge llm.launch.py` runs this file")
     import importlib.util
+
     from launch import LaunchDescription
     spec = importlib.util.spec_from_file_location("llm_launch", REPO / "launch" / "llm.launch.py")
     module = importlib.util.module_from_spec(spec)

@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from spec_edge.graphs import io_names
+from spec_edge.config import Config
 from spec_edge.device.builder import context_memory_size, gpu_identity, import_tensorrt
 from spec_edge.device.manifest import ManifestError, check_engines, profile_dir
-from spec_edge.config import Config
+from spec_edge.graphs import io_names
 from spec_edge.runtime.backends.base import BackendError, Runner
 
 log = logging.getLogger(__name__)

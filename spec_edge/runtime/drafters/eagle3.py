@@ -11,8 +11,8 @@ Greedy and sampled picks over the draft vocabulary: drafters/head.py.
 """
 from __future__ import annotations
 
-from spec_edge.runtime.speculative import Draft, Sampler
 from spec_edge.runtime.drafters.head import HeadDrafter
+from spec_edge.runtime.speculative import Draft, Sampler
 
 
 class Eagle3Drafter(HeadDrafter):
