@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_edge.config import ConfigError
+from spec_edge.config import Config, ConfigError
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
@@ -62,7 +62,7 @@ def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
     return layers
 
 
-def target_hidden_layers(cfg) -> tuple[int, ...]:
+def target_hidden_layers(cfg: Config) -> tuple[int, ...]:
     """The hidden states the target's graphs return (ascending; index L = after the final norm):
     the union of what the configured heads read (EAGLE-3 / P-EAGLE: three layers, Medusa: L)."""
     s = cfg.speculative

@@ -82,36 +82,36 @@ class Drafters:
 
         head = self.eagle3_head
         if head is None:
-            head_path = self.cfg.speculative.eagle3_head
-            if not head_path:
-                raise RequestError(f"drafter {name} needs an EAGLE-3 head: set speculative.eagle3_head to a head "
-                                   f"folder (e.g. one made by `spec-edge train-draft`) and restart")
-            if self.cfg.runtime.backend != "onnxruntime":
-                raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
             from spec_edge.heads import eagle3_export
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
-            head_dir = eagle3_export.export_head(self.cfg, head_path, self.model_cfg,
-                                                 export.artifact_dir(self.cfg, "eagle3"), self.progress)
-            head_dir = ort_attention.for_config(self.cfg, head_dir, self.progress,
-                                                eagle3_export.read_head_config(head_dir).as_model_config())
-            head_dir = quantize.for_head(self.cfg, head_dir, self.progress)
+            head_dir = self._export_head(name, "eagle3", "an EAGLE-3 head", eagle3_export.export_head,
+                                         made_by="spec-edge train-draft", fused=True)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self.eagle3_head = head
         return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
 
-    def _export_head(self, name: str, field: str, what: str, export_head) -> Path:
-        """The configured head folder of a hidden-state drafter exported into its artifact folder by
-        export_head (e.g. medusa.export_heads), or a RequestError saying what is missing."""
+    def _export_head(self, name: str, kind: str, what: str, export_head, made_by: str = "",
+                     fused: bool = False) -> Path:
+        """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head): exported
+        into its artifact folder by export_head (e.g. medusa.export_heads), its attention fused when
+        `fused` (EAGLE-3 heads), then graphs.head_weights' copy; or a RequestError saying what is
+        missing. name: the drafter that asked; made_by: the command that makes such a head."""
+        field = f"{kind}_head"
         path = getattr(self.cfg.speculative, field)
         if not path:
+            made_by = made_by or f"spec-edge train-draft --kind {kind}"
             raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
-                               f"made by `spec-edge train-draft --kind {name}`) and restart")
+                               f"made by `{made_by}`) and restart")
         if self.cfg.runtime.backend != "onnxruntime":
             raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
         self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
-        head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, name), self.progress)
+        head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, kind), self.progress)
+        if fused:
+            from spec_edge.heads.eagle3_export import read_head_config
+
+            head_dir = ort_attention.for_config(self.cfg, head_dir, self.progress,
+                                                read_head_config(head_dir).as_model_config())
         return quantize.for_head(self.cfg, head_dir, self.progress)
 
     def _medusa_drafter(self):
@@ -122,7 +122,7 @@ class Drafters:
             from spec_edge.heads import medusa
             from spec_edge.runtime.backends.ort_heads import OrtMedusaHeads
 
-            heads = OrtMedusaHeads(self._export_head("medusa", "medusa_head", "Medusa heads", medusa.export_heads),
+            heads = OrtMedusaHeads(self._export_head("medusa", "medusa", "Medusa heads", medusa.export_heads),
                                    self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
                 MedusaDrafter(self.target, heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
@@ -137,7 +137,7 @@ class Drafters:
             from spec_edge.heads import peagle
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = self._export_head("peagle", "peagle_head", "a parallel-drafting head", peagle.export_head)
+            head_dir = self._export_head("peagle", "peagle", "a parallel-drafting head", peagle.export_head)
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self.peagle_head = head
         return PEagleDrafter(self.target, head, self._columns(head.cfg.aux_layers))
