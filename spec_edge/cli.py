@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from spec_edge import config as cfgmod
 from spec_edge.config import Config, ConfigError
@@ -24,7 +25,8 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", help="draft model for --drafter draft (same forms as --target)")
     group.add_argument("--max-context", type=int, help="cache length the graphs are exported for")
     group.add_argument("--k-values", type=int, nargs="+", help="export a verify graph for each k")
-    group.add_argument("--engine-dir", help="where exported graphs / engines go (default engines/)")
+    group.add_argument("--engine-dir", help="where exported graphs / engines go, relative to the current directory "
+                       "(default: runtime.engine_dir, resolved against the checkout or ~/.ros/spec_edge)")
     group.add_argument("--profile", help="artifact folder name under the engine dir")
     group.add_argument("--backend", choices=cfgmod.BACKENDS)
     group.add_argument("--threads", type=int, help="ONNX Runtime threads (0 = all cores)")
@@ -34,10 +36,15 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                        "(speculative.peagle_head)")
 
 
+def _from_cwd(path: str | None) -> str | None:
+    """A path typed on the command line means what the shell means: relative to the current directory."""
+    return None if path is None else str(Path(path).expanduser().absolute())
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     cfg = cfgmod.load(args.config) if args.config else Config()
     overrides = {"model.target": args.target, "model.draft": args.draft_model,
-                 "graphs.max_context": args.max_context, "runtime.engine_dir": args.engine_dir,
+                 "graphs.max_context": args.max_context, "runtime.engine_dir": _from_cwd(args.engine_dir),
                  "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
                  "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head,
                  "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head}

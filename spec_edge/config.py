@@ -18,6 +18,8 @@ MODEL_PRESETS holds the published configs the memory planner needs without weigh
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,7 +168,9 @@ class SamplingSection:
 @dataclass(frozen=True)
 class RuntimeSection:
     backend: str = "onnxruntime"  # onnxruntime | tensorrt
-    engine_dir: str = "engines"   # artifacts land in <engine_dir>/<profile>/
+    # artifacts land in <engine_dir>/<profile>/; a relative path is resolved by engine_root(): against
+    # the checkout (its top-level engines/) when spec_edge runs from one, else under ROS_HOME (~/.ros/spec_edge/)
+    engine_dir: str = "engines"
     profile: str = "smollm2-135m"
     threads: int = 0              # ONNX Runtime intra-op threads, 0 = one per core
 
@@ -279,6 +283,25 @@ def _flatten(prefix: str, tree: Any, out: dict[str, Any]) -> None:
         out[prefix] = tree
 
 
+def engine_base(package_dir: Path | None = None) -> Path:
+    """What a relative runtime.engine_dir is resolved against: the checkout spec_edge runs from (the
+    folder holding ros/spec_edge/package.xml beside the package; its engines/ is the design's place for
+    built artifacts), else, for an installed package whose source tree is absent, $ROS_HOME/spec_edge
+    (ROS_HOME defaults to ~/.ros). package_dir: the spec_edge package folder (default: this one)."""
+    checkout = (package_dir or Path(__file__).resolve().parent).parent
+    if (checkout / "ros" / "spec_edge" / "package.xml").is_file():
+        return checkout
+    return Path(os.path.expanduser(os.environ.get("ROS_HOME") or "~/.ros")) / "spec_edge"
+
+
+def engine_root(cfg: Config) -> Path:
+    """runtime.engine_dir as an absolute path, the same wherever the process was started from: an
+    absolute path (or ~) as it is, a relative one under engine_base(), never the current directory
+    (a launch from another folder or from systemd would otherwise export ~1 GB again elsewhere)."""
+    path = Path(os.path.expanduser(cfg.runtime.engine_dir))
+    return path if path.is_absolute() else engine_base() / path
+
+
 def load(path: str | Path) -> Config:
     """Read a profile: a ROS 2 params file (/**: ros__parameters: ...) or the bare mapping."""
     path = Path(path)
@@ -355,9 +378,9 @@ def validate(cfg: Config) -> None:
                               f"(e.g. one made by `spec-edge train-draft --kind {name}`)")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
-    if p.temperature < 0:
-        raise ConfigError(f"sampling.temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise ConfigError(f"sampling.temperature must be a finite number >= 0, got {p.temperature}")
+    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
         raise ConfigError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
     if p.top_k < 0:
         raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")

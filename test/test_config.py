@@ -34,6 +34,9 @@ def test_default_profile_is_the_embedded_default():
     ("speculative.drafter", "magic", "speculative.drafter 'magic' is unknown"),
     ("speculative.k", 9, "speculative.k=9 has no verify graph"),
     ("sampling.top_p", 0.0, "top_p"),
+    ("sampling.top_p", float("nan"), "top_p"),
+    ("sampling.temperature", float("inf"), "sampling.temperature must be a finite number"),
+    ("sampling.temperature", float("nan"), "sampling.temperature must be a finite number"),
     ("graphs.max_context", "big", "must be an integer"),
     ("graphs.k_values", [0], "k_values"),
 ])
@@ -47,3 +50,17 @@ def test_unknown_yaml_key_is_named(tmp_path):
     path.write_text("/**:\n  ros__parameters:\n    speculative:\n      kk: 3\n")
     with pytest.raises(ConfigError, match="speculative.kk"):
         config.load(path)
+
+
+def test_relative_engine_dir_is_resolved_against_a_stable_base(tmp_path, monkeypatch):
+    repo = Path(__file__).resolve().parent.parent
+    monkeypatch.chdir(tmp_path)  # never the current directory
+    assert config.engine_root(Config()) == repo / "engines"
+    assert config.engine_root(Config().replace(**{"runtime.engine_dir": str(tmp_path / "e")})) == tmp_path / "e"
+    # an installed package without its source tree: a per-user folder under ROS_HOME
+    installed = tmp_path / "site-packages" / "spec_edge"
+    installed.mkdir(parents=True)
+    monkeypatch.setenv("ROS_HOME", str(tmp_path / "ros_home"))
+    assert config.engine_base(installed) == tmp_path / "ros_home" / "spec_edge"
+    monkeypatch.delenv("ROS_HOME")
+    assert config.engine_base(installed) == Path.home() / ".ros" / "spec_edge"

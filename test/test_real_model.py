@@ -68,11 +68,24 @@ def test_cli_generate_json_contract(engine):
     assert result["finish_reason"] in ("length", "eos") and 0 < len(result["token_ids"]) <= 12
 
 
-def test_cli_bad_request_exits_2_with_message():
-    out = subprocess.run([sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", "hi", "--top-p", "2",
+def test_cli_from_another_directory_uses_the_checkouts_engines(engine, tmp_path):
+    """runtime.engine_dir's default is resolved against the checkout, not the current directory: started
+    elsewhere, the CLI loads the graphs the engine fixture exported (no second export) and says where."""
+    out = subprocess.run([sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", "Say hello.",
+                          "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"artifacts of profile 'smollm2-135m': {REPO / 'engines' / 'smollm2-135m'}" in out.stderr
+    assert "[export]" not in out.stderr and not (tmp_path / "engines").exists()
+
+
+@pytest.mark.parametrize("flag,value,message", [("--top-p", "2", "top_p must be in (0, 1]"),
+                                                ("--temperature", "inf", "temperature must be a finite number")])
+def test_cli_bad_request_exits_2_with_message(flag, value, message):
+    out = subprocess.run([sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", "hi", flag, value,
                           "--engine-dir", str(REPO / "engines")], capture_output=True, text=True, timeout=600,
                          cwd=REPO)
-    assert out.returncode == 2 and "top_p must be in (0, 1]" in out.stderr and "Traceback" not in out.stderr
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
 
 
 def test_q4_carries_every_linear_layer(engine):

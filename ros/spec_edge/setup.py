@@ -29,12 +29,11 @@ setup(
     maintainer_email="dev@spec-edge.invalid",
     description="Local speculative-decoding text generation for robots (ROS 2)",
     license="Apache-2.0",
-    tests_require=["pytest"],
     entry_points={
         "console_scripts": [
             "spec-edge = spec_edge.cli:main",
             "generate_server = spec_edge.ros2.node:main",
-            "build_engines = spec_edge.device.commands:build_main",
+            "build_engines = spec_edge.device.commands:build_engines_main",
         ],
     },
 )

@@ -69,15 +69,15 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def build_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="spec-edge build",
+def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build") -> int:
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Export and build the TensorRT engines of a profile.")
     parser.add_argument("profile", help="profile yaml, or a name in config/")
     parser.add_argument("--force", action="store_true", help="rebuild every engine")
-    parser.add_argument("--engine-dir", help="override runtime.engine_dir")
+    parser.add_argument("--engine-dir", help="override runtime.engine_dir (relative to the current directory)")
     parser.add_argument("--check", action="store_true", help="only check the built engines against the profile")
     args = parser.parse_args(_without_ros_args(argv))
-    overrides = {"runtime.engine_dir": args.engine_dir} if args.engine_dir else {}
+    overrides = {"runtime.engine_dir": str(Path(args.engine_dir).expanduser().absolute())} if args.engine_dir else {}
     try:
         cfg = _load_profile(args.profile, overrides)
         if args.check:
@@ -149,3 +149,8 @@ def write_profile_docs(config_dir: Path, doc_path: Path) -> None:
         block = [line for line in block if line] + ["#@plan"] + ["#| " + r for r in report.splitlines()]
         path.write_text("\n".join(block) + "\n" + sep + body)
     doc_path.write_text("\n".join(sections) + "\n" + "".join(details))
+
+
+def build_engines_main() -> int:
+    """The ROS executable `ros2 run spec_edge build_engines PROFILE`: build_main under its own name."""
+    return build_main(prog="build_engines")

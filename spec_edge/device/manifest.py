@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError
+from spec_edge.config import Config, ConfigError, engine_root
 from spec_edge.device.specs import file_sha256
 
 FORMAT_VERSION = 2  # 2: engines of export format 2 (one cache input per layer)
@@ -82,7 +82,7 @@ def precision(cfg: Config) -> str:
 
 
 def profile_dir(cfg: Config) -> Path:
-    return Path(os.path.expanduser(cfg.runtime.engine_dir)) / cfg.runtime.profile
+    return engine_root(cfg) / cfg.runtime.profile
 
 
 def build_command(cfg: Config) -> str:

@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from spec_edge.config import Config, ConfigError, ModelConfig
+from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
 from spec_edge.graphs import hidden, io_names
 
 FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
@@ -332,7 +332,7 @@ def check_static(graph, name: str = "graph") -> None:
 
 
 def artifact_dir(cfg: Config, role: str) -> Path:
-    return Path(os.path.expanduser(cfg.runtime.engine_dir)) / cfg.runtime.profile / "onnx" / role
+    return engine_root(cfg) / cfg.runtime.profile / "onnx" / role
 
 
 def head_side_files(folder: Path) -> tuple[str, ...]:

@@ -39,6 +39,8 @@ ACTION_NAME = "generate"
 # ROS's default of 10 drops requests when more than 10 arrive at once (they are taken only as
 # executor threads free up) and drops feedback deltas a slow client has not read yet.
 QOS_DEPTH = 256
+# Parameters ROS itself may receive as overrides without the node declaring them
+ROS_PARAMETER_PREFIXES = ("qos_overrides.", "use_sim_time", "start_type_description_service")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +100,7 @@ def make_node_class():
             self._info: dict[str, Any] = {}
             self._active = False
             self._diag_timer = None
+            self.configuring = False  # on_configure is running (a first start's export can take minutes)
             dynamic = ParameterDescriptor(dynamic_typing=True)
             for name, default in cfgmod.to_params(cfgmod.Config()).items():
                 self.declare_parameter(name, default, dynamic)
@@ -130,9 +133,23 @@ def make_node_class():
 
         # -- lifecycle --------------------------------------------------------------------------
 
+        def _unknown_overrides(self) -> dict[str, Any]:
+            """Overrides from params files / -p that name no parameter of this node (a typo such as
+            speculative.drafterr): rclpy ignores them silently, `spec-edge serve --params` refuses them."""
+            overrides = self._parameter_overrides  # rclpy keeps them only here (no public getter)
+            return {name: _param_value(p.value) for name, p in overrides.items()
+                    if not self.has_parameter(name) and not name.startswith(ROS_PARAMETER_PREFIXES)}
+
         def on_configure(self, state):
+            self.configuring = True
             try:
-                self.cfg = cfgmod.from_params(self._current_params())
+                return self._configure()
+            finally:
+                self.configuring = False
+
+        def _configure(self):
+            try:
+                self.cfg = cfgmod.from_params({**self._current_params(), **self._unknown_overrides()})
             except cfgmod.ConfigError as err:
                 self.get_logger().error(f"configure: {err}")
                 return TransitionCallbackReturn.FAILURE
@@ -291,7 +308,10 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
     node = make_node_class()()
     try:
         if autostart:
-            if node.trigger_configure() != TransitionCallbackReturn.SUCCESS:
+            configured = _unless_stopped(node.trigger_configure, stop)
+            if configured is None:
+                _exit_while_configuring(node)
+            if configured != TransitionCallbackReturn.SUCCESS:
                 node.get_logger().error("configure failed; see above")
                 return 1
             node.trigger_activate()
@@ -307,6 +327,8 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
                 executor.spin_once(timeout_sec=0.1)
         except (KeyboardInterrupt, ExternalShutdownException):
             pass
+        if node.configuring:  # a lifecycle manager's configure is still running in an executor thread
+            _exit_while_configuring(node)
         node.get_logger().info("shutting down")
         node.stop_generation(timeout=1.0)   # answers every waiting call, so no thread stays blocked
         flush_until = time.monotonic() + 0.2  # deliver those answers (action results need spinning)
@@ -323,6 +345,36 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
+
+
+def _unless_stopped(call, stop: threading.Event) -> Any:
+    """call() in a thread while this (the main) thread watches `stop`: what call returned, or None
+    when a signal came first. A first start's configure exports for minutes in code that Python's
+    signal handlers cannot interrupt; the process must still end within 2 s of SIGINT / SIGTERM."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as err:  # handed to the main thread, raised there
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="configure", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if stop.wait(0.05):
+            return None
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _exit_while_configuring(node) -> NoReturn:
+    """Signalled during configure: end now. Nothing is lost: an export writes into a temporary folder
+    that becomes the artifact only once complete (the next start removes it and exports again)."""
+    node.get_logger().warning("stopped while configuring (loading or exporting the graphs): exiting now; "
+                              "an unfinished export is discarded and redone at the next start")
+    exit_process(0)
 
 
 def exit_process(status: int) -> NoReturn:

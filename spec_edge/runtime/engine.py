@@ -6,6 +6,7 @@ not re-entrant (one KV cache): callers serialise requests; a lock enforces it.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,8 @@ class Engine:
         exported first if missing or stale; TensorRT engines come from `spec-edge build`."""
         started = time.monotonic()
         graph_dir = export.artifact_dir(cfg, "target")
+        progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {graph_dir.parent.parent} "
+                 f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
         draft_runner = None
         if cfg.runtime.backend == "tensorrt":
             from spec_edge.runtime.backends import tensorrt
@@ -110,9 +113,9 @@ class Engine:
             temperature=defaults.temperature if request.temperature is None else float(request.temperature),
             top_k=defaults.top_k if request.top_k is None else int(request.top_k),
             top_p=defaults.top_p if request.top_p is None else float(request.top_p))
-        if not params.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
-        if not 0 < params.top_p <= 1:
+        if not (math.isfinite(params.temperature) and params.temperature >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
+        if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")

@@ -100,6 +100,8 @@ BAD_REQUESTS = [
     ("max_new_tokens 0", {"prompt": PROMPT, "max_new_tokens": 0}, "max_new_tokens"),
     ("max_new_tokens 10^9", {"prompt": PROMPT, "max_new_tokens": 10**9}, "max_new_tokens"),
     ("temperature -1", {"prompt": PROMPT, "temperature": -1.0}, "temperature"),
+    ("temperature inf", {"prompt": PROMPT, "temperature": float("inf")}, "temperature"),
+    ("temperature nan", {"prompt": PROMPT, "temperature": float("nan")}, "temperature"),
     ("top_p 0", {"prompt": PROMPT, "top_p": 0.0}, "top_p"),
     ("top_p 2", {"prompt": PROMPT, "top_p": 2.0}, "top_p"),
     ("unknown drafter", {"prompt": PROMPT, "drafter": "telepathy"}, "drafter"),
@@ -123,10 +125,11 @@ def test_bad_requests_refused_and_node_keeps_serving(server, module_env, referen
     assert good["text"] == expected(reference_engine, prompt=PROMPT, max_new_tokens=10).text
 
 
-def test_bad_goal_refused_through_action(server, module_env):
-    out = run_client(module_env, {"mode": "stream", "request": {"prompt": PROMPT, "top_p": 2.0}})
+@pytest.mark.parametrize("field,value", [("top_p", 2.0), ("temperature", float("inf"))])
+def test_bad_goal_refused_through_action(server, module_env, field, value):
+    out = run_client(module_env, {"mode": "stream", "request": {"prompt": PROMPT, field: value}})
     assert out["status"] == "ABORTED"
-    assert out["result"]["success"] is False and "top_p" in out["result"]["message"]
+    assert out["result"]["success"] is False and field in out["result"]["message"]
 
 
 def test_diagnostics(server, module_env):

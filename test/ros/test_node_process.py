@@ -50,7 +50,7 @@ def test_sigint_exits_within_2s(server_factory):
     assert took < 2.0, f"exit took {took:.2f} s"
 
 
-def test_launch_file_describes_one_node():
+def test_launch_file_describes_the_node():
     launch_ros = pytest.importorskip(
         "launch_ros", reason="launch_ros is not installable from PyPI here; on a ROS 2 machine "
                              "`ros2 launch spec_edge llm.launch.py` runs this file")
@@ -66,9 +66,10 @@ def test_launch_file_describes_one_node():
         pytest.skip(f"spec_edge is not installed where ament_index looks: {err}")
     assert isinstance(description, LaunchDescription)
     names = {a.name for a in description.entities if hasattr(a, "default_value")}
-    assert names == {"params_file", "namespace"}
+    assert names == {"params_file", "namespace", "managed", "autostart"}
+    # one node per managed:=false|true: the self-configuring node, or a launch LifecycleNode
     nodes = [e for e in description.entities if isinstance(e, launch_ros.actions.Node)]
-    assert len(nodes) == 1
+    assert len(nodes) == 2 and sum(isinstance(n, launch_ros.actions.LifecycleNode) for n in nodes) == 1
 
 
 def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path):
@@ -89,3 +90,37 @@ def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path)
         assert log.index("engine loaded") < log.index("engine freed")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_during_first_start_export_exits_within_2s(module_env, tmp_path, sig):
+    """A first start exports the graphs for minutes inside configure; a signal must still end it in 2 s,
+    and what it was writing must not be taken for a finished export."""
+    engines = tmp_path / "engines"
+    params = write_params(tmp_path / "fresh.yaml", test_params(**{"runtime.engine_dir": str(engines)}))
+    server = Server(module_env, params, tmp_path / "fresh.log", argv=[
+        sys.executable, "-m", "spec_edge.ros2.node", "--ros-args", "--params-file", str(params)])
+    server.start(ready="[export] target: graph 1/")  # exporting, well past the model load
+    took = server.stop(sig)
+    assert server.proc.returncode == 0, server.log()[-2000:]
+    assert took < 2.0, f"exit took {took:.2f} s:\n{server.log()[-2000:]}"
+    assert "stopped while configuring" in server.log()
+    assert not (engines / "smollm2-135m" / "onnx" / "target").exists()  # only the temporary folder
+
+
+def test_unknown_parameter_is_refused_like_serve_refuses_it(module_env, tmp_path):
+    """A typo in a launch params file must not be ignored: the node refuses it with serve's message."""
+    import subprocess
+
+    params = tmp_path / "typo.yaml"
+    params.write_text("/**:\n  ros__parameters:\n    speculative:\n      drafterr: none\n")
+    serve = subprocess.run([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(params)],
+                           env=module_env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert serve.returncode == 2
+    message = serve.stderr.strip().split(": ", 2)[-1]  # "spec-edge serve: <file>: <message>"
+    assert message.startswith("unknown config keys ['speculative.drafterr']"), serve.stderr
+    server = Server(module_env, params, tmp_path / "typo.log", argv=[
+        sys.executable, "-m", "spec_edge.ros2.node", "--ros-args", "--params-file", str(params)])
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        server.start(timeout=120)
+    assert f"configure: {message}" in server.log()
