@@ -625,3 +625,9 @@ def test_dynamic_export_runs_every_width(tmp_path):
 
 def test_unused_keys_do_not_invalidate(built):
     check_engines(built.replace(**{"graphs.layer_skip_layers": 2}))  # drafter is ngram
+
+
+def test_build_engines_names_itself_in_its_help(capsys):
+    with pytest.raises(SystemExit):
+        commands.build_main(["--help"], prog="build_engines")
+    assert capsys.readouterr().out.startswith("usage: build_engines ")

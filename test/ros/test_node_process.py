@@ -105,6 +105,7 @@ def test_signal_during_first_start_export_exits_within_2s(module_env, tmp_path, 
     assert server.proc.returncode == 0, server.log()[-2000:]
     assert took < 2.0, f"exit took {took:.2f} s:\n{server.log()[-2000:]}"
     assert "stopped while configuring" in server.log()
+    assert "it/s]" not in server.log()  # no tqdm bars (redrawn with \r) in a log that is not a terminal
     assert not (engines / "smollm2-135m" / "onnx" / "target").exists()  # only the temporary folder
 
 
