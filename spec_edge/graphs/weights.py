@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,11 +161,6 @@ def _load_gguf(path: Path):
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as err:
         raise ConfigError(f"loading GGUF needs transformers, gguf and accelerate: {err}") from None
-    if not sys.stderr.isatty():
-        # tqdm bars redraw with carriage returns: under ros2 launch, systemd or a log file they arrive as
-        # empty lines; the caller's plain progress lines ("[export] target: loading ...") say enough
-        from transformers.utils import logging as hf_logging
-        hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32")
     hf_cfg = hf_model.config.to_dict()

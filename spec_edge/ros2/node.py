@@ -298,6 +298,11 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
     from rclpy.lifecycle import TransitionCallbackReturn
     from rclpy.signals import SignalHandlerOptions
 
+    if not sys.stderr.isatty():
+        # tqdm bars (the GGUF load's among them) redraw with carriage returns: under ros2 launch,
+        # systemd or into a file they arrive as empty lines. Set before anything imports tqdm;
+        # the plain "[export] ..." progress lines say what is happening.
+        os.environ.setdefault("TQDM_DISABLE", "1")
     rclpy.init(args=["spec_edge", *ros_args], signal_handler_options=SignalHandlerOptions.NO)
     stop = threading.Event()
 
