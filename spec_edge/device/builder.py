@@ -20,6 +20,7 @@ from typing import Any
 
 from spec_edge.config import Config, ConfigError
 from spec_edge.device import memory
+from spec_edge.device.engine_file import engine_stamp, load_engine
 from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, manifest_header, precision, profile_dir,
                                        read_manifest, write_json_atomic)
 from spec_edge.device.profiles import engine_layout, plan_for_config, plan_inputs
@@ -155,7 +156,7 @@ def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timi
     seconds = round(time.monotonic() - started, 1)
     del serialized, config, parser, network, builder
     runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(out_path.read_bytes())
+    engine = load_engine(trt, runtime, out_path)  # streamed: no whole host copy of the engine
     if engine is None:
         raise BuildError(f"the engine just built ({out_path}) does not deserialize")
     per_profile = [context_memory_size(engine, p) for p in range(engine.num_optimization_profiles)]
@@ -229,7 +230,7 @@ def build(cfg: Config, *, progress: Progress = print, force: bool = False,
         if (not force and previous and previous.get("build_key") == key and path.is_file()
                 and path.stat().st_size == previous.get("size") and file_sha256(path) == previous.get("sha256")):
             progress(f"[build] {spec.name}: up to date")
-            manifest["engines"][spec.name] = previous
+            manifest["engines"][spec.name] = {**previous, "stamp": engine_stamp(path)}  # older manifests had none
             continue
         progress(f"[build] {spec.name}: widths {list(spec.widths)} from {spec.onnx.name}")
         info = build_engine(spec, path, workspace_bytes=extra["workspace"], timing_cache=timing,
@@ -237,7 +238,7 @@ def build(cfg: Config, *, progress: Progress = print, force: bool = False,
         manifest["engines"][spec.name] = {
             "file": path.name, "role": spec.role, "onnx": str(spec.onnx), "widths": list(spec.widths),
             "kinds": {str(w): k for w, k in spec.kinds.items()}, "dynamic": spec.dynamic,
-            "size": path.stat().st_size, "sha256": file_sha256(path), "build_key": key,
+            "size": path.stat().st_size, "sha256": file_sha256(path), "stamp": engine_stamp(path), "build_key": key,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info}
     for stale in set(old.get("engines", {})) - set(manifest["engines"]):
         (directory / old["engines"][stale]["file"]).unlink(missing_ok=True)
