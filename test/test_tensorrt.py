@@ -158,15 +158,47 @@ def speculative(runner, drafter, prompt, n, k):
     return out[:n]
 
 
+def assert_same_but_near_ties(spec: list[int], plain: list[int], reference, prompt: list[int]) -> None:
+    """spec == plain token for token, or they part where the float32 reference's top-2 margin is
+    below the parity test's 0.05 (fp16 verify [1, k+1] and step [1, 1] round differently, which may
+    flip a near tie; past that point the texts legitimately differ). Anything else fails."""
+    if spec == plain:
+        return
+    at = next(i for i, (a, b) in enumerate(zip(spec + [-1], plain + [-2])) if a != b)
+    row = reference.prefill(prompt + plain[:at], 0)  # the logits both runs chose token `at` from
+    assert margin(row) < 0.05, (f"speculative != plain at token {at} where the float32 reference's top-2 "
+                                f"margin is {margin(row):.3f}: more than numerics\nspec  {spec}\nplain {plain}")
+
+
 @needs_device
-def test_speculative_equals_plain_greedy(engines):
+def test_speculative_equals_plain_greedy(engines, reference):
     from spec_edge.runtime.backends.tensorrt import TensorRTRunner
     runner = TensorRTRunner(engines)
     plain = greedy(runner, PROMPT, 48)
-    assert speculative(runner, None, PROMPT, 48, 4) == plain
+    assert_same_but_near_ties(speculative(runner, None, PROMPT, 48, 4), plain, reference, PROMPT)
     skip = runner.layer_skip(engines.graphs.layer_skip_layers)
     assert skip.k_cache.data_ptr() == runner.k_cache.data_ptr()  # the same cache storage
-    assert speculative(runner, skip, PROMPT, 48, 4) == plain
+    assert_same_but_near_ties(speculative(runner, skip, PROMPT, 48, 4), plain, reference, PROMPT)
+
+
+def test_near_tie_rule_fails_on_a_real_difference():
+    """The rule above must be able to fail: a divergence where the reference is sure."""
+    class Sure:
+        def prefill(self, tokens, position):
+            row = np.zeros(8, np.float32)
+            row[3] = 5.0  # margin 5
+            return row
+
+    class Tied(Sure):
+        def prefill(self, tokens, position):
+            row = super().prefill(tokens, position)
+            row[4] = 4.99  # margin 0.01
+            return row
+
+    assert_same_but_near_ties([1, 2, 3], [1, 2, 3], Sure(), [0])
+    assert_same_but_near_ties([1, 2, 4, 7], [1, 2, 3, 3], Tied(), [0])
+    with pytest.raises(AssertionError, match="token 2 .* margin is 5.000"):
+        assert_same_but_near_ties([1, 2, 4], [1, 2, 3], Sure(), [0])
 
 
 @needs_device
@@ -176,25 +208,33 @@ def test_runtime_refuses_a_changed_profile(engines):
         TensorRTRunner(engines.replace(**{"graphs.max_context": 512}))
 
 
-def test_scratch_is_shared_and_grows():
-    """One context-memory buffer for every context; growing re-binds all and drops CUDA graphs."""
+def test_scratch_is_sized_up_front_shared_and_unregistered():
+    """One context-memory buffer for every context, sized before any binds (no re-bind); a context
+    asking for more than reserved re-binds all and drops CUDA graphs; close() takes contexts out."""
     torch = pytest.importorskip("torch")
     from spec_edge.runtime.backends.tensorrt import Scratch
 
     class Context:
+        def __init__(self):
+            self.binds = []
+
         def set_device_memory(self, ptr, size):
-            self.bound = (ptr, size)
+            self.binds.append((ptr, size))
 
     class OldContext:  # TensorRT 10.0: property only
         device_memory = None
 
-    scratch = Scratch(torch, device="cpu")
+    scratch = Scratch(torch, device="cpu", size=4000)  # load_runners: the manifest's largest
     dropped = []
     scratch.on_realloc.append(lambda: dropped.append(1))
     a, b, c = Context(), Context(), OldContext()
     scratch.register(a, 1000)
-    scratch.register(b, 500)
-    assert a.bound == b.bound == (scratch.buffer.data_ptr(), 1000) and len(dropped) == 1
-    scratch.register(c, 4000)
-    assert a.bound == b.bound == (scratch.buffer.data_ptr(), 4000) and len(dropped) == 2
+    scratch.register(b, 4000)
+    assert a.binds == b.binds == [(scratch.buffer.data_ptr(), 4000)] and not dropped  # bound once, full size
+    scratch.register(c, 500)
     assert c.device_memory == scratch.buffer.data_ptr()
+    scratch.register(b, 8000)  # more than reserved: grows, re-binds everything, drops graphs
+    assert a.binds[-1] == (scratch.buffer.data_ptr(), 8000) and len(a.binds) == 2 and dropped == [1]
+    scratch.unregister(a)
+    scratch.reserve(16000)
+    assert len(a.binds) == 2 and b.binds[-1] == (scratch.buffer.data_ptr(), 16000)
