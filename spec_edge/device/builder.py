@@ -27,6 +27,24 @@ from spec_edge.device.profiles import engine_layout, plan_for_config, plan_input
 from spec_edge.device.specs import BuildError, EngineSpec, engine_specs, file_sha256, onnx_quantization
 
 Progress = Callable[[str], None]
+# The TensorRT members used here on objects of each class (test/test_tensorrt_api.py checks them, and
+# every trt.X chain, against the real 10.13 bindings)
+TENSORRT_API = {
+    "Builder": ("create_network", "create_builder_config", "create_optimization_profile", "build_serialized_network"),
+    "INetworkDefinition": ("num_inputs", "get_input"),
+    "ITensor": ("shape", "name"),
+    "OnnxParser": ("parse_from_file", "num_errors", "get_error"),
+    "IBuilderConfig": ("set_memory_pool_limit", "create_timing_cache", "set_timing_cache", "get_timing_cache",
+                       "progress_monitor", "add_optimization_profile"),
+    "ITimingCache": ("serialize",),
+    "IOptimizationProfile": ("set_shape",),
+    "ICudaEngine": ("num_optimization_profiles", "get_device_memory_size_for_profile_v2", "device_memory_size_v2",
+                    "device_memory_size"),
+}  # (the methods Monitor overrides are checked against trt.IProgressMonitor's)
+# expressions that always hold that TensorRT class here: every attribute used on them must exist on it
+TENSORRT_RECEIVERS = {"builder": "Builder", "network": "INetworkDefinition", "tensor": "ITensor", "parser": "OnnxParser",
+                      "config": "IBuilderConfig", "config.get_timing_cache()": "ITimingCache", "profile": "IOptimizationProfile",
+                      "engine": "ICudaEngine"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,10 @@ from pathlib import Path
 READ_CHUNK = 64 << 20        # bytes handed to TensorRT per read() call
 LOAD_PEAK_BYTES = READ_CHUNK  # host bytes an engine load holds beyond TensorRT's own copy
 STAMP_BYTES = 1 << 20        # head and tail hashed by engine_stamp
+# TensorRT members used on objects (test/test_tensorrt_api.py checks them, the trt.X chains and the
+# methods FileReader overrides against the 10.13 bindings)
+TENSORRT_API = {"Runtime": ("deserialize_cuda_engine",)}
+TENSORRT_RECEIVERS = {"runtime": "Runtime"}  # expressions that always hold that TensorRT class here
 
 
 def load_peak_bytes() -> int:

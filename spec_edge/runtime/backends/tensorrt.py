@@ -52,6 +52,17 @@ from spec_edge.runtime.backends.base import BackendError, Runner
 from spec_edge.runtime.backends.trt_memory import Scratch, torch_cuda, torch_dtype
 
 log = logging.getLogger(__name__)
+# TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
+TENSORRT_API = {
+    "Runtime": (),
+    "ICudaEngine": ("num_io_tensors", "get_tensor_name", "get_tensor_shape", "get_tensor_dtype",
+                    "create_execution_context", "device_memory_size_v2"),
+    "IExecutionContext": ("set_optimization_profile_async", "set_input_shape", "get_tensor_shape",
+                          "set_tensor_address", "execute_async_v3"),
+}
+# expressions that always hold that TensorRT class here: every attribute used on them must exist on it
+TENSORRT_RECEIVERS = {"engine": "ICudaEngine", "first": "ICudaEngine", "context": "IExecutionContext",
+                      "call.context": "IExecutionContext", "self.runtime": "Runtime"}
 
 
 @dataclass

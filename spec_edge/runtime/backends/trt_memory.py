@@ -11,6 +11,9 @@ from typing import Any
 from spec_edge.runtime.backends.base import BackendError
 
 log = logging.getLogger(__name__)
+# TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
+TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory")}
+TENSORRT_RECEIVERS = {"context": "IExecutionContext"}  # expressions that always hold that class here
 
 
 def torch_cuda():
