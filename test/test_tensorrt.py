@@ -45,6 +45,35 @@ def test_clear_error_without_tensorrt(tmp_path):
             make()
 
 
+def test_eagle3_and_hybrid_go_to_the_tensorrt_head(tmp_path):
+    """On the tensorrt backend eagle3 / hybrid are no longer refused ("onnxruntime backend only"):
+    the drafters ask the target for its hidden states and load trt_head.TensorRTEagle3Head. The
+    target here is a stand-in (a TensorRT runner cannot exist without CUDA) whose engines return no
+    hidden states: its refusal is what must come out, for both drafters; medusa is still refused."""
+    from pathlib import Path
+
+    from spec_edge.runtime.backends.base import BackendError
+    from spec_edge.runtime.drafting import Drafters
+    from spec_edge.runtime.requests import RequestError
+
+    head = str(Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle3")
+
+    class EnginesWithoutHidden:
+        vocab_size = 49152
+
+        def hidden_states(self, start, stop):
+            raise BackendError("the target engines return no hidden states: set speculative.eagle3_head and rebuild")
+
+    for name in ("eagle3", "hybrid"):
+        cfg = trt_cfg(tmp_path, **{"speculative.drafter": name, "speculative.eagle3_head": head})
+        drafters = Drafters(cfg, EnginesWithoutHidden(), tokenizer=None, graph_dir=tmp_path, model_cfg=None)
+        with pytest.raises(BackendError, match="return no hidden states"):
+            drafters.drafter(name)
+    cfg = trt_cfg(tmp_path, **{"speculative.medusa_head": head})
+    with pytest.raises(RequestError, match="onnxruntime backend only"):
+        Drafters(cfg, EnginesWithoutHidden(), None, tmp_path, None).drafter("medusa")
+
+
 # ------------------------------------------------------------------------------------------------
 # On a machine with TensorRT and a GPU
 
