@@ -33,7 +33,9 @@ def trt_cfg(tmp_path, **extra):
 
 def test_module_imports_without_tensorrt():
     from spec_edge.runtime.backends import tensorrt as backend
+    from spec_edge.runtime.backends import trt_head
     assert hasattr(backend, "TensorRTRunner") and hasattr(backend, "load_runners")
+    assert hasattr(trt_head, "TensorRTEagle3Head")
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="tensorrt is installed: the missing-package path cannot be shown")

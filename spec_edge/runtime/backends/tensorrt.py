@@ -5,15 +5,14 @@ State, allocated once per runner (torch CUDA tensors, bound to TensorRT by name 
                                                     one layer view per input (k_cache_<i>, v_cache_<i>)
   hidden             (S, n * H) engine dtype: the hidden states the graphs return for a head
                      (io_names.HIDDEN), written like the cache; only when the engine has them
+  embed_table        (V, H): when the engines take the embedding as an input (trt_memory), bound
+                     to them and to the EAGLE-3 head's engine: one copy on the device
   per width T:       tokens (1, T) int64, position (1,) int64, [last_index (1,) int64: static prefill]
                      logits (T, V) float32 [(1, V) static prefill], k_new / v_new (L, Hkv, T, D),
                      [hidden (T, n * H)], index (T,) int64 = position + arange(T),
                      ids (T,) int64 = argmax(logits), pinned host copies of tokens, position and ids
-  scratch            one uint8 buffer shared by every execution context of every runner built from
-                     the same Scratch (TensorRT USER_MANAGED context memory): calls are serialised
-                     on one stream, so one buffer serves them all; load_runners sizes it from the
-                     manifest's context_memory of every engine before any context is made, and a
-                     runner reserves its engines' device_memory_size_v2 before it binds a context
+  scratch            trt_memory.Scratch, shared by every context of every runner (one stream): sized
+                     from the manifest by load_runners, reserve(device_memory_size_v2) per engine
 
 A call: copy tokens/position host -> device (pinned, async) -> execute_async_v3 -> write k_new/v_new
 into the cache at [position, position + T) with index_copy_ on the device -> argmax on the device ->
@@ -21,9 +20,8 @@ copy T ids (argmax) or T x V logits (forward) to the host. The fixed-width calls
 k+1) run as one captured CUDA graph each: execute + cache write + argmax in a single launch.
 greedy_chain (the draft model's greedy drafts) replays the step graph n times with its input token
 and position advanced on the device, and copies the n ids to the host once.
-
-Engines are streamed from disk (device/engine_file.py), never read whole into host memory; the
-manifest check at start is the quick one (sizes + stamps), `spec-edge build --check` hashes all.
+Engines are streamed from disk (device/engine_file.py); the manifest check at start is the quick
+one (sizes + stamps), `spec-edge build --check` hashes every byte.
 
 Engine layouts (memory.py): 'shared' - one engine per model, one optimization profile per width,
 one execution context per width with its profile selected once; 'per_graph' - one engine per
@@ -49,7 +47,7 @@ from spec_edge.device.engine_file import load_engine
 from spec_edge.device.manifest import ManifestError, check_engines, profile_dir
 from spec_edge.graphs import io_names
 from spec_edge.runtime.backends.base import BackendError, Runner
-from spec_edge.runtime.backends.trt_memory import Scratch, torch_cuda, torch_dtype
+from spec_edge.runtime.backends.trt_memory import Scratch, load_embed_table, torch_cuda, torch_dtype
 
 log = logging.getLogger(__name__)
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
@@ -130,7 +128,11 @@ class TensorRTRunner(Runner):
         self.vocab_size = int(first.get_tensor_shape(io_names.LOGITS)[-1])
         names = {first.get_tensor_name(i) for i in range(first.num_io_tensors)}
         self.hidden = None  # (S, n * H): the head's hidden states of every processed position
+        self.embed_table = None  # (V, H) when the engines take it as an input (shared with the head)
         with torch.cuda.stream(self.stream):
+            if io_names.EMBED_TABLE in names:
+                self.embed_table = (_parent.embed_table if _parent is not None and _parent.embed_table is not None
+                                    else load_embed_table(self.directory, next(iter(entries.values()))))
             if io_names.HIDDEN in names:
                 width = int(first.get_tensor_shape(io_names.HIDDEN)[-1])
                 self.hidden = torch.zeros((self.max_context, width), device="cuda",
@@ -202,7 +204,8 @@ class TensorRTRunner(Runner):
                     if io_names.HIDDEN in names else None))
         buffers = {io_names.TOKENS: call.tokens, io_names.POSITION: call.position,
                    io_names.LAST_INDEX: call.last_index, io_names.LOGITS: call.logits,
-                   io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new, io_names.HIDDEN: call.hidden}
+                   io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new, io_names.HIDDEN: call.hidden,
+                   io_names.EMBED_TABLE: self.embed_table}
         for layer in range(self.n_layers):  # (Hkv, S, D) views of the resident cache: contiguous, no copy
             buffers[io_names.k_cache(layer)] = self.k_cache[layer]
             buffers[io_names.v_cache(layer)] = self.v_cache[layer]

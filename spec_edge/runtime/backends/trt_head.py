@@ -30,8 +30,8 @@ graph: hidden_in <- hidden_out, tokens <- draft_id, execute, cache write at posi
 so a chain of k drafts is one ingest and k - 1 replays with no host round trip.
 
 The embedding table: the target runner's `embed_table` when its engine takes one (one copy for
-both engines); otherwise the safetensors file the head engine's manifest entry names under
-"embed_table" (tensor "embed_table"), loaded to the device once (logged: that is a second copy).
+both engines); otherwise trt_memory.load_embed_table from the head engine's manifest entry
+(logged: that is a second copy on the device).
 """
 from __future__ import annotations
 
@@ -49,14 +49,13 @@ from spec_edge.device.manifest import ManifestError
 from spec_edge.graphs import io_names
 from spec_edge.heads.eagle3_export import read_head_config
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.trt_memory import torch_dtype
+from spec_edge.runtime.backends.trt_memory import load_embed_table, torch_dtype
 
 log = logging.getLogger(__name__)
 
 HEAD_ROLE = "eagle3"          # the head engine's role in manifest.json
 HIDDEN_IN = "hidden_in"       # PENDING io_names: (Ws, H) the head's own hidden (step: Ws = 1, ingest: 0)
 DRAFT_ID = "draft_id"         # PENDING io_names: (1,) int64 d2t[argmax(logits)], a target-vocabulary id
-EMBED_TABLE_TENSOR = "embed_table"  # the tensor's name in the safetensors file of a separate table
 
 
 def profile_key(kind: str, width: int) -> str:
@@ -151,20 +150,13 @@ class TensorRTEagle3Head:
 
     def _embed_table(self):
         """(V, H) on the device: the target's own when its engine takes one, else loaded once."""
-        shared = getattr(self.target, "embed_table", None)
-        if shared is not None:
-            return shared
-        source = self.entry.get("embed_table")
-        if not source:
-            raise ManifestError(f"the head engine takes {io_names.EMBED_TABLE} but neither the target engine nor "
-                                f"the head's manifest entry provides one: rebuild with `spec-edge build`")
-        from safetensors.torch import load_file
-
-        table = load_file(str(self.target.directory / source), device="cuda")[EMBED_TABLE_TENSOR]
+        if getattr(self.target, "embed_table", None) is not None:
+            return self.target.embed_table
+        table = load_embed_table(self.target.directory, self.entry)
         log.warning("the EAGLE-3 head loaded its own copy of the embedding table (%.0f MiB): the target "
                     "engine does not take %s as an input", table.numel() * table.element_size() / 2**20,
                     io_names.EMBED_TABLE)
-        return table.contiguous()
+        return table
 
     def _make_call(self, names: set[str], kind: str, width: int, profile: int) -> _HeadCall:
         trt, torch, engine, c = self.trt, self.torch, self.engine, self.cfg

@@ -1,16 +1,21 @@
 """What the TensorRT runners (tensorrt.py: a model; trt_head.py: an EAGLE-3 head) share on the
-device: torch with CUDA for the buffers, TensorRT -> torch dtypes, and Scratch, the one
-execution-context memory buffer every context of every runner binds (TensorRT USER_MANAGED
-context memory; calls are serialised on one stream, so one buffer serves them all).
+device: torch with CUDA for the buffers, TensorRT -> torch dtypes, the token-embedding table an
+engine takes as an input (io_names.EMBED_TABLE), and Scratch, the one execution-context memory
+buffer every context of every runner binds (TensorRT USER_MANAGED context memory; calls are
+serialised on one stream, so one buffer serves them all).
 """
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
+from spec_edge.graphs import io_names
 from spec_edge.runtime.backends.base import BackendError
 
 log = logging.getLogger(__name__)
+
+EMBED_TABLE_TENSOR = "embed_table"  # the tensor's name in the safetensors file of an input table
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
 TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory")}
 TENSORRT_RECEIVERS = {"context": "IExecutionContext"}  # expressions that always hold that class here
@@ -33,6 +38,20 @@ def torch_dtype(trt, torch, dtype):
     if dtype not in table:
         raise BackendError(f"engine I/O dtype {dtype} has no torch equivalent")
     return table[dtype]
+
+
+def load_embed_table(directory: Path, entry: dict):
+    """The (V, H) table an engine takes as io_names.EMBED_TABLE, on the device: the safetensors file
+    (tensor EMBED_TABLE_TENSOR) its manifest entry names under "embed_table", relative to the
+    profile folder. Loaded once per runner family and bound by address to every engine that takes
+    it (the target's, the head's), so the embedding exists once on the device."""
+    source = entry.get("embed_table")
+    if not source:
+        raise BackendError(f"engine {entry.get('file')} takes {io_names.EMBED_TABLE} as an input but its manifest "
+                           f"entry names no embed_table file: rebuild with `spec-edge build`")
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(directory) / source), device="cuda")[EMBED_TABLE_TENSOR].contiguous()
 
 
 class Scratch:
