@@ -2,6 +2,7 @@
 TensorRT); the rest build engines for the embedded SmolLM2 and need `tensorrt` + a CUDA device, and
 are skipped with the reason elsewhere."""
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from spec_edge.device.manifest import ManifestError
 from spec_edge.device.specs import BuildError
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+HEAD = str(Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle3")  # the committed EAGLE-3 head
 
 
 def _cuda() -> bool:
@@ -52,13 +54,9 @@ def test_eagle3_and_hybrid_go_to_the_tensorrt_head(tmp_path):
     the drafters ask the target for its hidden states and load trt_head.TensorRTEagle3Head. The
     target here is a stand-in (a TensorRT runner cannot exist without CUDA) whose engines return no
     hidden states: its refusal is what must come out, for both drafters; medusa is still refused."""
-    from pathlib import Path
-
     from spec_edge.runtime.backends.base import BackendError
     from spec_edge.runtime.drafting import Drafters
     from spec_edge.runtime.requests import RequestError
-
-    head = str(Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-eagle3")
 
     class EnginesWithoutHidden:
         vocab_size = 49152
@@ -67,11 +65,11 @@ def test_eagle3_and_hybrid_go_to_the_tensorrt_head(tmp_path):
             raise BackendError("the target engines return no hidden states: set speculative.eagle3_head and rebuild")
 
     for name in ("eagle3", "hybrid"):
-        cfg = trt_cfg(tmp_path, **{"speculative.drafter": name, "speculative.eagle3_head": head})
+        cfg = trt_cfg(tmp_path, **{"speculative.drafter": name, "speculative.eagle3_head": HEAD})
         drafters = Drafters(cfg, EnginesWithoutHidden(), tokenizer=None, graph_dir=tmp_path, model_cfg=None)
         with pytest.raises(BackendError, match="return no hidden states"):
             drafters.drafter(name)
-    cfg = trt_cfg(tmp_path, **{"speculative.medusa_head": head})
+    cfg = trt_cfg(tmp_path, **{"speculative.medusa_head": HEAD})
     with pytest.raises(RequestError, match="onnxruntime backend only"):
         Drafters(cfg, EnginesWithoutHidden(), None, tmp_path, None).drafter("medusa")
 
@@ -230,6 +228,49 @@ def test_near_tie_rule_fails_on_a_real_difference():
     assert_same_but_near_ties([1, 2, 4, 7], [1, 2, 3, 3], Tied(), [0])
     with pytest.raises(AssertionError, match="token 2 .* margin is 5.000"):
         assert_same_but_near_ties([1, 2, 4], [1, 2, 3], Sure(), [0])
+
+
+@pytest.fixture(scope="module")
+def eagle3_engines(tmp_path_factory):
+    """Engines for the embedded default with the committed EAGLE-3 head: target (with hidden
+    outputs) + head engine."""
+    if not (HAVE_TRT and _cuda()):
+        pytest.skip("needs tensorrt and CUDA")
+    cfg = trt_cfg(tmp_path_factory.mktemp("trt_eagle3"), **{"speculative.drafter": "eagle3",
+                                                             "speculative.eagle3_head": HEAD})
+    builder.build(cfg, progress=lambda _m: None)
+    return cfg
+
+
+@needs_device
+def test_head_chain_on_the_device_equals_its_steps(eagle3_engines):
+    """The TensorRT head's greedy chain (argmax + d2t in the engine, captured step replays fed back
+    on the device) drafts what ingest + step with the argmax on the host draft."""
+    from spec_edge.runtime.engine import Engine
+    engine = Engine.from_config(eagle3_engines, progress=lambda _m: None)
+    head, target = engine.drafter("eagle3").head, engine.target
+    target.prefill(PROMPT, 0)
+    hidden = target.hidden_states(0, len(PROMPT) - 1)
+    chain = head.greedy_chain(PROMPT[1:], hidden, 0, 4)
+    logits, own = head.ingest(PROMPT[1:], hidden, 0)
+    steps = [int(head.draft_ids[int(np.argmax(logits))])]
+    for i in range(3):
+        logits, own = head.step(steps[-1], own, len(PROMPT) - 1 + i)
+        steps.append(int(head.draft_ids[int(np.argmax(logits))]))
+    assert chain.tolist() == steps and chain.dtype == np.int64
+
+
+@needs_device
+@pytest.mark.parametrize("drafter", ["eagle3", "hybrid"])
+def test_eagle3_and_hybrid_equal_plain_greedy(eagle3_engines, reference, drafter):
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.requests import GenerateRequest
+    engine = Engine.from_config(eagle3_engines, progress=lambda _m: None)
+    request = GenerateRequest(prompt="Rewrite politely: give me the report now.", max_new_tokens=48)
+    plain = engine.generate(GenerateRequest(**{**request.__dict__, "drafter": "none"}))
+    spec = engine.generate(GenerateRequest(**{**request.__dict__, "drafter": drafter, "k": 4}))
+    assert spec.stats.drafted > 0 and spec.stats.verify_calls > 0
+    assert_same_but_near_ties(spec.token_ids, plain.token_ids, reference, engine.prompt_ids(request))
 
 
 @needs_device
