@@ -139,8 +139,9 @@ class TensorRTEagle3Head:
                          torch.zeros((c.n_kv_heads * widest * c.head_dim,), dtype=dtype(io_names.V_NEW), **cuda)]
             self._arange = torch.arange(widest, dtype=torch.int64, **cuda)
             self.embed_table = self._embed_table() if io_names.EMBED_TABLE in names else None
+            self._empty = torch.zeros((256,), dtype=torch.uint8, **cuda)  # the address of zero-row inputs
             self._ingest_calls = {w: self._make_call(names, "ingest", w, int(profiles[profile_key("ingest", w)]))
-                            for w in self.ingest_widths}
+                                  for w in self.ingest_widths}
             self._step = self._make_call(names, "step", 1, int(profiles[profile_key("step", 1)]))
         self.stream.synchronize()
         if cuda_graphs:
@@ -198,7 +199,8 @@ class TensorRTEagle3Head:
             if tuple(buffer.shape) != tuple(context.get_tensor_shape(name)):
                 raise BackendError(f"head engine ({kind} {width}): '{name}' is {tuple(context.get_tensor_shape(name))}, "
                                    f"the buffer is {tuple(buffer.shape)}")
-            context.set_tensor_address(name, buffer.data_ptr())
+            # a zero-row input (hidden in the step, hidden_in in an ingest) still gets a valid address
+            context.set_tensor_address(name, buffer.data_ptr() if buffer.numel() else self._empty.data_ptr())
         missing = sorted(set(buffers) - names - {io_names.EMBED_TABLE})
         if missing:
             raise BackendError(f"the head engine lacks {missing}: rebuild it from the current export")
