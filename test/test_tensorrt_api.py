@@ -317,3 +317,19 @@ def test_signature_parser_reads_pybind11_docstrings():
            "strategy: S = <S.STATIC: 0>) -> C\n\n2. create_execution_context(self: E, runtime_config: R = \n"
            "<R object>) -> C\n")
     assert signatures(doc, "create_execution_context") == [[("strategy", True)], [("runtime_config", True)]]
+
+
+def test_every_module_that_calls_tensorrt_is_checked():
+    """A module with a `trt.` attribute chain or a TensorRT import is in TENSORRT_MODULES (runs
+    without the bindings: it keeps the list above from falling behind the code)."""
+    package = ROOT / "spec_edge"
+    calling = set()
+    for path in package.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        imports = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imports += [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level]
+        uses = any(isinstance(n, ast.Attribute) and _chain(n) for n in ast.walk(tree)) or any(
+            name.split(".")[0] == "tensorrt" for name in imports)
+        if uses:
+            calling.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    assert calling == set(TENSORRT_MODULES), f"modules calling TensorRT vs TENSORRT_MODULES: {sorted(calling)}"
