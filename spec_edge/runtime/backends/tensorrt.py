@@ -14,12 +14,11 @@ State, allocated once per runner (torch CUDA tensors, bound to TensorRT by name 
   scratch            trt_memory.Scratch, shared by every context of every runner (one stream): sized
                      from the manifest by load_runners, reserve(device_memory_size_v2) per engine
 
-A call: copy tokens/position host -> device (pinned, async) -> execute_async_v3 -> write k_new/v_new
-into the cache at [position, position + T) with index_copy_ on the device -> argmax on the device ->
-copy T ids (argmax) or T x V logits (forward) to the host. The fixed-width calls (step 1, verify
-k+1) run as one captured CUDA graph each: execute + cache write + argmax in a single launch.
-greedy_chain (the draft model's greedy drafts) replays the step graph n times with its input token
-and position advanced on the device, and copies the n ids to the host once.
+A call: tokens/position host -> device (pinned, async) -> execute_async_v3 -> k_new/v_new into the
+cache at [position, position + T) (index_copy_) -> argmax on the device -> T ids (argmax) or T x V
+logits (forward) to the host. Fixed-width calls (step 1, verify k+1) run as one captured CUDA graph
+each. greedy_chain (greedy drafts of the draft model / layer-skip) replays the step graph n times,
+its token and position advanced on the device, and copies the n ids to the host once.
 Engines are streamed from disk (device/engine_file.py); the manifest check at start is the quick
 one (sizes + stamps), `spec-edge build --check` hashes every byte.
 
