@@ -11,8 +11,9 @@ from onnx import TensorProto, helper, numpy_helper
 from spec_edge.config import Config, ConfigError, from_params, load
 from spec_edge.device import builder, commands, memory, profiles
 from spec_edge.device.manifest import ManifestError, check_engines, identity_config, model_identity, profile_dir
-from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, onnx_quantization,
-                                    onnx_token_width)
+from spec_edge.device.engine_file import engine_stamp
+from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, file_sha256,
+                                    onnx_quantization, onnx_token_width)
 from spec_edge.graphs import export, io_names
 from spec_edge.runtime.backends.onnxruntime import cpu_session
 
@@ -218,7 +219,32 @@ def test_corrupted_engine_same_size(built):
     path.write_bytes(bytes(data))
     with pytest.raises(ManifestError, match=r"target_step_1.engine is corrupted \(sha256"):
         check_engines(built)
-    check_engines(built, verify="quick")  # the quick check only sees sizes
+    with pytest.raises(ManifestError, match=r"target_step_1.engine is corrupted \(its first/last MiB"):
+        check_engines(built, verify="quick")  # the stamp hashes the first and last MiB
+
+
+def test_quick_check_misses_the_middle_of_a_big_engine_the_full_one_does_not(built):
+    """What the runtime checks at start (quick) and what `spec-edge build --check` checks (full)."""
+    path = profile_dir(built) / "target_step_1.engine"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    path.write_bytes(bytes(data))
+    manifest_path = profile_dir(built) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    entry = manifest["engines"]["target_step_1"]
+    entry["size"], entry["sha256"], entry["stamp"] = len(data), file_sha256(path), engine_stamp(path)
+    manifest_path.write_text(json.dumps(manifest))
+    data[len(data) // 2] ^= 0xFF  # a flipped byte outside the first and last MiB
+    path.write_bytes(bytes(data))
+    check_engines(built, verify="quick")
+    with pytest.raises(ManifestError, match=r"target_step_1.engine is corrupted \(sha256"):
+        check_engines(built, verify="full")
+    del entry["stamp"]  # a manifest from before stamps: the quick check hashes everything
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"corrupted \(sha256"):
+        check_engines(built, verify="quick")
+    with pytest.raises(ValueError, match="verify='fast'"):
+        check_engines(built, verify="fast")
+
 
 
 def test_truncated_engine(built):
@@ -506,11 +532,25 @@ class FakeTensorRT:
             def get_device_memory_size_for_profile_v2(self, p):
                 return 1000 + p
 
+        class SeekPosition:
+            SET, CUR, END = "SET", "CUR", "END"
+
+        class IStreamReaderV2:
+            def __init__(self):
+                pass
+
         class Runtime:
             def __init__(self, logger):
                 pass
 
-            def deserialize_cuda_engine(self, data):
+            def deserialize_cuda_engine(self, reader):
+                """As the bindings do with an IStreamReaderV2: read until every byte is there."""
+                assert isinstance(reader, IStreamReaderV2), "engines are streamed, never read whole"
+                assert reader.seek(0, SeekPosition.END) and reader.seek(0, SeekPosition.SET)
+                data = b""
+                while chunk := reader.read(4, 0):  # TensorRT asks for 4; a chunk may be shorter
+                    data += chunk
+                fake.log["deserialized"] = data
                 engine = Engine()
                 engine.num_optimization_profiles = max(1, fake.log.get("n_profiles", 1))
                 return engine
@@ -539,7 +579,7 @@ def test_build_engine_drives_the_documented_api(tmp_path, monkeypatch):
     assert [p["tokens"] for p in fake.log["profiles"]] == [((1, w), (1, w), (1, w)) for w in (1, 5, 16)]
     assert all(p[name] == ((1, 64, 8),) * 3 for p in fake.log["profiles"] for name in io_names.cache_inputs(2))
     assert info["profiles"] == {"1": 0, "5": 1, "16": 2} and info["context_memory"] == 1002
-    assert (tmp_path / "t.engine").read_bytes() == b"ENGINE"
+    assert (tmp_path / "t.engine").read_bytes() == b"ENGINE" == fake.log["deserialized"]  # streamed back
     assert fake.log["cache_in"] == b"" and cache.read_bytes() == b"+tuned"
     assert any("Tactic selection" in line and line.startswith("[build]   ") for line in lines)
     fake2 = FakeTensorRT()

@@ -20,12 +20,31 @@ from typing import Any
 
 from spec_edge.config import Config, ConfigError
 from spec_edge.device import memory
+from spec_edge.device.engine_file import engine_stamp, load_engine
 from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, manifest_header, precision, profile_dir,
                                        read_manifest, write_json_atomic)
 from spec_edge.device.profiles import engine_layout, plan_for_config, plan_inputs
 from spec_edge.device.specs import BuildError, EngineSpec, engine_specs, file_sha256, onnx_quantization
 
 Progress = Callable[[str], None]
+# The TensorRT members used here on objects of each class (test/test_tensorrt_api.py checks them, and
+# every trt.X chain, against the real 10.13 bindings)
+TENSORRT_API = {
+    "Builder": ("create_network", "create_builder_config", "create_optimization_profile", "build_serialized_network"),
+    "INetworkDefinition": ("num_inputs", "get_input"),
+    "ITensor": ("shape", "name"),
+    "OnnxParser": ("parse_from_file", "num_errors", "get_error"),
+    "IBuilderConfig": ("set_memory_pool_limit", "create_timing_cache", "set_timing_cache", "get_timing_cache",
+                       "progress_monitor", "add_optimization_profile"),
+    "ITimingCache": ("serialize",),
+    "IOptimizationProfile": ("set_shape",),
+    "ICudaEngine": ("num_optimization_profiles", "get_device_memory_size_for_profile_v2", "device_memory_size_v2",
+                    "device_memory_size"),
+}  # (the methods Monitor overrides are checked against trt.IProgressMonitor's)
+# expressions that always hold that TensorRT class here: every attribute used on them must exist on it
+TENSORRT_RECEIVERS = {"builder": "Builder", "network": "INetworkDefinition", "tensor": "ITensor", "parser": "OnnxParser",
+                      "config": "IBuilderConfig", "config.get_timing_cache()": "ITimingCache", "profile": "IOptimizationProfile",
+                      "engine": "ICudaEngine"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +174,7 @@ def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timi
     seconds = round(time.monotonic() - started, 1)
     del serialized, config, parser, network, builder
     runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(out_path.read_bytes())
+    engine = load_engine(trt, runtime, out_path)  # streamed: no whole host copy of the engine
     if engine is None:
         raise BuildError(f"the engine just built ({out_path}) does not deserialize")
     per_profile = [context_memory_size(engine, p) for p in range(engine.num_optimization_profiles)]
@@ -229,7 +248,7 @@ def build(cfg: Config, *, progress: Progress = print, force: bool = False,
         if (not force and previous and previous.get("build_key") == key and path.is_file()
                 and path.stat().st_size == previous.get("size") and file_sha256(path) == previous.get("sha256")):
             progress(f"[build] {spec.name}: up to date")
-            manifest["engines"][spec.name] = previous
+            manifest["engines"][spec.name] = {**previous, "stamp": engine_stamp(path)}  # older manifests had none
             continue
         progress(f"[build] {spec.name}: widths {list(spec.widths)} from {spec.onnx.name}")
         info = build_engine(spec, path, workspace_bytes=extra["workspace"], timing_cache=timing,
@@ -237,7 +256,7 @@ def build(cfg: Config, *, progress: Progress = print, force: bool = False,
         manifest["engines"][spec.name] = {
             "file": path.name, "role": spec.role, "onnx": str(spec.onnx), "widths": list(spec.widths),
             "kinds": {str(w): k for w, k in spec.kinds.items()}, "dynamic": spec.dynamic,
-            "size": path.stat().st_size, "sha256": file_sha256(path), "build_key": key,
+            "size": path.stat().st_size, "sha256": file_sha256(path), "stamp": engine_stamp(path), "build_key": key,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info}
     for stale in set(old.get("engines", {})) - set(manifest["engines"]):
         (directory / old["engines"][stale]["file"]).unlink(missing_ok=True)

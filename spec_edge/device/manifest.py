@@ -11,10 +11,13 @@ runtime runs before it loads any engine.
 manifest.json: format, profile, identity (sha256 over the engine-shaping config keys and the
 checkpoints' fingerprints), config (those keys), precision, k, max_context, TensorRT version, GPU
 name + compute capability, build time, and per engine: role, widths, kind of each width, file size +
-sha256, build key (ONNX hashes + precision + TensorRT + GPU + workspace) and TensorRT's context memory.
+sha256 + stamp (engine_file.engine_stamp: size and the hash of the first and last MiB), build key
+(ONNX hashes + precision + TensorRT + GPU + workspace) and TensorRT's context memory.
 
 check_engines() refuses a missing, corrupted or mismatched engine with the command that rebuilds
-it. Pure file work: no tensorrt.
+it: verify='quick' (what the runtime runs at every start: sizes and stamps, milliseconds) or
+verify='full' (the default, what `spec-edge build --check` runs: the sha256 of every byte, about a
+minute for an 8B engine on Thor). Pure file work: no tensorrt.
 """
 from __future__ import annotations
 
@@ -25,7 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from spec_edge.config import Config, ConfigError, engine_root
+from spec_edge.device.engine_file import engine_stamp
 from spec_edge.device.specs import file_sha256
+
+VERIFY = ("quick", "full")  # check_engines(verify=...)
 
 FORMAT_VERSION = 2  # 2: engines of export format 2 (one cache input per layer)
 MANIFEST = "manifest.json"
@@ -130,8 +136,11 @@ def check_engines(cfg: Config, *, fingerprints: dict[str, str] | None = None,
 
     fingerprints: the checkpoints' current fingerprints (None: computed when the folders exist,
     skipped for those that do not - the runtime needs only the engines). trt_version / gpu: of
-    this machine (None: not compared). verify: 'full' sha256 of every engine file (~10 s for 16 GB
-    on Thor), 'quick' size only."""
+    this machine (None: not compared). verify: 'full' sha256 of every engine file (`spec-edge build
+    --check`), 'quick' size + stamp (the runtime at start; an engine recorded without a stamp, by
+    an older build, gets the full hash)."""
+    if verify not in VERIFY:
+        raise ValueError(f"check_engines(verify={verify!r}): use one of {VERIFY}")
     directory = profile_dir(cfg)
     rebuild = f"rebuild with `{build_command(cfg)}`"
     manifest = read_manifest(directory)
@@ -178,6 +187,10 @@ def check_engines(cfg: Config, *, fingerprints: dict[str, str] | None = None,
         if path.stat().st_size != entry.get("size"):
             raise ManifestError(f"engine {path} is corrupted (size {path.stat().st_size}, manifest says "
                                 f"{entry.get('size')}): {rebuild}")
-        if verify == "full" and file_sha256(path) != entry.get("sha256"):
+        full = verify == "full" or not entry.get("stamp")
+        if not full and engine_stamp(path) != entry["stamp"]:
+            raise ManifestError(f"engine {path} is corrupted (its first/last MiB differ from the manifest's "
+                                f"stamp): {rebuild}")
+        if full and file_sha256(path) != entry.get("sha256"):
             raise ManifestError(f"engine {path} is corrupted (sha256 differs from the manifest): {rebuild}")
     return manifest

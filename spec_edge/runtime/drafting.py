@@ -18,7 +18,8 @@ from spec_edge.runtime.tokenizer import Tokenizer
 
 class Drafters:
     """drafter(name) for one target. State, loaded on first use: draft_runner, layer_skip (Runners),
-    eagle3_head / peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads)."""
+    eagle3_head (ort_heads.OrtEagle3Head, or trt_head.TensorRTEagle3Head on the tensorrt backend),
+    peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads)."""
 
     def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path, model_cfg: ModelConfig,
                  progress: Callable[[str], None] = print, draft_runner: Runner | None = None):
@@ -81,6 +82,8 @@ class Drafters:
         from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
 
         head = self.eagle3_head
+        if head is None and self.cfg.runtime.backend == "tensorrt":
+            head = self.eagle3_head = self._tensorrt_head(name)
         if head is None:
             from spec_edge.heads import eagle3_export
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
@@ -90,6 +93,17 @@ class Drafters:
             head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
             self.eagle3_head = head
         return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
+
+    def _tensorrt_head(self, name: str):
+        """The EAGLE-3 head engine `spec-edge build` made beside the target's (TensorRT backend)."""
+        from spec_edge.runtime.backends.trt_head import TensorRTEagle3Head
+
+        if not self.cfg.speculative.eagle3_head:
+            raise RequestError(f"drafter {name} needs an EAGLE-3 head: set speculative.eagle3_head to a head "
+                               f"folder (e.g. one made by `spec-edge train-draft`), rebuild with `spec-edge build` "
+                               f"and restart")
+        self.target.hidden_states(0, 0)  # raises when the target engines lack the hidden outputs
+        return TensorRTEagle3Head(self.target, cuda_graphs=self.target.use_cuda_graphs)
 
     def _export_head(self, name: str, kind: str, what: str, export_head, made_by: str = "",
                      fused: bool = False) -> Path:

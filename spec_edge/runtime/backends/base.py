@@ -39,6 +39,16 @@ class Runner(abc.ABC):
         T ids cross to the host instead of T x V logits."""
         return np.argmax(self.forward(token_ids, position), axis=-1)
 
+    def greedy_chain(self, token: int, position: int, n: int) -> np.ndarray:
+        """n greedy tokens, (n,) int64: the argmax after `token` at `position`, then after each of
+        those in turn; the cache gets token and the first n-1 of them. Device backends override this
+        so the chain runs on the device and only the n ids cross to the host, once."""
+        out = []
+        for i in range(n):
+            token = int(self.argmax([token], position + i)[0])
+            out.append(token)
+        return np.asarray(out, np.int64)
+
     @abc.abstractmethod
     def layer_skip(self, n_layers: int) -> "Runner":
         """A runner over the first n_layers of this model + final norm + head that shares this

@@ -182,6 +182,17 @@ class OrtEagle3Head:
         graph.hidden[:] = hidden
         return self._run(graph, position, 1)
 
+    def greedy_chain(self, tokens: Sequence[int], hidden: np.ndarray, position: int, k: int) -> np.ndarray:
+        """Greedy drafts 1..k as target ids (k,) int64: ingest the pairs, then k - 1 steps each fed
+        the previous draft (the reference for trt_head.TensorRTEagle3Head.greedy_chain, which runs
+        the same chain on the device)."""
+        logits, own = self.ingest(tokens, hidden, position)
+        ids = [int(self.draft_ids[int(np.argmax(logits))])]
+        for i in range(k - 1):
+            logits, own = self.step(ids[-1], own, position + len(tokens) + i)
+            ids.append(int(self.draft_ids[int(np.argmax(logits))]))
+        return np.asarray(ids, np.int64)
+
     def draft(self, token: int, hidden: np.ndarray, position: int, k: int) -> np.ndarray:
         """P-EAGLE: the pair (target hidden (1, 3Ht) at position, token) and k-1 mask rows in one
         pass; the pair's K/V is written at position. Returns the logits (k, Vd) of drafts 1..k."""

@@ -3,18 +3,24 @@
 State, allocated once per runner (torch CUDA tensors, bound to TensorRT by name and address):
   k_cache, v_cache   (L, Hkv, S, D) graphs.dtype   resident cache; never leaves the device; bound
                                                     one layer view per input (k_cache_<i>, v_cache_<i>)
+  hidden             (S, n * H) engine dtype: the hidden states the graphs return for a head
+                     (io_names.HIDDEN), written like the cache; only when the engine has them
+  embed_table        (V, H): when the engines take the embedding as an input (trt_memory), bound
+                     to them and to the EAGLE-3 head's engine: one copy on the device
   per width T:       tokens (1, T) int64, position (1,) int64, [last_index (1,) int64: static prefill]
                      logits (T, V) float32 [(1, V) static prefill], k_new / v_new (L, Hkv, T, D),
-                     index (T,) int64 = position + arange(T), ids (T,) int64 = argmax(logits)
-                     pinned host copies of tokens, position and ids
-  scratch            one uint8 buffer shared by every execution context of every runner built from
-                     the same Scratch (TensorRT USER_MANAGED context memory): calls are serialised
-                     on one stream, so one buffer the size of the largest profile serves them all
+                     [hidden (T, n * H)], index (T,) int64 = position + arange(T),
+                     ids (T,) int64 = argmax(logits), pinned host copies of tokens, position and ids
+  scratch            trt_memory.Scratch, shared by every context of every runner (one stream): sized
+                     from the manifest by load_runners, reserve(device_memory_size_v2) per engine
 
-A call: copy tokens/position host -> device (pinned, async) -> execute_async_v3 -> write k_new/v_new
-into the cache at [position, position + T) with index_copy_ on the device -> argmax on the device ->
-copy T ids (argmax) or T x V logits (forward) to the host. The fixed-width calls (step 1, verify
-k+1) run as one captured CUDA graph each: execute + cache write + argmax in a single launch.
+A call: tokens/position host -> device (pinned, async) -> execute_async_v3 -> k_new/v_new into the
+cache at [position, position + T) (index_copy_) -> argmax on the device -> T ids (argmax) or T x V
+logits (forward) to the host. Fixed-width calls (step 1, verify k+1) run as one captured CUDA graph
+each. greedy_chain (greedy drafts of the draft model / layer-skip) replays the step graph n times,
+its token and position advanced on the device, and copies the n ids to the host once.
+Engines are streamed from disk (device/engine_file.py); the manifest check at start is the quick
+one (sizes + stamps), `spec-edge build --check` hashes every byte.
 
 Engine layouts (memory.py): 'shared' - one engine per model, one optimization profile per width,
 one execution context per width with its profile selected once; 'per_graph' - one engine per
@@ -36,61 +42,24 @@ import numpy as np
 
 from spec_edge.config import Config
 from spec_edge.device.builder import context_memory_size, gpu_identity, import_tensorrt
+from spec_edge.device.engine_file import load_engine
 from spec_edge.device.manifest import ManifestError, check_engines, profile_dir
 from spec_edge.graphs import io_names
 from spec_edge.runtime.backends.base import BackendError, Runner
+from spec_edge.runtime.backends.trt_memory import Scratch, load_embed_table, torch_cuda, torch_dtype
 
 log = logging.getLogger(__name__)
-
-
-def _torch_cuda():
-    try:
-        import torch
-    except ImportError as err:
-        raise BackendError("the TensorRT backend needs torch with CUDA for its device buffers") from err
-    if not torch.cuda.is_available():
-        raise BackendError("the TensorRT backend needs a CUDA device; use runtime.backend: onnxruntime here")
-    return torch
-
-
-def _torch_dtype(trt, torch, dtype):
-    table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-             trt.int64: torch.int64, trt.int32: torch.int32, trt.int8: torch.int8, trt.bool: torch.bool,
-             trt.uint8: torch.uint8}
-    if dtype not in table:
-        raise BackendError(f"engine I/O dtype {dtype} has no torch equivalent")
-    return table[dtype]
-
-
-class Scratch:
-    """The execution-context memory shared by every context registered here (grows to the largest).
-    Growing re-binds every context and drops captured CUDA graphs (they hold the old address)."""
-
-    def __init__(self, torch, device: str = "cuda"):
-        self.torch, self.device = torch, device
-        self.buffer = None
-        self.size = 0
-        self.contexts: list[Any] = []
-        self.on_realloc: list[Any] = []
-
-    def register(self, context, size: int) -> None:
-        self.contexts.append(context)
-        if size > self.size or self.buffer is None:
-            self.size = max(size, self.size)
-            self.buffer = self.torch.empty(max(self.size, 256), dtype=self.torch.uint8, device=self.device)
-            for ctx in self.contexts:
-                self._bind(ctx)
-            for callback in self.on_realloc:
-                callback()
-        else:
-            self._bind(context)
-
-    def _bind(self, context) -> None:
-        ptr = self.buffer.data_ptr()  # torch allocations are 512-byte aligned (TensorRT needs 256)
-        try:
-            context.set_device_memory(ptr, self.buffer.numel())
-        except (AttributeError, TypeError):  # TensorRT 10.0: the one-argument property form
-            context.device_memory = ptr
+# TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
+TENSORRT_API = {
+    "Runtime": (),
+    "ICudaEngine": ("num_io_tensors", "get_tensor_name", "get_tensor_shape", "get_tensor_dtype",
+                    "create_execution_context", "device_memory_size_v2"),
+    "IExecutionContext": ("set_optimization_profile_async", "set_input_shape", "get_tensor_shape",
+                          "set_tensor_address", "execute_async_v3"),
+}
+# expressions that always hold that TensorRT class here: every attribute used on them must exist on it
+TENSORRT_RECEIVERS = {"engine": "ICudaEngine", "first": "ICudaEngine", "context": "IExecutionContext",
+                      "call.context": "IExecutionContext", "self.runtime": "Runtime"}
 
 
 @dataclass
@@ -110,6 +79,7 @@ class _Call:
     host_tokens: Any                # pinned (1, T) int64
     host_position: Any              # pinned (1,) int64
     host_ids: Any                   # pinned (T,) int64
+    hidden: Any = None              # (T, n * H) device: the head's hidden states, when returned
     staged: Any = None              # CUDA event: the last host -> device copy of the pinned inputs
     graph: Any = None               # torch.cuda.CUDAGraph of execute + cache write + argmax
     eager: bool = False             # capture failed once: run without a graph
@@ -118,9 +88,9 @@ class _Call:
 class TensorRTRunner(Runner):
     def __init__(self, cfg: Config, role: str = "target", *, manifest: dict | None = None,
                  scratch: Scratch | None = None, stream=None, cuda_graphs: bool = True,
-                 verify: str = "full", _parent: "TensorRTRunner | None" = None):
+                 verify: str = "quick", _parent: "TensorRTRunner | None" = None):
         self.trt = trt = import_tensorrt()
-        self.torch = torch = _torch_cuda()
+        self.torch = torch = torch_cuda()
         self.cfg, self.role = cfg, role
         if manifest is None:
             manifest = check_engines(cfg, trt_version=trt.__version__, gpu=gpu_identity(), verify=verify)
@@ -138,11 +108,12 @@ class TensorRTRunner(Runner):
         self.engines = {}
         for name, entry in entries.items():
             path = self.directory / entry["file"]
-            engine = self.runtime.deserialize_cuda_engine(path.read_bytes())
+            engine = load_engine(trt, self.runtime, path)  # streamed: no whole host copy of the file
             if engine is None:
                 raise ManifestError(f"TensorRT cannot deserialize {path} (built by another TensorRT or "
                                     f"GPU?): rebuild with `spec-edge build`")
             self.engines[name] = engine
+            self.scratch.reserve(int(engine.device_memory_size_v2))  # every profile's need, before binding
         first = next(iter(self.engines.values()))
         n_layers = sum(first.get_tensor_name(i).startswith(io_names.K_CACHE_PREFIX)
                        for i in range(first.num_io_tensors))
@@ -152,9 +123,19 @@ class TensorRTRunner(Runner):
                                 f"`spec-edge build`")
         cache_shape = (n_layers,) + tuple(first.get_tensor_shape(io_names.k_cache(0)))  # (L, Hkv, S, D)
         self.n_layers, n_kv, self.max_context, head_dim = cache_shape
-        self.cache_dtype = _torch_dtype(trt, torch, first.get_tensor_dtype(io_names.k_cache(0)))
+        self.cache_dtype = torch_dtype(trt, torch, first.get_tensor_dtype(io_names.k_cache(0)))
         self.vocab_size = int(first.get_tensor_shape(io_names.LOGITS)[-1])
+        names = {first.get_tensor_name(i) for i in range(first.num_io_tensors)}
+        self.hidden = None  # (S, n * H): the head's hidden states of every processed position
+        self.embed_table = None  # (V, H) when the engines take it as an input (shared with the head)
         with torch.cuda.stream(self.stream):
+            if io_names.EMBED_TABLE in names:
+                self.embed_table = (_parent.embed_table if _parent is not None and _parent.embed_table is not None
+                                    else load_embed_table(self.directory, next(iter(entries.values()))))
+            if io_names.HIDDEN in names:
+                width = int(first.get_tensor_shape(io_names.HIDDEN)[-1])
+                self.hidden = torch.zeros((self.max_context, width), device="cuda",
+                                          dtype=torch_dtype(trt, torch, first.get_tensor_dtype(io_names.HIDDEN)))
             if _parent is None:
                 self.k_cache = torch.zeros(cache_shape, dtype=self.cache_dtype, device="cuda")
                 self.v_cache = torch.zeros(cache_shape, dtype=self.cache_dtype, device="cuda")
@@ -201,7 +182,7 @@ class TensorRTRunner(Runner):
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         static_prefill = io_names.LAST_INDEX in names
         shape = lambda n: tuple(context.get_tensor_shape(n))  # noqa: E731 - resolved for this profile
-        dtype = lambda n: _torch_dtype(trt, torch, engine.get_tensor_dtype(n))  # noqa: E731
+        dtype = lambda n: torch_dtype(trt, torch, engine.get_tensor_dtype(n))  # noqa: E731
         cuda = {"device": "cuda"}
         call = _Call(
             width=width, kind=kind, context=context,
@@ -217,10 +198,13 @@ class TensorRTRunner(Runner):
             host_tokens=torch.zeros((1, width), dtype=torch.int64).pin_memory(),
             host_position=torch.zeros((1,), dtype=torch.int64).pin_memory(),
             host_ids=torch.zeros((shape(io_names.LOGITS)[0],), dtype=torch.int64).pin_memory(),
-            staged=torch.cuda.Event())
+            staged=torch.cuda.Event(),
+            hidden=(torch.zeros(shape(io_names.HIDDEN), dtype=dtype(io_names.HIDDEN), **cuda)
+                    if io_names.HIDDEN in names else None))
         buffers = {io_names.TOKENS: call.tokens, io_names.POSITION: call.position,
                    io_names.LAST_INDEX: call.last_index, io_names.LOGITS: call.logits,
-                   io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new}
+                   io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new, io_names.HIDDEN: call.hidden,
+                   io_names.EMBED_TABLE: self.embed_table}
         for layer in range(self.n_layers):  # (Hkv, S, D) views of the resident cache: contiguous, no copy
             buffers[io_names.k_cache(layer)] = self.k_cache[layer]
             buffers[io_names.v_cache(layer)] = self.v_cache[layer]
@@ -249,6 +233,8 @@ class TensorRTRunner(Runner):
         torch.add(self._arange[:call.width], call.position, out=call.index)
         self.k_cache.index_copy_(2, call.index, call.k_new)
         self.v_cache.index_copy_(2, call.index, call.v_new)
+        if call.hidden is not None:
+            self.hidden.index_copy_(0, call.index, call.hidden)
         torch.argmax(call.logits, dim=-1, out=call.ids)
 
     def _capture(self, call: _Call) -> None:
@@ -333,16 +319,51 @@ class TensorRTRunner(Runner):
                 at = position + start
                 self.k_cache[:, :, at:at + n_valid].copy_(call.k_new[:, :, :n_valid])
                 self.v_cache[:, :, at:at + n_valid].copy_(call.v_new[:, :, :n_valid])
+                if call.hidden is not None:
+                    self.hidden[at:at + n_valid].copy_(call.hidden[:n_valid])
                 last_row = 0 if call.last_index is not None else n_valid - 1
             logits = call.logits[last_row].to("cpu")
         return logits.numpy()
 
+    def greedy_chain(self, token: int, position: int, n: int) -> np.ndarray:
+        """n greedy tokens after `token` at `position` (the draft model's drafts): n step calls whose
+        input token and position advance on the device (no host round trip between them), then
+        one copy of the n ids. The cache gets token and the first n-1 ids at position.."""
+        self.check_room(position, n)
+        call = self._run([token], position)
+        chain = self.torch.empty((n,), dtype=self.torch.int64, device="cuda")
+        with self.torch.cuda.stream(self.stream):
+            chain[0:1].copy_(call.ids)
+            for i in range(1, n):
+                call.tokens.view(-1).copy_(call.ids)
+                call.position.add_(1)
+                if call.graph is not None:
+                    call.graph.replay()
+                else:
+                    self._enqueue(call)
+                chain[i:i + 1].copy_(call.ids)
+            host = chain.to("cpu", non_blocking=False)
+        return host.numpy()
+
+    def hidden_states(self, start: int, stop: int):
+        """The head's hidden-state rows [start, stop), (stop - start, n * H), as a device tensor view
+        (the TensorRT head reads it on the device; nothing crosses to the host)."""
+        if self.hidden is None:
+            raise BackendError(f"the {self.role} engines in {self.directory} return no hidden states: set "
+                               f"speculative.eagle3_head in the profile and rebuild with `spec-edge build`")
+        return self.hidden[start:stop]
+
     def close(self) -> None:
-        """Release graphs, contexts and engines now (explicit; nothing is done in __del__)."""
+        """Release graphs, contexts and engines now (explicit; nothing is done in __del__); the
+        contexts leave the shared scratch."""
         self.stream.synchronize()
         for call in list(self._calls.values()) + ([self._prefill] if self._prefill else []):
             call.graph = None
+            if call.context is not None:
+                self.scratch.unregister(call.context)
             call.context = None
+        if self._drop_graphs in self.scratch.on_realloc:
+            self.scratch.on_realloc.remove(self._drop_graphs)
         self._calls, self._prefill, self.engines = {}, None, {}
         self.widths = frozenset()
 
@@ -356,14 +377,17 @@ class TensorRTRunner(Runner):
                               _parent=self)
 
 
-def load_runners(cfg: Config, *, verify: str = "full", cuda_graphs: bool = True
+def load_runners(cfg: Config, *, verify: str = "quick", cuda_graphs: bool = True
                  ) -> tuple[TensorRTRunner, TensorRTRunner | None]:
     """(target, draft or None): the engines are checked once against cfg (refusing a missing,
-    corrupted or mismatched one), both runners share one stream-ordered scratch buffer."""
+    corrupted or mismatched one; verify='quick': sizes + stamps, `spec-edge build --check` runs the
+    full hash), all runners share one stream-ordered scratch buffer sized for every engine in the
+    manifest (head and layer-skip included, loaded later) before any context is bound."""
     trt = import_tensorrt()
     manifest = check_engines(cfg, trt_version=trt.__version__, gpu=gpu_identity(), verify=verify)
-    torch = _torch_cuda()
-    scratch = Scratch(torch)
+    torch = torch_cuda()
+    scratch = Scratch(torch, size=max((int(e.get("context_memory", 0)) for e in manifest["engines"].values()),
+                                      default=0))
     target = TensorRTRunner(cfg, "target", manifest=manifest, scratch=scratch, cuda_graphs=cuda_graphs)
     draft = None
     if cfg.speculative.drafter == "draft":  # same stream: the shared scratch is never used concurrently

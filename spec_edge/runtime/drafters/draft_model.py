@@ -3,6 +3,8 @@
 The drafter remembers which tokens its cache holds (`_fed`, positions 0..len-1). Before drafting
 it feeds whatever of the sequence it has not seen (usually the target's correction token, or the
 last draft + bonus token after a full acceptance), then drafts k tokens one [1, 1] step each.
+Greedy requests take ids only (Runner.greedy_chain: on TensorRT the argmax and the chain run on the
+device, one copy of k ids per draft); sampling needs each step's logits row on the host.
 Rejected drafts need no cleanup: the next call overwrites those positions.
 """
 from __future__ import annotations
@@ -33,6 +35,15 @@ class ModelDrafter:
         del self._fed[common:]
         if len(seq) + k > self.runner.max_context:
             return None
+        if common == len(seq):  # nothing new to condition on (cannot happen in the loop: guard only)
+            return None
+        if sampler.params.greedy:  # ids only: on TensorRT the chain and its argmax stay on the device
+            for token in seq[common:-1]:
+                self.runner.argmax([token], len(self._fed))
+                self._fed.append(token)
+            drafts = self.runner.greedy_chain(seq[-1], len(self._fed), k)
+            self._fed += [seq[-1]] + [int(t) for t in drafts[:k - 1]]
+            return Draft.from_picks([(int(t), None) for t in drafts])
         logits = None
         for token in seq[common:]:
             logits = self.runner.forward([token], len(self._fed))[0]

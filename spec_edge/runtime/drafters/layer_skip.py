@@ -25,6 +25,8 @@ class LayerSkipDrafter:
         position = len(seq) - 1  # the target's pending token
         if position + k > self.runner.max_context:
             return None
+        if sampler.params.greedy:  # ids only: on TensorRT the chain and its argmax stay on the device
+            return Draft.from_picks([(int(t), None) for t in self.runner.greedy_chain(seq[-1], position, k)])
         token, picks = seq[-1], []
         for i in range(k):
             picks.append(sampler.pick(self.runner.forward([token], position + i)[0]))
