@@ -12,6 +12,8 @@ converts each published convention to it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError
@@ -23,10 +25,11 @@ def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
     return (1, n_layers // 2 - 1, n_layers - 4)
 
 
-def configured_aux_layers(raw: dict, n_layers: int) -> tuple[int, ...] | None:
+def configured_aux_layers(raw: dict, n_layers: int | Callable[[], int]) -> tuple[int, ...] | None:
     """The layer ids an EAGLE-3-style head's config.json names, in our convention (outputs of
     layers, 0-based); None when it names none (then default_aux_layers applies: SafeAILab's
-    configs name none, its trainer hard-codes them). n_layers: the target's layer count.
+    configs name none, its trainer hard-codes them). n_layers: the target's layer count, or a
+    function that reads it (called only for speculators' ids, reading a GGUF's takes seconds).
 
     Two fields, two conventions:
       eagle_config.eagle_aux_hidden_state_layer_ids   (Model Optimizer, SpecForge, spec_edge's own
@@ -55,6 +58,7 @@ def configured_aux_layers(raw: dict, n_layers: int) -> tuple[int, ...] | None:
                           f"eagle_aux_hidden_state_layer_ids {list(outputs)} (layer outputs) and "
                           f"eagle_aux_hidden_state_layer_ids {list(before)} (inputs of layers, vLLM "
                           f"speculators); delete the one the head was not trained with")
+    n_layers = n_layers() if callable(n_layers) else n_layers
     copied = sorted(set(default_aux_layers(n_layers)))
     if sorted(before) == copied:
         raise ConfigError(
@@ -91,10 +95,10 @@ def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
     path = Path(head).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(f"head '{head}' is not a head folder (no config.json)")
-    n_layers = target_n_layers(target_source)
+    n_layers = cache(lambda: target_n_layers(target_source))
     layers = configured_aux_layers(json.loads((path / "config.json").read_text()), n_layers)
     if layers is None:
-        layers = default_aux_layers(n_layers)
+        layers = default_aux_layers(n_layers())
     if list(layers) != sorted(set(layers)):
         raise ConfigError(f"head '{head}': auxiliary layers {list(layers)} must be distinct and ascending")
     return layers
