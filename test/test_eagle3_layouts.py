@@ -132,7 +132,23 @@ def test_flags_that_change_the_computation():
         parse_head_config(modelopt, LLAMA31)
 
 
-def test_committed_head_reads_as_before(tiny_models):
+def test_target_graphs_read_the_same_conventions(tmp_path, tiny_models):
+    """graphs/hidden.py (which hidden states the exported target returns) converts like the loader:
+    speculators' "before layer j" ids, Model Optimizer's output ids, the default."""
+    head = tmp_path / "head"
+    head.mkdir()
+    for raw, want in (({"eagle_aux_hidden_state_layer_ids": [1, 2, 4]}, (0, 1, 3)),
+                      ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}}, (0, 2, 3)),
+                      ({}, None)):
+        (head / "config.json").write_text(json.dumps(raw))
+        if want is None:  # no ids: the default for the tiny target's 4 layers, (1, 1, 0), is refused
+            with pytest.raises(ConfigError, match="distinct and ascending"):
+                hidden.head_hidden_layers(str(head), str(tiny_models["target"]))
+        else:
+            assert hidden.head_hidden_layers(str(head), str(tiny_models["target"])) == want
+
+
+def test_committed_head_reads_as_before(tmp_path):
     """heads/smollm2-135m-eagle3 (our save_head format) parses to what it was trained with, and its
     exported graphs (head.json written before norm_before_fc existed) are still up to date."""
     raw = json.loads((Path(__file__).parents[1] / "heads" / "smollm2-135m-eagle3" / "config.json").read_text())
@@ -140,8 +156,7 @@ def test_committed_head_reads_as_before(tiny_models):
     assert layout_of(raw) == "spec_edge"
     assert (hcfg.rope_theta, hcfg.aux_layers, hcfg.rope_llama3) == (100000.0, (1, 14, 26), None)
     assert (hcfg.norm_before_residual, hcfg.norm_before_fc, hcfg.draft_vocab_size) == (False, False, 4096)
-    out = tiny_models["root"] / "old_head_export"
-    out.mkdir(exist_ok=True)
+    out = tmp_path
     old = {key: value for key, value in dataclasses.asdict(hcfg).items() if key != "norm_before_fc"}
     (out / "head.json").write_text(json.dumps(old))
     assert head_folder._same_config(out, hcfg)
