@@ -53,14 +53,13 @@ def test_published_config_reads_as_trained(source, layout, theta, aux, eps, nbr)
 
 def test_speculators_08_config_refuses_what_it_cannot_run():
     raw = fixture("speculators-0.8-qwen3moe")
-    with pytest.raises(ConfigError, match="norm_output is true.*use_sliding_window is true"):
+    with pytest.raises(ConfigError, match="transformer_layer_config.use_sliding_window is true"):
         parse_head_config(raw, QWEN3_MOE)
     runnable = copy.deepcopy(raw)
-    runnable["norm_output"] = False
     runnable["transformer_layer_config"]["use_sliding_window"] = False
     hcfg = parse_head_config(runnable, QWEN3_MOE)
     assert hcfg.rope_theta == 5000000.0 and hcfg.rms_norm_eps == 1e-6
-    assert hcfg.norm_before_residual and hcfg.norm_before_fc
+    assert (hcfg.norm_before_residual, hcfg.norm_before_fc, hcfg.norm_output, hcfg.fc_norm) == (True, True, True, False)
     assert hcfg.aux_layers == (1, 45, 90, 92)  # "before layer j" = output of layer j-1
     assert "input_norm.weight" in eagle3.head_parameter_names(hcfg)
 
@@ -123,8 +122,8 @@ def test_flags_that_change_the_computation():
         parse_head_config(spec, LLAMA31)
     spec["norm_before_residual"] = True
     assert parse_head_config(spec, LLAMA31).norm_before_residual
-    spec["fc_norm"] = True
-    with pytest.raises(ConfigError, match="fc_norm"):
+    spec["transformer_layer_config"]["attention_bias"] = True
+    with pytest.raises(ConfigError, match="transformer_layer_config.attention_bias"):
         parse_head_config(spec, LLAMA31)
     modelopt = fixture("modelopt-llama31-8b")
     modelopt["eagle_config"]["use_last_layernorm"] = False
@@ -184,7 +183,7 @@ def shrink(raw: dict) -> dict:
     return raw
 
 
-def random_tensors(seed: int, prefix: str, norm_before_fc: bool = False) -> dict:
+def random_tensors(seed: int, prefix: str, norm_before_fc: bool = False, fc_norm: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed)
     H, inter, q, kv = TINY.hidden_size, TINY.intermediate_size, TINY.n_heads * TINY.head_dim, TINY.n_kv_heads * TINY.head_dim
 
@@ -200,6 +199,8 @@ def random_tensors(seed: int, prefix: str, norm_before_fc: bool = False) -> dict
     state.update({prefix + name: tensor for name, tensor in layer.items()})
     if norm_before_fc:
         state["input_norm.weight"] = 1 + rand(3 * H)
+    if fc_norm:
+        state.update({f"fc_norm.{i}.weight": 1 + rand(H) for i in range(3)})
     draft_ids = np.sort(np.random.default_rng(seed).choice(TINY.vocab_size, DRAFT_VOCAB, replace=False))
     state["d2t"] = torch.from_numpy(draft_ids - np.arange(DRAFT_VOCAB))
     t2d = np.zeros(TINY.vocab_size, dtype=bool)
@@ -247,24 +248,37 @@ def head_outputs(module, hcfg, hidden_in: torch.Tensor):
         return module(tokens, hidden_in, torch.tensor([0]), torch.tensor([2]), cache, cache.clone(), embed)
 
 
-def test_norm_before_fc_is_applied(tmp_path):
-    """A speculators head with norm_before_fc: its input_norm runs over the fused hidden before fc
-    (the same as feeding a head without it RMSNorm(hidden) * w), in torch and in the exported graph."""
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_speculators_norm_flags_are_applied(tmp_path):
+    """norm_before_fc, fc_norm and norm_output each change what the head computes as speculators /
+    SGLang define them: the same as a head without the flag fed the normed input (or normed output),
+    and not the same as ignoring the flag. Then all three through the exported graph == torch."""
     raw = shrink(fixture("speculators-converted-llama31-8b"))
-    raw["norm_before_fc"] = True
-    state = random_tensors(4, "layers.0.", norm_before_fc=True)
-    hcfg, loaded, _ = eagle3.load_head(write_head(tmp_path / "nbf", raw, state), TINY)
-    assert hcfg.norm_before_fc
+    raw.update(norm_before_fc=True, fc_norm=True, norm_output=True)
+    state = random_tensors(4, "layers.0.", norm_before_fc=True, fc_norm=True)
+    hcfg, loaded, _ = eagle3.load_head(write_head(tmp_path / "flags", raw, state), TINY)
+    assert (hcfg.norm_before_fc, hcfg.fc_norm, hcfg.norm_output) == (True, True, True)
+    eps = hcfg.rms_norm_eps
     hidden_in = torch.randn(3, 3 * TINY.hidden_size, generator=torch.Generator().manual_seed(2)) * 3
     got = head_outputs(eagle3.build_module(hcfg, loaded).eval(), hcfg, hidden_in)
-    plain_cfg = dataclasses.replace(hcfg, norm_before_fc=False)
-    plain = eagle3.build_module(plain_cfg, {k: v for k, v in loaded.items() if k != "input_norm.weight"}).eval()
-    normed = hidden_in / torch.sqrt(hidden_in.pow(2).mean(-1, keepdim=True) + hcfg.rms_norm_eps)
-    want = head_outputs(plain, plain_cfg, normed * loaded["input_norm.weight"])
-    ignored = head_outputs(plain, plain_cfg, hidden_in)
-    for g, w in zip(got, want):
+    plain_cfg = dataclasses.replace(hcfg, norm_before_fc=False, fc_norm=False, norm_output=False)
+    plain = eagle3.build_module(plain_cfg, loaded).eval()
+    blocks = hidden_in.chunk(3, dim=-1)
+    normed = torch.cat([rms(block, eps) * loaded[f"fc_norm.{i}.weight"] for i, block in enumerate(blocks)], dim=-1)
+    normed = rms(normed, eps) * loaded["input_norm.weight"]
+    want = head_outputs(plain, plain_cfg, normed)
+    for g, w in zip(got[:3], want[:3]):
         assert torch.allclose(g, w, atol=1e-5)
-    assert not torch.allclose(got[0], ignored[0], atol=1e-3)  # the norm matters for this input
+    assert torch.allclose(got[3], rms(want[3], eps) * loaded["norm.weight"], atol=1e-5)  # norm_output
+    ignored = head_outputs(plain, plain_cfg, hidden_in)
+    assert not torch.allclose(got[0], ignored[0], atol=1e-3)  # the norms matter for this input
+    for flag in ("norm_before_fc", "fc_norm"):  # each one alone changes the logits too
+        one = dataclasses.replace(plain_cfg, **{flag: True})
+        assert not torch.allclose(head_outputs(eagle3.build_module(one, loaded).eval(), one, hidden_in)[0],
+                                  ignored[0], atol=1e-3)
 
     from spec_edge.graphs.export import WeightStore
     from spec_edge.heads import eagle3_export
@@ -278,12 +292,24 @@ def test_norm_before_fc_is_applied(tmp_path):
     embed = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=torch.Generator().manual_seed(1)).numpy()
     feeds = dict(zip([i.name for i in session.get_inputs()],
                      [np.array([[5, 9, 11]]), hidden_in.numpy(), np.array([0]), np.array([2]), cache, cache.copy(), embed]))
-    logits = session.run(None, feeds)[0]
-    assert np.abs(logits - got[0].numpy()).max() <= 1e-4 * max(1.0, np.abs(got[0].numpy()).max())
+    outs = session.run(None, feeds)
+    for index in (0, 3):  # logits, the next step's hidden
+        assert np.abs(outs[index] - got[index].numpy()).max() <= 1e-4 * max(1.0, np.abs(got[index].numpy()).max())
 
 
-def test_input_norm_without_the_flag_is_refused(tmp_path):
+@pytest.mark.parametrize("flag", ["norm_before_fc", "fc_norm"])
+def test_norm_tensors_without_their_flag_are_refused(tmp_path, flag):
     raw = shrink(fixture("speculators-converted-llama31-8b"))
-    state = random_tensors(5, "layers.0.", norm_before_fc=True)
-    with pytest.raises(ConfigError, match="norm_before_fc"):
+    state = random_tensors(5, "layers.0.", **{flag: True})
+    with pytest.raises(ConfigError, match=f"does not set {flag}: true"):
         eagle3.load_head(write_head(tmp_path / "h", raw, state), TINY)
+
+
+def test_sglang_legacy_fc_norm_names_load(tmp_path):
+    raw = shrink(fixture("speculators-converted-llama31-8b"))
+    raw["fc_norm"] = True
+    state = random_tensors(6, "layers.0.", fc_norm=True)
+    for i, name in enumerate(("low", "mid", "high")):
+        state[f"aux_norm_{name}.weight"] = state.pop(f"fc_norm.{i}.weight")
+    hcfg, loaded, _ = eagle3.load_head(write_head(tmp_path / "h", raw, state), TINY)
+    assert hcfg.fc_norm and torch.equal(loaded["fc_norm.2.weight"], state["aux_norm_high.weight"])

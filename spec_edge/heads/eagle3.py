@@ -10,8 +10,8 @@ A head drafts from three hidden states of the target (a low, a middle and a high
                target_id = draft_id + d2t[draft_id]  (SafeAILab's offset form)
 
 Pairing (as in EAGLE): the head row at position p holds (target hidden at p, token p+1) and predicts
-token p+2. Its output hidden h' (before the final norm) is the next draft step's input hidden, which
-then skips fc. So k drafts cost one ingest pass (the verified pairs, width <= k+1) + k-1 [1, 1] steps.
+token p+2. Its output hidden h' (before the final norm; after it for speculators' norm_output) is the
+next draft step's input hidden, which then skips fc. So k drafts cost one ingest pass (the verified pairs, width <= k+1) + k-1 [1, 1] steps.
 
 Graphs (heads/eagle3_export.py; all static, S = max context): an ingest graph per width W and a
 [1, 1] draft step. The token embedding table is a graph *input* bound to the target's own embedding
@@ -71,9 +71,10 @@ def check_head(hcfg: HeadConfig, state: dict, target: ModelConfig, where: str = 
         problems.append(f"lm_head has {lm_head.shape[0]} rows but draft_vocab_size is {hcfg.draft_vocab_size}")
     problems += head_folder.d2t_problems(state.get("d2t"), hcfg.draft_vocab_size, hcfg.target_vocab_size,
                                          target.vocab_size, earlier=bool(problems))
-    if "input_norm.weight" in state and not hcfg.norm_before_fc:
-        problems.append("it has input_norm.weight (an RMSNorm before fc) but config.json does not set "
-                        "norm_before_fc: true")
+    for flag, prefix, what in (("norm_before_fc", "input_norm.", "an RMSNorm before fc"),
+                               ("fc_norm", "fc_norm.", "an RMSNorm per target layer before fc")):
+        if any(name.startswith(prefix) for name in state) and not getattr(hcfg, flag):
+            problems.append(f"it has {prefix}weight ({what}) but config.json does not set {flag}: true")
     wanted = [name for name in head_parameter_names(hcfg) if name not in state]
     if wanted and not problems:
         problems.append(f"tensors missing: {wanted[:4]}")
@@ -85,7 +86,8 @@ def head_parameter_names(hcfg: HeadConfig) -> list[str]:
     names += [f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")]
     names += [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
     names += [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    return names + (["input_norm.weight"] if hcfg.norm_before_fc else [])
+    names += ["input_norm.weight"] if hcfg.norm_before_fc else []
+    return names + ([f"fc_norm.{i}.weight" for i in range(len(hcfg.aux_layers))] if hcfg.fc_norm else [])
 
 
 def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, np.ndarray]:
@@ -126,6 +128,7 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
         "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(hcfg.aux_layers), "use_aux_hidden_state": True},
         "norm_before_residual": hcfg.norm_before_residual, "norm_before_fc": hcfg.norm_before_fc,
+        "fc_norm": hcfg.fc_norm, "norm_output": hcfg.norm_output,
         "spec_edge": dict(format=HEAD_FORMAT, **(extra or {})),
         **(more_config or {}),
     }
@@ -217,8 +220,11 @@ def head_class(hcfg: HeadConfig):
             super().__init__()
             self.fused = fused  # True: hidden is the target's (W, 3Ht) and goes through fc
             self.fc = nn.Linear(3 * hcfg.target_hidden_size, hcfg.hidden_size, bias=False)
-            if hcfg.norm_before_fc:  # speculators' norm_before_fc: RMSNorm over the (W, 3Ht) fused hidden
-                self.input_norm = RMSNorm(3 * hcfg.target_hidden_size, hcfg.rms_norm_eps)
+            Ht = hcfg.target_hidden_size
+            if hcfg.norm_before_fc:  # speculators' norm_before_fc: one RMSNorm over the (W, 3Ht) hidden
+                self.input_norm = RMSNorm(3 * Ht, hcfg.rms_norm_eps)
+            if hcfg.fc_norm:  # fc_norm: an RMSNorm over each (W, Ht) target layer's block
+                self.fc_norm = nn.ModuleList([RMSNorm(Ht, hcfg.rms_norm_eps) for _ in hcfg.aux_layers])
             self.midlayer = MidLayer()
             self.norm = RMSNorm(hcfg.hidden_size, hcfg.rms_norm_eps)
             self.lm_head = nn.Linear(hcfg.hidden_size, hcfg.draft_vocab_size, bias=False)
@@ -226,6 +232,9 @@ def head_class(hcfg: HeadConfig):
 
         def fuse(self, hidden):
             """(..., 3Ht) target hidden states -> (..., H)."""
+            if hcfg.fc_norm:
+                blocks = hidden.chunk(len(hcfg.aux_layers), dim=-1)
+                hidden = torch.cat([norm(block) for norm, block in zip(self.fc_norm, blocks)], dim=-1)
             return self.fc(self.input_norm(hidden) if hcfg.norm_before_fc else hidden)
 
         def layer_inputs(self, emb, h):
@@ -239,8 +248,10 @@ def head_class(hcfg: HeadConfig):
             h = self.fuse(hidden) if self.fused else hidden    # (W, H)
             h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, tokens.shape[1])
             h_last = torch.index_select(h, 0, last_index)  # (1, H)
-            logits = self.lm_head(self.norm(h_last)).float()
-            return logits, k_new[None], v_new[None], h_last
+            normed = self.norm(h_last)
+            logits = self.lm_head(normed).float()
+            # the next step's hidden: h' before the final norm (SafeAILab), after it with norm_output
+            return logits, k_new[None], v_new[None], normed if hcfg.norm_output else h_last
 
         def layer(self, emb, h, position, k_cache, v_cache, seq: int):
             """The decoder layer over seq rows at positions position.. (causal, after the cache rows
@@ -293,6 +304,8 @@ def head_class(hcfg: HeadConfig):
                 h = residual + attn.o_proj(out)
                 h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
                 outs.append(self.norm(h))
+                if hcfg.norm_output:
+                    h = outs[-1]
             return outs
 
     return Eagle3Head

@@ -24,6 +24,12 @@ What a key the config leaves out means (each source's own default, checked in it
                hidden_norm; vLLM and SGLang read a missing key as False); a speculators config must
                state it: Eagle3SpeculatorConfig's field defaults to False but speculators' own trainer
                builds heads with True, so a config without it is refused rather than guessed.
+  norm_before_fc / fc_norm / norm_output  False (speculators' config fields; SGLang and vLLM read a
+               missing one as False). Applied: norm_before_fc = one RMSNorm (input_norm.weight, 3Ht)
+               over the fused hidden before fc; fc_norm (SGLang also reads use_aux_norm) = an RMSNorm
+               per target layer's block (fc_norm.i.weight, SGLang's legacy aux_norm_low/mid/high);
+               norm_output = the next draft step's hidden is h' after the final norm (SGLang's
+               llama_eagle3.py: `aux = hidden_states_to_logits if self.norm_output`).
 Layer ids: graphs/hidden.py (configured_aux_layers) converts each convention to ours (layer outputs).
 """
 from __future__ import annotations
@@ -55,6 +61,8 @@ class HeadConfig:
     rope_llama3: tuple[float, float, float, int] | None = None
     norm_before_residual: bool = False  # residual = hidden_norm(h) instead of h (speculators)
     norm_before_fc: bool = False        # RMSNorm (input_norm, 3Ht) over the fused hidden before fc
+    fc_norm: bool = False               # an RMSNorm (fc_norm.i, Ht) over each target layer's block before fc
+    norm_output: bool = False           # the next step's hidden is h' after the final norm
     target_layers: int = 0       # layer count of the target it was made for (0 = not recorded)
     has_embedding: bool = False  # the head ships its own embed_tokens (else it uses the target's)
 
@@ -83,13 +91,19 @@ def layout_of(raw: dict) -> str:
 _PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.", "model.midlayer.")
 
 
+_ALIASES = {"aux_norm_low.": "fc_norm.0.", "aux_norm_mid.": "fc_norm.1.", "aux_norm_high.": "fc_norm.2."}
+
+
 def canonical_name(name: str) -> str:
     """A published tensor name in the SafeAILab form spec_edge uses."""
+    if name.startswith("model."):
+        name = name[6:] if name[6:].startswith(("fc.", "norm.", "embed_tokens.", "input_norm.", "fc_norm.")) else name
+    for alias, canonical in _ALIASES.items():
+        if name.startswith(alias):
+            return canonical + name[len(alias):]
     for prefix in _PREFIXES:
         if name.startswith(prefix):
             return "midlayer." + name[len(prefix):]
-    if name.startswith("model.") and name[6:] in ("fc.weight", "norm.weight", "embed_tokens.weight"):
-        return name[6:]
     return name
 
 
@@ -128,6 +142,8 @@ def parse_head_config(raw: dict, target: ModelConfig) -> HeadConfig:
         aux_layers=aux, rms_norm_eps=float(layer_cfg.get("rms_norm_eps", UNSTATED_RMS_NORM_EPS)),
         rope_theta=theta, rope_llama3=llama3, norm_before_residual=_norm_before_residual(raw, layout),
         norm_before_fc=bool(raw.get("norm_before_fc", False)),
+        fc_norm=bool(raw.get("fc_norm", raw.get("use_aux_norm", False))),
+        norm_output=bool(raw.get("norm_output", False)),
         target_layers=int(raw.get("target_num_hidden_layers", 0)))
 
 
@@ -190,11 +206,6 @@ def _refuse_unimplemented(raw: dict, layer_cfg: dict, layout: str) -> None:
     if int(eagle_cfg.get("parallel_draft_step") or 1) > 1:
         problems.append(f"eagle_config.parallel_draft_step is {eagle_cfg['parallel_draft_step']} (parallel "
                         f"draft heads are not implemented)")
-    for key in ("fc_norm", "norm_output"):
-        # fc_norm: an RMSNorm per auxiliary hidden state before fc; norm_output: the final-normed state
-        # fed back as the next step's hidden. Neither is in the head graphs.
-        if raw.get(key):
-            problems.append(f"{key} is true (not implemented by the head graphs)")
     for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if layer_cfg.get(key):
             problems.append(f"{'transformer_layer_config.' if layer_cfg is not raw else ''}{key} is true "
