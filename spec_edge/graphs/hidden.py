@@ -96,7 +96,10 @@ def head_hidden_layers(head: str, target_source: str) -> tuple[int, ...]:
     if not (path / "config.json").is_file():
         raise ConfigError(f"head '{head}' is not a head folder (no config.json)")
     n_layers = cache(lambda: target_n_layers(target_source))
-    layers = configured_aux_layers(json.loads((path / "config.json").read_text()), n_layers)
+    try:
+        layers = configured_aux_layers(json.loads((path / "config.json").read_text()), n_layers)
+    except ConfigError as error:
+        raise ConfigError(f"head '{head}': {error}") from None
     if layers is None:
         layers = default_aux_layers(n_layers())
     if list(layers) != sorted(set(layers)):

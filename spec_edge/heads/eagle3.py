@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.config import ModelConfig
+from spec_edge.config import ConfigError, ModelConfig
 from spec_edge.graphs.hidden import default_aux_layers
 from spec_edge.heads import head_folder
 from spec_edge.heads.eagle3_layouts import HeadConfig, parse_head_config, read_tensors
@@ -96,7 +96,10 @@ def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, 
     path = Path(path).expanduser()
     raw = head_folder.read_config(path, "EAGLE-3 head", "spec-edge train-draft")
     state = read_tensors(path)
-    hcfg = parse_head_config(raw, target)
+    try:
+        hcfg = parse_head_config(raw, target)
+    except ConfigError as error:
+        raise ConfigError(f"EAGLE-3 head '{path}': {error}") from None
     if "embed_tokens.weight" in state:
         hcfg = dataclasses.replace(hcfg, has_embedding=True)
     check_head(hcfg, state, target, f"EAGLE-3 head '{path}'")
