@@ -21,11 +21,12 @@ What a key the config leaves out means (each source's own default, checked in it
                10000 and its export always writes the value. Never the target's theta.
   rms_norm_eps 1e-6 (transformers' LlamaConfig default, which all four configs are read as).
   norm_before_residual  False for safeailab / modelopt (SafeAILab keeps the residual before
-               hidden_norm; vLLM and SGLang read a missing key as False); a speculators config must
-               state it: Eagle3SpeculatorConfig's field defaults to False but speculators' own trainer
-               builds heads with True, so a config without it is refused rather than guessed.
-  norm_before_fc / fc_norm / norm_output  False (speculators' config fields; SGLang and vLLM read a
-               missing one as False). Applied: norm_before_fc = one RMSNorm (input_norm.weight, 3Ht)
+               hidden_norm; vLLM reads a missing key as False; SGLang has no such flag and always
+               keeps it before); a speculators config must state it: Eagle3SpeculatorConfig's field
+               defaults to False but speculators' own trainer builds heads with True, so a config
+               without it is refused rather than guessed.
+  norm_before_fc / fc_norm / norm_output  False (speculators' config fields; SGLang reads a missing
+               one as False). Applied: norm_before_fc = one RMSNorm (input_norm.weight, 3Ht)
                over the fused hidden before fc; fc_norm (SGLang also reads use_aux_norm) = an RMSNorm
                per target layer's block (fc_norm.i.weight, SGLang's legacy aux_norm_low/mid/high);
                norm_output = the next draft step's hidden is h' after the final norm (SGLang's
