@@ -69,7 +69,8 @@ def test_layer_id_conventions():
     raw["eagle_aux_hidden_state_layer_ids"] = [2, 16, 29]  # speculators' own default: inputs of layers
     assert parse_head_config(raw, LLAMA31).aux_layers == (1, 15, 28)
     raw["eagle_aux_hidden_state_layer_ids"] = [1, 15, 28]  # Model Optimizer's output ids copied unchanged
-    with pytest.raises(ConfigError, match=r"write \[2, 16, 29\] here .* eagle_config.eagle_aux_hidden_state_layer_ids \[0, 14, 27\]"):
+    fixes = r"write \[2, 16, 29\] here .* eagle_config.eagle_aux_hidden_state_layer_ids \[0, 14, 27\]"
+    with pytest.raises(ConfigError, match=fixes):
         parse_head_config(raw, LLAMA31)
     raw["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}  # the trainer's own ids are there
     assert parse_head_config(raw, LLAMA31).aux_layers == (1, 15, 28)
@@ -185,7 +186,8 @@ def shrink(raw: dict) -> dict:
 
 def random_tensors(seed: int, prefix: str, norm_before_fc: bool = False, fc_norm: bool = False) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    H, inter, q, kv = TINY.hidden_size, TINY.intermediate_size, TINY.n_heads * TINY.head_dim, TINY.n_kv_heads * TINY.head_dim
+    H, inter = TINY.hidden_size, TINY.intermediate_size
+    q, kv = TINY.n_heads * TINY.head_dim, TINY.n_kv_heads * TINY.head_dim
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen) * 0.1
@@ -290,8 +292,8 @@ def test_speculators_norm_flags_are_applied(tmp_path):
     session = cpu_session(str(tmp_path / "ingest.onnx"))
     cache = np.zeros((1, hcfg.n_kv_heads, 16, hcfg.head_dim), dtype=np.float32)
     embed = torch.randn(TINY.vocab_size, TINY.hidden_size, generator=torch.Generator().manual_seed(1)).numpy()
-    feeds = dict(zip([i.name for i in session.get_inputs()],
-                     [np.array([[5, 9, 11]]), hidden_in.numpy(), np.array([0]), np.array([2]), cache, cache.copy(), embed]))
+    values = [np.array([[5, 9, 11]]), hidden_in.numpy(), np.array([0]), np.array([2]), cache, cache.copy(), embed]
+    feeds = dict(zip([i.name for i in session.get_inputs()], values))
     outs = session.run(None, feeds)
     for index in (0, 3):  # logits, the next step's hidden
         assert np.abs(outs[index] - got[index].numpy()).max() <= 1e-4 * max(1.0, np.abs(got[index].numpy()).max())

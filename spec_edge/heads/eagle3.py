@@ -11,7 +11,8 @@ A head drafts from three hidden states of the target (a low, a middle and a high
 
 Pairing (as in EAGLE): the head row at position p holds (target hidden at p, token p+1) and predicts
 token p+2. Its output hidden h' (before the final norm; after it for speculators' norm_output) is the
-next draft step's input hidden, which then skips fc. So k drafts cost one ingest pass (the verified pairs, width <= k+1) + k-1 [1, 1] steps.
+next draft step's input hidden, which then skips fc. So k drafts cost one ingest pass (the verified
+pairs, width <= k+1) + k-1 [1, 1] steps.
 
 Graphs (heads/eagle3_export.py; all static, S = max context): an ingest graph per width W and a
 [1, 1] draft step. The token embedding table is a graph *input* bound to the target's own embedding

@@ -153,10 +153,10 @@ def rope_of(layer_cfg: dict) -> tuple[float, tuple[float, float, float, int] | N
     rope_scaling (Model Optimizer writes rope_theta inside rope_scaling too). A config that names two
     thetas, or two scaling types, is refused; so is a scaling the graphs do not implement."""
     blocks = {key: dict(layer_cfg.get(key) or {}) for key in ("rope_parameters", "rope_scaling")}
-    thetas = {key: float(value) for key, value in (("rope_theta", layer_cfg.get("rope_theta")),
-                                                   ("rope_parameters.rope_theta", blocks["rope_parameters"].get("rope_theta")),
-                                                   ("rope_scaling.rope_theta", blocks["rope_scaling"].get("rope_theta")))
-              if value is not None}
+    named = {"rope_theta": layer_cfg.get("rope_theta"),
+             "rope_parameters.rope_theta": blocks["rope_parameters"].get("rope_theta"),
+             "rope_scaling.rope_theta": blocks["rope_scaling"].get("rope_theta")}
+    thetas = {key: float(value) for key, value in named.items() if value is not None}
     if len(set(thetas.values())) > 1:
         raise ConfigError(f"EAGLE-3 head config.json names two RoPE thetas ({thetas}): keep the one the head "
                           f"was trained with")
