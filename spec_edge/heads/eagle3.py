@@ -10,117 +10,39 @@ A head drafts from three hidden states of the target (a low, a middle and a high
                target_id = draft_id + d2t[draft_id]  (SafeAILab's offset form)
 
 Pairing (as in EAGLE): the head row at position p holds (target hidden at p, token p+1) and predicts
-token p+2. Its output hidden h' (before the final norm) is the next draft step's input hidden, which
-then skips fc. So k drafts cost one ingest pass (the verified pairs, width <= k+1) + k-1 [1, 1] steps.
+token p+2. Its output hidden h' (before the final norm; after it for speculators' norm_output) is the
+next draft step's input hidden, which then skips fc. So k drafts cost one ingest pass (the verified
+pairs, width <= k+1) + k-1 [1, 1] steps.
 
 Graphs (heads/eagle3_export.py; all static, S = max context): an ingest graph per width W and a
 [1, 1] draft step. The token embedding table is a graph *input* bound to the target's own embedding
 (a memory map of the target's weights.bin), so the head costs no second copy of the V x H table.
 
-Checkpoint layouts read (config.json + model.safetensors or pytorch_model.bin):
-  SafeAILab/EAGLE (yuhuili/EAGLE3-*): llama fields + draft_vocab_size; tensors fc.weight,
-    midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight, midlayer.self_attn.*,
-    midlayer.mlp.*, norm.weight, lm_head.weight, d2t (offsets), t2d (bool); layers (2, L/2, L-3) in
-    "input of layer" indexing = outputs of layers (1, L/2-1, L-4).
-  NVIDIA Model Optimizer heads (nvidia/*-Eagle3): same tensors (also accepted under layers.0. /
-    model. prefixes), config eagle_config.eagle_aux_hidden_state_layer_ids = layer *outputs*.
-  vLLM speculators: transformer_layer_config + top-level eagle_aux_hidden_state_layer_ids in vLLM's
-    indexing (id j = output of layer j-1), norm_before_residual.
+The published checkpoint layouts (SafeAILab, Model Optimizer, vLLM speculators, ours) and what each
+config key means are heads/eagle3_layouts.py's; HeadConfig lives there and is re-exported here.
 Saved heads (spec-edge train-draft) use the SafeAILab tensor names and the NVIDIA-style eagle_config.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.graphs.hidden import configured_aux_layers, default_aux_layers
+from spec_edge.graphs.hidden import default_aux_layers
 from spec_edge.heads import head_folder
+from spec_edge.heads.eagle3_layouts import HeadConfig, parse_head_config, read_tensors
+
+__all__ = ["HEAD_FORMAT", "HeadConfig", "build_module", "check_head", "head_class", "head_config_for",
+           "head_fingerprint", "head_parameter_names", "init_state", "load_head", "parse_head_config", "save_head"]
 
 HEAD_FORMAT = 1
 
 
-@dataclass(frozen=True)
-class HeadConfig:
-    hidden_size: int             # H (the head's own width; EAGLE-3 heads use the target's)
-    intermediate_size: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    target_hidden_size: int      # Ht: fc takes 3 * Ht
-    target_vocab_size: int       # V
-    draft_vocab_size: int        # Vd
-    aux_layers: tuple[int, ...]  # target layers whose *outputs* feed fc (our 0-based indexing)
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_llama3: tuple[float, float, float, int] | None = None
-    norm_before_residual: bool = False
-    target_layers: int = 0       # layer count of the target it was made for (0 = not recorded)
-    has_embedding: bool = False  # the head ships its own embed_tokens (else it uses the target's)
-
-    def as_model_config(self) -> ModelConfig:
-        """The attention/rope geometry in the core's ModelConfig form (vocab = draft vocab)."""
-        return ModelConfig(vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, n_layers=1, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-                           rope_theta=self.rope_theta, rope_llama3=self.rope_llama3, name="eagle3-head")
-
-
 # ---------------------------------------------------------------------------------------------
 # Checkpoint reading / writing
-
-_PREFIXES = ("midlayer.", "layers.0.", "model.layers.0.", "model.midlayer.")
-
-
-def _canonical_name(name: str) -> str:
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            return "midlayer." + name[len(prefix):]
-    if name.startswith("model.") and name[6:] in ("fc.weight", "norm.weight", "embed_tokens.weight"):
-        return name[6:]
-    return name
-
-
-def _read_tensors(path: Path) -> dict:
-    state = head_folder.read_tensors(path, "EAGLE-3 head", ("pytorch_model.bin",))
-    return {_canonical_name(name): tensor for name, tensor in state.items()}
-
-
-def parse_head_config(raw: dict, target: ModelConfig) -> HeadConfig:
-    """HeadConfig from a head's config.json (any of the three layouts) for a given target."""
-    layer_cfg = raw.get("transformer_layer_config") or raw  # vLLM speculators nest the layer config
-    hidden = int(layer_cfg.get("hidden_size", 0))
-    if not hidden:
-        raise ConfigError("EAGLE-3 head config.json has no hidden_size")
-    n_heads = int(layer_cfg.get("num_attention_heads", 0)) or 1
-    n_layers_head = int(layer_cfg.get("num_hidden_layers", 1))
-    if n_layers_head != 1:
-        raise ConfigError(f"EAGLE-3 head has {n_layers_head} decoder layers; spec_edge runs one-layer heads")
-    aux = configured_aux_layers(raw)
-    if aux is None:
-        aux = default_aux_layers(target.n_layers)
-    rope = dict(layer_cfg.get("rope_scaling") or {})
-    llama3 = None
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
-                  int(rope["original_max_position_embeddings"]))
-    vocab = int(layer_cfg.get("vocab_size", raw.get("vocab_size", target.vocab_size)))
-    return HeadConfig(
-        hidden_size=hidden, intermediate_size=int(layer_cfg.get("intermediate_size", 4 * hidden)),
-        n_heads=n_heads, n_kv_heads=int(layer_cfg.get("num_key_value_heads", n_heads)),
-        head_dim=int(layer_cfg.get("head_dim") or hidden // n_heads),
-        target_hidden_size=int(raw.get("target_hidden_size") or hidden),
-        target_vocab_size=vocab, draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
-        aux_layers=aux, rms_norm_eps=float(layer_cfg.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(layer_cfg.get("rope_theta", (layer_cfg.get("rope_parameters") or {}).get(
-            "rope_theta", target.rope_theta))),
-        rope_llama3=llama3, norm_before_residual=bool(raw.get("norm_before_residual", False)),
-        target_layers=int(raw.get("target_num_hidden_layers", 0)))
-
 
 def check_head(hcfg: HeadConfig, state: dict, target: ModelConfig, where: str = "EAGLE-3 head") -> None:
     """Refuse a head that does not fit the target, naming the mismatch."""
@@ -150,6 +72,10 @@ def check_head(hcfg: HeadConfig, state: dict, target: ModelConfig, where: str = 
         problems.append(f"lm_head has {lm_head.shape[0]} rows but draft_vocab_size is {hcfg.draft_vocab_size}")
     problems += head_folder.d2t_problems(state.get("d2t"), hcfg.draft_vocab_size, hcfg.target_vocab_size,
                                          target.vocab_size, earlier=bool(problems))
+    for flag, prefix, what in (("norm_before_fc", "input_norm.", "an RMSNorm before fc"),
+                               ("fc_norm", "fc_norm.", "an RMSNorm per target layer before fc")):
+        if any(name.startswith(prefix) for name in state) and not getattr(hcfg, flag):
+            problems.append(f"it has {prefix}weight ({what}) but config.json does not set {flag}: true")
     wanted = [name for name in head_parameter_names(hcfg) if name not in state]
     if wanted and not problems:
         problems.append(f"tensors missing: {wanted[:4]}")
@@ -161,7 +87,8 @@ def head_parameter_names(hcfg: HeadConfig) -> list[str]:
     names += [f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")]
     names += [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"]
     names += [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    return names
+    names += ["input_norm.weight"] if hcfg.norm_before_fc else []
+    return names + ([f"fc_norm.{i}.weight" for i in range(len(hcfg.aux_layers))] if hcfg.fc_norm else [])
 
 
 def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, np.ndarray]:
@@ -169,8 +96,11 @@ def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, 
     against the target."""
     path = Path(path).expanduser()
     raw = head_folder.read_config(path, "EAGLE-3 head", "spec-edge train-draft")
-    state = _read_tensors(path)
-    hcfg = parse_head_config(raw, target)
+    state = read_tensors(path)
+    try:
+        hcfg = parse_head_config(raw, target)
+    except ConfigError as error:
+        raise ConfigError(f"EAGLE-3 head '{path}': {error}") from None
     if "embed_tokens.weight" in state:
         hcfg = dataclasses.replace(hcfg, has_embedding=True)
     check_head(hcfg, state, target, f"EAGLE-3 head '{path}'")
@@ -201,6 +131,8 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
         "target_hidden_size": hcfg.target_hidden_size, "target_num_hidden_layers": hcfg.target_layers,
         "tie_word_embeddings": False, "hidden_act": "silu", "torch_dtype": dtype,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(hcfg.aux_layers), "use_aux_hidden_state": True},
+        "norm_before_residual": hcfg.norm_before_residual, "norm_before_fc": hcfg.norm_before_fc,
+        "fc_norm": hcfg.fc_norm, "norm_output": hcfg.norm_output,
         "spec_edge": dict(format=HEAD_FORMAT, **(extra or {})),
         **(more_config or {}),
     }
@@ -292,10 +224,22 @@ def head_class(hcfg: HeadConfig):
             super().__init__()
             self.fused = fused  # True: hidden is the target's (W, 3Ht) and goes through fc
             self.fc = nn.Linear(3 * hcfg.target_hidden_size, hcfg.hidden_size, bias=False)
+            Ht = hcfg.target_hidden_size
+            if hcfg.norm_before_fc:  # speculators' norm_before_fc: one RMSNorm over the (W, 3Ht) hidden
+                self.input_norm = RMSNorm(3 * Ht, hcfg.rms_norm_eps)
+            if hcfg.fc_norm:  # fc_norm: an RMSNorm over each (W, Ht) target layer's block
+                self.fc_norm = nn.ModuleList([RMSNorm(Ht, hcfg.rms_norm_eps) for _ in hcfg.aux_layers])
             self.midlayer = MidLayer()
             self.norm = RMSNorm(hcfg.hidden_size, hcfg.rms_norm_eps)
             self.lm_head = nn.Linear(hcfg.hidden_size, hcfg.draft_vocab_size, bias=False)
             self.register_buffer("inv_freq", rope_inv_freq(mcfg), persistent=False)
+
+        def fuse(self, hidden):
+            """(..., 3Ht) target hidden states -> (..., H)."""
+            if hcfg.fc_norm:
+                blocks = hidden.chunk(len(hcfg.aux_layers), dim=-1)
+                hidden = torch.cat([norm(block) for norm, block in zip(self.fc_norm, blocks)], dim=-1)
+            return self.fc(self.input_norm(hidden) if hcfg.norm_before_fc else hidden)
 
         def layer_inputs(self, emb, h):
             mid = self.midlayer
@@ -305,11 +249,13 @@ def head_class(hcfg: HeadConfig):
 
         def forward(self, tokens, hidden, position, last_index, k_cache, v_cache, embed_table):
             emb = torch.index_select(embed_table, 0, tokens[0])  # (W, H)
-            h = self.fc(hidden) if self.fused else hidden      # (W, H)
+            h = self.fuse(hidden) if self.fused else hidden    # (W, H)
             h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, tokens.shape[1])
             h_last = torch.index_select(h, 0, last_index)  # (1, H)
-            logits = self.lm_head(self.norm(h_last)).float()
-            return logits, k_new[None], v_new[None], h_last
+            normed = self.norm(h_last)
+            logits = self.lm_head(normed).float()
+            # the next step's hidden: h' before the final norm (SafeAILab), after it with norm_output
+            return logits, k_new[None], v_new[None], normed if hcfg.norm_output else h_last
 
         def layer(self, emb, h, position, k_cache, v_cache, seq: int):
             """The decoder layer over seq rows at positions position.. (causal, after the cache rows
@@ -331,7 +277,7 @@ def head_class(hcfg: HeadConfig):
             B, N = hid3.shape[:2]
             nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
             group = nh // nkv
-            h = self.fc(hid3)
+            h = self.fuse(hid3)
             causal = torch.ones(N, N, dtype=torch.bool).tril()
             neg = torch.finfo(h.dtype).min
             keys, values, outs = [], [], []
@@ -362,6 +308,8 @@ def head_class(hcfg: HeadConfig):
                 h = residual + attn.o_proj(out)
                 h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
                 outs.append(self.norm(h))
+                if hcfg.norm_output:
+                    h = outs[-1]
             return outs
 
     return Eagle3Head

@@ -136,6 +136,19 @@ def write(path: str | Path, state: dict, names: list[str], draft_ids: np.ndarray
 # ---------------------------------------------------------------------------------------------
 # Export
 
+def _same_config(out_dir: Path, head_cfg) -> bool:
+    """head.json holds head_cfg: the graphs were made from the same reading of config.json (a loader
+    that now reads a key differently, e.g. a theta, re-exports; fields head.json predates count as
+    their defaults)."""
+    path = out_dir / "head.json"
+    if not path.is_file():
+        return False
+    defaults = {field.name: field.default for field in dataclasses.fields(head_cfg)
+                if field.default is not dataclasses.MISSING}
+    have = {**defaults, **json.loads(path.read_text())}
+    return json.loads(json.dumps(have)) == json.loads(json.dumps(dataclasses.asdict(head_cfg)))
+
+
 def export(out_dir: Path, wanted: dict, write_graph: Callable, head_cfg, draft_ids: np.ndarray,
            label: str, progress=print, arrays: dict | None = None) -> Path:
     """Export a head's graphs into out_dir (its own weights.bin), unless up to date (the manifest
@@ -152,7 +165,7 @@ def export(out_dir: Path, wanted: dict, write_graph: Callable, head_cfg, draft_i
     if manifest_path.is_file():
         have = json.loads(manifest_path.read_text())
         if all(have.get(key) == value for key, value in wanted.items()) and all(
-                (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]):
+                (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]) and _same_config(out_dir, head_cfg):
             return out_dir
     started = time.monotonic()
     tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"

@@ -102,7 +102,7 @@ def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
         def forward(self, tokens, hidden, position, k_cache, v_cache, embed_table):
             seq = self.width
             emb = torch.index_select(embed_table, 0, tokens[0])  # (1, H)
-            h = self.fc(hidden)                                  # (1, H)
+            h = self.fuse(hidden)                                # (1, H)
             if seq > 1:
                 emb = torch.cat((emb, self.mask_embed[None, :].expand(seq - 1, -1)), dim=0)  # (k, H)
                 h = torch.cat((h, self.mask_hidden[None, :].expand(seq - 1, -1)), dim=0)     # (k, H)
@@ -121,7 +121,7 @@ def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
             H = hcfg.hidden_size
             nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
             R = n + A * m
-            h = torch.cat((self.fc(hid3), self.mask_hidden.expand(B, A * m, H)), dim=1)  # (B, R, H)
+            h = torch.cat((self.fuse(hid3), self.mask_hidden.expand(B, A * m, H)), dim=1)  # (B, R, H)
             emb = torch.cat((emb_real, self.mask_embed.expand(B, A * m, H)), dim=1)     # (B, R, H)
             depth = torch.arange(1, k).repeat(A)                                        # (A*m,)
             group = torch.arange(A).repeat_interleave(m)                                # (A*m,)
