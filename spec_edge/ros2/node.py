@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import argparse
 import array
-import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 from spec_edge import config as cfgmod
 from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request
+from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, unless_stopped
 from spec_edge.ros2.worker import Job, Worker
 
 NODE_NAME = "spec_edge"
@@ -313,9 +313,9 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
     node = make_node_class()()
     try:
         if autostart:
-            configured = _unless_stopped(node.trigger_configure, stop)
+            configured = unless_stopped(node.trigger_configure, stop)
             if configured is None:
-                _exit_while_configuring(node)
+                exit_while_configuring(node)
             if configured != TransitionCallbackReturn.SUCCESS:
                 node.get_logger().error("configure failed; see above")
                 return 1
@@ -333,7 +333,7 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
         except (KeyboardInterrupt, ExternalShutdownException):
             pass
         if node.configuring:  # a lifecycle manager's configure is still running in an executor thread
-            _exit_while_configuring(node)
+            exit_while_configuring(node)
         node.get_logger().info("shutting down")
         node.stop_generation(timeout=1.0)   # answers every waiting call, so no thread stays blocked
         flush_until = time.monotonic() + 0.2  # deliver those answers (action results need spinning)
@@ -350,49 +350,6 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
-
-
-def _unless_stopped(call, stop: threading.Event) -> Any:
-    """call() in a thread while this (the main) thread watches `stop`: what call returned, or None
-    when a signal came first. A first start's configure exports for minutes in code that Python's
-    signal handlers cannot interrupt; the process must still end within 2 s of SIGINT / SIGTERM."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as err:  # handed to the main thread, raised there
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name="configure", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        if stop.wait(0.05):
-            return None
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _exit_while_configuring(node) -> NoReturn:
-    """Signalled during configure: end now. Nothing is lost: an export writes into a temporary folder
-    that becomes the artifact only once complete (the next start removes it and exports again)."""
-    node.get_logger().warning("stopped while configuring (loading or exporting the graphs): exiting now; "
-                              "an unfinished export is discarded and redone at the next start")
-    exit_process(0)
-
-
-def exit_process(status: int) -> NoReturn:
-    """End the process once run() has shut the node down and finalized rclpy.
-
-    Everything ROS is released by then; what is left is the interpreter's teardown of torch and
-    ONNX Runtime objects, which takes a second or more with torch loaded. Skipping it keeps the
-    exit within the 2 s a robot's launch system allows after SIGINT/SIGTERM.
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,53 @@
+"""How the node's process ends: within 2 s of SIGINT / SIGTERM in every state, without the
+interpreter's slow teardown. The node (spec_edge.ros2.node) calls these; they know nothing of its class."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+
+def unless_stopped(call: Callable[[], Any], stop: threading.Event) -> Any:
+    """call() in a thread while this (the main) thread watches `stop`: what call returned, or None
+    when a signal came first. A first start's configure exports for minutes in code that Python's
+    signal handlers cannot interrupt; the process must still end within 2 s of SIGINT / SIGTERM."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as err:  # handed to the main thread, raised there
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="configure", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if stop.wait(0.05):
+            return None
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def exit_while_configuring(node) -> NoReturn:
+    """Signalled during configure: end now. Nothing is lost: an export writes into a temporary folder
+    that becomes the artifact only once complete (the next start removes it and exports again)."""
+    node.get_logger().warning("stopped while configuring (loading or exporting the graphs): exiting now; "
+                              "an unfinished export is discarded and redone at the next start")
+    exit_process(0)
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the process once run() has shut the node down and finalized rclpy.
+
+    Everything ROS is released by then; what is left is the interpreter's teardown of torch and
+    ONNX Runtime objects, which takes a second or more with torch loaded. Skipping it keeps the
+    exit within the 2 s a robot's launch system allows after SIGINT/SIGTERM.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
