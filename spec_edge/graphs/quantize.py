@@ -18,9 +18,9 @@ dequantizing the whole matrix on every call (measured here: 3.1 ms instead of 0.
 which is the same sum, d*q + m per weight, regrouped: BlockSum32(x) is x reshaped to
 (T, K/32, 32) and summed over the last axis, and M costs K/32 x N floats (1/8 of the 4-bit codes).
 Weights are exact; only float summation order differs from the fp32 graph (parity: test_quantize.py
-and `spec-edge bench --weights fp32 q4`). With int8 activations (q4) a step graph runs its row twice
-and keeps row 0, so that each row of a verify call equals the step at its position bit for bit
-(graphs/two_rows.py says why; without it speculative output drifted from target-only).
+and `spec-edge bench --weights fp32 q4`). With int8 activations (q4) a step graph runs its token
+twice, as a width-2 call, so that each row of a verify call equals the step at its position bit for
+bit (graphs/two_rows.py says why; without it speculative output drifted from target-only).
 
 q/k rows: transformers un-permutes the GGUF's q/k rows (rotary layout) when it loads, so each ONNX
 row is matched to its GGUF row by value (the dequantized fp32 row must be identical, byte for byte);
@@ -53,7 +53,7 @@ from spec_edge.graphs.gguf_blocks import (Q41, Q80, QK, QuantizeError, blocks_fo
 
 MS_DOMAIN = "com.microsoft"
 Q4_FORMAT = 4            # 2: sibling Q4_1 layers stacked into one MatMulNBits; 3: packed QKV into fused
-                         # attention; 4: step graphs run their row twice (two_rows.py); older folders are redone
+                         # attention; 4: step graphs run their token twice (two_rows.py); older folders are redone
 Progress = Callable[[str], None]
 Blocks = Callable[[str, np.ndarray], object | None]  # (initializer name, its fp32 (N, K) weight) -> Q41 / Q80 / None
 
@@ -79,9 +79,9 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
     that only feeds a GroupQueryAttention becomes its packed QKV input (pack_qkv). The fp32
     initializers that no node reads any more are dropped. q4_layers counts linear layers, merged or not.
 
-    width: the graph's T (its linear inputs are (T, K); 0: a drafter's graph, left as is). A width-1
-    graph with int8 activations runs each 4-bit MatMulNBits and each attention on its row stacked
-    twice, so that a step computes its row as a verify call does (graphs/two_rows.py)."""
+    width: the graph's T (0: a drafter's graph, left as is). A width-1 fused-attention graph with
+    int8 activations then runs its token twice, as a width-2 call, so that a step computes its row
+    as a verify call does (graphs/two_rows.py)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -92,7 +92,6 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
     new_nodes = []
     new_inits = []
     block_sums: dict[str, str] = {}  # input name -> its BlockSum32 tensor (shared by q/k/v, gate/up)
-    doubled: dict[str, str] = {}     # input name -> its two-row copy (two_rows.matmul)
     shape_const = None
 
     def attr(node, name, default):
@@ -151,14 +150,10 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
             report.quant_bytes_added += parts[key].nbytes
         out = outputs[0] if len(outputs) == 1 else f"{base}_q4_stacked"
         main_out = out if bits == 8 else f"{out}_q4main"
-        nbits = helper.make_node(
+        new_nodes.append(helper.make_node(
             "MatMulNBits", [x] + [f"{base}{suffix}_{key}" for key in ("B", "scales", "zero_points")], [main_out],
             name=f"{node.name}_nbits", domain=MS_DOMAIN, K=k, N=n, bits=bits, block_size=QK,
-            accuracy_level=accuracy_level)
-        if bits == 4 and two_rows.applies(width, accuracy_level):
-            two_rows.matmul(nbits, doubled, new_nodes, new_inits)
-        else:
-            new_nodes.append(nbits)
+            accuracy_level=accuracy_level))
         if bits == 4:
             report.q4_layers += 1
             if x not in block_sums:
@@ -187,8 +182,6 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
         new_inits.append(numpy_helper.from_array(np.array([-1], np.int64), "q4_sum_axes"))
     if merge:
         new_nodes = pack_qkv(new_nodes)
-    if two_rows.applies(width, accuracy_level):
-        new_nodes = two_rows.attention(new_nodes, new_inits)
     del graph.node[:]
     graph.node.extend(new_nodes)
     used = {name for node in graph.node for name in node.input}
@@ -203,6 +196,8 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
     # graph outputs are unchanged; drop stale value_info of rewritten tensors (they keep their shapes)
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    if two_rows.applies(model, width, accuracy_level):
+        two_rows.widen(model)
     return report
 
 

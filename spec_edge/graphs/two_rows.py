@@ -12,78 +12,81 @@ share a scale), but run a one-row call through other code than a call of 2..128 
 Both agree up to float summation order (~1e-6 of the output), but the next layer rounds its input
 to int8: a 1e-6 change flips some of those roundings, each worth 1/127 of a block's largest input,
 and over the 30 layers of the embedded default a verify row ended ~1 logit away from the [1, 1] step
-at the same position (speculative output == target-only on 12/36 bench runs). So a width-1 graph
-feeds each 4-bit MatMulNBits and each attention its row stacked twice and keeps row 0; every row of
-every call width then runs the same float operations, bit for bit (test/test_quantize.py). The
-8-bit LM head (Q8_0) has one kernel for every M and is left alone.
+at the same position (speculative output == target-only on 12/36 bench runs).
 
-fp32 activations (q4_fp32act, accuracy level 0) differ the same way, but nothing rounds them
-afterwards (their verify rows stay within ~5e-5 of the steps), and their multi-row path
-dequantizes the whole matrix on every call: those graphs are left as they are.
+So a fused-attention step graph runs its token twice, as a width-2 call: the tokens (1, 1) are
+stacked to (1, 2), every layer computes both rows (the same token at position and position + 1),
+the copy's keys/values land in the cache row past the position, which no call reads before
+writing it again (cache_rows leaves room past the last position), and the LM head and the other
+row outputs take row 0 only. Every row of every call width then runs the same float operations,
+bit for bit (test/test_quantize.py); the LM head (8-bit Q8_0 MatMulNBits) has one kernel for
+every M, so it keeps its one row. Cost: the layers' work for two rows, no extra nodes per layer.
+
+Not covered: the exported attention (graphs.ort_attention graph), whose shapes carry T throughout;
+and fp32 activations (q4_fp32act), which differ the same way but are never rounded afterwards
+(their verify rows stay within ~5e-5 of the steps), and whose multi-row path dequantizes the whole
+matrix on every call: those graphs are left as they are.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from spec_edge.graphs import io_names
+
 LEVELS = (4,)  # MatMulNBits accuracy levels whose width-1 graphs run two rows
-START, END = "two_rows_start", "two_rows_end"  # Slice bounds [0, 1) (END also names axis 1)
+# the fused-attention constants that carry the call's width (graphs/ort_attention.py)
+WIDTH_CONSTANTS = ("fused_width", "fused_width_minus_1", "fused_out_shape")
 
 
-def applies(width: int, accuracy_level: int) -> bool:
-    return width == 1 and accuracy_level in LEVELS
+def applies(model, width: int, accuracy_level: int) -> bool:
+    names = {t.name for t in model.graph.initializer}
+    return width == 1 and accuracy_level in LEVELS and all(name in names for name in WIDTH_CONSTANTS)
 
 
-def _bounds(new_inits: list) -> None:
-    from onnx import numpy_helper
-
-    if not any(t.name == START for t in new_inits):
-        new_inits.append(numpy_helper.from_array(np.array([0], np.int64), START))
-        new_inits.append(numpy_helper.from_array(np.array([1], np.int64), END))
-
-
-def matmul(node, doubled: dict[str, str], new_nodes: list, new_inits: list) -> None:
-    """Emit a MatMulNBits node (x (1, K) -> y (1, N)) as MatMulNBits over x stacked twice, (2, K),
-    and a Slice of row 0. doubled: x -> its two-row copy, shared by the nodes that read x."""
-    from onnx import helper
-
-    _bounds(new_inits)
-    x, y = node.input[0], node.output[0]
-    if x not in doubled:
-        doubled[x] = f"{x}_two_rows"
-        new_nodes.append(helper.make_node("Concat", [x, x], [doubled[x]], name=doubled[x], axis=0))
-    node.input[0], node.output[0] = doubled[x], f"{y}_two_rows"
-    new_nodes.append(node)
-    new_nodes.append(helper.make_node("Slice", [node.output[0], START, END, START], [y], name=f"{node.name}_row0"))
-
-
-def attention(nodes: list, new_inits: list) -> list:
-    """The nodes with each GroupQueryAttention run on its row stacked twice, (1, 2, X), keeping row
-    0 of its output. The copy lands in the cache row after the position, which no call reads before
-    writing it again (the fused graphs' cache_rows leave room past the last position)."""
+def widen(model) -> None:
+    """Rewrite, in place, a fused-attention width-1 graph into the width-2 call described above."""
     from onnx import helper, numpy_helper
 
-    out = []
-    for node in nodes:
-        if node.op_type != "GroupQueryAttention":
-            out.append(node)
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    for name in WIDTH_CONSTANTS:  # width 1 -> 2: seqlens_k, total_len, the attention output's (T, H*D)
+        value = numpy_helper.to_array(inits[name]).copy()
+        if name == "fused_out_shape":
+            value[0] = 2
+        else:
+            value += 1
+        inits[name].CopyFrom(numpy_helper.from_array(value, name))
+    graph.initializer.extend([numpy_helper.from_array(np.array([0], np.int64), "two_rows_start"),
+                              numpy_helper.from_array(np.array([1], np.int64), "two_rows_end")])
+    first = [helper.make_node("Concat", [io_names.TOKENS] * 2, ["tokens_two_rows"], name="tokens_two_rows",
+                              axis=1)]  # (1, 1) -> (1, 2)
+    for node in graph.node:
+        node.input[:] = ["tokens_two_rows" if name == io_names.TOKENS else name for name in node.input]
+    last = []
+    producers = {out: node for node in graph.node for out in node.output}
+    caches = {out.name for out in graph.output if out.name.startswith((io_names.K_PRESENT, io_names.V_PRESENT))}
+    for out in graph.output:
+        if out.name in caches:
             continue
-        if not any(t.name == "two_rows_one" for t in new_inits):  # seqlens_k and total_len of a width-2 call
-            _bounds(new_inits)
-            new_inits.append(numpy_helper.from_array(np.array([1], np.int32), "two_rows_one"))
-            new_inits.append(numpy_helper.from_array(np.array(1, np.int32), "two_rows_one_scalar"))
-            out.append(helper.make_node("Add", [node.input[5], "two_rows_one"], ["two_rows_seqlens_k"],
-                                        name="two_rows_seqlens_k"))
-            out.append(helper.make_node("Add", [node.input[6], "two_rows_one_scalar"], ["two_rows_total_len"],
-                                        name="two_rows_total_len"))
-        for slot in range(3):  # packed qkv (or q, k, v): (1, 1, X) -> (1, 2, X)
-            if node.input[slot]:
-                doubled = f"{node.input[slot]}_two_rows"
-                out.append(helper.make_node("Concat", [node.input[slot]] * 2, [doubled], name=doubled, axis=1))
-                node.input[slot] = doubled
-        node.input[5], node.input[6] = "two_rows_seqlens_k", "two_rows_total_len"
-        row0 = node.output[0]
-        node.output[0] = f"{row0}_two_rows"
-        out.append(node)
-        out.append(helper.make_node("Slice", [node.output[0], START, END, END], [row0],
-                                    name=f"{node.name}_row0"))  # (1, 2, H*D) -> (1, 1, H*D): axis 1
-    return out
+        node = producers[out.name]
+        if out.name == io_names.LOGITS and node.op_type in ("MatMulNBits", "MatMul", "Gemm"):
+            row0 = f"{node.input[0]}_row0"  # the LM head reads row 0 only: (2, hidden) -> (1, hidden)
+            last.append(helper.make_node("Slice", [node.input[0], "two_rows_start", "two_rows_end", "two_rows_start"],
+                                         [row0], name=row0))
+            node.input[0] = row0
+        else:  # another row output (the heads' hidden states): (2, X) -> (1, X)
+            node.output[:] = [f"{name}_two_rows" if name == out.name else name for name in node.output]
+            last.append(helper.make_node("Slice", [f"{out.name}_two_rows", "two_rows_start", "two_rows_end",
+                                                   "two_rows_start"], [out.name], name=f"{out.name}_row0"))
+    nodes = first + list(graph.node)
+    # a Slice must come after its input's producer and before its consumer: put each right after the producer
+    ordered = []
+    pending = {n.input[0]: n for n in last}
+    for node in nodes:
+        ordered.append(node)
+        for name in node.output:
+            if name in pending:
+                ordered.append(pending.pop(name))
+    del graph.node[:]
+    graph.node.extend(ordered)
+    del graph.value_info[:]  # they say T = 1
