@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from spec_edge.graphs import io_names
+from spec_edge.graphs.gguf_blocks import QuantizeError
 
 LEVELS = (4,)  # MatMulNBits accuracy levels whose width-1 graphs run two rows
 # the fused-attention constants that carry the call's width (graphs/ort_attention.py)
@@ -62,31 +63,39 @@ def widen(model) -> None:
                               axis=1)]  # (1, 1) -> (1, 2)
     for node in graph.node:
         node.input[:] = ["tokens_two_rows" if name == io_names.TOKENS else name for name in node.input]
-    last = []
-    producers = {out: node for node in graph.node for out in node.output}
+    slices = []
     caches = {out.name for out in graph.output if out.name.startswith((io_names.K_PRESENT, io_names.V_PRESENT))}
-    for out in graph.output:
-        if out.name in caches:
+    for out in graph.output:  # row outputs besides the logits (the heads' hidden states): (2, X) -> (1, X)
+        if out.name in caches or out.name == io_names.LOGITS:
             continue
-        node = producers[out.name]
-        if out.name == io_names.LOGITS and node.op_type in ("MatMulNBits", "MatMul", "Gemm"):
-            row0 = f"{node.input[0]}_row0"  # the LM head reads row 0 only: (2, hidden) -> (1, hidden)
-            last.append(helper.make_node("Slice", [node.input[0], "two_rows_start", "two_rows_end", "two_rows_start"],
-                                         [row0], name=row0))
-            node.input[0] = row0
-        else:  # another row output (the heads' hidden states): (2, X) -> (1, X)
-            node.output[:] = [f"{name}_two_rows" if name == out.name else name for name in node.output]
-            last.append(helper.make_node("Slice", [f"{out.name}_two_rows", "two_rows_start", "two_rows_end",
-                                                   "two_rows_start"], [out.name], name=f"{out.name}_row0"))
-    nodes = first + list(graph.node)
-    # a Slice must come after its input's producer and before its consumer: put each right after the producer
-    ordered = []
-    pending = {n.input[0]: n for n in last}
-    for node in nodes:
-        ordered.append(node)
-        for name in node.output:
-            if name in pending:
-                ordered.append(pending.pop(name))
+        wide = f"{out.name}_two_rows"
+        for node in graph.node:  # its producer and any other reader keep both rows
+            node.output[:] = [wide if name == out.name else name for name in node.output]
+            node.input[:] = [wide if name == out.name else name for name in node.input]
+        slices.append(helper.make_node("Slice", [wide, "two_rows_start", "two_rows_end", "two_rows_start"], [out.name],
+                                       name=f"{out.name}_row0"))
+    head = next(node for node in graph.node if io_names.LOGITS in node.output)
+    if head.op_type not in ("MatMulNBits", "MatMul", "Gemm"):
+        raise QuantizeError(f"two-row step graph: the logits come from a {head.op_type} node, not the LM head's "
+                            f"matmul; re-export the graphs")
+    row0 = f"{head.input[0]}_row0"  # the LM head reads row 0 only: (2, hidden) -> (1, hidden)
+    slices.append(helper.make_node("Slice", [head.input[0], "two_rows_start", "two_rows_end", "two_rows_start"],
+                                   [row0], name=row0))
+    head.input[0] = row0
+    # topological order: each Slice after its input's producer, before its readers
+    known = {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    ordered, pending = [], first + list(graph.node) + slices
+    while pending:
+        rest = []
+        for node in pending:
+            if all(name in known or not name for name in node.input):
+                ordered.append(node)
+                known.update(node.output)
+            else:
+                rest.append(node)
+        if len(rest) == len(pending):
+            raise QuantizeError(f"two-row step graph: {rest[0].name} lost its inputs; re-export the graphs")
+        pending = rest
     del graph.node[:]
     graph.node.extend(ordered)
     del graph.value_info[:]  # they say T = 1
