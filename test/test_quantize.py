@@ -167,3 +167,67 @@ def test_config_field():
         Config().replace(**{"graphs.weights": "int3"})
     with pytest.raises(ConfigError, match="onnxruntime"):
         Config().replace(**{"graphs.weights": "q4", "runtime.backend": "tensorrt", "graphs.dtype": "float16"})
+
+
+# ---------------------------------------------------------------------------------------------
+# q4 (int8 activations) on a whole model: a row's result does not depend on the call's width
+
+
+def _fresh_blocks(name: str, weight: np.ndarray):
+    """Blocks as a GGUF would hold them, made from the tiny model's own weights (the runtime never
+    quantizes; here there is no GGUF): Q4_1 for the layers, Q8_0 for the LM head."""
+    if weight.ndim != 2 or weight.shape[1] % 32 or name == "model.embed_tokens.weight":
+        return None
+    if name == "lm_head.weight":
+        return gguf_blocks.quantize_q8_0(weight)
+    return gguf_blocks.parse_q4_1(gguf_blocks.quantize_q4_1(weight))
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tiny_engine, tmp_path_factory):
+    """The tiny target's fused graphs carried to 4-bit MatMulNBits with int8 activations (graphs.weights q4)."""
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+
+    dst = tmp_path_factory.mktemp("q4") / "target_fused_q4"
+    quantize.convert_folder(tiny_engine.graph_dir, dst, _fresh_blocks, accuracy_level=quantize.ACCURACY_LEVELS["q4"],
+                            stamp="tiny", source="tiny blocks", progress=lambda m: None)
+    return OrtRunner(dst)
+
+
+def test_q4_verify_rows_equal_steps(tiny_q4):
+    """Each row of a verify call gives, bit for bit, the logits the [1, 1] steps give at its position
+    (and writes the same cache rows: later rows read them). ONNX Runtime's int8-activation kernels
+    compute a single-row call otherwise than a multi-row one (~1e-6), and the next layer's int8
+    rounding grows that to ~1 logit: without the two-row step graphs this fails at every width."""
+    runner = tiny_q4
+    ids = list(np.random.default_rng(5).integers(3, runner.vocab_size, 48))
+    for width in sorted(runner.widths - {1}):
+        for position in (9, 30):
+            runner.prefill(ids[:position], 0)
+            steps = np.stack([runner.forward([ids[position + i]], position + i)[0].copy() for i in range(width)])
+            runner.prefill(ids[:position], 0)
+            verify = runner.forward(ids[position:position + width], position)  # (width, V)
+            np.testing.assert_array_equal(verify, steps, err_msg=f"verify[{width}] at position {position}")
+
+
+def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
+    """Greedy speculative output on q4 == q4 target-only, token for token (exactness is against the
+    quantized target itself), for prompt lookup and for the q4 graphs drafting for themselves: those
+    drafts come from steps and are checked by verify rows, so they are all accepted only when the
+    two agree."""
+    from spec_edge.runtime import speculative
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.drafters.draft_model import ModelDrafter
+    from spec_edge.runtime.drafters.ngram import NgramDrafter
+    from spec_edge.runtime.requests import GenerateRequest
+
+    self_drafter = ModelDrafter(OrtRunner(tiny_q4.graph_dir), name="self")
+    for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
+        ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
+        plain, _, _ = speculative.generate(tiny_q4, ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids)
+        for drafter, k in ((NgramDrafter(), 4), (self_drafter, 3), (self_drafter, 7)):
+            spec, _, stats = speculative.generate(tiny_q4, ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids,
+                                                  drafter=drafter, k=k)
+            assert spec == plain, (prompt, drafter.name, k)
+            if drafter is self_drafter:
+                assert stats.acceptance_rate == 1.0, (prompt, k, stats)

@@ -189,3 +189,18 @@ class GgufBlocks:
         if self._types[name] == "Q8_0":
             return parse_q8_0(raw)
         raise QuantizeError(f"{name} is {self._types[name]}, not Q4_1 or Q8_0")
+
+
+def blocks_for(gguf_path: Path):
+    """(initializer name, exported fp32 (N, K) weight) -> that weight's Q4_1 / Q8_0 blocks in the GGUF,
+    rows matched bit for bit (None: the GGUF has no such tensor, the weight stays fp32; a weight
+    without an exact match is refused: QuantizeError)."""
+    gguf = GgufBlocks(gguf_path)
+
+    def blocks(name: str, weight: np.ndarray):
+        gname = gguf_name(name)
+        if gname is None or gguf.kind(gname) not in ("Q4_1", "Q8_0"):
+            return None
+        q = gguf.get(gname)
+        return take_rows(q, match_rows(weight, q.dequantize()))
+    return blocks

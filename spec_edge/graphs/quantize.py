@@ -18,7 +18,9 @@ dequantizing the whole matrix on every call (measured here: 3.1 ms instead of 0.
 which is the same sum, d*q + m per weight, regrouped: BlockSum32(x) is x reshaped to
 (T, K/32, 32) and summed over the last axis, and M costs K/32 x N floats (1/8 of the 4-bit codes).
 Weights are exact; only float summation order differs from the fp32 graph (parity: test_quantize.py
-and `spec-edge bench --weights fp32 q4`).
+and `spec-edge bench --weights fp32 q4`). With int8 activations (q4) a step graph runs its token
+twice, as a width-2 call, so that each row of a verify call equals the step at its position bit for
+bit (graphs/two_rows.py says why; without it speculative output drifted from target-only).
 
 q/k rows: transformers un-permutes the GGUF's q/k rows (rotary layout) when it loads, so each ONNX
 row is matched to its GGUF row by value (the dequantized fp32 row must be identical, byte for byte);
@@ -45,13 +47,15 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs.gguf_blocks import (Q41, Q80, QK, GgufBlocks, QuantizeError, gguf_name, match_rows,
-                                          matmulnbits_q4_1, matmulnbits_q8_0, quantize_q8_0, take_rows)
+from spec_edge.graphs import two_rows
+from spec_edge.graphs.gguf_blocks import (Q41, Q80, QK, QuantizeError, blocks_for, matmulnbits_q4_1, matmulnbits_q8_0,
+                                          quantize_q8_0)
 
 MS_DOMAIN = "com.microsoft"
-Q4_FORMAT = 3            # 2: sibling Q4_1 layers stacked into one MatMulNBits; 3: packed QKV into fused
-                         # attention; older folders are redone
+Q4_FORMAT = 4            # 2: sibling Q4_1 layers stacked into one MatMulNBits; 3: packed QKV into fused
+                         # attention; 4: step graphs run their token twice (two_rows.py); older folders are redone
 Progress = Callable[[str], None]
+Blocks = Callable[[str, np.ndarray], object | None]  # (initializer name, its fp32 (N, K) weight) -> Q41 / Q80 / None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,12 +72,16 @@ class RewriteReport:
 
 
 def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_level: int = 0,
-                  merge: bool = True) -> RewriteReport:
+                  merge: bool = True, width: int = 0) -> RewriteReport:
     """Replace, in place, every Gemm(x, W, transB=1) and MatMul(x, Transpose(W)) whose W `blocks(name)`
     returns Q41 / Q80 blocks for (already row-matched to W) with MatMulNBits; with merge, Q4_1 layers
     that read the same input share one MatMulNBits (rows stacked) and a Split, and a stacked q/k/v
     that only feeds a GroupQueryAttention becomes its packed QKV input (pack_qkv). The fp32
-    initializers that no node reads any more are dropped. q4_layers counts linear layers, merged or not."""
+    initializers that no node reads any more are dropped. q4_layers counts linear layers, merged or not.
+
+    width: the graph's T (0: a drafter's graph, left as is). A width-1 fused-attention graph with
+    int8 activations then runs its token twice, as a width-2 call, so that a step computes its row
+    as a verify call does (graphs/two_rows.py)."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -188,6 +196,8 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
     # graph outputs are unchanged; drop stale value_info of rewritten tensors (they keep their shapes)
     if not any(op.domain == MS_DOMAIN for op in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    if two_rows.applies(model, width, accuracy_level):
+        two_rows.widen(model)
     return report
 
 
@@ -258,6 +268,16 @@ def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress
 
 
 def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: int, progress: Progress) -> None:
+    progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ({dst.name}) ...")
+    convert_folder(src, dst, blocks_for(gguf_path), accuracy_level=accuracy_level, stamp=stamp,
+                   source=gguf_path.name, progress=progress)
+
+
+def convert_folder(src: Path, dst: Path, blocks_for: Blocks, *, accuracy_level: int, stamp: str, source: str,
+                   progress: Progress = print) -> None:
+    """Write dst: every graph of the fp32 folder src rewritten by rewrite_model with the blocks
+    blocks_for gives (asked once per weight, shared by all graphs), one shared weights.bin, and
+    src's manifest plus "weights": "q4"."""
     import onnx
     from onnx import numpy_helper
 
@@ -265,33 +285,24 @@ def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: 
     from spec_edge.graphs.export import WeightStore
 
     started = time.monotonic()
-    progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ({dst.name}) ...")
-    gguf = GgufBlocks(gguf_path)
     manifest = json.loads((src / "manifest.json").read_text())
     dst.mkdir(parents=True)
     store = WeightStore(dst / "weights.bin")
     matched: dict[str, object] = {}  # by initializer name: the row-matched blocks (or None: keep fp32)
     totals = RewriteReport(kept_fp32=[])
-    for stem in manifest["graphs"]:
+    for stem, spec in manifest["graphs"].items():
         model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
         arrays = {t.name: t for t in model.graph.initializer}
 
         def blocks(name: str):
-            if name in matched:
-                return matched[name]
-            gname = gguf_name(name)
-            if gname is None or gguf.kind(gname) not in ("Q4_1", "Q8_0") or name not in arrays:
-                matched[name] = None
-                return None
-            weight = numpy_helper.to_array(arrays[name])
-            q = gguf.get(gname)
-            perm = match_rows(weight, q.dequantize())
-            matched[name] = take_rows(q, perm)
+            if name not in matched:
+                matched[name] = blocks_for(name, numpy_helper.to_array(arrays[name])) if name in arrays else None
             return matched[name]
 
-        report = rewrite_model(model, blocks, accuracy_level=accuracy_level)
+        width = int(spec["width"]) if spec["kind"] in ("step", "verify", "prefill") else 0  # drafters keep M=1
+        report = rewrite_model(model, blocks, accuracy_level=accuracy_level, width=width)
         if report.q4_layers == 0:  # never hand out fp32 graphs labelled q4
-            raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {gguf_path.name} "
+            raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {source} "
                                 f"(initializer names should be Hugging Face's, e.g. "
                                 f"model.layers.0.self_attn.q_proj.weight); re-export the graphs")
         totals.q4_layers = max(totals.q4_layers, report.q4_layers)

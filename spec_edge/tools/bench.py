@@ -39,7 +39,7 @@ from pathlib import Path
 from spec_edge.tools.peers import hf_systems, llama_systems
 from spec_edge.tools.prompts import load_prompts
 from spec_edge.tools.report import format_report, plot, summarize
-from spec_edge.tools.systems import Run, label_weights, spec_systems
+from spec_edge.tools.systems import INEXACT_VARIANTS, Run, spec_systems
 
 
 def main(cfg, args, progress) -> int:
@@ -125,5 +125,6 @@ def main(cfg, args, progress) -> int:
     png = out.with_suffix(".png")
     if plot(report, png):
         progress(f"[bench] wrote {png}")
-    # q4 (int8 activations) is width-dependent in ONNX Runtime's kernels: its mismatches are reported, not failed
-    return 1 if any(label_weights(m["weights"]) != "q4" for m in report["mismatches_spec"]) else 0
+    # q4 with the exported attention (q4+graph) stays width-dependent (graphs/two_rows.py covers the fused
+    # attention only): its mismatches are reported, not failed; every other variant must be exact
+    return 1 if any(m["weights"] not in INEXACT_VARIANTS for m in report["mismatches_spec"]) else 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.tools.systems import label_weights
+from spec_edge.tools.systems import INEXACT_VARIANTS
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -152,8 +152,8 @@ def format_report(report: dict) -> str:
                  "fp32 target-only; =own / =se32 = greedy runs whose tokens equal that baseline's")
     lines += verdict(report["rows"])
     for m in report["mismatches_spec"]:
-        why = (" (expected for weights q4: int8-activation kernels give verify rows other numbers than steps; "
-               "see docs/bench.md)" if label_weights(m.get("weights", "")) == "q4" else "")
+        why = (" (expected for q4 with the exported attention: its one-row calls sum otherwise; see "
+               "spec_edge/graphs/two_rows.py)" if m.get("weights", "") in INEXACT_VARIANTS else "")
         lines.append(f"  MISMATCH {m['system']} on {m['prompt']} (repeat {m['repeat']}): first differing token "
                      f"{m['first_diff']} vs {m['vs']}; fp32 top-2 margin {_fmt(m.get('fp32_top2_margin'), '.2e')}{why}")
     for m in report["mismatches_peer"]:
