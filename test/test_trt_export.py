@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from spec_edge.config import ConfigError, from_params, load, to_params
-from spec_edge.device import builder, commands, memory, profiles
+from spec_edge.device import builder, commands, head_memory, memory, profiles
 from spec_edge.graphs import export, hidden, io_names
 from spec_edge.graphs import model as model_mod
 from spec_edge.heads import eagle3, eagle3_export
@@ -80,7 +80,8 @@ def test_export_only_writes_every_graph_and_the_manifest(exported):
     assert m["engines"]["target"]["onnx"] == "target/dynamic.onnx"
     assert m["engines"]["target"]["widths"] == engine_widths(exported.cfg)
     assert m["engines"]["eagle3"]["onnx"] == "eagle3/eagle3_dynamic.onnx"
-    assert m["engines"]["eagle3"]["profiles"] == [str(w) for w in memory.head_widths(exported.cfg.graphs)] + ["step"]
+    widths = head_memory.head_widths(exported.cfg.graphs)
+    assert m["engines"]["eagle3"]["profiles"] == [str(w) for w in widths] + ["step"]
     assert (exported.target / "layerskip2_dynamic.onnx").is_file()  # the layer-skip graph is exported too
     spec = json.loads((exported.target / "manifest.json").read_text())["graphs"]["dynamic"]
     assert spec["hidden_layers"] == list(AUX) and spec["embed_input"]
@@ -193,13 +194,14 @@ def test_config_refuses_what_the_backend_cannot_run(tiny_cfg):
 def test_plan_counts_the_head(exported):
     p = profiles.plan_for_config(exported.cfg, None)
     lines = dict(p.lines)
-    assert lines[f"EAGLE-3 head weights (Vd={p.inputs.head.draft_vocab_size})"] == memory.head_weight_bytes(
-        p.inputs.head, "float32")
+    assert lines[f"EAGLE-3 head weights (Vd={p.inputs.head.draft_vocab_size})"] == head_memory.head_weight_bytes(
+        p.inputs.head, 4)
     assert lines[f"EAGLE-3 head KV ({exported.cfg.graphs.max_context} positions)"] > 0
-    assert lines["shared embedding table (target + head)"] == p.inputs.target.vocab_size * p.inputs.target.hidden_size * 4
+    target = p.inputs.target
+    assert lines["shared embedding table (target + head)"] == target.vocab_size * target.hidden_size * 4
     # the head engine holds what the plan counts: its graph's weights file (+ the d2t map) is that size
     on_disk = (exported.head / "weights.bin").stat().st_size
-    assert abs(on_disk - memory.head_weight_bytes(p.inputs.head, "float32")) < 0.02 * on_disk
+    assert abs(on_disk - head_memory.head_weight_bytes(p.inputs.head, 4)) < 0.02 * on_disk
 
 
 def test_thor_eagle3_plan_needs_no_weights(capsys):
@@ -207,4 +209,4 @@ def test_thor_eagle3_plan_needs_no_weights(capsys):
     out = capsys.readouterr().out
     assert "EAGLE-3 head weights (Vd=32000)" in out and "shared embedding table" in out
     cfg = load(profiles.resolve_profile("thor_llama31_8b_eagle3"))
-    assert eagle3_export.head_widths(cfg) == list(memory.head_widths(cfg.graphs))
+    assert eagle3_export.head_widths(cfg) == list(head_memory.head_widths(cfg.graphs))

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from spec_edge.config import Config, ConfigError
-from spec_edge.device import memory
+from spec_edge.device import head_memory, memory
 from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, identity_config, manifest_header, precision,
                                        profile_dir, read_manifest, write_json_atomic)
 from spec_edge.device.profiles import HEAD_DRAFTERS, engine_layout, plan_for_config, plan_inputs
@@ -217,7 +217,9 @@ def write_export_manifest(cfg: Config, onnx_dirs: dict[str, Path], specs: Sequen
             "external": [str(p.relative_to(root)) for p in external_data_files(spec.onnx)],
             "widths": list(spec.widths), "kinds": {str(w): k for w, k in spec.kinds.items()},
             "profiles": [name for name, _ in spec.profile_shapes()]}
-    table = export.embed_table_record(onnx_dirs["target"])
+    from spec_edge.graphs import shared_table
+
+    table = shared_table.record(onnx_dirs["target"])
     manifest = {"profile": cfg.runtime.profile, "config": identity_config(cfg), "precision": precision(cfg),
                 "folders": {role: str(Path(d).relative_to(root)) for role, d in onnx_dirs.items()},
                 "embed_table": None if table is None else dict(table, file=f"target/{table['file']}"),
@@ -320,8 +322,8 @@ def report_engine_sizes(cfg: Config, manifest: dict[str, Any], progress: Progres
     if inputs.draft is not None:
         expected["draft"] = memory.weight_bytes(inputs.draft, dtype)
     if inputs.head is not None:  # the table is an input of the target graph, the head has its own engine
-        expected["target"] -= memory.embedding_in_engine(inputs.target, dtype)
-        expected["eagle3"] = memory.head_weight_bytes(inputs.head, dtype)
+        expected["target"] -= head_memory.embedding_in_engine(inputs.target, memory.DTYPE_BYTES[dtype])
+        expected["eagle3"] = head_memory.head_weight_bytes(inputs.head, memory.DTYPE_BYTES[dtype])
     warnings = []
     for role, weights_bytes in expected.items():
         entries = [e for e in manifest["engines"].values() if e["role"] == role]

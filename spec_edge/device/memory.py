@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spec_edge.config import ConfigError, GraphSection, MemorySection, ModelConfig
+from spec_edge.device import head_memory
 
 if TYPE_CHECKING:
     from spec_edge.heads.eagle3 import HeadConfig
@@ -124,50 +125,6 @@ def io_bytes(m: ModelConfig, width: int, dtype: str, n_layers: int | None = None
     layers = m.n_layers if n_layers is None else n_layers
     return (width * m.vocab_size * 4 + 2 * layers * m.n_kv_heads * width * m.head_dim * DTYPE_BYTES[dtype]
             + (width + 2) * 8)
-
-
-def head_weight_bytes(h: "HeadConfig", dtype: str) -> int:
-    """An EAGLE-3 head engine's weights: fc (3Ht -> H), the layer (q/k/v over 2H, o, MLP), lm_head over
-    the draft vocabulary, four norms, all in dtype, + the d2t map (Vd int64). No embedding: the
-    head reads the target's table (the shared embed_table input)."""
-    dt, H, D = DTYPE_BYTES[dtype], h.hidden_size, h.head_dim
-    linear = (3 * h.target_hidden_size * H + 2 * H * D * (h.n_heads + 2 * h.n_kv_heads) + H * D * h.n_heads
-              + 3 * H * h.intermediate_size + h.draft_vocab_size * H)
-    return (linear + 4 * H) * dt + h.draft_vocab_size * 8
-
-
-def embedding_in_engine(m: ModelConfig, dtype: str) -> int:
-    """Bytes weight_bytes counts for the token embedding (twice when tied: Gather table + head GEMM):
-    what the target engine does not hold when the table is its embed_table input (profiles with a head)."""
-    return m.vocab_size * m.hidden_size * DTYPE_BYTES[dtype] * (2 if m.tie_embeddings else 1)
-
-
-def head_kv_bytes(h: "HeadConfig", max_context: int, dtype: str) -> int:
-    """The head's own K + V cache (1, Hkv, S, D) x 2."""
-    return 2 * h.n_kv_heads * max_context * h.head_dim * DTYPE_BYTES[dtype]
-
-
-def head_io_bytes(h: "HeadConfig", widths: tuple[int, ...], dtype: str) -> int:
-    """The head engine's buffers, one set per profile (ingest widths + the draft step): hidden (W, 3Ht),
-    hidden_draft (W, H), k_new / v_new (1, Hkv, W, D) in dtype, logits (1, Vd) float32, tokens, ids."""
-    dt = DTYPE_BYTES[dtype]
-    per = [w * (3 * h.target_hidden_size + h.hidden_size + 2 * h.n_kv_heads * h.head_dim) * dt
-           + h.draft_vocab_size * 4 + h.hidden_size * dt + (w + 4) * 8 for w in widths]
-    return sum(per)
-
-
-def hidden_bytes(m: ModelConfig, n_hidden: int, widths: tuple[int, ...], max_context: int, dtype: str) -> int:
-    """The target's hidden-state outputs for a head: (T, n x H) per target profile (each execution
-    context has its own), + the resident rows (S, n x H) the head ingests from (after n-gram drafts
-    the head catches up over many target calls)."""
-    row = n_hidden * m.hidden_size * DTYPE_BYTES[dtype]
-    return row * (sum(widths) + max_context)
-
-
-def head_widths(graphs: GraphSection) -> tuple[int, ...]:
-    """The head engine's ingest profiles: 1, each k+1 and the prefill chunk (eagle3_export.head_widths);
-    the draft step is one more width-1 profile."""
-    return tuple(sorted({1, graphs.prefill_chunk, *(k + 1 for k in graphs.k_values)}))
 
 
 def target_widths(graphs: GraphSection) -> tuple[int, ...]:
@@ -302,20 +259,18 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
     else:
         # the target graph takes the embedding as an input (embed_table): its engine holds no copy, one
         # device table serves target and head
-        table = i.target.vocab_size * i.target.hidden_size * DTYPE_BYTES[dtype]
-        in_engine = embedding_in_engine(i.target, dtype)
+        dt, h_widths = DTYPE_BYTES[dtype], head_memory.head_widths(g)
+        in_engine = head_memory.embedding_in_engine(i.target, dt)
         lines[0] = (lines[0][0], lines[0][1] - in_engine * copies)
         engines[0] -= in_engine
-        one = head_weight_bytes(i.head, dtype)
-        engines.append(one)
-        h_widths = head_widths(g)
-        lines.append(("shared embedding table (target + head)", table))
-        lines.append((f"EAGLE-3 head weights (Vd={i.head.draft_vocab_size})", one))
-        lines.append((f"EAGLE-3 head KV ({max_context} positions)", head_kv_bytes(i.head, max_context, dtype)))
-        lines.append((f"target hidden states ({i.hidden_layers} x H: widths + S rows)",
-                      hidden_bytes(i.target, i.hidden_layers, t_widths, max_context, dtype)))
-        lines.append((f"EAGLE-3 head I/O ({len(h_widths) + 1} profiles)",
-                      head_io_bytes(i.head, h_widths + (1,), dtype)))
+        engines.append(head_memory.head_weight_bytes(i.head, dt))
+        lines += [("shared embedding table (target + head)", i.target.vocab_size * i.target.hidden_size * dt),
+                  (f"EAGLE-3 head weights (Vd={i.head.draft_vocab_size})", engines[-1]),
+                  (f"EAGLE-3 head KV ({max_context} positions)", head_memory.head_kv_bytes(i.head, max_context, dt)),
+                  (f"target hidden states ({i.hidden_layers} x H: widths + S rows)",
+                   head_memory.hidden_bytes(i.target, i.hidden_layers, t_widths, max_context, dt)),
+                  (f"EAGLE-3 head I/O ({len(h_widths) + 1} profiles)",
+                   head_memory.head_io_bytes(i.head, h_widths + (1,), dt))]
         acts.append(activation_bytes(i.head.as_model_config(), max_context, max(h_widths), dtype))
     activation = i.measured_activation if i.measured_activation is not None else max(acts)
     lines.append(("activations (shared scratch" + (", measured)" if i.measured_activation is not None

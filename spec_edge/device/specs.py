@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from spec_edge.config import Config
-from spec_edge.device import memory
+from spec_edge.device import head_memory, memory
 from spec_edge.graphs import io_names
 
 HASH_CHUNK = 16 << 20
@@ -174,7 +174,7 @@ def head_spec(cfg: Config, onnx_dirs: dict[str, Path]) -> EngineSpec:
     if folder is None or not (Path(folder) / HEAD_GRAPH).is_file():
         raise BuildError(f"speculative.drafter={cfg.speculative.drafter} needs the EAGLE-3 head graph "
                          f"{HEAD_GRAPH} in onnx/eagle3/: the export did not run (spec-edge build --export-only)")
-    widths = memory.head_widths(cfg.graphs)
+    widths = head_memory.head_widths(cfg.graphs)
     return EngineSpec("eagle3", "eagle3", Path(folder) / HEAD_GRAPH, widths, {w: "ingest" for w in widths}, True,
                       extra_profiles=(("step", 1),))
 

@@ -9,6 +9,7 @@
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
+    dynamic=True (TensorRT): dynamic.onnx (+ hidden states, embed_table input with a head) + layerskip<N>_dynamic
 
 Graphs come from torch.onnx.export's dynamo exporter (opset 20), which keeps every shape static;
 check_static() proves it on each file. Weights shared by graphs are stored once, so the layer-skip
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError, ModelConfig
-from spec_edge.graphs import hidden, io_names
+from spec_edge.graphs import hidden, io_names, shared_table
 
 FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
 ALIGN = 4096
@@ -176,9 +177,8 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
                      width=spec["width"], max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype,
                      n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())),
                      embed_input=bool(spec.get("embed_input")))
-    table = None
-    if any(spec.get("embed_input") for spec in plan.values()):
-        table = store_embed_table(state, store, cfg.graphs.dtype)
+    table = (shared_table.store(state[shared_table.TENSOR].to(torch_dtype(cfg.graphs.dtype)), store, cfg.graphs.dtype)
+             if any(spec.get("embed_input") for spec in plan.values()) else None)  # stored once, for embed_table
     store.close()
     (out_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
     (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
@@ -188,31 +188,9 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
     manifest = dict(wanted, model=model_cfg.name, weights_bytes=store.size,
                     export_seconds=round(time.monotonic() - started, 1))
     if table is not None:
-        manifest[EMBED_TABLE_KEY] = table
+        manifest[shared_table.KEY] = table
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     progress(f"[export] {role}: {len(plan)} graphs in {manifest['export_seconds']} s")
-
-
-EMBED_TABLE_KEY = "embed_table"  # manifest entry: where the table of graphs with an embed_table input lies
-EMBED_TENSOR = "model.embed_tokens.weight"
-
-
-def store_embed_table(state: dict, store: "WeightStore", dtype: str) -> dict:
-    """Put the token embedding (V, H) into the weight store, in the graphs' dtype, for graphs that take
-    it as the embed_table input; returns the manifest record (file, offset, length, shape, dtype)."""
-    import torch
-
-    table = state[EMBED_TENSOR].to(torch_dtype(dtype)).contiguous()
-    data = table.view(-1).view(torch.uint8).numpy().tobytes()
-    offset, length = store.put(data)
-    return {"file": store.path.name, "offset": offset, "length": length, "shape": list(table.shape),
-            "dtype": dtype, "tensor": EMBED_TENSOR}
-
-
-def embed_table_record(out_dir: Path) -> dict | None:
-    """The manifest record of an export's shared embedding table (store_embed_table), None if it has none."""
-    path = Path(out_dir) / "manifest.json"
-    return json.loads(path.read_text()).get(EMBED_TABLE_KEY) if path.is_file() else None
 
 
 def read_model_config(out_dir: Path) -> ModelConfig:
@@ -351,9 +329,8 @@ def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int,
         want[io_names.EMBED_TABLE] = [vocab, table_width]
     have = {v.name: dims(v) for v in list(graph.graph.input) + list(graph.graph.output)}
     wrong = {k: have.get(k) for k, v in want.items() if have.get(k) != v}
-    extra = sorted(set(have) - set(want))
-    if extra:
-        raise RuntimeError(f"{name}: dynamic-width export has I/O tensors {extra} the contract does not name")
+    if sorted(set(have) - set(want)):
+        raise RuntimeError(f"{name}: dynamic-width export has I/O tensors {sorted(set(have) - set(want))} unnamed here")
     if wrong:
         raise RuntimeError(f"{name}: dynamic-width export has unexpected I/O shapes {wrong}, expected "
                            f"{ {k: want[k] for k in wrong} }")

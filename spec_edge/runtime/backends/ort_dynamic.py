@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs import export, io_names
+from spec_edge.graphs import export, io_names, shared_table
 from spec_edge.heads.eagle3_export import DYNAMIC_HEAD_STEM, read_head_config
 from spec_edge.runtime.backends.base import BackendError, Runner
 from spec_edge.runtime.backends.onnxruntime import cpu_session
@@ -64,10 +64,10 @@ def _bind(session, inputs: dict[str, np.ndarray], outputs: dict[str, np.ndarray]
 
 def shared_embed_table(graph_dir: Path) -> np.ndarray:
     """The (V, H) float32 table of an export whose graphs take embed_table, as a read-only memory map."""
-    record = export.embed_table_record(graph_dir)
+    record = shared_table.record(graph_dir)
     if record is None:
         raise BackendError(f"{graph_dir}: the export records no shared embedding table (manifest "
-                           f"'{export.EMBED_TABLE_KEY}'): export it with a head configured")
+                           f"'{shared_table.KEY}'): export it with a head configured")
     if record["dtype"] != "float32":
         raise BackendError(f"{graph_dir}: the shared embedding table is {record['dtype']}; ONNX Runtime reads float32")
     return np.memmap(Path(graph_dir) / record["file"], dtype=np.float32, mode="r", offset=int(record["offset"]),
@@ -92,7 +92,7 @@ class OrtDynamicRunner(Runner):
         stems = [s for s, spec in self.manifest["graphs"].items() if spec["kind"] == kind
                  and (_n_layers is None or spec.get("n_layers") == _n_layers)]
         if not stems:
-            raise BackendError(f"{self.graph_dir}: no {kind} graph" + (f" with {_n_layers} layers" if _n_layers else ""))
+            raise BackendError(f"{self.graph_dir}: no {kind} graph" + (f" of {_n_layers} layers" if _n_layers else ""))
         self.spec = self.manifest["graphs"][stems[0]]
         if _shared_from is None:
             self.n_layers = cfg.n_layers
