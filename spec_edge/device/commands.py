@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError, load
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError, load
 from spec_edge.device import memory, projection
 from spec_edge.device.builder import Cancel, build, export_only
 from spec_edge.device.manifest import ManifestError, check_engines, precision
@@ -143,7 +143,7 @@ def write_profile_docs(config_dir: Path, doc_path: Path) -> None:
         draft = (Path(cfg.model.draft).name if cfg.speculative.drafter == "draft"
                  else f"layer-skip {cfg.graphs.layer_skip_layers}" if cfg.speculative.drafter == "layerskip"
                  else f"{cfg.speculative.drafter} {Path(cfg.speculative.eagle3_head).name}"
-                 if cfg.speculative.drafter in ("eagle3", "hybrid") else cfg.speculative.drafter)
+                 if cfg.speculative.drafter in HEAD_DRAFTERS else cfg.speculative.drafter)
         sections.append(f"| {path.stem} | {Path(cfg.model.target).name} + {draft} | {precision(cfg)} | "
                         f"{cfg.speculative.k} | {cfg.graphs.max_context} | {p.total / memory.GIB:.1f} | "
                         f"{p.largest_max_context} | {projection.speedup(alpha, cfg.speculative.k, c):.2f}x "

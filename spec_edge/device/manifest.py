@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError
 from spec_edge.device.specs import file_sha256
 
 FORMAT_VERSION = 2  # 2: engines of export format 2 (one cache input per layer)
@@ -33,7 +33,6 @@ MANIFEST = "manifest.json"
 IDENTITY_KEYS = ("model.target", "model.draft", "graphs.max_context", "graphs.prefill_chunk",
                  "graphs.k_values", "graphs.dtype", "graphs.quantization", "graphs.layer_skip_layers",
                  "speculative.drafter", "speculative.eagle3_head")
-HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters whose profiles have the EAGLE-3 head engine
 
 
 class ManifestError(RuntimeError):

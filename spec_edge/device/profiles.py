@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_edge.config import HEAD_PRESETS, MODEL_PRESETS, Config, ConfigError, ModelConfig
+from spec_edge.config import HEAD_DRAFTERS, HEAD_PRESETS, MODEL_PRESETS, Config, ConfigError, ModelConfig
 from spec_edge.device import memory
 
 
@@ -47,9 +47,6 @@ def model_config(source: str) -> ModelConfig:
         return MODEL_PRESETS["smollm2-135m"]
     raise ConfigError(f"cannot tell the architecture of '{source}': give a Hugging Face folder with "
                       f"config.json, or a preset ({', '.join(MODEL_PRESETS)})")
-
-
-HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head engine
 
 
 def head_config(source: str, target: ModelConfig):

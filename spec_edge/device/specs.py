@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config
+from spec_edge.config import HEAD_DRAFTERS, Config
 from spec_edge.device import head_memory, memory
 from spec_edge.graphs import io_names
 
@@ -164,7 +164,6 @@ def engine_specs(cfg: Config, onnx_dirs: dict[str, Path]) -> list[EngineSpec]:
     return specs
 
 
-HEAD_DRAFTERS = ("eagle3", "hybrid")
 HEAD_GRAPH = "eagle3_dynamic.onnx"  # heads.eagle3_export.DYNAMIC_HEAD_STEM
 
 
