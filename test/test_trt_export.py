@@ -89,6 +89,8 @@ def test_export_only_writes_every_graph_and_the_manifest(exported):
         for rel in [entry["onnx"], *entry["external"]]:
             assert (exported.root / rel).is_file(), rel
     assert m["embed_table"]["file"] == "target/weights.bin"
+    from spec_edge.graphs import shared_table  # the table TensorRT binds == the checkpoint's embedding
+    torch.testing.assert_close(shared_table.table_tensor(exported.target), exported.state["model.embed_tokens.weight"])
 
 
 def test_export_only_says_where(exported, capsys, monkeypatch):

@@ -31,3 +31,23 @@ def record(out_dir: Path) -> dict | None:
     """The manifest record of an export's shared table (store), None when its graphs take none."""
     path = Path(out_dir) / "manifest.json"
     return json.loads(path.read_text()).get(KEY) if path.is_file() else None
+
+
+def table_tensor(out_dir: Path):
+    """The shared table as a (V, H) torch tensor of the record's dtype over a read-only memory map of
+    weights.bin (no host copy; `.to("cuda")` makes the one device table both engines bind)."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    from spec_edge.graphs.export import torch_dtype
+
+    rec = record(out_dir)
+    if rec is None:
+        raise ValueError(f"{out_dir}: the export records no shared embedding table (manifest '{KEY}')")
+    raw = np.memmap(Path(out_dir) / rec["file"], dtype=np.uint8, mode="r", offset=int(rec["offset"]),
+                    shape=(int(rec["length"]),))
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose (never written)
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        return torch.frombuffer(raw, dtype=torch_dtype(rec["dtype"])).view(*rec["shape"])
