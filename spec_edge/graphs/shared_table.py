@@ -41,8 +41,6 @@ def table_tensor(out_dir: Path):
     import numpy as np
     import torch
 
-    from spec_edge.graphs.export import torch_dtype
-
     rec = record(out_dir)
     if rec is None:
         raise ValueError(f"{out_dir}: the export records no shared embedding table (manifest '{KEY}')")
@@ -50,4 +48,4 @@ def table_tensor(out_dir: Path):
                     shape=(int(rec["length"]),))
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose (never written)
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-        return torch.frombuffer(raw, dtype=torch_dtype(rec["dtype"])).view(*rec["shape"])
+        return torch.frombuffer(raw, dtype=getattr(torch, rec["dtype"])).view(*rec["shape"])  # torch.<graphs.dtype>
