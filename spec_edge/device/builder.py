@@ -1,7 +1,8 @@
 """`spec-edge build`'s work: TensorRT engines from the exported ONNX, with a manifest.
 
 Order of a build: plan check (memory.py) -> export (export.export_model(dynamic=True): one graph per model
-with a dynamic token axis; skipped when up to date) -> for each engine (specs.engine_specs),
+with a dynamic token axis, + the EAGLE-3 head's graph; skipped when up to date; needs no GPU and stops
+here with --export-only, export_only()) -> TensorRT and the GPU -> for each engine (specs.engine_specs),
 build only when its build key or file hash changed -> manifest (manifest.py). The runtime calls
 manifest.check_engines(), which refuses a missing, corrupted or mismatched engine with the command
 that rebuilds it.
@@ -18,13 +19,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError
-from spec_edge.device import memory
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError
+from spec_edge.device import head_memory, memory
 from spec_edge.device.engine_file import engine_stamp, load_engine
-from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, manifest_header, precision, profile_dir,
-                                       read_manifest, write_json_atomic)
+from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, identity_config, manifest_header, precision,
+                                       profile_dir, read_manifest, write_json_atomic)
 from spec_edge.device.profiles import engine_layout, plan_for_config, plan_inputs
-from spec_edge.device.specs import BuildError, EngineSpec, engine_specs, file_sha256, onnx_quantization
+from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, file_sha256,
+                                    onnx_quantization)
 
 Progress = Callable[[str], None]
 # The TensorRT members used here on objects of each class (test/test_tensorrt_api.py checks them, and
@@ -148,15 +150,15 @@ def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timi
     cancel = cancel or Cancel()
     monitor = make_progress_monitor(trt, progress, cancel)
     config.progress_monitor = monitor
-    profiles: list[int] = []
+    profiles: dict[str, int] = {}
     if spec.dynamic:
-        for width in spec.widths:
+        for name, width in spec.profile_shapes():
             profile = builder.create_optimization_profile()
             for i in range(network.num_inputs):
                 tensor = network.get_input(i)
                 shape = tuple(width if d < 0 else d for d in tensor.shape)
                 profile.set_shape(tensor.name, shape, shape, shape)
-            profiles.append(config.add_optimization_profile(profile))
+            profiles[name] = config.add_optimization_profile(profile)
     started = time.monotonic()
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
@@ -179,8 +181,8 @@ def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timi
         raise BuildError(f"the engine just built ({out_path}) does not deserialize")
     per_profile = [context_memory_size(engine, p) for p in range(engine.num_optimization_profiles)]
     progress(f"[build] {out_path.name}: {seconds} s, context memory {max(per_profile, default=0) / 2**20:.0f} MiB")
-    by_width = dict(zip(spec.widths, profiles)) if spec.dynamic else {spec.widths[0]: 0}
-    return {"build_seconds": seconds, "profiles": {str(w): int(i) for w, i in by_width.items()},
+    by_name = profiles if spec.dynamic else {str(spec.widths[0]): 0}
+    return {"build_seconds": seconds, "profiles": {name: int(i) for name, i in by_name.items()},
             "context_memory": max(per_profile, default=0)}
 
 
@@ -198,20 +200,58 @@ def context_memory_size(engine, profile: int) -> int:
 
 
 def export_all(cfg: Config, progress: Progress) -> dict[str, Path]:
-    """Export (or reuse) the ONNX graphs of the target and, for drafter=draft, the draft."""
+    """Export (or reuse) every ONNX graph the engines are built from: the target (with the layer-skip
+    graph; with the hidden states and the embed_table input when a head is configured), for
+    drafter=draft the draft, for drafter=eagle3 / hybrid the EAGLE-3 head's dynamic graph."""
     from spec_edge.graphs import export
     dynamic = engine_layout() == "shared"
     dirs = {"target": export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress, dynamic)}
     if cfg.speculative.drafter == "draft":
         dirs["draft"] = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), progress, dynamic)
+    if cfg.speculative.drafter in HEAD_DRAFTERS:
+        from spec_edge.heads import eagle3_export
+
+        if not dynamic:
+            raise BuildError("the EAGLE-3 head engine needs the shared engine layout (one dynamic-width graph)")
+        target = export.read_model_config(dirs["target"])
+        dirs["eagle3"] = eagle3_export.export_dynamic_head(cfg, cfg.speculative.eagle3_head, target,
+                                                           export.artifact_dir(cfg, "eagle3"), progress)
     return dirs
+
+
+EXPORT_MANIFEST = "manifest.json"  # engines/<profile>/onnx/manifest.json: what TensorRT is given
+
+
+def write_export_manifest(cfg: Config, onnx_dirs: dict[str, Path], specs: Sequence[EngineSpec]) -> Path:
+    """engines/<profile>/onnx/manifest.json: for each engine the ONNX file, its external weights,
+    role, widths, the kind of each width and its optimization profiles, and the shared embedding table
+    when the target takes one: everything a TensorRT build reads, written by `build --export-only`."""
+    from spec_edge.graphs import export
+
+    root = export.artifact_dir(cfg, "target").parent
+    engines = {}
+    for spec in specs:
+        engines[spec.name] = {
+            "role": spec.role, "onnx": str(spec.onnx.relative_to(root)), "dynamic": spec.dynamic,
+            "external": [str(p.relative_to(root)) for p in external_data_files(spec.onnx)],
+            "widths": list(spec.widths), "kinds": {str(w): k for w, k in spec.kinds.items()},
+            "profiles": [name for name, _ in spec.profile_shapes()]}
+    from spec_edge.graphs import shared_table
+
+    table = shared_table.record(onnx_dirs["target"])
+    manifest = {"profile": cfg.runtime.profile, "config": identity_config(cfg), "precision": precision(cfg),
+                "folders": {role: str(Path(d).relative_to(root)) for role, d in onnx_dirs.items()},
+                "embed_table": None if table is None else dict(table, file=f"target/{table['file']}"),
+                "engines": engines}
+    write_json_atomic(root / EXPORT_MANIFEST, manifest)
+    return root / EXPORT_MANIFEST
 
 
 def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:
     """A quantized profile needs a quantized export: refuse before TensorRT silently builds bf16."""
     want = cfg.graphs.quantization
     for spec in specs:
-        if spec.role == "draft":
+        if spec.role in ("draft", "eagle3"):  # the draft model and the head stay in graphs.dtype
             continue
         have = onnx_quantization(spec.onnx)
         if have != want:
@@ -219,21 +259,40 @@ def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:
                              f"export the target through ModelOpt ({want}) first, see docs/tensorrt.md")
 
 
-def build(cfg: Config, *, progress: Progress = print, force: bool = False,
-          device: memory.DeviceMemory | None = None, cancel: Cancel | None = None) -> dict[str, Any]:
-    """Plan check, export, engines, manifest. Returns the manifest."""
+def export_only(cfg: Config, *, progress: Progress = print, device: memory.DeviceMemory | None = None) -> Path:
+    """`spec-edge build --export-only`: the plan check, then every ONNX graph TensorRT would be given and
+    the export manifest (write_export_manifest); no CUDA, no TensorRT. Returns the manifest's path."""
+    onnx_dirs, specs = _plan_and_export(cfg, progress, device)
+    path = write_export_manifest(cfg, onnx_dirs, specs)
+    for spec in specs:
+        progress(f"[export] {spec.name}: {spec.onnx} (profiles {[name for name, _ in spec.profile_shapes()]})")
+    progress(f"[export] the ONNX graphs TensorRT builds '{cfg.runtime.profile}' from are in {path.parent} "
+             f"(manifest: {path})")
+    return path
+
+
+def _plan_and_export(cfg: Config, progress: Progress, device: memory.DeviceMemory | None
+                     ) -> tuple[dict[str, Path], list[EngineSpec]]:
     if cfg.runtime.backend != "tensorrt":
         raise ConfigError(f"runtime.backend is {cfg.runtime.backend}: engines are built for "
                           f"runtime.backend: tensorrt profiles")
     the_plan = memory.check(plan_for_config(cfg, device if device is not None else memory.read_device_memory()))
     progress(the_plan.table())
+    onnx_dirs = export_all(cfg, progress)
+    specs = engine_specs(cfg, onnx_dirs)
+    check_quantization(cfg, specs)
+    return onnx_dirs, specs
+
+
+def build(cfg: Config, *, progress: Progress = print, force: bool = False,
+          device: memory.DeviceMemory | None = None, cancel: Cancel | None = None) -> dict[str, Any]:
+    """Plan check, export (needs no GPU), then TensorRT: engines, manifest. Returns the manifest."""
+    onnx_dirs, specs = _plan_and_export(cfg, progress, device)
+    write_export_manifest(cfg, onnx_dirs, specs)
     trt = import_tensorrt()
     gpu = gpu_identity()
     directory = profile_dir(cfg)
     directory.mkdir(parents=True, exist_ok=True)
-    onnx_dirs = export_all(cfg, progress)
-    specs = engine_specs(cfg, onnx_dirs)
-    check_quantization(cfg, specs)
     fingerprints = checkpoint_fingerprints(cfg)
     old = read_manifest(directory) or {}
     manifest = manifest_header(cfg, fingerprints, trt.__version__, gpu)
@@ -281,6 +340,9 @@ def report_engine_sizes(cfg: Config, manifest: dict[str, Any], progress: Progres
                                                  n_layers=cfg.graphs.layer_skip_layers)}
     if inputs.draft is not None:
         expected["draft"] = memory.weight_bytes(inputs.draft, dtype)
+    if inputs.head is not None:  # the table is an input of the target graph, the head has its own engine
+        expected["target"] -= head_memory.embedding_in_engine(inputs.target, memory.DTYPE_BYTES[dtype])
+        expected["eagle3"] = head_memory.head_weight_bytes(inputs.head, memory.DTYPE_BYTES[dtype])
     warnings = []
     for role, weights_bytes in expected.items():
         entries = [e for e in manifest["engines"].values() if e["role"] == role]

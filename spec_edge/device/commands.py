@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError, load
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError, load
 from spec_edge.device import memory, projection
-from spec_edge.device.builder import Cancel, build
+from spec_edge.device.builder import Cancel, build, export_only
 from spec_edge.device.manifest import ManifestError, check_engines, precision
 from spec_edge.device.profiles import plan_for_config, resolve_profile
 from spec_edge.device.specs import BuildError
@@ -76,6 +76,9 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
     parser.add_argument("--force", action="store_true", help="rebuild every engine")
     parser.add_argument("--engine-dir", help="override runtime.engine_dir (relative to the current directory)")
     parser.add_argument("--check", action="store_true", help="only check the built engines against the profile")
+    parser.add_argument("--export-only", action="store_true",
+                        help="plan check and every ONNX graph TensorRT would be given, with their manifest; "
+                             "needs no CUDA and no TensorRT")
     args = parser.parse_args(_without_ros_args(argv))
     overrides = {"runtime.engine_dir": str(Path(args.engine_dir).expanduser().absolute())} if args.engine_dir else {}
     try:
@@ -84,6 +87,9 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
             manifest = check_engines(cfg)
             print(f"engines for '{cfg.runtime.profile}' are complete and match the profile "
                   f"({len(manifest['engines'])} engines, TensorRT {manifest['tensorrt_version']})")
+            return 0
+        if args.export_only:
+            export_only(cfg)
             return 0
         cancel = Cancel()
         if threading.current_thread() is not threading.main_thread():
@@ -107,7 +113,7 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
 
 # acceptance rates assumed for the k tables until `spec-edge bench` has measured them on the robot
 ASSUMED_ALPHA = {"thor_llama31_8b_bf16": 0.75, "thor_llama31_8b_fp8": 0.75, "thor_qwen3_8b_bf16": 0.70,
-                 "thor_llama31_8b_layerskip": 0.40}
+                 "thor_llama31_8b_layerskip": 0.40, "thor_llama31_8b_eagle3": 0.75}
 
 
 def profile_report(cfg: Config, alpha: float) -> str:
@@ -136,7 +142,8 @@ def write_profile_docs(config_dir: Path, doc_path: Path) -> None:
         c = projection.draft_cost(p.inputs) or 0.0
         draft = (Path(cfg.model.draft).name if cfg.speculative.drafter == "draft"
                  else f"layer-skip {cfg.graphs.layer_skip_layers}" if cfg.speculative.drafter == "layerskip"
-                 else cfg.speculative.drafter)
+                 else f"{cfg.speculative.drafter} {Path(cfg.speculative.eagle3_head).name}"
+                 if cfg.speculative.drafter in HEAD_DRAFTERS else cfg.speculative.drafter)
         sections.append(f"| {path.stem} | {Path(cfg.model.target).name} + {draft} | {precision(cfg)} | "
                         f"{cfg.speculative.k} | {cfg.graphs.max_context} | {p.total / memory.GIB:.1f} | "
                         f"{p.largest_max_context} | {projection.speedup(alpha, cfg.speculative.k, c):.2f}x "

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError, engine_root
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError, engine_root
 from spec_edge.device.engine_file import engine_stamp
 from spec_edge.device.specs import file_sha256
 
@@ -38,7 +38,7 @@ MANIFEST = "manifest.json"
 # config keys an engine is built for; any difference means the engine must be rebuilt
 IDENTITY_KEYS = ("model.target", "model.draft", "graphs.max_context", "graphs.prefill_chunk",
                  "graphs.k_values", "graphs.dtype", "graphs.quantization", "graphs.layer_skip_layers",
-                 "speculative.drafter")
+                 "speculative.drafter", "speculative.eagle3_head")
 
 
 class ManifestError(RuntimeError):
@@ -60,6 +60,8 @@ def identity_config(cfg: Config) -> dict[str, Any]:
         part["model.draft"] = None
     if cfg.speculative.drafter != "layerskip":
         part["graphs.layer_skip_layers"] = None
+    if cfg.speculative.drafter not in HEAD_DRAFTERS:
+        part["speculative.eagle3_head"] = None
     return part
 
 
@@ -75,7 +77,22 @@ def checkpoint_fingerprints(cfg: Config) -> dict[str, str]:
     out = {"target": weights.fingerprint(cfg.model.target)}
     if cfg.speculative.drafter == "draft":
         out["draft"] = weights.fingerprint(cfg.model.draft)
+    if cfg.speculative.drafter in HEAD_DRAFTERS:
+        out["eagle3"] = role_fingerprint(cfg, "eagle3")
     return out
+
+
+def role_fingerprint(cfg: Config, role: str) -> str:
+    """The fingerprint of the checkpoint a role's engine comes from (ConfigError when it is not here)."""
+    from spec_edge.graphs import weights
+    if role == "eagle3":
+        from spec_edge.heads.eagle3 import head_fingerprint
+
+        path = Path(cfg.speculative.eagle3_head).expanduser()
+        if not path.is_dir():
+            raise ConfigError(f"EAGLE-3 head folder {path} does not exist")
+        return head_fingerprint(path)
+    return weights.fingerprint(cfg.model.target if role == "target" else cfg.model.draft)
 
 
 def precision(cfg: Config) -> str:
@@ -125,7 +142,7 @@ def manifest_header(cfg: Config, fingerprints: dict[str, str], trt_version: str,
 def engine_roles_needed(cfg: Config) -> tuple[str, ...]:
     drafter = cfg.speculative.drafter
     return ("target",) + (("draft",) if drafter == "draft" else ()) + (
-        ("layerskip",) if drafter == "layerskip" else ())
+        ("layerskip",) if drafter == "layerskip" else ()) + (("eagle3",) if drafter in HEAD_DRAFTERS else ())
 
 
 def check_engines(cfg: Config, *, fingerprints: dict[str, str] | None = None,
@@ -159,11 +176,9 @@ def check_engines(cfg: Config, *, fingerprints: dict[str, str] | None = None,
                             + "; ".join(diffs) + f"): {rebuild}")
     if fingerprints is None:
         fingerprints = {}
-        from spec_edge.graphs import weights
         for role, recorded in manifest.get("fingerprints", {}).items():
-            source = cfg.model.target if role == "target" else cfg.model.draft
             try:
-                fingerprints[role] = weights.fingerprint(source)
+                fingerprints[role] = role_fingerprint(cfg, role)
             except ConfigError:
                 fingerprints[role] = recorded  # checkpoint not on this machine: trust the record
     for role, current in fingerprints.items():

@@ -45,8 +45,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spec_edge.config import ConfigError, GraphSection, MemorySection, ModelConfig
+from spec_edge.device import head_memory
+
+if TYPE_CHECKING:
+    from spec_edge.heads.eagle3 import HeadConfig
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -151,6 +156,8 @@ class PlanInputs:
     draft: ModelConfig | None = None  # drafter == "draft"
     layout: str = "shared"            # shared: one engine per model; per_graph: one per width
     measured_activation: int | None = None  # an engine's device_memory_size, when built
+    head: "HeadConfig | None" = None  # drafter eagle3 / hybrid: the EAGLE-3 head engine
+    hidden_layers: int = 0            # hidden states the target returns for the head (3 for EAGLE-3)
 
 
 @dataclass(frozen=True)
@@ -243,10 +250,28 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
         draft_w = one
         engines.append(one)
         io += io_bytes(i.target, 2, dtype, n_layers=n)
-    lines.append(("draft weights" if i.drafter != "layerskip"
-                  else f"layer-skip engine weights ({g.layer_skip_layers} layers + head)", draft_w))
+    if i.head is None:  # a head's own lines follow
+        lines.append(("draft weights" if i.drafter != "layerskip"
+                      else f"layer-skip engine weights ({g.layer_skip_layers} layers + head)", draft_w))
     lines.append((f"target KV ({max_context} positions)", kv_bytes(i.target, max_context, dtype)))
-    lines.append(("draft KV" if i.drafter != "layerskip" else "draft KV (shares target layers)", draft_kv))
+    if i.head is None:
+        lines.append(("draft KV" if i.drafter != "layerskip" else "draft KV (shares target layers)", draft_kv))
+    else:
+        # the target graph takes the embedding as an input (embed_table): its engine holds no copy, one
+        # device table serves target and head
+        dt, h_widths = DTYPE_BYTES[dtype], head_memory.head_widths(g)
+        in_engine = head_memory.embedding_in_engine(i.target, dt)
+        lines[0] = (lines[0][0], lines[0][1] - in_engine * copies)
+        engines[0] -= in_engine
+        engines.append(head_memory.head_weight_bytes(i.head, dt))
+        lines += [("shared embedding table (target + head)", i.target.vocab_size * i.target.hidden_size * dt),
+                  (f"EAGLE-3 head weights (Vd={i.head.draft_vocab_size})", engines[-1]),
+                  (f"EAGLE-3 head KV ({max_context} positions)", head_memory.head_kv_bytes(i.head, max_context, dt)),
+                  (f"target hidden states ({i.hidden_layers} x H: widths + S rows)",
+                   head_memory.hidden_bytes(i.target, i.hidden_layers, t_widths, max_context, dt)),
+                  (f"EAGLE-3 head I/O ({len(h_widths) + 1} profiles)",
+                   head_memory.head_io_bytes(i.head, h_widths + (1,), dt))]
+        acts.append(activation_bytes(i.head.as_model_config(), max_context, max(h_widths), dtype))
     activation = i.measured_activation if i.measured_activation is not None else max(acts)
     lines.append(("activations (shared scratch" + (", measured)" if i.measured_activation is not None
                                                   else ", estimate)"), activation))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_edge.config import MODEL_PRESETS, Config, ConfigError, ModelConfig
+from spec_edge.config import HEAD_DRAFTERS, HEAD_PRESETS, MODEL_PRESETS, Config, ConfigError, ModelConfig
 from spec_edge.device import memory
 
 
@@ -49,6 +49,21 @@ def model_config(source: str) -> ModelConfig:
                       f"config.json, or a preset ({', '.join(MODEL_PRESETS)})")
 
 
+def head_config(source: str, target: ModelConfig):
+    """The EAGLE-3 head's geometry (heads.eagle3.HeadConfig) a profile names, without its weights: the
+    folder's config.json, or (for a folder not downloaded yet) the HEAD_PRESETS entry of its name."""
+    from spec_edge.heads.eagle3 import parse_head_config
+
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        return parse_head_config(json.loads((path / "config.json").read_text()), target)
+    by_name = {name.lower(): raw for name, raw in HEAD_PRESETS.items()}
+    if path.name.lower() in by_name:
+        return parse_head_config(by_name[path.name.lower()], target)
+    raise ConfigError(f"speculative.eagle3_head '{source}': no config.json there and no preset of that name "
+                      f"({', '.join(HEAD_PRESETS)}): download the head folder first")
+
+
 def engine_layout() -> str:
     """'shared': one engine per model, one optimization profile per width, over the dynamic-width
     graph export.export_model(dynamic=True) writes (memory.py explains why). specs.engine_specs()
@@ -60,9 +75,12 @@ def plan_inputs(cfg: Config, layout: str | None = None, measured_activation: int
                 ) -> memory.PlanInputs:
     drafter = cfg.speculative.drafter
     draft = model_config(cfg.model.draft) if drafter == "draft" else None
-    return memory.PlanInputs(target=model_config(cfg.model.target), graphs=cfg.graphs, memory=cfg.memory,
+    target = model_config(cfg.model.target)
+    head = head_config(cfg.speculative.eagle3_head, target) if drafter in HEAD_DRAFTERS else None
+    return memory.PlanInputs(target=target, graphs=cfg.graphs, memory=cfg.memory,
                              drafter=drafter, k=cfg.speculative.k, draft=draft,
-                             layout=layout or engine_layout(), measured_activation=measured_activation)
+                             layout=layout or engine_layout(), measured_activation=measured_activation,
+                             head=head, hidden_layers=len(head.aux_layers) if head is not None else 0)
 
 
 def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None, layout: str | None = None,

@@ -10,6 +10,7 @@ bandwidth and latency constants are assumptions until `spec-edge bench` measures
 from __future__ import annotations
 
 from spec_edge.config import ModelConfig
+from spec_edge.device.head_memory import head_kv_bytes, head_weight_bytes
 from spec_edge.device.memory import DTYPE_BYTES, PlanInputs, kv_bytes, weight_bytes
 
 THOR_BANDWIDTH = 273e9      # bytes/s: Jetson AGX Thor, 256-bit LPDDR5X-8533
@@ -61,6 +62,11 @@ def draft_cost(i: PlanInputs) -> float | None:
     if i.drafter == "layerskip":
         n = i.graphs.layer_skip_layers
         return call_seconds(bytes_read_per_call(i.target, dtype, q, s, n_layers=n), n) / target
+    if i.drafter in ("eagle3", "hybrid") and i.head is not None:
+        # a draft step reads every head weight (fc too: the one graph computes fc(0) on a step) and the
+        # head's one-layer cache; hybrid: the same when the head drafts (prompt lookup costs nothing)
+        head = head_weight_bytes(i.head, DTYPE_BYTES[dtype]) + head_kv_bytes(i.head, s, DTYPE_BYTES[dtype])
+        return call_seconds(head, 1) / target
     if i.drafter == "ngram":
         return 0.0
     return None

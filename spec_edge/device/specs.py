@@ -7,6 +7,8 @@ external-data files), which read graph structure only, never the weights.
     target     widths {C, 1, k+1 for each k in graphs.k_values}   memory.target_widths
     draft      widths {C, 1}, drafter=draft                       memory.draft_widths
     layerskip  width 1, drafter=layerskip                          graphs.layer_skip_layers layers
+    eagle3     widths {1, k+1 for each k, C} (ingest) + a second width-1 profile "step",
+               drafter=eagle3 / hybrid (memory.head_widths; heads/eagle3_export.py's dynamic head graph)
   over static graphs (layout "per_graph"): one engine per ONNX file, at that file's width.
 
 Importable and testable without tensorrt.
@@ -19,8 +21,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config
-from spec_edge.device import memory
+from spec_edge.config import HEAD_DRAFTERS, Config
+from spec_edge.device import head_memory, memory
 from spec_edge.graphs import io_names
 
 HASH_CHUNK = 16 << 20
@@ -58,13 +60,21 @@ class EngineSpec:
     role: str            # target | draft | layerskip
     onnx: Path
     widths: tuple[int, ...]
-    kinds: dict[int, str]  # width -> prefill | step | verify | layerskip
+    kinds: dict[int, str]  # width -> prefill | step | verify | layerskip | ingest
     dynamic: bool         # one profile per width over a dynamic token axis
+    # (kind, width) profiles after the width profiles: the head's draft step is a second width-1
+    # profile, so it gets its own execution context (a profile serves one context at a time)
+    extra_profiles: tuple[tuple[str, int], ...] = ()
+
+    def profile_shapes(self) -> list[tuple[str, int]]:
+        """(name, width) of every optimization profile in order: str(width) per width, then the extras."""
+        return [(str(w), w) for w in self.widths] + [(kind, w) for kind, w in self.extra_profiles]
 
     def build_key(self, extra: dict[str, Any]) -> str:
         """sha256 over what the engine is made of: the ONNX graph file, its external weights'
         fingerprints, widths, and `extra` (precision, TensorRT version, GPU, workspace)."""
         parts = {"onnx": file_sha256(self.onnx), "widths": list(self.widths), "dynamic": self.dynamic,
+                 **({"extra_profiles": [list(p) for p in self.extra_profiles]} if self.extra_profiles else {}),
                  "external": {p.name: quick_fingerprint(p) for p in external_data_files(self.onnx)},
                  **extra}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
@@ -125,6 +135,8 @@ def engine_specs(cfg: Config, onnx_dirs: dict[str, Path]) -> list[EngineSpec]:
     if drafter == "draft":
         roles["draft"] = onnx_dirs["draft"]
     specs: list[EngineSpec] = []
+    if drafter in HEAD_DRAFTERS:
+        specs.append(head_spec(cfg, onnx_dirs))
     skip_prefix = f"layerskip{g.layer_skip_layers}_"
     for role, folder in roles.items():
         files = sorted(Path(folder).glob("*.onnx"))
@@ -150,6 +162,20 @@ def engine_specs(cfg: Config, onnx_dirs: dict[str, Path]) -> list[EngineSpec]:
                 kind = f.stem.split("_")[0] if group_role != "layerskip" else "layerskip"
                 specs.append(EngineSpec(f"{role}_{f.stem}", group_role, f, (width,), {width: kind}, False))
     return specs
+
+
+HEAD_GRAPH = "eagle3_dynamic.onnx"  # heads.eagle3_export.DYNAMIC_HEAD_STEM
+
+
+def head_spec(cfg: Config, onnx_dirs: dict[str, Path]) -> EngineSpec:
+    """The EAGLE-3 head engine: one dynamic-width graph, a profile per ingest width + the draft step."""
+    folder = onnx_dirs.get("eagle3")
+    if folder is None or not (Path(folder) / HEAD_GRAPH).is_file():
+        raise BuildError(f"speculative.drafter={cfg.speculative.drafter} needs the EAGLE-3 head graph "
+                         f"{HEAD_GRAPH} in onnx/eagle3/: the export did not run (spec-edge build --export-only)")
+    widths = head_memory.head_widths(cfg.graphs)
+    return EngineSpec("eagle3", "eagle3", Path(folder) / HEAD_GRAPH, widths, {w: "ingest" for w in widths}, True,
+                      extra_profiles=(("step", 1),))
 
 
 def _kind(width: int, g, role: str) -> str:

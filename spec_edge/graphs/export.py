@@ -9,6 +9,7 @@
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
+    dynamic=True (TensorRT): dynamic.onnx (+ hidden states, embed_table input with a head) + layerskip<N>_dynamic
 
 Graphs come from torch.onnx.export's dynamo exporter (opset 20), which keeps every shape static;
 check_static() proves it on each file. Weights shared by graphs are stored once, so the layer-skip
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
-from spec_edge.graphs import hidden, io_names
+from spec_edge.graphs import hidden, io_names, shared_table
 
 FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
 ALIGN = 4096
@@ -53,6 +54,9 @@ def graph_plan(cfg: Config, role: str, dynamic: bool = False) -> dict[str, dict]
     if dynamic:
         plan = {DYNAMIC_STEM: {"kind": "dynamic", "width": 0}}
         if role == "target":
+            hidden_layers = hidden.target_hidden_layers(cfg)
+            if hidden_layers:  # a head reads them; it also shares the target's embedding table (an input)
+                plan[DYNAMIC_STEM].update(hidden_layers=list(hidden_layers), embed_input=True)
             plan[f"layerskip{g.layer_skip_layers}_{DYNAMIC_STEM}"] = {
                 "kind": "layerskip", "width": 0, "n_layers": g.layer_skip_layers}
         return plan
@@ -171,7 +175,10 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
         progress(f"[export] {role}: graph {i}/{len(plan)} {stem} ({shape}) ...")
         export_graph(model_cfg, state, out_dir / f"{stem}.onnx", store, kind=spec["kind"],
                      width=spec["width"], max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype,
-                     n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())))
+                     n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())),
+                     embed_input=bool(spec.get("embed_input")))
+    table = (shared_table.store(state[shared_table.TENSOR].to(torch_dtype(cfg.graphs.dtype)), store, cfg.graphs.dtype)
+             if any(spec.get("embed_input") for spec in plan.values()) else None)  # stored once, for embed_table
     store.close()
     (out_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
     (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
@@ -180,6 +187,8 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
     manifest = dict(wanted, model=model_cfg.name, weights_bytes=store.size,
                     export_seconds=round(time.monotonic() - started, 1))
+    if table is not None:
+        manifest[shared_table.KEY] = table
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     progress(f"[export] {role}: {len(plan)} graphs in {manifest['export_seconds']} s")
 
@@ -217,8 +226,9 @@ class WeightStore:
 
 def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightStore, *, kind: str,
                  width: int, max_context: int, dtype: str = "float32", n_layers: int | None = None,
-                 hidden_layers: tuple[int, ...] = ()) -> None:
-    """Export one graph to path, its large weights moved into store. width 0: symbolic T."""
+                 hidden_layers: tuple[int, ...] = (), embed_input: bool = False) -> None:
+    """Export one graph to path, its large weights moved into store. width 0: symbolic T.
+    embed_input: the token embedding is the graph input embed_table (V, H) instead of a weight."""
     import torch
 
     from spec_edge.graphs import model as model_mod
@@ -228,13 +238,17 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
                              hidden_layers=hidden_layers, cls=model_mod.LayerCaches)
     module.prefill = prefill
+    module.table_input = embed_input
     k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
     # a symbolic T is traced at width 4 (torch.export specialises dimensions of example size 0 or 1)
     args = (torch.zeros(1, width or 4, dtype=torch.int64), torch.tensor([0]))
     if prefill:
         args = args + (torch.tensor([width - 1]),)
-    args = args + tuple(layer.clone() for layer in (*k_cache, *v_cache))  # one (Hkv, S, D) input per layer
     inputs = io_names.graph_inputs(layers, prefill)
+    if embed_input:
+        args = args + (torch.zeros(model_cfg.vocab_size, model_cfg.hidden_size, dtype=torch_dtype(dtype)),)
+        inputs.insert(len(args) - 1, io_names.EMBED_TABLE)
+    args = args + tuple(layer.clone() for layer in (*k_cache, *v_cache))  # one (Hkv, S, D) input per layer
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
     dynamic_shapes = None
     if width == 0:
@@ -244,7 +258,8 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     graph = trace(module, args, inputs, outputs, dynamic_shapes)
     if width == 0:
         check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
-                         model_cfg.vocab_size)
+                         model_cfg.vocab_size, len(hidden_layers) * model_cfg.hidden_size,
+                         model_cfg.hidden_size if embed_input else 0)
     else:
         check_static(graph, path.name)
     save(graph, path, store)
@@ -296,8 +311,10 @@ def save(graph, path: Path, store: WeightStore) -> None:
     onnx.save_model(graph, str(path))
 
 
-def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int) -> None:
-    """The I/O contract of a dynamic-width graph: T symbolic exactly where io_names.py says."""
+def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int, hidden_width: int = 0,
+                     table_width: int = 0) -> None:
+    """The I/O contract of a dynamic-width graph: T symbolic exactly where io_names.py says (hidden_width:
+    the (T, n * H) hidden output's columns, 0 = none; table_width: H of an embed_table input, 0 = none)."""
     def dims(value):
         return [d.dim_value if d.HasField("dim_value") else "T" for d in value.type.tensor_type.shape.dim]
 
@@ -306,8 +323,14 @@ def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int)
     want = {io_names.TOKENS: [1, "T"], io_names.POSITION: [1], io_names.LOGITS: ["T", vocab],
             io_names.K_NEW: [layers, heads, "T", head_dim], io_names.V_NEW: [layers, heads, "T", head_dim]}
     want.update({name: layer_shape for name in io_names.cache_inputs(layers)})
+    if hidden_width:
+        want[io_names.HIDDEN] = ["T", hidden_width]
+    if table_width:
+        want[io_names.EMBED_TABLE] = [vocab, table_width]
     have = {v.name: dims(v) for v in list(graph.graph.input) + list(graph.graph.output)}
     wrong = {k: have.get(k) for k, v in want.items() if have.get(k) != v}
+    if sorted(set(have) - set(want)):
+        raise RuntimeError(f"{name}: dynamic-width export has I/O tensors {sorted(set(have) - set(want))} unnamed here")
     if wrong:
         raise RuntimeError(f"{name}: dynamic-width export has unexpected I/O shapes {wrong}, expected "
                            f"{ {k: want[k] for k in wrong} }")
