@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from spec_edge.config import MODEL_PRESETS, ConfigError, ModelConfig
+from spec_edge.config import ConfigError, ModelConfig
+from spec_edge.device.presets import MODEL_PRESETS
 from spec_edge.graphs import hidden
 from spec_edge.heads import eagle3, head_folder
 from spec_edge.heads.eagle3_layouts import layout_of, parse_head_config

@@ -3,7 +3,8 @@ import dataclasses
 
 import pytest
 
-from spec_edge.config import MODEL_PRESETS, GraphSection, MemorySection
+from spec_edge.config import GraphSection, MemorySection
+from spec_edge.device.presets import MODEL_PRESETS
 from spec_edge.device import memory, projection
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_edge.config import HEAD_DRAFTERS, HEAD_PRESETS, MODEL_PRESETS, Config, ConfigError, ModelConfig
+from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError, ModelConfig
+from spec_edge.device.presets import HEAD_PRESETS, MODEL_PRESETS
 from spec_edge.device import memory
 
 

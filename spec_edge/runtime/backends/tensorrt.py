@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -131,7 +132,7 @@ class TensorRTRunner(Runner):
         with torch.cuda.stream(self.stream):
             if io_names.EMBED_TABLE in names:
                 self.embed_table = (_parent.embed_table if _parent is not None and _parent.embed_table is not None
-                                    else load_embed_table(self.directory, next(iter(entries.values()))))
+                                    else load_embed_table(Path(next(iter(entries.values()))["onnx"]).parent))
             if io_names.HIDDEN in names:
                 width = int(first.get_tensor_shape(io_names.HIDDEN)[-1])
                 self.hidden = torch.zeros((self.max_context, width), device="cuda",

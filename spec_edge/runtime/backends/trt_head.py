@@ -3,35 +3,34 @@ Runtime head (ort_heads.OrtEagle3Head: ingest / step / draft_ids / max_context /
 and hybrid drafters (runtime/drafters/) run on either backend, plus greedy_chain: a whole greedy
 draft chain on the device, k target ids to the host once.
 
-The engine (manifest role HEAD_ROLE, built by `spec-edge build` from the dynamic head graph) has one
-optimization profile per ingest width W in (1, each k+1, C) and one for the draft step; its entry's
-"profiles" maps profile_key(kind, W) ("ingest_5", "step_1") to the profile index.
+The engine (manifest role HEAD_ROLE, built by `spec-edge build` from heads/eagle3_export.py's
+dynamic head graph, specs.head_spec) has one optimization profile per ingest width W in (1, each
+k+1, C) and one more width-1 profile for the draft step; its entry's "profiles" maps profile_key:
+"<W>" for the ingest widths, "step" for the draft step, to the profile index.
 
-Engine I/O (graphs/io_names.py names where they exist; the names new here are marked PENDING: they
-are defined in this module until the dynamic head graph's export puts them in io_names.py):
+Engine I/O (graphs/io_names.py; eagle3_export.dynamic_head_module is the graph):
   tokens      (1, W) int64     ingest: token i of pair i; step: the last drafted token (target id)
-  hidden      (Wi, 3Ht)        the target's hidden rows (ingest: Wi = W; step: Wi = 0)
-  hidden_in   (Ws, H)          PENDING: the head's own hidden from its previous call (step: Ws = 1;
-                               ingest: Ws = 0). Zero-row inputs let one graph hold both
-                               computations: fc(hidden) rows and hidden_in rows, concatenated
+  hidden      (W, 3Ht)         the target's hidden rows (ingest); zeros in the step (fc has no bias)
+  hidden_draft (W, H)          the head's own hidden from its previous call (step); zeros in an ingest.
+                               The head row is fc(hidden) + hidden_draft, so one graph holds both
   position    (1,) int64       position of pair 0; head cache rows >= position are masked
   last_index  (1,) int64       row of the last real pair (a short chunk is padded at the end)
   k_cache, v_cache (1, Hkv, S, D)  the head's own resident cache (read only; bound once)
   embed_table (V, H)           the target's token embedding on the device, bound by address (only
                                when the engine takes it; a head with its own embedding has it inside)
   -> logits   (1, Vd) float32  draft-vocabulary logits of the last real row (sampling only)
-     draft_id (1,) int64       PENDING: d2t[argmax(logits)], a target id, computed in the engine
+     draft_token (1,) int64    d2t[argmax(logits)], a target id, computed in the engine
      k_new, v_new (1, Hkv, W, D)  written into the cache at [position, position + n_valid)
      hidden_out (1, H)         the head's own hidden state of the last real row
 
-Buffers: the outputs of the last row (logits, draft_id, hidden_out) are shared by every profile
+Buffers: the outputs of the last row (logits, draft_token, hidden_out) are shared by every profile
 (the same shapes); k_new / v_new are views of one widest buffer. The step runs as a captured CUDA
-graph: hidden_in <- hidden_out, tokens <- draft_id, execute, cache write at position, position += 1,
+graph: hidden_draft <- hidden_out, tokens <- draft_token, execute, cache write at position, position += 1,
 so a chain of k drafts is one ingest and k - 1 replays with no host round trip.
 
 The embedding table: the target runner's `embed_table` when its engine takes one (one copy for
-both engines); otherwise trt_memory.load_embed_table from the head engine's manifest entry
-(logged: that is a second copy on the device).
+both engines); otherwise trt_memory.load_embed_table from the target's export (logged: that is a
+second copy on the device).
 """
 from __future__ import annotations
 
@@ -54,13 +53,12 @@ from spec_edge.runtime.backends.trt_memory import load_embed_table, torch_dtype
 log = logging.getLogger(__name__)
 
 HEAD_ROLE = "eagle3"          # the head engine's role in manifest.json
-HIDDEN_IN = "hidden_in"       # PENDING io_names: (Ws, H) the head's own hidden (step: Ws = 1, ingest: 0)
-DRAFT_ID = "draft_id"         # PENDING io_names: (1,) int64 d2t[argmax(logits)], a target-vocabulary id
 
 
 def profile_key(kind: str, width: int) -> str:
-    """Key of a head profile in the manifest entry's "profiles": 'ingest_5', 'step_1'."""
-    return f"{kind}_{width}"
+    """Key of a head profile in the manifest entry's "profiles" (specs.EngineSpec.profile_shapes):
+    the width for an ingest ('5'), 'step' for the draft step (width 1)."""
+    return "step" if kind == "step" else str(width)
 
 
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
@@ -80,8 +78,8 @@ class _HeadCall:
     width: int
     context: Any
     tokens: Any        # (1, W) int64 device
-    hidden: Any        # (W, 3Ht) ingest / (0, 3Ht) step
-    hidden_in: Any     # (0, H) ingest / (1, H) step
+    hidden: Any        # (W, 3Ht): the target's rows (ingest) / zeros (step)
+    hidden_draft: Any  # (W, H): zeros (ingest) / the head's previous hidden_out (step)
     k_new: Any         # (1, Hkv, W, D): view of the widest buffer
     v_new: Any
     index: Any         # (W,) int64: position + arange(W)
@@ -119,10 +117,10 @@ class TensorRTEagle3Head:
         c = self.cfg
         self.max_context = int(target.max_context)
         profiles = entry.get("profiles", {})
-        self.ingest_widths = sorted(int(k.split("_")[1]) for k in profiles if k.startswith("ingest_"))
+        self.ingest_widths = sorted(int(k) for k in profiles if k.isdigit())
         if not self.ingest_widths or profile_key("step", 1) not in profiles:
-            raise ManifestError(f"{path}: the manifest lists profiles {sorted(profiles)}, want ingest_<W> "
-                                f"and step_1: rebuild with `spec-edge build`")
+            raise ManifestError(f"{path}: the manifest lists profiles {sorted(profiles)}, want the ingest widths "
+                                f"and 'step': rebuild with `spec-edge build`")
         widest = self.ingest_widths[-1]
         dtype = lambda n: torch_dtype(trt, torch, engine.get_tensor_dtype(n))  # noqa: E731
         cuda = {"device": "cuda"}
@@ -133,13 +131,12 @@ class TensorRTEagle3Head:
             self.position = torch.zeros((1,), dtype=torch.int64, **cuda)
             self.last_index = torch.zeros((1,), dtype=torch.int64, **cuda)
             self.logits = torch.zeros((1, c.draft_vocab_size), dtype=dtype(io_names.LOGITS), **cuda)
-            self.draft_id = torch.zeros((1,), dtype=torch.int64, **cuda)
+            self.draft_token = torch.zeros((1,), dtype=torch.int64, **cuda)
             self.hidden_out = torch.zeros((1, c.hidden_size), dtype=dtype(io_names.HIDDEN_OUT), **cuda)
             self._new = [torch.zeros((c.n_kv_heads * widest * c.head_dim,), dtype=dtype(io_names.K_NEW), **cuda),
                          torch.zeros((c.n_kv_heads * widest * c.head_dim,), dtype=dtype(io_names.V_NEW), **cuda)]
             self._arange = torch.arange(widest, dtype=torch.int64, **cuda)
             self.embed_table = self._embed_table() if io_names.EMBED_TABLE in names else None
-            self._empty = torch.zeros((256,), dtype=torch.uint8, **cuda)  # the address of zero-row inputs
             self._ingest_calls = {w: self._make_call(names, "ingest", w, int(profiles[profile_key("ingest", w)]))
                                   for w in self.ingest_widths}
             self._step = self._make_call(names, "step", 1, int(profiles[profile_key("step", 1)]))
@@ -153,7 +150,8 @@ class TensorRTEagle3Head:
         """(V, H) on the device: the target's own when its engine takes one, else loaded once."""
         if getattr(self.target, "embed_table", None) is not None:
             return self.target.embed_table
-        table = load_embed_table(self.target.directory, self.entry)
+        targets = [e for e in self.target.manifest["engines"].values() if e["role"] == "target"]
+        table = load_embed_table(Path(targets[0]["onnx"]).parent)
         log.warning("the EAGLE-3 head loaded its own copy of the embedding table (%.0f MiB): the target "
                     "engine does not take %s as an input", table.numel() * table.element_size() / 2**20,
                     io_names.EMBED_TABLE)
@@ -166,9 +164,8 @@ class TensorRTEagle3Head:
             raise BackendError(f"cannot create an execution context for the head engine ({kind} {width})")
         if not context.set_optimization_profile_async(profile, self.stream.cuda_stream):
             raise BackendError(f"head engine: cannot select optimization profile {profile} ({kind} {width})")
-        rows = (width, 0) if kind == "ingest" else (0, 1)  # (hidden rows, hidden_in rows)
-        inputs = {io_names.TOKENS: (1, width), io_names.HIDDEN: (rows[0], 3 * c.target_hidden_size),
-                  HIDDEN_IN: (rows[1], c.hidden_size)}
+        inputs = {io_names.TOKENS: (1, width), io_names.HIDDEN: (width, 3 * c.target_hidden_size),
+                  io_names.HIDDEN_DRAFT: (width, c.hidden_size)}
         for name, shape in inputs.items():
             if not context.set_input_shape(name, shape):
                 raise BackendError(f"head engine: {name} {shape} is outside profile {profile} ({kind} {width})")
@@ -181,15 +178,16 @@ class TensorRTEagle3Head:
             tokens=torch.zeros((1, width), dtype=torch.int64, **cuda),
             hidden=torch.zeros(inputs[io_names.HIDDEN], dtype=torch_dtype(
                 trt, torch, engine.get_tensor_dtype(io_names.HIDDEN)), **cuda),
-            hidden_in=torch.zeros(inputs[HIDDEN_IN], dtype=torch_dtype(
-                trt, torch, engine.get_tensor_dtype(HIDDEN_IN)), **cuda),
+            hidden_draft=torch.zeros(inputs[io_names.HIDDEN_DRAFT], dtype=torch_dtype(
+                trt, torch, engine.get_tensor_dtype(io_names.HIDDEN_DRAFT)), **cuda),
             k_new=self._new[0][:n_new].view(new_shape), v_new=self._new[1][:n_new].view(new_shape),
             index=torch.zeros((width,), dtype=torch.int64, **cuda),
             host_tokens=torch.zeros((1, width), dtype=torch.int64).pin_memory())
-        buffers = {io_names.TOKENS: call.tokens, io_names.HIDDEN: call.hidden, HIDDEN_IN: call.hidden_in,
+        buffers = {io_names.TOKENS: call.tokens, io_names.HIDDEN: call.hidden, io_names.HIDDEN_DRAFT: call.hidden_draft,
                    io_names.POSITION: self.position, io_names.LAST_INDEX: self.last_index,
                    io_names.K_CACHE: self.k_cache, io_names.V_CACHE: self.v_cache,
-                   io_names.EMBED_TABLE: self.embed_table, io_names.LOGITS: self.logits, DRAFT_ID: self.draft_id,
+                   io_names.EMBED_TABLE: self.embed_table, io_names.LOGITS: self.logits,
+                   io_names.DRAFT_TOKEN: self.draft_token,
                    io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new, io_names.HIDDEN_OUT: self.hidden_out}
         for name in sorted(names):
             buffer = buffers.get(name)
@@ -199,8 +197,7 @@ class TensorRTEagle3Head:
             if tuple(buffer.shape) != tuple(context.get_tensor_shape(name)):
                 raise BackendError(f"head engine ({kind} {width}): '{name}' is {tuple(context.get_tensor_shape(name))}, "
                                    f"the buffer is {tuple(buffer.shape)}")
-            # a zero-row input (hidden in the step, hidden_in in an ingest) still gets a valid address
-            context.set_tensor_address(name, buffer.data_ptr() if buffer.numel() else self._empty.data_ptr())
+            context.set_tensor_address(name, buffer.data_ptr())
         missing = sorted(set(buffers) - names - {io_names.EMBED_TABLE})
         if missing:
             raise BackendError(f"the head engine lacks {missing}: rebuild it from the current export")
@@ -223,14 +220,14 @@ class TensorRTEagle3Head:
     def _step_body(self) -> None:
         """The chained draft step: feed back the previous call's outputs, run, advance the position."""
         step = self._step
-        step.hidden_in.copy_(self.hidden_out)
-        step.tokens.view(-1).copy_(self.draft_id)
+        step.hidden_draft.copy_(self.hidden_out)  # step.hidden stays zeros: fc(0) = 0
+        step.tokens.view(-1).copy_(self.draft_token)
         self._execute(step, 1)
         self.position.add_(1)
 
     def _capture_step(self) -> None:
         """Capture the chained step (one plain run first: TensorRT finishes its shape-dependent
-        setup; that run overwrites the shared outputs logits / draft_id / hidden_out but never the
+        setup; that run overwrites the shared outputs logits / draft_token / hidden_out but never the
         cache, so it must not run between an ingest and its chain). A failed capture leaves the
         step eager, logged once."""
         torch, step = self.torch, self._step
@@ -254,7 +251,7 @@ class TensorRTEagle3Head:
 
     def _ingest(self, tokens: Sequence[int], hidden, position: int) -> None:
         """Feed the pairs in chunks of the ingest widths; leaves the last pair's outputs in the
-        shared buffers (logits, draft_id, hidden_out)."""
+        shared buffers (logits, draft_token, hidden_out); call.hidden_draft stays zeros."""
         torch = self.torch
         n = len(tokens)
         if n == 0:
@@ -298,7 +295,7 @@ class TensorRTEagle3Head:
             self.stream.synchronize()
             step.host_tokens[0, 0] = int(token)
             step.tokens.copy_(step.host_tokens, non_blocking=True)
-            step.hidden_in.copy_(hidden if torch.is_tensor(hidden) else torch.as_tensor(np.asarray(hidden)))
+            step.hidden_draft.copy_(hidden if torch.is_tensor(hidden) else torch.as_tensor(np.asarray(hidden)))
             self._set_position(position, 0)
             self._execute(step, 1)
             logits = self.logits[0].float().to("cpu")
@@ -317,14 +314,14 @@ class TensorRTEagle3Head:
         self._ingest(tokens, hidden, position)
         chain = torch.empty((k,), dtype=torch.int64, device="cuda")
         with torch.cuda.stream(self.stream):
-            chain[0:1].copy_(self.draft_id)
+            chain[0:1].copy_(self.draft_token)
             self._set_position(last, 0)
             for i in range(1, k):
                 if self._step.graph is not None:
                     self._step.graph.replay()
                 else:
                     self._step_body()
-                chain[i:i + 1].copy_(self.draft_id)
+                chain[i:i + 1].copy_(self.draft_token)
             host = chain.to("cpu")
         return host.numpy()
 
@@ -340,4 +337,4 @@ class TensorRTEagle3Head:
         self._ingest_calls, self.engine = {}, None
 
 
-__all__ = ["TensorRTEagle3Head", "HEAD_ROLE", "HIDDEN_IN", "DRAFT_ID", "profile_key"]
+__all__ = ["TensorRTEagle3Head", "HEAD_ROLE", "profile_key"]

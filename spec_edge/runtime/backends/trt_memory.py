@@ -15,7 +15,6 @@ from spec_edge.runtime.backends.base import BackendError
 
 log = logging.getLogger(__name__)
 
-EMBED_TABLE_TENSOR = "embed_table"  # the tensor's name in the safetensors file of an input table
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
 TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory")}
 TENSORRT_RECEIVERS = {"context": "IExecutionContext"}  # expressions that always hold that class here
@@ -40,18 +39,18 @@ def torch_dtype(trt, torch, dtype):
     return table[dtype]
 
 
-def load_embed_table(directory: Path, entry: dict):
-    """The (V, H) table an engine takes as io_names.EMBED_TABLE, on the device: the safetensors file
-    (tensor EMBED_TABLE_TENSOR) its manifest entry names under "embed_table", relative to the
-    profile folder. Loaded once per runner family and bound by address to every engine that takes
-    it (the target's, the head's), so the embedding exists once on the device."""
-    source = entry.get("embed_table")
-    if not source:
-        raise BackendError(f"engine {entry.get('file')} takes {io_names.EMBED_TABLE} as an input but its manifest "
-                           f"entry names no embed_table file: rebuild with `spec-edge build`")
-    from safetensors.torch import load_file
+def load_embed_table(export_dir: Path):
+    """The (V, H) table an engine takes as io_names.EMBED_TABLE, on the device: the shared table the
+    export at export_dir (the ONNX folder the target engine was built from) recorded in its manifest
+    (graphs/shared_table.py: a span of its weights.bin, read through a memory map). Loaded once per
+    runner family and bound by address to every engine that takes it (the target's, the head's), so
+    the embedding exists once on the device."""
+    from spec_edge.graphs import shared_table
 
-    return load_file(str(Path(directory) / source), device="cuda")[EMBED_TABLE_TENSOR].contiguous()
+    if shared_table.record(export_dir) is None:
+        raise BackendError(f"the engine takes {io_names.EMBED_TABLE} as an input but its export {export_dir} "
+                           f"records no shared table: rebuild with `spec-edge build`")
+    return shared_table.table_tensor(export_dir).to("cuda").contiguous()
 
 
 class Scratch:
