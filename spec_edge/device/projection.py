@@ -54,10 +54,10 @@ def best_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
 def draft_cost(i: PlanInputs) -> float | None:
     """Draft call time / target step time for the plan's drafter (None: no drafter). ngram
     drafting is a host-side lookup: cost 0."""
-    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
+    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.weights
     target = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
     if i.drafter == "draft" and i.draft is not None:
-        return call_seconds(bytes_read_per_call(i.draft, dtype, "none", s), i.draft.n_layers) / target
+        return call_seconds(bytes_read_per_call(i.draft, dtype, "fp32", s), i.draft.n_layers) / target
     if i.drafter == "layerskip":
         n = i.graphs.layer_skip_layers
         return call_seconds(bytes_read_per_call(i.target, dtype, q, s, n_layers=n), n) / target
@@ -71,7 +71,7 @@ def k_table(i: PlanInputs, alpha: float, k_max: int = 8) -> str:
     c = draft_cost(i)
     if c is None:
         return "drafter=none: no speculative decoding"
-    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
+    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.weights
     step = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
     rows = [f"k choice at acceptance alpha={alpha:.2f}: target step ~{step * 1e3:.0f} ms "
             f"(memory-bound model, S={s}), draft call = {c:.3f} x step",
