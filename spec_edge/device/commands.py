@@ -76,8 +76,11 @@ def build_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="rebuild every engine")
     parser.add_argument("--engine-dir", help="override runtime.engine_dir")
     parser.add_argument("--check", action="store_true", help="only check the built engines against the profile")
+    parser.add_argument("--weights", choices=memory.QUANTIZATIONS, help="override graphs.weights (the target's form)")
     args = parser.parse_args(_without_ros_args(argv))
     overrides = {"runtime.engine_dir": args.engine_dir} if args.engine_dir else {}
+    if args.weights:
+        overrides["graphs.weights"] = args.weights
     try:
         cfg = _load_profile(args.profile, overrides)
         if args.check:
@@ -107,7 +110,8 @@ def build_main(argv: Sequence[str] | None = None) -> int:
 
 # acceptance rates assumed for the k tables until `spec-edge bench` has measured them on the robot
 ASSUMED_ALPHA = {"thor_llama31_8b_bf16": 0.75, "thor_llama31_8b_fp8": 0.75, "thor_qwen3_8b_bf16": 0.70,
-                 "thor_llama31_8b_layerskip": 0.40}
+                 "thor_llama31_8b_layerskip": 0.40, "thor_llama31_8b_eagle3_int4": 0.80,
+                 "thor_llama31_8b_eagle3_fp8": 0.80, "thor_llama31_8b_eagle3_nvfp4": 0.80}
 
 
 def profile_report(cfg: Config, alpha: float) -> str:

@@ -47,6 +47,17 @@ def speedup(alpha: float, k: int, draft_cost: float) -> float:
     return expected_tokens(alpha, k) / (k * draft_cost + VERIFY_OVERHEAD)
 
 
+EAGLE3_DRAFT_VOCAB = 32000  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's reduced draft vocabulary
+
+
+def eagle3_head_bytes(m: ModelConfig, dtype: str) -> int:
+    """Weights one EAGLE-3 draft step reads: fc (3 hidden -> hidden), one decoder layer whose q/k/v read
+    2 hidden (embedding + fused state), its MLP, and the draft-vocabulary head, all in dtype."""
+    h, d, dt = m.hidden_size, m.head_dim, DTYPE_BYTES[dtype]
+    attn = 2 * h * d * (m.n_heads + 2 * m.n_kv_heads) + m.n_heads * d * h
+    return (3 * h * h + attn + 3 * h * m.intermediate_size + EAGLE3_DRAFT_VOCAB * h) * dt
+
+
 def best_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
     return max(range(1, k_max + 1), key=lambda k: speedup(alpha, k, draft_cost))
 
@@ -63,6 +74,8 @@ def draft_cost(i: PlanInputs) -> float | None:
         return call_seconds(bytes_read_per_call(i.target, dtype, q, s, n_layers=n), n) / target
     if i.drafter == "ngram":
         return 0.0
+    if i.drafter in ("eagle3", "hybrid"):
+        return call_seconds(eagle3_head_bytes(i.target, dtype), 1) / target
     return None
 
 
