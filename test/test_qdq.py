@@ -202,7 +202,8 @@ def test_tensorrt_export_writes_the_qdq_graphs_without_a_gpu(small, prompt_file)
     from spec_edge.device import builder, specs
 
     cfg, folder, _ = small
-    cfg = cfg.replace(**{"runtime.backend": "tensorrt", "graphs.dtype": "bfloat16", "graphs.weights": "int4_awq"})
+    cfg = cfg.replace(**{"runtime.backend": "tensorrt", "graphs.dtype": "bfloat16", "graphs.weights": "int4_awq",
+                         "runtime.profile": "trt"})  # its own artifact folder: the static export stays
     dirs = builder.export_all(cfg, QUIET)
     target = dirs["target"]
     assert target.name.endswith("_int4_awq") and json.loads((target / "manifest.json").read_text())["weights"] == "int4_awq"
@@ -212,3 +213,22 @@ def test_tensorrt_export_writes_the_qdq_graphs_without_a_gpu(small, prompt_file)
         tokens = next(i for i in graph.graph.input if i.name == io_names.TOKENS)
         assert tokens.type.tensor_type.shape.dim[1].dim_param  # the dynamic T of the shared layout stays
     builder.check_quantization(cfg, specs.engine_specs(cfg, dirs))  # what build checks before TensorRT
+
+
+def test_plan_counts_the_produced_file(tiny_cfg, tmp_path):
+    """Once the Q/DQ folder exists, the memory plan's target weights are its weights.bin, not the estimate."""
+    from spec_edge.device import memory, profiles
+
+    cfg = tiny_cfg.replace(**{"runtime.engine_dir": str(tmp_path), "runtime.backend": "tensorrt", "graphs.dtype": "bfloat16", "graphs.weights": "nvfp4",
+                         "runtime.profile": "plan"})
+    assert profiles.quantized_weights_bytes(cfg) is None  # nothing written yet for this profile
+    inputs = profiles.plan_inputs(cfg)
+    estimate = memory.weight_bytes(inputs.target, "bfloat16", "nvfp4")
+    folder = qdq.folder_for(export.artifact_dir(cfg, "target"), "nvfp4")
+    folder.mkdir(parents=True)
+    (folder / "weights.bin").write_bytes(b"\0" * 12345)
+    (folder / "manifest.json").write_text(json.dumps({"quantization": qdq.wanted_record(cfg, "nvfp4", None)}))
+    lines = dict(memory.plan(profiles.plan_inputs(cfg)).lines)
+    assert lines["target weights (1 engine, file)"] == 12345 and estimate != 12345
+    assert memory.weight_bytes(inputs.target, "bfloat16", "int4_awq") < memory.weight_bytes(
+        inputs.target, "bfloat16", "fp8") < memory.weight_bytes(inputs.target, "bfloat16")
