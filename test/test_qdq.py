@@ -131,14 +131,15 @@ def test_onnxruntime_runs_the_qdq_files_like_torch(small, form):
     for name in [n for n in arrays if n.endswith(f"_proj.weight_{'int4' if form == 'int4_awq' else form}")]:
         weight = name.rsplit("_", 1)[0]
         base = weight
+        codes = arrays[name].T  # stored (K, N) for the MatMul; the forms are (N, K)
         if form == "nvfp4":
-            f = qf.QuantWeight("nvfp4", arrays[name], arrays[f"{base}_fp8_scale"], block=16,
+            f = qf.QuantWeight("nvfp4", codes, arrays[f"{base}_fp8_scale"].T, block=16,
                                global_scale=float(arrays[f"{base}_global_scale"]))
         elif form == "fp8":
-            f = qf.QuantWeight("fp8", arrays[name], arrays[f"{base}_scale"])
+            f = qf.QuantWeight("fp8", codes, arrays[f"{base}_scale"])
             act_scales[weight] = float(arrays[f"{base}_act_scale"])
         else:
-            f = qf.QuantWeight("int4", arrays[name], arrays[f"{base}_scale"], block=32, pre=arrays.get(f"{base}_awq_pre"))
+            f = qf.QuantWeight("int4", codes, arrays[f"{base}_scale"].T, block=32, pre=arrays.get(f"{base}_awq_pre"))
         forms[weight] = f
     assert len(forms) == 7 * 4
     ids = list(range(5, 25))
@@ -155,8 +156,9 @@ def test_speculation_is_exact_on_each_form(tiny_cfg, prompt_file, form):
     engine = Engine.from_config(tiny_cfg.replace(**{"graphs.weights": form, "graphs.calibration": str(prompt_file),
                                                     "graphs.int4_block": 32}), QUIET)
     assert qdq.folder_for(export.artifact_dir(tiny_cfg, "target").parent / "target_fused", form).is_dir()
-    for name in ("ngram", "draft"):
+    for name in ("draft", "layerskip"):  # a draft model (fp32) and the quantized target's own first layers
         assert_greedy_equals_plain(engine, engine.drafter(name), 4)
+    assert_greedy_equals_plain(engine, engine.drafter("ngram"), 4, prompts=["ab ab ab ab ab ab ab ab"])
 
 
 def test_manifest_records_the_calibration_and_a_different_profile_is_refused(small, prompt_file, tmp_path):

@@ -110,26 +110,20 @@ def linear_inputs(model) -> dict[str, str]:
 
 
 def _session(path: str, threads: int):
-    """A CPU session with its own threads, or on the process's global pool once the runtime made one
-    (ONNX Runtime refuses per-session pools then)."""
+    """A CPU session with its own threads (a process that already runs ONNX Runtime passes its own
+    factory: the runtime's sessions share one global pool, which refuses per-session pools)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = threads
-    try:
-        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    except RuntimeError as err:
-        if "global thread pool" not in str(err):
-            raise
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.use_per_session_threads = False
-        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
-def calibrate(fp32_dir: Path, texts: list[str], source: str, weights: set[str], threads: int = 0) -> Calibration:
-    """Run the fp32 prefill graph of an exported target folder on texts; stats for every weight in `weights`."""
+def calibrate(fp32_dir: Path, texts: list[str], source: str, weights: set[str], threads: int = 0,
+              session_factory=None) -> Calibration:
+    """Run the fp32 prefill graph of an exported target folder on texts; stats for every weight in `weights`.
+    session_factory(path) -> InferenceSession, when the caller's process needs its own kind of session."""
     import onnx
     from tokenizers import Tokenizer
 
@@ -154,7 +148,7 @@ def calibrate(fp32_dir: Path, texts: list[str], source: str, weights: set[str], 
     with tempfile.NamedTemporaryFile(dir=fp32_dir, prefix=".calibrate-", suffix=".onnx") as tmp:
         onnx.save_model(model, tmp.name)
         del model
-        session = _session(tmp.name, threads)
+        session = (session_factory or (lambda path: _session(path, threads)))(tmp.name)
     tokenizer = Tokenizer.from_file(str(fp32_dir / "tokenizer.json"))
     cfg = json.loads((fp32_dir / "model.json").read_text())
     n_layers, hkv, d = int(cfg["n_layers"]), int(cfg["n_kv_heads"]), int(cfg["head_dim"])

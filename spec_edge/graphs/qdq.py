@@ -1,18 +1,20 @@
 """Quantized ONNX for both backends: graphs.weights int4_awq | int4_gguf | fp8 | nvfp4 as Q/DQ nodes.
 
 A post-export pass like quantize.py and ort_attention.py: every decoder linear layer of the target,
-an exported Gemm(x, W, transB=1) reading model.layers.<i>.{self_attn,mlp}.*_proj.weight, keeps its
-node and gets its weight from a DequantizeLinear over low-precision codes (graphs/qdq_formats.py
-holds the numbers). Embeddings, the LM head and the norms stay in the graph's dtype. Nothing else
+an exported Gemm(x, W, transB=1) reading model.layers.<i>.{self_attn,mlp}.*_proj.weight, becomes
+MatMul(x', DequantizeLinear(codes, scale)) with the codes stored as W.T (K, N), blocks along K = the
+DQ's axis 0: TensorRT's weight-only pattern (DQ -> MatMul), and the one ONNX Runtime's CPU fuses
+into MatMulNBits (0.7 ms instead of 15 ms for a 576 x 1536 INT4 weight with Gemm(transB=1) over an
+axis-1 DQ, measured here). graphs/qdq_formats.py holds the numbers. Embeddings, the LM head and the norms stay in the graph's dtype. Nothing else
 changes: inputs, outputs, their names (io_names.py) and shapes (static, or the dynamic T of the
 TensorRT graphs) are the export's.
 
-    int4_awq   x' = x * pre (AWQ)          W = DQ(INT4 codes, scale, axis=1, block_size=B)
-    int4_gguf                              W = DQ(INT4 q - 8, d, axis=1, block_size=32);
+    int4_awq   x' = x * pre (AWQ)          W.T = DQ(INT4 codes, scale, axis=0, block_size=B)
+    int4_gguf                              W.T = DQ(INT4 q - 8, d, axis=0, block_size=32);
                                            y += BlockSum32(x) @ (m + 8 d)   (the GGUF's Q4_1 bits)
-    fp8        x' = DQ(Q(x, s_x))          W = DQ(FLOAT8E4M3FN codes, per-row scale, axis=0)
-    nvfp4                                  W = DQ(FLOAT4E2M1 codes, DQ(FP8 block scales, global), axis=1,
-                                                  block_size=16)   (weights only: see docs/tensorrt.md)
+    fp8        x' = DQ(Q(x, s_x))          W.T = DQ(FLOAT8E4M3FN codes, per-column scale, axis=1)
+    nvfp4                                  W.T = DQ(FLOAT4E2M1 codes, DQ(FP8 block scales, global), axis=0,
+                                                    block_size=16)   (weights only: see docs/tensorrt.md)
 
 Each weight is rounded once and shared by every graph of the folder (one weights.bin), so the
 prefill, step and verify graphs multiply by the very same numbers: speculative output stays equal
@@ -39,7 +41,7 @@ import numpy as np
 from spec_edge.config import QDQ_WEIGHTS, ConfigError
 from spec_edge.graphs import qdq_formats as qf
 
-QDQ_FORMAT = 1
+QDQ_FORMAT = 2  # 2: MatMul over (K, N) codes, DQ axis 0 (ONNX Runtime fuses it into MatMulNBits)
 Progress = Callable[[str], None]
 LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 OPSET = {"int4_awq": 21, "int4_gguf": 21, "fp8": 21, "nvfp4": 23}  # blocked DQ: 21; FLOAT4E2M1: 23
@@ -88,22 +90,22 @@ def rewrite_model(model, forms: dict[str, qf.QuantWeight], act_scales: dict[str,
             new_nodes.append(helper.make_node("DequantizeLinear", [f"{base}_act_q", scale, zero], [f"{base}_act_dq"],
                                               name=f"{node.name}_act_dq"))
             x = f"{base}_act_dq"
-        codes = add(form.codes, f"{base}_{form.kind}")
+        codes = add(np.ascontiguousarray(form.codes.T), f"{base}_{form.kind}")  # (K, N): MatMul's B
         if form.kind == "nvfp4":
             new_nodes.append(helper.make_node(
-                "DequantizeLinear", [add(form.scale, f"{base}_fp8_scale"),
+                "DequantizeLinear", [add(np.ascontiguousarray(form.scale.T), f"{base}_fp8_scale"),
                                      add(np.array(form.global_scale, np_float), f"{base}_global_scale")],
                 [f"{base}_block_scale"], name=f"{node.name}_scale_dq"))
-            scale, attrs = f"{base}_block_scale", {"axis": 1, "block_size": form.block}
+            scale, attrs = f"{base}_block_scale", {"axis": 0, "block_size": form.block}
         elif form.kind == "fp8":
-            scale, attrs = add(form.scale.astype(np_float), f"{base}_scale"), {"axis": 0}
+            scale, attrs = add(form.scale.astype(np_float), f"{base}_scale"), {"axis": 1}
         else:
-            scale, attrs = add(form.scale.astype(np_float), f"{base}_scale"), {"axis": 1, "block_size": form.block}
+            scale = add(np.ascontiguousarray(form.scale.T).astype(np_float), f"{base}_scale")
+            attrs = {"axis": 0, "block_size": form.block}
         new_nodes.append(helper.make_node("DequantizeLinear", [codes, scale], [f"{base}_dq"],
                                           name=f"{node.name}_weight_dq", **attrs))
         out = node.output[0] if form.mins is None else f"{base}_main"
-        gemm = helper.make_node("Gemm", [x, f"{base}_dq"], [out], name=node.name, transB=1)
-        new_nodes.append(gemm)
+        new_nodes.append(helper.make_node("MatMul", [x, f"{base}_dq"], [out], name=node.name))
         if form.mins is not None:  # int4_gguf: + BlockSum32(x) @ (m + 8 d)
             raw = node.input[0]
             if raw not in block_sums:
@@ -202,7 +204,7 @@ def folder_for(src_dir: Path, weights: str) -> Path:
     return src_dir.parent / f"{src_dir.name}_{weights}"
 
 
-def ensure_qdq(cfg, src_dir: Path, calib_dir: Path, progress: Progress = print) -> Path:
+def ensure_qdq(cfg, src_dir: Path, calib_dir: Path, progress: Progress = print, session_factory=None) -> Path:
     """The Q/DQ copy of src_dir (an exported or fused target folder) for cfg.graphs.weights; calib_dir:
     the static float32 export calibration runs (int4_awq, fp8). Made once; redone when src_dir, the
     block size or the calibration set changes."""
@@ -222,7 +224,8 @@ def ensure_qdq(cfg, src_dir: Path, calib_dir: Path, progress: Progress = print) 
         calibration = None
         if texts is not None:
             progress(f"[{weights}] calibrating on {len(texts)} prompts from {source} ...")
-            calibration = calib.calibrate(calib_dir, texts, source, _linear_names(src_dir), cfg.runtime.threads)
+            calibration = calib.calibrate(calib_dir, texts, source, _linear_names(src_dir), cfg.runtime.threads,
+                                          session_factory)
         _convert(cfg, src_dir, tmp, record, stamp, calibration, progress)
 
     return ensure_derived(folder_for(src_dir, weights), {"qdq_source_stamp": stamp, "quantization": record}, make)
@@ -310,12 +313,13 @@ def _convert(cfg, src: Path, dst: Path, record: dict, stamp: str, calibration, p
 # What each backend runs
 
 
-def for_onnxruntime(cfg, graph_dir: Path, exported: Path, progress: Progress = print) -> Path:
+def for_onnxruntime(cfg, graph_dir: Path, exported: Path, progress: Progress = print, session_factory=None) -> Path:
     """The folder ONNX Runtime runs for a Q/DQ graphs.weights: the Q/DQ copy of graph_dir (exported or
-    fused), calibrated on the static export `exported`; for nvfp4 its decoded twin (qdq_decode.py)."""
+    fused), calibrated on the static export `exported` (session_factory: the runtime's ONNX Runtime
+    sessions); for nvfp4 its decoded twin (qdq_decode.py)."""
     from spec_edge.graphs import qdq_decode
 
-    folder = ensure_qdq(cfg, graph_dir, exported, progress)
+    folder = ensure_qdq(cfg, graph_dir, exported, progress, session_factory)
     check_profile(cfg, json.loads((folder / "manifest.json").read_text()), folder,
                   f"spec-edge export --weights {cfg.graphs.weights}")
     return qdq_decode.ensure_decoded(folder, progress) if cfg.graphs.weights == "nvfp4" else folder

@@ -1,10 +1,10 @@
 """The numbers of the Q/DQ weight forms (graphs.weights int4_awq | int4_gguf | fp8 | nvfp4), in numpy.
 
 Every form is what one TensorRT DequantizeLinear reads: codes in the ONNX low-precision type and
-the scales that multiply them, in the exported Gemm's own layout (W: (N, K), blocks along K, the
-DQ's axis 1), so the Gemm(x, W, transB=1) keeps its node and only its B input changes:
+the scales that multiply them. The numbers here are in the HF layout W: (N, K), blocks along K;
+graphs/qdq.py stores them transposed, (K, N), for the MatMul that replaces the exported Gemm:
 
-    y = Gemm(x * pre, DQ(codes, scale), transB=1)  [+ BlockSum32(x) @ mins]
+    y = MatMul(x * pre, DQ(codes.T, scale.T))  [+ BlockSum32(x) @ mins]
 
   int4_awq   codes INT4 (N, K) in [-8, 7], symmetric, scale (N, K/B) = block amax / 7 along K
              (block B = graphs.int4_block); pre = 1 / s, the AWQ per-input-channel scale searched on
