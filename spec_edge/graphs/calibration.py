@@ -110,14 +110,24 @@ def linear_inputs(model) -> dict[str, str]:
 
 
 def _session(path: str, threads: int):
-    """A CPU session with its own threads (a process that already runs ONNX Runtime passes its own
-    factory: the runtime's sessions share one global pool, which refuses per-session pools)."""
+    """A CPU session with its own threads; on the process's global pool once the runtime made one
+    (ONNX Runtime then refuses per-session pools; the runtime passes its own factory instead)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    def make(per_session: bool):
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.use_per_session_threads = per_session
+        if per_session:
+            options.intra_op_num_threads = threads
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+    try:
+        return make(True)
+    except RuntimeError as err:
+        if "global thread pool" not in str(err):
+            raise
+        return make(False)
 
 
 def calibrate(fp32_dir: Path, texts: list[str], source: str, weights: set[str], threads: int = 0,
