@@ -23,9 +23,10 @@ calibration set (graphs/calibration.py); backends compare it with the profile (c
 
     <src>_<weights>/   same stems, plus "weights": <form> and "quantization": {...}
 
-ONNX Runtime 1.32's CPU kernels run the INT4 and FP8 files as they are; they have no FLOAT4E2M1
-kernel, so for nvfp4 ONNX Runtime runs <src>_nvfp4_decoded/, the same folder with every weight DQ
-evaluated in numpy from the nvfp4 folder's own stored codes and scales (the same bits, in float32).
+ONNX Runtime 1.32's CPU kernels run the INT4 files as they are (fused into MatMulNBits). They have no
+FLOAT4E2M1 kernel, and run an FP8 weight DQ unfused on every call, so for nvfp4 and fp8 ONNX Runtime
+runs <src>_<form>_decoded/: the same folder with every weight DQ evaluated in numpy from the folder's
+own stored codes and scales (the same values, in float32); fp8's activation Q/DQ nodes stay.
 """
 from __future__ import annotations
 
@@ -316,13 +317,15 @@ def _convert(cfg, src: Path, dst: Path, record: dict, stamp: str, calibration, p
 def for_onnxruntime(cfg, graph_dir: Path, exported: Path, progress: Progress = print, session_factory=None) -> Path:
     """The folder ONNX Runtime runs for a Q/DQ graphs.weights: the Q/DQ copy of graph_dir (exported or
     fused), calibrated on the static export `exported` (session_factory: the runtime's ONNX Runtime
-    sessions); for nvfp4 its decoded twin (qdq_decode.py)."""
+    sessions); for nvfp4 and fp8 its decoded twin (qdq_decode.py)."""
     from spec_edge.graphs import qdq_decode
 
     folder = ensure_qdq(cfg, graph_dir, exported, progress, session_factory)
     check_profile(cfg, json.loads((folder / "manifest.json").read_text()), folder,
                   f"spec-edge export --weights {cfg.graphs.weights}")
-    return qdq_decode.ensure_decoded(folder, progress) if cfg.graphs.weights == "nvfp4" else folder
+    # nvfp4: no FLOAT4E2M1 kernel in ONNX Runtime; fp8: its weight DQ runs unfused on every call (~2 s a
+    # step here). Both run the decoded twin: the same weight values, the activation Q/DQ kept.
+    return qdq_decode.ensure_decoded(folder, progress) if cfg.graphs.weights in ("nvfp4", "fp8") else folder
 
 
 def for_tensorrt(cfg, exported: Path, progress: Progress = print) -> Path:

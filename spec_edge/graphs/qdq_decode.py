@@ -1,5 +1,6 @@
-"""The float32 twin of a Q/DQ folder, for the forms ONNX Runtime has no CPU kernel for (nvfp4:
-ONNX Runtime 1.32 implements neither DequantizeLinear nor Cast for FLOAT4E2M1).
+"""The float32 twin of a Q/DQ folder, for the forms ONNX Runtime's CPU cannot run well: nvfp4 (ONNX
+Runtime 1.32 implements neither DequantizeLinear nor Cast for FLOAT4E2M1) and fp8 (its weight DQ runs
+unfused on every call: ~2 s a step of the embedded default here). Activation Q/DQ (fp8) stays.
 
 Every DequantizeLinear whose inputs are all initializers (or outputs of such DQs: NVFP4's block
 scales) is evaluated here, in numpy, from the codes and scales stored in the Q/DQ folder's own
@@ -7,7 +8,7 @@ weights.bin, and replaced by its float32 result. The values are exact: an FP4 co
 scale times the global scale is what TensorRT's DQ produces. So ONNX Runtime runs the same bits the
 TensorRT file carries; only the storage is wider.
 
-    <src>_nvfp4/  ->  <src>_nvfp4_decoded/   same stems and manifest, plus "decoded": true
+    <src>_nvfp4/  ->  <src>_nvfp4_decoded/   same stems and manifest, plus "decoded": true (fp8 alike)
 """
 from __future__ import annotations
 
