@@ -32,15 +32,16 @@ def main() -> int:
         counts = {}
         for prompt in prompts:
             ids = engine.tokenizer.encode(engine.tokenizer.render_chat([("user", prompt)]))
-            plain = speculative.generate(engine.target, ids, max_new_tokens=args.max_new_tokens, eos_ids=engine.eos_ids)[0]
+            plain = speculative.generate(engine.target, ids, max_new_tokens=args.max_new_tokens,
+                                         eos_ids=engine.eos_ids)[0]
             for name in args.drafters:
                 got, _, stats = speculative.generate(engine.target, ids, max_new_tokens=args.max_new_tokens,
                                                      eos_ids=engine.eos_ids, drafter=engine.drafter(name),
                                                      k=base.speculative.k)
                 same, calls = counts.get(name, (0, 0))
                 counts[name] = (same + (got == plain), calls + stats.verify_calls)
-        print(form, {name: f"{same}/{len(prompts)} exact, {calls} verify calls" for name, (same, calls) in counts.items()},
-              flush=True)
+        summary = {name: f"{same}/{len(prompts)} exact, {calls} verify calls" for name, (same, calls) in counts.items()}
+        print(form, summary, flush=True)
     return 0
 
 

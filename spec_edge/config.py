@@ -134,7 +134,7 @@ class GraphSection:
     # TensorRT and ONNX Runtime: INT4 weight-only with AWQ scales from calibration (blocks of
     # int4_block), INT4 carrying a GGUF's own Q4_1 bits, FP8 E4M3 weights and activations, NVFP4 weights
     weights: str = "fp32"
-    int4_block: int = 64             # int4_awq: weights per INT4 scale along K (64 divides SmolLM2's 576 and Llama's 4096)
+    int4_block: int = 64             # int4_awq: weights per INT4 scale along K (64 divides SmolLM2's 576, Llama's 4096)
     # int4_awq / fp8 calibration prompts: a prompt file like `spec-edge tune`'s (.jsonl or one prompt a
     # line); "" = the shipped set bench/calibration.jsonl. Its hash is recorded in the manifest.
     calibration: str = ""

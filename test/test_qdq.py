@@ -214,7 +214,8 @@ def test_tensorrt_export_writes_the_qdq_graphs_without_a_gpu(small, prompt_file)
                          "runtime.profile": "trt"})  # its own artifact folder: the static export stays
     dirs = builder.export_all(cfg, QUIET)
     target = dirs["target"]
-    assert target.name.endswith("_int4_awq") and json.loads((target / "manifest.json").read_text())["weights"] == "int4_awq"
+    assert target.name.endswith("_int4_awq")
+    assert json.loads((target / "manifest.json").read_text())["weights"] == "int4_awq"
     for stem in json.loads((target / "manifest.json").read_text())["graphs"]:
         assert specs.onnx_quantization(target / f"{stem}.onnx") == "int4"
         graph = onnx.load(str(target / f"{stem}.onnx"), load_external_data=False)
@@ -227,8 +228,8 @@ def test_plan_counts_the_produced_file(tiny_cfg, tmp_path):
     """Once the Q/DQ folder exists, the memory plan's target weights are its weights.bin, not the estimate."""
     from spec_edge.device import memory, profiles
 
-    cfg = tiny_cfg.replace(**{"runtime.engine_dir": str(tmp_path), "runtime.backend": "tensorrt", "graphs.dtype": "bfloat16", "graphs.weights": "nvfp4",
-                         "runtime.profile": "plan"})
+    cfg = tiny_cfg.replace(**{"runtime.engine_dir": str(tmp_path), "runtime.backend": "tensorrt",
+                              "graphs.dtype": "bfloat16", "graphs.weights": "nvfp4", "runtime.profile": "plan"})
     assert profiles.quantized_weights_bytes(cfg) is None  # nothing written yet for this profile
     inputs = profiles.plan_inputs(cfg)
     estimate = memory.weight_bytes(inputs.target, "bfloat16", "nvfp4")

@@ -5,7 +5,8 @@ an exported Gemm(x, W, transB=1) reading model.layers.<i>.{self_attn,mlp}.*_proj
 MatMul(x', DequantizeLinear(codes, scale)) with the codes stored as W.T (K, N), blocks along K = the
 DQ's axis 0: TensorRT's weight-only pattern (DQ -> MatMul), and the one ONNX Runtime's CPU fuses
 into MatMulNBits (0.7 ms instead of 15 ms for a 576 x 1536 INT4 weight with Gemm(transB=1) over an
-axis-1 DQ, measured here). graphs/qdq_formats.py holds the numbers. Embeddings, the LM head and the norms stay in the graph's dtype. Nothing else
+axis-1 DQ, measured here). graphs/qdq_formats.py holds the numbers. Embeddings, the LM head and the
+norms stay in the graph's dtype. Nothing else
 changes: inputs, outputs, their names (io_names.py) and shapes (static, or the dynamic T of the
 TensorRT graphs) are the export's.
 
@@ -112,14 +113,16 @@ def rewrite_model(model, forms: dict[str, qf.QuantWeight], act_scales: dict[str,
             if raw not in block_sums:
                 shape = add(np.array([0, -1, qf.Q4_1_BLOCK], np.int64), f"{base}_bs_shape")
                 axes = add(np.array([-1], np.int64), f"{base}_bs_axes")
-                new_nodes.append(helper.make_node("Reshape", [raw, shape], [f"{base}_bs_blocks"], name=f"{node.name}_bs_r"))
+                new_nodes.append(helper.make_node("Reshape", [raw, shape], [f"{base}_bs_blocks"],
+                                                  name=f"{node.name}_bs_r"))
                 new_nodes.append(helper.make_node("ReduceSum", [f"{base}_bs_blocks", axes], [f"{base}_blocksum"],
                                                   name=f"{node.name}_bs", keepdims=0))
                 block_sums[raw] = f"{base}_blocksum"
             mins = add(form.mins.astype(np_float), f"{base}_mins")
             new_nodes.append(helper.make_node("MatMul", [block_sums[raw], mins], [f"{base}_minterm"],
                                               name=f"{node.name}_mins"))
-            new_nodes.append(helper.make_node("Add", [out, f"{base}_minterm"], [node.output[0]], name=f"{node.name}_add"))
+            new_nodes.append(helper.make_node("Add", [out, f"{base}_minterm"], [node.output[0]],
+                                              name=f"{node.name}_add"))
         done += 1
     del graph.node[:]
     graph.node.extend(new_nodes)
@@ -307,7 +310,8 @@ def _convert(cfg, src: Path, dst: Path, record: dict, stamp: str, calibration, p
     manifest.update(weights=weights, quantization=record, quantization_detail=full, qdq_source_stamp=stamp,
                     weights_bytes=store.size, qdq_seconds=round(time.monotonic() - started, 1))
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    progress(f"[{weights}] ready: {len(forms)} weights, weights.bin {store.size / 1e6:.1f} MB in {manifest['qdq_seconds']} s")
+    progress(f"[{weights}] ready: {len(forms)} weights, weights.bin {store.size / 1e6:.1f} MB "
+             f"in {manifest['qdq_seconds']} s")
 
 
 # ---------------------------------------------------------------------------------------------
