@@ -34,6 +34,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--medusa-head", help="Medusa heads folder for --drafter medusa (speculative.medusa_head)")
     group.add_argument("--peagle-head", help="parallel-drafting head folder for --drafter peagle "
                        "(speculative.peagle_head)")
+    group.add_argument("--calibration", help="prompt file the int4_awq / fp8 forms calibrate on (graphs.calibration)")
 
 
 def _from_cwd(path: str | None) -> str | None:
@@ -47,7 +48,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
                  "graphs.max_context": args.max_context, "runtime.engine_dir": _from_cwd(args.engine_dir),
                  "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
                  "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head,
-                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head}
+                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head,
+                 "graphs.calibration": args.calibration}
+    weights = getattr(args, "weights", None)
+    if isinstance(weights, str):  # export / generate: one form (bench takes a list and runs each)
+        overrides["graphs.weights"] = weights
     k = getattr(args, "k", None)
     if k is not None:
         overrides["speculative.k"] = k
@@ -110,6 +115,8 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from spec_edge.tools import bench
 
+    if args.accuracy:
+        return bench.accuracy_main(config_from_args(args), args, progress)
     return bench.main(config_from_args(args), args, progress)
 
 
@@ -133,10 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="export the static ONNX graphs of the configured models")
     add_config_args(p)
+    p.add_argument("--weights", choices=cfgmod.WEIGHTS, help="target weights form (graphs.weights)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="answer one prompt with speculative decoding")
     add_config_args(p)
+    p.add_argument("--weights", choices=cfgmod.WEIGHTS, help="target weights form (graphs.weights)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", help="system prompt (default: the chat template's)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
@@ -165,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
     p.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (default: 0; --full: 0 0.7 1)")
     p.add_argument("--weights", nargs="+", choices=cfgmod.WEIGHTS, help="graphs.weights variants to measure")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead of speed: fp32 vs each --weights form (top-1, KL, perplexity, greedy agreement, "
+                        "speculative exactness; spec_edge/tools/accuracy.py)")
     p.add_argument("--ort-attention", nargs="+", choices=cfgmod.ORT_ATTENTION,
                    help="graphs.ort_attention variants to measure (default: the profile's); rows of the "
                         "exported attention are labelled <weights>+graph")

@@ -30,7 +30,8 @@ EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
 HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
 BACKENDS = ("onnxruntime", "tensorrt")
-WEIGHTS = ("fp32", "q4", "q4_fp32act")  # graphs.weights (ONNX Runtime backend)
+QDQ_WEIGHTS = ("int4_awq", "int4_gguf", "fp8", "nvfp4")  # graphs.weights as Q/DQ ONNX (both backends)
+WEIGHTS = ("fp32", "q4", "q4_fp32act") + QDQ_WEIGHTS  # graphs.weights
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
 # The drafters each backend can run. TensorRT: every drafter whose graphs have an engine spec
@@ -105,12 +106,19 @@ class GraphSection:
     k_values: tuple[int, ...] = (4,)  # a verify graph of width k+1 is exported for each k
     dtype: str = "float32"           # float32 (CPU) | float16 | bfloat16 (TensorRT)
     layer_skip_layers: int = 8       # layers of the target the layer-skip drafter runs
-    quantization: str = "none"       # none | fp8 | nvfp4: target linear weights (TensorRT, Q/DQ ONNX)
-    # ONNX Runtime target weights: fp32 | q4 | q4_fp32act. q4 carries the GGUF's Q4_1 blocks (and the
-    # Q8_0 head) into MatMulNBits without re-rounding (spec_edge/graphs/quantize.py); q4 multiplies with int8
+    # Target weights: fp32 | q4 | q4_fp32act | int4_awq | int4_gguf | fp8 | nvfp4.
+    # q4 / q4_fp32act (ONNX Runtime, float32 graphs) carry the GGUF's Q4_1 blocks (and the Q8_0 head)
+    # into MatMulNBits without re-rounding (spec_edge/graphs/quantize.py); q4 multiplies with int8
     # activations like llama.cpp (logits move ~1, greedy text may differ from fp32), q4_fp32act keeps
-    # fp32 activations (logits within 1e-4 of fp32, less speed-up)
+    # fp32 activations (logits within 1e-4 of fp32, less speed-up).
+    # int4_awq | int4_gguf | fp8 | nvfp4 are Q/DQ ONNX (spec_edge/graphs/qdq.py), the same files for
+    # TensorRT and ONNX Runtime: INT4 weight-only with AWQ scales from calibration (blocks of
+    # int4_block), INT4 carrying a GGUF's own Q4_1 bits, FP8 E4M3 weights and activations, NVFP4 weights
     weights: str = "fp32"
+    int4_block: int = 64             # int4_awq: weights per INT4 scale along K (64 divides SmolLM2's 576, Llama's 4096)
+    # int4_awq / fp8 calibration prompts: a prompt file like `spec-edge tune`'s (.jsonl or one prompt a
+    # line); "" = the shipped set bench/calibration.jsonl. Its hash is recorded in the manifest.
+    calibration: str = ""
     # ONNX Runtime attention: fused | graph. fused rewrites each layer's attention into one
     # GroupQueryAttention node that writes the cache in place and reads only rows < position + T
     # (spec_edge/graphs/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
@@ -221,6 +229,7 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
 
 
 _DEFAULTS = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
+_FOLDED = {"none": "fp32", "fp8": "fp8", "nvfp4": "nvfp4"}  # the old graphs.quantization -> graphs.weights
 
 
 def to_params(cfg: Config) -> dict[str, Any]:
@@ -237,6 +246,10 @@ def to_params(cfg: Config) -> dict[str, Any]:
 def from_params(params: dict[str, Any]) -> Config:
     """Config from flat 'section.field' keys; missing keys keep their defaults, unknown ones fail."""
     known = to_params(Config())
+    if "graphs.quantization" in params:
+        raise ConfigError(f"graphs.quantization is gone: the quantized forms are values of graphs.weights now "
+                          f"(graphs.quantization: {params['graphs.quantization']} -> graphs.weights: "
+                          f"{_FOLDED.get(params['graphs.quantization'], 'fp32')}; values: {', '.join(WEIGHTS)})")
     unknown = sorted(set(params) - set(known))
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}; known keys: {', '.join(sorted(known))}")
@@ -330,16 +343,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"graphs.k_values must list k values in [1, 16], got {list(g.k_values)}")
     if g.dtype not in ("float32", "float16", "bfloat16"):
         raise ConfigError(f"graphs.dtype must be float32, float16 or bfloat16, got {g.dtype}")
-    if g.quantization not in ("none", "fp8", "nvfp4"):
-        raise ConfigError(f"graphs.quantization must be none, fp8 or nvfp4, got {g.quantization}")
-    if g.quantization != "none" and (cfg.runtime.backend != "tensorrt" or g.dtype == "float32"):
-        raise ConfigError(f"graphs.quantization={g.quantization} needs runtime.backend=tensorrt and "
-                          f"graphs.dtype float16 or bfloat16 (the activations' dtype)")
     if g.weights not in WEIGHTS:
         raise ConfigError(f"graphs.weights must be one of {', '.join(WEIGHTS)}, got {g.weights}")
-    if g.weights != "fp32" and (cfg.runtime.backend != "onnxruntime" or g.dtype != "float32"):
+    if g.weights in ("q4", "q4_fp32act") and (cfg.runtime.backend != "onnxruntime" or g.dtype != "float32"):
         raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
-                          f"runtime.backend=onnxruntime and graphs.dtype=float32")
+                          f"runtime.backend=onnxruntime and graphs.dtype=float32 (TensorRT: int4_awq or int4_gguf)")
+    if g.weights in QDQ_WEIGHTS and cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
+        raise ConfigError(f"graphs.weights={g.weights} on ONNX Runtime runs float32 graphs; set graphs.dtype: float32")
+    if g.int4_block not in (32, 64, 128, 256):
+        raise ConfigError(f"graphs.int4_block must be 32, 64, 128 or 256, got {g.int4_block}")
     if g.head_weights not in HEAD_WEIGHTS:
         raise ConfigError(f"graphs.head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {g.head_weights}")
     if g.ort_attention not in ORT_ATTENTION:

@@ -147,9 +147,14 @@ def test_plan_runs_before_anything(tmp_path, checkpoint, fake_trt, monkeypatch):
 
 
 def test_quantized_profile_needs_a_quantized_export(tmp_path, checkpoint, fake_trt):
-    cfg = make_cfg(tmp_path, checkpoint, **{"graphs.quantization": "fp8"})
-    with pytest.raises(BuildError, match="ModelOpt"):
-        builder.build(cfg, progress=quiet)
+    """An engine spec over an unquantized graph is refused for a quantized profile (graphs/qdq.py writes the
+    Q/DQ graphs in export_all; this is the check that no bf16 engine is built in their place)."""
+    cfg = make_cfg(tmp_path, checkpoint, **{"graphs.weights": "fp8"})
+    plain = tmp_path / "plain.onnx"
+    write_graph(plain, 1)
+    spec = EngineSpec(name="target", role="target", onnx=plain, widths=(1,), kinds={1: "step"}, dynamic=False)
+    with pytest.raises(BuildError, match="graphs.weights=fp8"):
+        builder.check_quantization(cfg, [spec])
     assert fake_trt == []
 
 

@@ -142,7 +142,7 @@ def test_refusal_names_the_numbers():
     assert "does not fit" in text and "GiB" in text
     assert f"graphs.max_context <= {p.largest_max_context}" in text
     assert "target weights" in text and "OS + ROS reserve" in text
-    assert "graphs.quantization: fp8" in text
+    assert "graphs.weights: int4_awq, fp8 or nvfp4" in text
 
 
 def test_refusal_when_the_device_has_less_free_now():

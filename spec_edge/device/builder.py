@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError
+from spec_edge.config import HEAD_DRAFTERS, QDQ_WEIGHTS, Config, ConfigError
 from spec_edge.device import head_memory, memory
 from spec_edge.device.engine_file import engine_stamp, load_engine
 from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, identity_config, manifest_header, precision,
@@ -206,6 +206,9 @@ def export_all(cfg: Config, progress: Progress) -> dict[str, Path]:
     from spec_edge.graphs import export
     dynamic = engine_layout() == "shared"
     dirs = {"target": export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress, dynamic)}
+    if cfg.graphs.weights in QDQ_WEIGHTS:  # the Q/DQ ONNX TensorRT builds from (graphs/qdq.py, no GPU needed)
+        from spec_edge.graphs import qdq
+        dirs["target"] = qdq.for_tensorrt(cfg, dirs["target"], progress)
     if cfg.speculative.drafter == "draft":
         dirs["draft"] = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), progress, dynamic)
     if cfg.speculative.drafter in HEAD_DRAFTERS:
@@ -249,14 +252,15 @@ def write_export_manifest(cfg: Config, onnx_dirs: dict[str, Path], specs: Sequen
 
 def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:
     """A quantized profile needs a quantized export: refuse before TensorRT silently builds bf16."""
-    want = cfg.graphs.quantization
+    want = {"fp32": "none", "int4_awq": "int4", "int4_gguf": "int4"}.get(cfg.graphs.weights, cfg.graphs.weights)
     for spec in specs:
         if spec.role in ("draft", "eagle3"):  # the draft model and the head stay in graphs.dtype
             continue
         have = onnx_quantization(spec.onnx)
         if have != want:
-            raise BuildError(f"graphs.quantization={want} but {spec.onnx} carries {have} weights: "
-                             f"export the target through ModelOpt ({want}) first, see docs/tensorrt.md")
+            raise BuildError(f"graphs.weights={cfg.graphs.weights} but {spec.onnx} carries {have} weights: "
+                             f"`spec-edge build <profile> --force` writes the Q/DQ graphs (graphs/qdq.py), "
+                             f"see docs/tensorrt.md")
 
 
 def export_only(cfg: Config, *, progress: Progress = print, device: memory.DeviceMemory | None = None) -> Path:
@@ -334,9 +338,9 @@ def report_engine_sizes(cfg: Config, manifest: dict[str, Any], progress: Progres
     when TensorRT stored more (e.g. weights duplicated across optimization profiles): the plan
     is then optimistic and `spec-edge plan --layout per_graph` is the safer bound."""
     inputs = plan_inputs(cfg, manifest.get("layout"))
-    dtype, quant = cfg.graphs.dtype, cfg.graphs.quantization
-    expected = {"target": memory.weight_bytes(inputs.target, dtype, quant),
-                "layerskip": memory.weight_bytes(inputs.target, dtype, quant,
+    dtype, quant, block = cfg.graphs.dtype, cfg.graphs.weights, cfg.graphs.int4_block
+    expected = {"target": memory.weight_bytes(inputs.target, dtype, quant, int4_block=block),
+                "layerskip": memory.weight_bytes(inputs.target, dtype, quant, int4_block=block,
                                                  n_layers=cfg.graphs.layer_skip_layers)}
     if inputs.draft is not None:
         expected["draft"] = memory.weight_bytes(inputs.draft, dtype)

@@ -79,8 +79,11 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
     parser.add_argument("--export-only", action="store_true",
                         help="plan check and every ONNX graph TensorRT would be given, with their manifest; "
                              "needs no CUDA and no TensorRT")
+    parser.add_argument("--weights", choices=memory.QUANTIZATIONS, help="override graphs.weights (the target's form)")
     args = parser.parse_args(_without_ros_args(argv))
     overrides = {"runtime.engine_dir": str(Path(args.engine_dir).expanduser().absolute())} if args.engine_dir else {}
+    if args.weights:
+        overrides["graphs.weights"] = args.weights
     try:
         cfg = _load_profile(args.profile, overrides)
         if args.check:
@@ -113,7 +116,9 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
 
 # acceptance rates assumed for the k tables until `spec-edge bench` has measured them on the robot
 ASSUMED_ALPHA = {"thor_llama31_8b_bf16": 0.75, "thor_llama31_8b_fp8": 0.75, "thor_qwen3_8b_bf16": 0.70,
-                 "thor_llama31_8b_layerskip": 0.40, "thor_llama31_8b_eagle3": 0.75}
+                 "thor_llama31_8b_layerskip": 0.40, "thor_llama31_8b_eagle3": 0.75,
+                 "thor_llama31_8b_eagle3_int4": 0.80, "thor_llama31_8b_eagle3_fp8": 0.80,
+                 "thor_llama31_8b_eagle3_nvfp4": 0.80}
 
 
 def profile_report(cfg: Config, alpha: float) -> str:

@@ -37,8 +37,8 @@ FORMAT_VERSION = 2  # 2: engines of export format 2 (one cache input per layer)
 MANIFEST = "manifest.json"
 # config keys an engine is built for; any difference means the engine must be rebuilt
 IDENTITY_KEYS = ("model.target", "model.draft", "graphs.max_context", "graphs.prefill_chunk",
-                 "graphs.k_values", "graphs.dtype", "graphs.quantization", "graphs.layer_skip_layers",
-                 "speculative.drafter", "speculative.eagle3_head")
+                 "graphs.k_values", "graphs.dtype", "graphs.weights", "graphs.int4_block", "graphs.calibration",
+                 "graphs.layer_skip_layers", "speculative.drafter", "speculative.eagle3_head")
 
 
 class ManifestError(RuntimeError):
@@ -96,8 +96,8 @@ def role_fingerprint(cfg: Config, role: str) -> str:
 
 
 def precision(cfg: Config) -> str:
-    q = cfg.graphs.quantization
-    return cfg.graphs.dtype if q == "none" else f"{q}+{cfg.graphs.dtype}"
+    q = cfg.graphs.weights
+    return cfg.graphs.dtype if q == "fp32" else f"{q}+{cfg.graphs.dtype}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,11 @@ norms stay in the activation dtype, as ModelOpt's default FP8/NVFP4 recipes leav
   float32 4, float16/bfloat16 2,
   fp8   1 byte + one fp32 scale per tensor for the weight and one for its input,
   nvfp4 0.5 byte (E2M1) + one FP8 E4M3 scale per 16-element block (1/16 byte) = 0.5625 byte,
-        + one fp32 global scale per tensor for the weight and one for its input.
+        + one fp32 global scale per tensor for the weight and one for its input,
+  int4_awq  0.5 byte + one dtype scale per graphs.int4_block weights + the AWQ pre-scale (K per layer),
+  int4_gguf 0.5 byte + one dtype scale and one dtype minimum per 32 weights (the GGUF's Q4_1),
+(graphs.weights; spec_edge/graphs/qdq.py writes these files). Once the quantized folder exists
+(`spec-edge build --export-only`), the target's weights are its weights.bin's real size instead.
 The KV cache stays in graphs.dtype (2 bytes for bf16).
 """
 from __future__ import annotations
@@ -55,7 +59,7 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-QUANTIZATIONS = ("none", "fp8", "nvfp4")
+QUANTIZATIONS = ("fp32", "int4_awq", "int4_gguf", "fp8", "nvfp4")  # graphs.weights values TensorRT builds
 LINEARS_PER_LAYER = 7          # q, k, v, o, gate, up, down
 NVFP4_BLOCK = 16               # elements per FP8 block scale
 CONTEXT_STEP = 256             # the largest max_context is reported in multiples of this
@@ -69,8 +73,8 @@ class PlanError(ConfigError):
 # Pure arithmetic
 
 
-def weight_bytes(m: ModelConfig, dtype: str, quantization: str = "none", n_layers: int | None = None,
-                 tied_copies: int = 2) -> int:
+def weight_bytes(m: ModelConfig, dtype: str, quantization: str = "fp32", n_layers: int | None = None,
+                 tied_copies: int = 2, int4_block: int = 128) -> int:
     """Bytes of the weights an engine of `m` (or of its first n_layers) holds.
 
     linear weights in the quantized format (or dtype), embedding + head + norms in dtype; a tied
@@ -84,10 +88,15 @@ def weight_bytes(m: ModelConfig, dtype: str, quantization: str = "none", n_layer
     h, d = m.hidden_size, m.head_dim
     linear = h * d * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * h * m.intermediate_size
     norms = 2 * h + (2 * d if m.qk_norm else 0)
-    if quantization == "none":
+    if quantization == "fp32":
         linear_bytes = linear * dt
     elif quantization == "fp8":
         linear_bytes = linear + LINEARS_PER_LAYER * 2 * 4
+    elif quantization == "int4_awq":  # codes + a scale per block + the AWQ pre-scale of each layer's input
+        pre = h * 4 + h * 2 + d * m.n_heads + m.intermediate_size  # q/k/v, gate/up, o, down inputs
+        linear_bytes = linear // 2 + linear // int4_block * dt + pre * dt
+    elif quantization == "int4_gguf":  # codes + scale d + minimum per 32 weights
+        linear_bytes = linear // 2 + linear // 32 * 2 * dt
     else:  # nvfp4: 4-bit values + FP8 scale per 16-element block + 2 fp32 global scales per tensor
         linear_bytes = linear // 2 + linear // NVFP4_BLOCK + LINEARS_PER_LAYER * 2 * 4
     embed = m.vocab_size * h * (tied_copies if m.tie_embeddings else 2)
@@ -158,6 +167,7 @@ class PlanInputs:
     measured_activation: int | None = None  # an engine's device_memory_size, when built
     head: "HeadConfig | None" = None  # drafter eagle3 / hybrid: the EAGLE-3 head engine
     hidden_layers: int = 0            # hidden states the target returns for the head (3 for EAGLE-3)
+    measured_target_weights: int | None = None  # bytes of the quantized folder's weights.bin, when made
 
 
 @dataclass(frozen=True)
@@ -210,12 +220,15 @@ def _gib(n: int) -> str:
 
 
 def _precision(i: PlanInputs) -> str:
-    q = i.graphs.quantization
-    return i.graphs.dtype if q == "none" else f"{q} weights / {i.graphs.dtype} activations"
+    q = _quantization(i.graphs)
+    return i.graphs.dtype if q == "fp32" else f"{q} weights / {i.graphs.dtype} activations"
 
 
 def _quantization(graphs: GraphSection) -> str:
-    return graphs.quantization
+    if graphs.weights not in QUANTIZATIONS:
+        raise ConfigError(f"graphs.weights={graphs.weights} is an ONNX Runtime form; TensorRT builds "
+                          f"{', '.join(QUANTIZATIONS)}")
+    return graphs.weights
 
 
 def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], int]:
@@ -224,8 +237,12 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
     quant = _quantization(g)
     t_widths = target_widths(g)
     copies = 1 if i.layout == "shared" else len(t_widths)
-    target_w = weight_bytes(i.target, dtype, quant)
-    lines: list[tuple[str, int]] = [(f"target weights ({copies} engine{'s' if copies > 1 else ''})",
+    target_w = weight_bytes(i.target, dtype, quant, int4_block=g.int4_block)
+    measured = ""
+    if i.measured_target_weights is not None:  # the produced file (scales, minima, pre-scales included)
+        tied = i.target.vocab_size * i.target.hidden_size * DTYPE_BYTES[dtype] if i.target.tie_embeddings else 0
+        target_w, measured = i.measured_target_weights + tied, ", file"
+    lines: list[tuple[str, int]] = [(f"target weights ({copies} engine{'s' if copies > 1 else ''}{measured})",
                                      target_w * copies)]
     engines = [target_w]
     draft_w = draft_kv = 0
@@ -246,7 +263,7 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
         n = g.layer_skip_layers
         if not 1 <= n < i.target.n_layers:
             raise ConfigError(f"graphs.layer_skip_layers must be in [1, {i.target.n_layers - 1}], got {n}")
-        one = weight_bytes(i.target, dtype, quant, n_layers=n)
+        one = weight_bytes(i.target, dtype, quant, n_layers=n, int4_block=g.int4_block)
         draft_w = one
         engines.append(one)
         io += io_bytes(i.target, 2, dtype, n_layers=n)
@@ -332,8 +349,8 @@ def check(p: Plan) -> Plan:
         hints.append(f"the plan needs {_gib(p.total)} of {_gib(p.device)}")
         if p.largest_max_context >= p.inputs.graphs.prefill_chunk:
             hints.append(f"set graphs.max_context <= {p.largest_max_context}")
-        if _quantization(p.inputs.graphs) == "none":
-            hints.append("or quantize the target (graphs.quantization: fp8)")
+        if _quantization(p.inputs.graphs) == "fp32":
+            hints.append("or quantize the target (graphs.weights: int4_awq, fp8 or nvfp4)")
     if p.build_peak > p.device:
         hints.append(f"building the largest engine needs {_gib(p.build_peak)}: quantize, or lower "
                      "memory.workspace_gb")

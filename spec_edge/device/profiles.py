@@ -81,7 +81,28 @@ def plan_inputs(cfg: Config, layout: str | None = None, measured_activation: int
     return memory.PlanInputs(target=target, graphs=cfg.graphs, memory=cfg.memory,
                              drafter=drafter, k=cfg.speculative.k, draft=draft,
                              layout=layout or engine_layout(), measured_activation=measured_activation,
-                             head=head, hidden_layers=len(head.aux_layers) if head is not None else 0)
+                             head=head, hidden_layers=len(head.aux_layers) if head is not None else 0,
+                             measured_target_weights=quantized_weights_bytes(cfg))
+
+
+def quantized_weights_bytes(cfg: Config) -> int | None:
+    """The size of the target's Q/DQ weights.bin (codes, scales, minima, pre-scales: all of it) once
+    `spec-edge build` (or --export-only) has written it for this profile's graphs.weights; else None."""
+    import json
+
+    from spec_edge.config import QDQ_WEIGHTS
+    from spec_edge.graphs import export, qdq
+
+    if cfg.graphs.weights not in QDQ_WEIGHTS:
+        return None
+    folder = qdq.folder_for(export.artifact_dir(cfg, "target"), cfg.graphs.weights)
+    manifest = folder / "manifest.json"
+    if not manifest.is_file():
+        return None
+    record = json.loads(manifest.read_text()).get("quantization") or {}
+    if record.get("block_size") != qdq.wanted_record(cfg, cfg.graphs.weights, None).get("block_size"):
+        return None  # made for another block size: the estimate is the better number until rebuilt
+    return (folder / "weights.bin").stat().st_size
 
 
 def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None, layout: str | None = None,

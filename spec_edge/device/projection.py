@@ -48,6 +48,17 @@ def speedup(alpha: float, k: int, draft_cost: float) -> float:
     return expected_tokens(alpha, k) / (k * draft_cost + VERIFY_OVERHEAD)
 
 
+EAGLE3_DRAFT_VOCAB = 32000  # yuhuili/EAGLE3-LLaMA3.1-Instruct-8B's reduced draft vocabulary
+
+
+def eagle3_head_bytes(m: ModelConfig, dtype: str) -> int:
+    """Weights one EAGLE-3 draft step reads: fc (3 hidden -> hidden), one decoder layer whose q/k/v read
+    2 hidden (embedding + fused state), its MLP, and the draft-vocabulary head, all in dtype."""
+    h, d, dt = m.hidden_size, m.head_dim, DTYPE_BYTES[dtype]
+    attn = 2 * h * d * (m.n_heads + 2 * m.n_kv_heads) + m.n_heads * d * h
+    return (3 * h * h + attn + 3 * h * m.intermediate_size + EAGLE3_DRAFT_VOCAB * h) * dt
+
+
 def best_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
     return max(range(1, k_max + 1), key=lambda k: speedup(alpha, k, draft_cost))
 
@@ -55,10 +66,10 @@ def best_k(alpha: float, draft_cost: float, k_max: int = 8) -> int:
 def draft_cost(i: PlanInputs) -> float | None:
     """Draft call time / target step time for the plan's drafter (None: no drafter). ngram
     drafting is a host-side lookup: cost 0."""
-    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
+    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.weights
     target = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
     if i.drafter == "draft" and i.draft is not None:
-        return call_seconds(bytes_read_per_call(i.draft, dtype, "none", s), i.draft.n_layers) / target
+        return call_seconds(bytes_read_per_call(i.draft, dtype, "fp32", s), i.draft.n_layers) / target
     if i.drafter == "layerskip":
         n = i.graphs.layer_skip_layers
         return call_seconds(bytes_read_per_call(i.target, dtype, q, s, n_layers=n), n) / target
@@ -69,6 +80,8 @@ def draft_cost(i: PlanInputs) -> float | None:
         return call_seconds(head, 1) / target
     if i.drafter == "ngram":
         return 0.0
+    if i.drafter in ("eagle3", "hybrid"):
+        return call_seconds(eagle3_head_bytes(i.target, dtype), 1) / target
     return None
 
 
@@ -77,7 +90,7 @@ def k_table(i: PlanInputs, alpha: float, k_max: int = 8) -> str:
     c = draft_cost(i)
     if c is None:
         return "drafter=none: no speculative decoding"
-    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.quantization
+    s, dtype, q = i.graphs.max_context, i.graphs.dtype, i.graphs.weights
     step = call_seconds(bytes_read_per_call(i.target, dtype, q, s), i.target.n_layers)
     rows = [f"k choice at acceptance alpha={alpha:.2f}: target step ~{step * 1e3:.0f} ms "
             f"(memory-bound model, S={s}), draft call = {c:.3f} x step",

@@ -105,7 +105,7 @@ def onnx_token_width(onnx_path: Path) -> int | None:
 
 
 def onnx_quantization(onnx_path: Path) -> str:
-    """'fp8', 'nvfp4' or 'none': what Q/DQ nodes the graph's weights carry (ModelOpt export)."""
+    """'int4', 'fp8', 'nvfp4' or 'none': what Q/DQ nodes the graph's weights carry (graphs/qdq.py, ModelOpt)."""
     import onnx
     model = onnx.load(str(onnx_path), load_external_data=False)
     found = "none"
@@ -116,6 +116,8 @@ def onnx_quantization(onnx_path: Path) -> str:
         if node.op_type.startswith("TRT_FP4") or (node.op_type == "DequantizeLinear" and
                                                   init_types.get(node.input[0]) == fp4):
             return "nvfp4"
+        if node.op_type == "DequantizeLinear" and init_types.get(node.input[0]) == onnx.TensorProto.INT4:
+            return "int4"
         if node.op_type in ("QuantizeLinear", "DequantizeLinear", "TRT_FP8QuantizeLinear",
                             "TRT_FP8DequantizeLinear"):
             if node.op_type.startswith("TRT_FP8") or init_types.get(node.input[0]) in fp8:

@@ -128,3 +128,21 @@ def main(cfg, args, progress) -> int:
     # q4 with the exported attention (q4+graph) stays width-dependent (graphs/two_rows.py covers the fused
     # attention only): its mismatches are reported, not failed; every other variant must be exact
     return 1 if any(m["weights"] not in INEXACT_VARIANTS for m in report["mismatches_spec"]) else 0
+
+
+def accuracy_main(cfg, args, progress) -> int:
+    """`spec-edge bench --accuracy`: the accuracy table of each --weights form against fp32 (tools/accuracy.py)."""
+    from spec_edge.config import QDQ_WEIGHTS
+    from spec_edge.tools import accuracy
+
+    forms = getattr(args, "weights", None) or list(QDQ_WEIGHTS)
+    prompts = [p["prompt"] for p in load_prompts(Path(args.prompts) if args.prompts else None, args.kinds)]
+    # the drafters run on each form's own engine (eagle3: a profile with its head, e.g. config/smollm2_eagle3.yaml)
+    drafters = {name: {} for name in args.drafters if name != "layerskip" or len(args.drafters) == 1}
+    rows = accuracy.evaluate(cfg, forms, prompts, accuracy.HELDOUT_TEXT.read_text(encoding="utf-8"), drafters,
+                             max_new=min(args.max_new_tokens, 48), progress=progress)
+    text = accuracy.table(rows)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0

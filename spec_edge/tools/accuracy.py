@@ -1,0 +1,128 @@
+"""`spec-edge bench --accuracy`: what each graphs.weights form costs in accuracy against fp32, and
+that speculation stays exact on it. ONNX Runtime runs the very files each form produces.
+
+Per form, on the held-out prompts (bench/prompts.jsonl; calibration uses bench/calibration.jsonl)
+and a held-out text (bench/heldout.txt):
+  top-1      share of positions where the form's argmax equals fp32's, both fed fp32's own greedy
+             continuation (teacher forcing: every position sees the same prefix)
+  KL         mean KL(p_fp32 || p_form) over those positions (nats)
+  ppl        perplexity of the held-out text (fp32's is the reference row)
+  greedy     the form's own greedy continuation vs fp32's: mean share of the prefix that agrees,
+             and how many continuations are identical
+  exact      speculative greedy == the form's own target-only greedy, per drafter (runs / runs)
+  tok/s      target-only greedy decode speed on this machine (not the goal: TensorRT fuses Q/DQ)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HELDOUT_TEXT = Path(__file__).resolve().parents[2] / "bench" / "heldout.txt"
+
+
+@dataclass
+class Row:
+    weights: str
+    top1: float = 1.0
+    kl: float = 0.0
+    ppl: float = 0.0
+    greedy_prefix: float = 1.0
+    greedy_same: int = 0
+    n_prompts: int = 0
+    exact: dict[str, tuple[int, int]] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def forced_logits(runner, prompt: list[int], continuation: list[int]) -> np.ndarray:
+    """(len(continuation), V): the logits that predict each continuation token, prompt prefilled, then
+    one step per token (the step graph every decode uses)."""
+    rows = [runner.prefill(prompt, 0).copy()]
+    for i, token in enumerate(continuation[:-1]):
+        rows.append(runner.forward([token], len(prompt) + i)[0].copy())
+    return np.stack(rows)
+
+
+def _greedy(engine, ids: list[int], max_new: int, drafter=None, k: int = 0) -> tuple[list[int], float]:
+    from spec_edge.runtime import speculative
+
+    started = time.perf_counter()
+    out, _, _ = speculative.generate(engine.target, ids, max_new_tokens=max_new, eos_ids=engine.eos_ids,
+                                     drafter=drafter, k=k)
+    return out, len(out) / max(time.perf_counter() - started, 1e-9)
+
+
+def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dict[str, object],
+             max_new: int = 32, progress=print) -> list[Row]:
+    """Rows for fp32 and each form. drafters: name -> Config overrides that make the drafter
+    (e.g. {"eagle3": {"speculative.drafter": "eagle3", ...}}); its k is speculative.k."""
+    from spec_edge.runtime.engine import Engine
+
+    fp32 = Engine.from_config(cfg.replace(**{"graphs.weights": "fp32"}), progress)
+    prompt_ids = [fp32.tokenizer.encode(fp32.tokenizer.render_chat([("user", p)])) for p in prompts]
+    text_ids = fp32.tokenizer.encode(text)
+    reference = [_greedy(fp32, ids, max_new)[0] for ids in prompt_ids]
+    ref_logp = [_log_softmax(forced_logits(fp32.target, ids, cont)) for ids, cont in zip(prompt_ids, reference) if cont]
+    ref_text = _log_softmax(forced_logits(fp32.target, text_ids[:1], text_ids[1:]))
+    rows = []
+    for form in ["fp32"] + [f for f in forms if f != "fp32"]:
+        engine = fp32 if form == "fp32" else Engine.from_config(cfg.replace(**{"graphs.weights": form}), progress)
+        row = Row(form, n_prompts=len(prompts))
+        agree, kls = [], []
+        for ids, cont, ref in zip(prompt_ids, reference, ref_logp):
+            logp = _log_softmax(forced_logits(engine.target, ids, cont))
+            agree.append(np.mean(logp.argmax(-1) == ref.argmax(-1)))
+            kls.append(np.mean(np.sum(np.exp(ref) * (ref - logp), axis=-1)))
+        text_logp = _log_softmax(forced_logits(engine.target, text_ids[:1], text_ids[1:]))
+        row.ppl = float(np.exp(-np.mean(text_logp[np.arange(len(text_ids) - 1), text_ids[1:]])))
+        row.top1, row.kl = float(np.mean(agree)), float(np.mean(kls))
+        prefixes, speeds = [], []
+        for ids, ref_cont in zip(prompt_ids, reference):
+            own, speed = _greedy(engine, ids, max_new)
+            speeds.append(speed)
+            same = next((i for i, (a, b) in enumerate(zip(own, ref_cont)) if a != b), min(len(own), len(ref_cont)))
+            prefixes.append(same / max(len(ref_cont), 1))
+            row.greedy_same += own == ref_cont
+            for name, overrides in drafters.items():
+                spec_engine = engine if not overrides else _with(engine, cfg, form, overrides, progress)
+                drafter = spec_engine.drafter(name)
+                got, _ = _greedy(spec_engine, ids, max_new, drafter, spec_engine.cfg.speculative.k)
+                base = own if spec_engine is engine else _greedy(spec_engine, ids, max_new)[0]
+                hit, total = row.exact.get(name, (0, 0))
+                row.exact[name] = (hit + (got == base), total + 1)
+        row.greedy_prefix, row.tokens_per_s = float(np.mean(prefixes)), float(np.median(speeds))
+        progress(f"[accuracy] {form}: top-1 {row.top1:.3f}, KL {row.kl:.4f}, ppl {row.ppl:.2f}, exact {row.exact}")
+        rows.append(row)
+    del ref_text
+    return rows
+
+
+_ENGINES: dict[tuple, object] = {}
+
+
+def _with(engine, cfg, form, overrides, progress):
+    from spec_edge.runtime.engine import Engine
+
+    key = (form, tuple(sorted(overrides.items())))
+    if key not in _ENGINES:
+        _ENGINES[key] = Engine.from_config(cfg.replace(**{"graphs.weights": form, **overrides}), progress)
+    return _ENGINES[key]
+
+
+def table(rows: list[Row]) -> str:
+    names = sorted({n for r in rows for n in r.exact})
+    head = (f"{'weights':<10s} {'top-1':>6s} {'KL':>8s} {'ppl':>7s} {'greedy prefix':>13s} {'same':>6s} "
+            + " ".join(f"{'exact ' + n:>12s}" for n in names) + f" {'tok/s':>7s}")
+    lines = [head]
+    for r in rows:
+        exact = " ".join(f"{f'{r.exact[n][0]}/{r.exact[n][1]}':>12s}" if n in r.exact else f"{'-':>12s}" for n in names)
+        lines.append(f"{r.weights:<10s} {r.top1:6.3f} {r.kl:8.4f} {r.ppl:7.2f} {r.greedy_prefix:13.3f} "
+                     f"{f'{r.greedy_same}/{r.n_prompts}':>6s} {exact} {r.tokens_per_s:7.1f}")
+    return "\n".join(lines)
