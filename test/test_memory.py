@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 
 from spec_edge.config import GraphSection, MemorySection
+from spec_edge.device import meminfo, memory, projection
 from spec_edge.device.presets import MODEL_PRESETS
-from spec_edge.device import memory, projection
 
 LLAMA8 = MODEL_PRESETS["llama-3.1-8b"]
 LLAMA1 = MODEL_PRESETS["llama-3.2-1b"]
@@ -98,6 +98,9 @@ def test_llama_pair_plan_by_hand():
     assert lines["activations (shared scratch, estimate)"] == 355_270_656
     assert lines["engine I/O buffers (logits, k_new, v_new)"] == 152_307_744
     assert p.total == 37_550_241_824
+    # engines are streamed in 64 MiB reads: the start needs the resident bytes plus one read, not
+    # plus a whole host copy of the largest engine (16 GB here)
+    assert p.load_peak == p.total + 64 * 2**20 and "load peak (engines streamed" in p.table()
     assert p.fits
     # the model's 131072 positions all fit in 128 GiB
     assert p.largest_max_context == 131072
@@ -170,9 +173,9 @@ def test_build_peak_refused():
 
 def test_parse_meminfo():
     text = "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   120000000 kB\n"
-    assert memory.parse_meminfo(text) == (131072000 * 1024, 120000000 * 1024)
+    assert meminfo.parse_meminfo(text) == (131072000 * 1024, 120000000 * 1024)
     with pytest.raises(ValueError):
-        memory.parse_meminfo("MemTotal: 1 kB\n")
+        meminfo.parse_meminfo("MemTotal: 1 kB\n")
 
 
 def test_expected_tokens_and_best_k():

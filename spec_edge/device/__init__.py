@@ -4,6 +4,7 @@
   engine_file.py an engine file streamed into TensorRT (its load peak) and its cheap start-up stamp
   presets.py     published model and head configs (plans without weights)
   head_memory.py the EAGLE-3 head's bytes in the plan (engine weights, its KV, I/O, the shared table)
+  meminfo.py     is this a Jetson, what /proc/meminfo says
   memory.py      the memory plan: byte arithmetic, refusal with the numbers, largest context
   projection.py  the decode-speed projection: time per call, expected tokens, the k table
   profiles.py    a profile without weights: its yaml, its models' architectures, its plan inputs

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 
 from spec_edge.config import ConfigError, GraphSection, MemorySection, ModelConfig
 from spec_edge.device import head_memory
+from spec_edge.device.engine_file import load_peak_bytes
 
 if TYPE_CHECKING:
     from spec_edge.heads.eagle3 import HeadConfig
@@ -185,8 +186,13 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.device and self.build_peak <= self.device and (
+        return self.load_peak <= self.device and self.build_peak <= self.device and (
             self.available_now is None or self.runtime_need <= self.available_now)
+
+    @property
+    def load_peak(self) -> int:
+        """At start: everything resident plus the one read buffer engines are streamed through."""
+        return self.total + load_peak_bytes()
 
     @property
     def runtime_need(self) -> int:
@@ -205,6 +211,8 @@ class Plan:
         rows.append(f"  {'device memory (' + self.device_source + ')':<46s} {_gib(self.device):>10s}"
                     f"   {'fits' if self.total <= self.device else 'DOES NOT FIT'}"
                     f" ({_gib(self.device - self.total)} headroom)")
+        rows.append(f"  {'load peak (engines streamed, 64 MiB reads)':<46s} {_gib(self.load_peak):>10s}"
+                    f"   {'fits' if self.load_peak <= self.device else 'DOES NOT FIT'}")
         rows.append(f"  {'build peak (largest engine)':<46s} {_gib(self.build_peak):>10s}"
                     f"   {'fits' if self.build_peak <= self.device else 'DOES NOT FIT'}")
         if self.available_now is not None:
@@ -364,34 +372,12 @@ def check(p: Plan) -> Plan:
 # Reading the device (not pure; kept apart)
 
 
-def is_jetson() -> bool:
-    """A Jetson (Thor, Orin): unified memory, /proc/meminfo is the device's memory."""
-    if Path("/etc/nv_tegra_release").exists():
-        return True
-    try:
-        model = Path("/proc/device-tree/model").read_text(errors="ignore")
-    except OSError:
-        return False
-    return "jetson" in model.lower() or "thor" in model.lower()
-
-
-def parse_meminfo(text: str) -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes from /proc/meminfo text."""
-    values = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts:
-            values[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
-    if "MemTotal" not in values or "MemAvailable" not in values:
-        raise ValueError("no MemTotal/MemAvailable in meminfo")
-    return values["MemTotal"], values["MemAvailable"]
-
-
 def read_device_memory() -> DeviceMemory | None:
     """The device's memory when this is the device: on a Jetson the unified memory from
     /proc/meminfo; with a discrete CUDA GPU torch.cuda.mem_get_info; None elsewhere (plan with
     the config's memory.device_memory_gb)."""
+    from spec_edge.device.meminfo import is_jetson, parse_meminfo
+
     if is_jetson():
         total, available = parse_meminfo(Path("/proc/meminfo").read_text())
         return DeviceMemory(total, available, "/proc/meminfo, unified")
