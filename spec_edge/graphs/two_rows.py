@@ -1,5 +1,6 @@
 """Step graphs that compute their one row exactly as a verify call computes each of its rows
-(graphs.weights q4: 4-bit MatMulNBits with int8 activations, graphs/quantize.py).
+(graphs.weights q4: 4-bit MatMulNBits with int8 activations, graphs/quantize.py; graphs.weights fp8:
+activations rounded to E4M3 by Q/DQ pairs, graphs/qdq_decode.py).
 
 ONNX Runtime's CPU kernels quantize each row of x on its own (per row, per block of 32: rows never
 share a scale), but run a one-row call through other code than a call of 2..128 rows:
@@ -39,9 +40,14 @@ LEVELS = (4,)  # MatMulNBits accuracy levels whose width-1 graphs run two rows
 WIDTH_CONSTANTS = ("fused_width", "fused_width_minus_1", "fused_out_shape")
 
 
-def applies(model, width: int, accuracy_level: int) -> bool:
+def is_fused_step(model, width: int) -> bool:
+    """A width-1 graph with ort_attention's fused attention (what widen can rewrite)."""
     names = {t.name for t in model.graph.initializer}
-    return width == 1 and accuracy_level in LEVELS and all(name in names for name in WIDTH_CONSTANTS)
+    return width == 1 and all(name in names for name in WIDTH_CONSTANTS)
+
+
+def applies(model, width: int, accuracy_level: int) -> bool:
+    return accuracy_level in LEVELS and is_fused_step(model, width)
 
 
 def widen(model) -> None:
