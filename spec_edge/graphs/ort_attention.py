@@ -41,6 +41,7 @@ import numpy as np
 
 from spec_edge.config import ModelConfig
 from spec_edge.graphs import io_names
+from spec_edge.graphs.node_order import topological
 
 MS_DOMAIN = "com.microsoft"
 FUSED_FORMAT = 1  # bumped when the rewrite changes: older fused folders are redone
@@ -166,18 +167,10 @@ def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_row
     order = [node for node in nodes if id(node) in live]
     # topological order: the rewritten o projections now read nodes appended after them
     done = {value.name for value in graph.input} | {t.name for t in graph.initializer} | {t.name for t in new_inits}
-    sorted_nodes, pending = [], order
-    while pending:
-        rest = []
-        for node in pending:
-            if all(i in done or not i for i in node.input):
-                sorted_nodes.append(node)
-                done.update(node.output)
-            else:
-                rest.append(node)
-        if len(rest) == len(pending):
-            raise AttentionRewriteError(f"rewritten graph has a cycle or a missing input near {rest[0].name}")
-        pending = rest
+    try:
+        sorted_nodes = topological(order, done)
+    except ValueError as err:
+        raise AttentionRewriteError(f"rewritten graph has a cycle or a missing input near {err}") from None
     del graph.node[:]
     graph.node.extend(sorted_nodes)
     used = {name for node in graph.node for name in node.input}

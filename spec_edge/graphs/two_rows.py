@@ -34,6 +34,7 @@ import numpy as np
 
 from spec_edge.graphs import io_names
 from spec_edge.graphs.gguf_blocks import QuantizeError
+from spec_edge.graphs.node_order import topological
 
 LEVELS = (4,)  # MatMulNBits accuracy levels whose width-1 graphs run two rows
 # the fused-attention constants that carry the call's width (graphs/ort_attention.py)
@@ -90,18 +91,10 @@ def widen(model) -> None:
     head.input[0] = row0
     # topological order: each Slice after its input's producer, before its readers
     known = {t.name for t in graph.initializer} | {i.name for i in graph.input}
-    ordered, pending = [], first + list(graph.node) + slices
-    while pending:
-        rest = []
-        for node in pending:
-            if all(name in known or not name for name in node.input):
-                ordered.append(node)
-                known.update(node.output)
-            else:
-                rest.append(node)
-        if len(rest) == len(pending):
-            raise QuantizeError(f"two-row step graph: {rest[0].name} lost its inputs; re-export the graphs")
-        pending = rest
+    try:
+        ordered = topological(first + list(graph.node) + slices, known)
+    except ValueError as err:
+        raise QuantizeError(f"two-row step graph: {err} lost its inputs; re-export the graphs") from None
     del graph.node[:]
     graph.node.extend(ordered)
     del graph.value_info[:]  # they say T = 1
