@@ -47,7 +47,8 @@ from spec_edge.device.engine_file import load_engine
 from spec_edge.device.manifest import ManifestError, check_engines, profile_dir
 from spec_edge.graphs import io_names
 from spec_edge.runtime.backends.base import BackendError, Runner
-from spec_edge.runtime.backends.trt_memory import Scratch, load_embed_table, torch_cuda, torch_dtype
+from spec_edge.runtime.backends.trt_memory import (Scratch, capture_cuda_graph, load_embed_table, torch_cuda,
+                                                   torch_dtype)
 
 log = logging.getLogger(__name__)
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
@@ -243,16 +244,8 @@ class TensorRTRunner(Runner):
         use. TensorRT wants one plain execution first (it finishes shape-dependent setup); that
         warm-up writes only k_new/v_new/logits, never the cache, so capturing mid-conversation is
         safe. A failed capture leaves the call eager (logged once)."""
-        torch = self.torch
         try:
-            with torch.cuda.stream(self.stream):
-                if not call.context.execute_async_v3(self.stream.cuda_stream):
-                    raise RuntimeError("warm-up execution failed")
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                self._enqueue(call)
-            call.graph = graph
+            call.graph = capture_cuda_graph(self.torch, self.stream, call.context, lambda: self._enqueue(call))
         except RuntimeError as err:
             log.warning("CUDA graph capture of width %d failed (%s); running it eagerly", call.width, err)
             call.graph, call.eager = None, True

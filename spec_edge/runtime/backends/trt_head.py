@@ -48,7 +48,7 @@ from spec_edge.device.manifest import ManifestError
 from spec_edge.graphs import io_names
 from spec_edge.heads.eagle3_export import read_head_config
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.trt_memory import load_embed_table, torch_dtype
+from spec_edge.runtime.backends.trt_memory import capture_cuda_graph, load_embed_table, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -230,16 +230,9 @@ class TensorRTEagle3Head:
         setup; that run overwrites the shared outputs logits / draft_token / hidden_out but never the
         cache, so it must not run between an ingest and its chain). A failed capture leaves the
         step eager, logged once."""
-        torch, step = self.torch, self._step
+        step = self._step
         try:
-            with torch.cuda.stream(self.stream):
-                if not step.context.execute_async_v3(self.stream.cuda_stream):
-                    raise RuntimeError("warm-up execution failed")
-            self.stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
-                self._step_body()  # recorded, not run
-            step.graph = graph
+            step.graph = capture_cuda_graph(self.torch, self.stream, step.context, self._step_body)
         except RuntimeError as err:
             log.warning("CUDA graph capture of the head's draft step failed (%s); running it eagerly", err)
             step.graph, step.eager = None, True

@@ -16,7 +16,7 @@ from spec_edge.runtime.backends.base import BackendError
 log = logging.getLogger(__name__)
 
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
-TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory")}
+TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory", "execute_async_v3")}
 TENSORRT_RECEIVERS = {"context": "IExecutionContext"}  # expressions that always hold that class here
 
 
@@ -51,6 +51,20 @@ def load_embed_table(export_dir: Path):
         raise BackendError(f"the engine takes {io_names.EMBED_TABLE} as an input but its export {export_dir} "
                            f"records no shared table: rebuild with `spec-edge build`")
     return shared_table.table_tensor(export_dir).to("cuda").contiguous()
+
+
+def capture_cuda_graph(torch, stream, context, body):
+    """The CUDA graph of body() (enqueued on stream, not run). TensorRT wants one plain execution of
+    the context first (it finishes its shape-dependent setup); that warm-up writes only the call's
+    own outputs, never a resident cache. Raises RuntimeError when either step fails."""
+    with torch.cuda.stream(stream):
+        if not context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("warm-up execution failed")
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        body()  # recorded, not run
+    return graph
 
 
 class Scratch:
