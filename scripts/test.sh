@@ -8,4 +8,4 @@ cd "$repo"
 # DDS discovery stays on this machine; a domain id of the test run's own.
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-57}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" test
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@" test
