@@ -64,15 +64,17 @@ def test_onnx_equals_torch_per_slot(batch_runner, tiny_engine, torch_target):
 
 
 def test_row_does_not_depend_on_other_rows(batch_runner, tiny_engine):
-    """Slot 0's logits with the other slots idle == with them filled with other prompts and tokens."""
+    """Slot 0's logits with all slots filled with other prompts and tokens == with slot 1 idle == alone
+    (one active slot runs the B=1 graph bound to its region)."""
     rng = np.random.default_rng(1)
     for width in (1, K + 1):
         tokens = rng.integers(3, tiny_engine.model_cfg.vocab_size, (SLOTS, width))
-        positions = filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
-        full = batch_runner.forward(tokens, positions, [True] * SLOTS)[0].copy()
-        batch_runner.prefill(0, prompt_ids(tiny_engine, PROMPTS[0]), 0)
-        alone = batch_runner.forward(tokens, positions, [True] + [False] * (SLOTS - 1))[0].copy()
-        assert np.abs(full - alone).max() <= 1e-5 * np.abs(full).max(), np.abs(full - alone).max()
+        rows = []
+        for active in ([True] * SLOTS, [True, False, True], [True, False, False]):
+            positions = filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
+            rows.append(batch_runner.forward(tokens, positions, active)[0].copy())
+        for row in rows[1:]:
+            assert np.abs(rows[0] - row).max() <= 1e-5 * np.abs(row).max(), np.abs(rows[0] - row).max()
 
 
 def test_idle_slot_cache_untouched(batch_runner, tiny_engine):
@@ -196,3 +198,16 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
         plain = speculative.generate(single, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
                                      eos_ids=tiny_engine.eos_ids)
         assert (ids, finish) == plain[:2]
+
+
+def test_tune_occupancy_rates(batch_runner):
+    """`spec-edge tune` for the batched node: costs per occupancy 1..B measured on the runner, and the
+    expected totals n / c_step(n) and n * tokens per call / c_verify(n)."""
+    from spec_edge.tools import tune, tune_batch
+
+    costs = tune_batch.occupancy_costs(batch_runner, K, rounds=2, position=20)
+    assert sorted(costs) == list(range(1, SLOTS + 1)) and all(s > 0 and v > 0 for s, v in costs.values())
+    rates = tune_batch.occupancy_rates({1: (10.0, 12.0), 2: (20.0, 40.0)}, [0.5, 0.25, 0.125], 3, 3, 1)
+    tokens = (3 * (1 + 0.5 + 0.25 + 0.125) + 1) / 4  # per slot per call: 3 verifies, 1 silent step
+    assert rates[1] == pytest.approx((100.0, 1000 * tokens / 12)) and rates[2] == pytest.approx((100.0, 50 * tokens))
+    assert tune.speculate_max_queue(rates) == 1  # speculation pays alone, not with two slots occupied

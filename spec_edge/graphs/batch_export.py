@@ -6,6 +6,7 @@
       step_1.onnx      (B, 1)        graphs/batch_model.py: tokens (B, T), position (B,),
       step_2.onnx      (B, 2)        (the two-row step of q4)
       verify_<k+1>.onnx (B, k+1)     caches (B, Hkv, S, D) per layer -> logits (B, T, V), k/v_new
+      single_step_1.onnx, single_verify_<k+1>.onnx   the B=1 graphs, run when one slot is occupied
 
 The post-export passes run on it as on target/ and land beside it (target_b<B>_fused/,
 target_b<B>_fused_q4/): ort_attention.py gives each layer one GroupQueryAttention over
@@ -26,6 +27,9 @@ from spec_edge.graphs import export, io_names
 Progress = Callable[[str], None]
 
 
+SINGLE = "single_"  # stem prefix of the B=1 graphs in the batched folder
+
+
 def batch_dir(cfg: Config) -> Path:
     return engine_root(cfg) / cfg.runtime.profile / "onnx" / f"target_b{cfg.graphs.batch_slots}"
 
@@ -41,6 +45,11 @@ def batch_plan(cfg: Config) -> dict[str, dict]:
             io_names.graph_file("step", 2): {"kind": "step", "width": 2, "batch": batch}}
     for k in sorted(set(g.k_values) - {1}):
         plan[io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1, "batch": batch}
+    # the B=1 step and verify graphs (the same as export.py's), bound to one slot: one occupied slot
+    # runs at the single-request speed, its rows equal to the batched graphs' (bench/batch_invariance.py)
+    plan[SINGLE + io_names.graph_file("step", 1)] = {"kind": "step", "width": 1}
+    for k in sorted(set(g.k_values)):
+        plan[SINGLE + io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1}
     return plan
 
 
@@ -81,8 +90,8 @@ def _export_into(cfg: Config, want: dict, out_dir: Path, progress: Progress) -> 
         progress(f"[export] batched target: graph {i}/{len(want['graphs'])} {stem} (B={spec.get('batch', 1)}, "
                  f"width {spec['width']}) ...")
         path = out_dir / f"{stem}.onnx"
-        if spec["kind"] == "prefill":
-            export.export_graph(model_cfg, state, path, store, kind="prefill", width=spec["width"],
+        if "batch" not in spec:  # a B=1 graph, as export.py writes it
+            export.export_graph(model_cfg, state, path, store, kind=spec["kind"], width=spec["width"],
                                 max_context=g.max_context, dtype=g.dtype)
         else:
             export_batch_graph(model_cfg, state, path, store, batch=spec["batch"], width=spec["width"],

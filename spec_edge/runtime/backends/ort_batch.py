@@ -67,16 +67,25 @@ class BatchRunner:
         self.v_cache = np.zeros(shape, np.float32)
         self._calls: dict[int, _Call] = {}
         self._prefill: list[_Call] = []
+        single: dict[tuple[str, int], list[_Call]] = {}  # (kind, width) -> the B=1 graph bound to each slot
         for stem, spec in self.manifest["graphs"].items():
             session = self._session(stem)
-            if spec["kind"] == "prefill":
-                self._prefill = [self._bind_prefill(session, spec["width"], slot) for slot in range(self.batch)]
+            if "batch" not in spec:
+                calls = [self._bind_single(session, spec["kind"], spec["width"], slot) for slot in range(self.batch)]
+                if spec["kind"] == "prefill":
+                    self._prefill = calls
+                else:
+                    single[(spec["kind"], spec["width"])] = calls
             else:
                 self._calls[spec["width"]] = self._bind_batch(session, spec["width"])
         self.widths = frozenset(self._calls)
         # int8 activations (q4): a step is the width-2 call [pending, pending] (as graphs/two_rows.py does for
         # B=1), so each slot's step row equals the B=1 step and the verify rows bit for bit
         self.step_width = 2 if int(self.manifest.get("accuracy_level", 0)) == 4 and 2 in self.widths else 1
+        # one active slot runs the B=1 graph of the call's width (a verify, else the step: q4's B=1 step
+        # graph computes two rows itself), bound to that slot: the single-request speed, the same rows
+        self._single = {width: single.get(("verify", width)) or single.get(("step", 1)) for width in self.widths
+                        if ("verify", width) in single or (width == self.step_width and ("step", 1) in single)}
         if self.fused and max(self.widths) > self.cache_rows - self.max_context:
             raise BackendError(f"{self.graph_dir}: a width-{max(self.widths)} call of an idle slot needs "
                                f"{max(self.widths)} spare cache rows, the fused graphs have "
@@ -125,14 +134,17 @@ class BatchRunner:
         self._bind_io(call, slot=None)
         return call
 
-    def _bind_prefill(self, session, width: int, slot: int) -> _Call:
-        cfg = self.model_cfg
+    def _bind_single(self, session, kind: str, width: int, slot: int) -> _Call:
+        """A B=1 graph (prefill, step, verify) bound to slot's region of the cache."""
+        cfg, prefill = self.model_cfg, kind == "prefill"
         new = (cfg.n_layers, cfg.n_kv_heads, width, cfg.head_dim)
         call = _Call(session, session.io_binding(), np.zeros((1, width), np.int64), np.zeros((1,), np.int64),
-                     np.zeros((1, cfg.vocab_size), np.float32), None if self.fused else np.zeros(new, np.float32),
-                     None if self.fused else np.zeros(new, np.float32), last_index=np.zeros((1,), np.int64))
+                     np.zeros((1 if prefill else width, cfg.vocab_size), np.float32),
+                     None if self.fused else np.zeros(new, np.float32), None if self.fused else np.zeros(new, np.float32),
+                     last_index=np.zeros((1,), np.int64) if prefill else None)
         self._bind_io(call, slot=slot)
-        call.binding.bind_ortvalue_input(io_names.LAST_INDEX, self._value(call.last_index))
+        if prefill:
+            call.binding.bind_ortvalue_input(io_names.LAST_INDEX, self._value(call.last_index))
         return call
 
     def _bind_io(self, call: _Call, slot: int | None) -> None:
@@ -162,6 +174,9 @@ class BatchRunner:
             raise BackendError(f"a batched call takes {self.batch} rows, got {batch}")
         self.check_width(width)
         call = self._calls[width]
+        rows = [slot for slot in range(batch) if active[slot]]
+        if len(rows) == 1 and width in self._single:
+            return self._forward_one(rows[0], tokens, int(positions[rows[0]]), call)
         for slot in range(batch):
             pos = int(positions[slot])
             if active[slot]:
@@ -181,6 +196,23 @@ class BatchRunner:
                     self.k_cache[:, slot, :, pos:pos + width] = call.k_new[:, slot]
                     self.v_cache[:, slot, :, pos:pos + width] = call.v_new[:, slot]
         return call.logits
+
+    def _forward_one(self, slot: int, tokens: np.ndarray, pos: int, batched: _Call) -> np.ndarray:
+        """forward() with one active slot: its B=1 graph; the logits land in row slot of the batched buffer."""
+        width = tokens.shape[1]
+        call = self._single[width][slot]
+        n = call.tokens.shape[1]  # the B=1 step graph of q4 takes the pending token once
+        if pos < 0 or pos + width > self.max_context:
+            raise BackendError(f"slot {slot}: positions [{pos}, {pos + width}) do not fit the "
+                               f"{self.max_context}-token cache")
+        call.tokens[0] = tokens[slot, :n]
+        call.position[0] = pos
+        call.run()
+        if not self.fused:
+            self.k_cache[:, slot, :, pos:pos + n] = call.k_new
+            self.v_cache[:, slot, :, pos:pos + n] = call.v_new
+        batched.logits[slot, :n] = call.logits
+        return batched.logits
 
     def prefill(self, slot: int, token_ids: Sequence[int], position: int) -> np.ndarray:
         """All of token_ids into slot's region at [position, ...) in chunks of C; the last token's logits (V,)."""
