@@ -179,7 +179,6 @@ def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
 
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [K], "speculative.k": K})
     root = tmp_path_factory.mktemp("q4b")
-    out = []
     for name, src in (("batched", batch_export.batch_graphs(cfg, progress=lambda m: None)),
                       ("single", tiny_engine.graph_dir)):
         quantize.convert_folder(src, root / name, _fresh_blocks, accuracy_level=quantize.ACCURACY_LEVELS["q4"],

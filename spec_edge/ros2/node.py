@@ -158,10 +158,10 @@ def make_node_class():
                 f"drafter={self.cfg.speculative.drafter} k={self.cfg.speculative.k}")
             started = time.monotonic()
             try:
+                from spec_edge.runtime.batch_engine import BatchEngine
                 from spec_edge.runtime.engine import Engine
-                if self.cfg.graphs.batch_slots > 1:  # in-flight batching over B static slots
-                    from spec_edge.runtime.batch_engine import BatchEngine as Engine
-                self.engine = Engine.from_config(self.cfg, progress=self.get_logger().info)
+                engine = BatchEngine if self.cfg.graphs.batch_slots > 1 else Engine  # B > 1: in-flight batching
+                self.engine = engine.from_config(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
             except Exception as err:  # a missing model, a refused memory plan, a failed build
                 self.get_logger().error(f"configure: engine did not load: {err}")
