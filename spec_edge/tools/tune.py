@@ -254,14 +254,18 @@ def main(cfg, args, progress) -> int:
         from spec_edge.tools import tune_batch
 
         k = best or cfg.speculative.k
-        costs = tune_batch.occupancy_costs(BatchRunner(batch_graphs(cfg, progress)), k, rounds=max(3, args.rounds // 3))
-        per_depth = tune_batch.occupancy_rates(costs, p_accept, k, n_verify, n_step)
+        occupancy = tune_batch.occupancy_costs(BatchRunner(batch_graphs(cfg, progress)), k, rounds=max(3, args.rounds // 3))
+        per_depth = tune_batch.occupancy_rates(occupancy, p_accept, k, n_verify, n_step)
         source = (f"{cfg.graphs.batch_slots} batch slots, k={k}, measured step / verify ms per occupancy "
-                  + ", ".join(f"{n}: {s:.1f} / {v:.1f}" for n, (s, v) in costs.items()))
+                  + ", ".join(f"{n}: {s:.1f} / {v:.1f}" for n, (s, v) in occupancy.items()))
     else:  # one request: plain (k = 0) against the best speculative k of the curve above
         per_depth = {1: (curve.tokens_per_s[0], max(curve.tokens_per_s[1:]))}
         source = "the expected rates of the curve above"
     max_queue, why = queue_rule(per_depth)
+    if cfg.graphs.batch_slots > 1:  # the batched node counts occupied slots, not queued requests
+        why = (f"drafting stopped paying at {min(d for d in per_depth if per_depth[d][1] < per_depth[d][0])} occupied "
+               f"slots: with more than {max_queue} occupied an iteration does not draft" if max_queue
+               else "drafting paid at every occupancy: always speculate")
     updates["serve.speculate_max_queue"] = max_queue
     decision = f"serve.speculate_max_queue = {max_queue}: {why} ({depth_text(per_depth)}; from {source})"
     print(decision)
