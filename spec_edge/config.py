@@ -129,6 +129,10 @@ class GraphSection:
     # spec_edge/graphs/quantize.py): a head step reads a quarter of the bytes (0.9 -> 0.2 ms measured
     # alone). Only the drafts can change, never the output: the target verifies every draft.
     head_weights: str = "q8"
+    # Static batch slots B of the ONNX Runtime target graphs: 1 = the single-request graphs; B > 1 also
+    # exports (B, 1) step and (B, k+1) verify graphs over one cache region per slot, in their own folder
+    # onnx/target_b<B>/ (graphs/batch_export.py), that runtime/batch.py's in-flight batching runs.
+    batch_slots: int = 1
 
 
 @dataclass(frozen=True)
@@ -352,6 +356,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"graphs.weights={g.weights} on ONNX Runtime runs float32 graphs; set graphs.dtype: float32")
     if g.int4_block not in (32, 64, 128, 256):
         raise ConfigError(f"graphs.int4_block must be 32, 64, 128 or 256, got {g.int4_block}")
+    if not 1 <= g.batch_slots <= 64:
+        raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
     if g.head_weights not in HEAD_WEIGHTS:
         raise ConfigError(f"graphs.head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {g.head_weights}")
     if g.ort_attention not in ORT_ATTENTION:

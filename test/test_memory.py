@@ -186,3 +186,18 @@ def test_expected_tokens_and_best_k():
     assert projection.best_k(0.6, 0.0, 8) == 8
     # expensive drafts: k = 1
     assert projection.best_k(0.4, 0.3, 8) == 1
+
+
+def test_batch_slots_count_kv_activations_and_io():
+    """graphs.batch_slots = B: B cache regions (the draft model's too), B rows of activations and I/O; weights once."""
+    def plan_lines(batch_slots):
+        inputs = memory.PlanInputs(target=LLAMA8, graphs=graphs(batch_slots=batch_slots), memory=MemorySection(),
+                                   drafter="draft", k=4, draft=LLAMA1)
+        return dict(memory.plan(inputs).lines)
+
+    one, four = plan_lines(1), plan_lines(4)
+    kv = one["target KV (8192 positions)"]
+    assert kv == memory.kv_bytes(LLAMA8, 8192, "bfloat16") and four["target KV (4 x 8192 positions)"] == 4 * kv
+    assert four["draft KV"] == 4 * one["draft KV"]
+    assert four["engine I/O buffers (logits, k_new, v_new)"] == 4 * one["engine I/O buffers (logits, k_new, v_new)"]
+    assert four["target weights (1 engine)"] == one["target weights (1 engine)"]

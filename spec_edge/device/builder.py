@@ -291,6 +291,9 @@ def _plan_and_export(cfg: Config, progress: Progress, device: memory.DeviceMemor
 def build(cfg: Config, *, progress: Progress = print, force: bool = False,
           device: memory.DeviceMemory | None = None, cancel: Cancel | None = None) -> dict[str, Any]:
     """Plan check, export (needs no GPU), then TensorRT: engines, manifest. Returns the manifest."""
+    if cfg.graphs.batch_slots > 1:
+        raise ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots}: TensorRT engines with a batch axis are not "
+                          f"built yet (`spec-edge plan` counts the B slots); build with graphs.batch_slots: 1")
     onnx_dirs, specs = _plan_and_export(cfg, progress, device)
     write_export_manifest(cfg, onnx_dirs, specs)
     trt = import_tensorrt()

@@ -254,8 +254,9 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
                                      target_w * copies)]
     engines = [target_w]
     draft_w = draft_kv = 0
-    acts = [max(activation_bytes(i.target, max_context, w, dtype) for w in t_widths)]
-    io = io_bytes(i.target, max(t_widths), dtype)
+    b = g.batch_slots  # B slots: B cache regions, B rows of activations and I/O (graphs/batch_model.py)
+    acts = [b * max(activation_bytes(i.target, max_context, w, dtype) for w in t_widths)]
+    io = b * io_bytes(i.target, max(t_widths), dtype)
     if i.drafter == "draft":
         if i.draft is None:
             raise ConfigError("speculative.drafter=draft needs model.draft (a model folder or preset)")
@@ -264,9 +265,9 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
         one = weight_bytes(i.draft, dtype)
         draft_w = one * d_copies
         engines.append(one)
-        draft_kv = kv_bytes(i.draft, max_context, dtype)
-        acts.append(max(activation_bytes(i.draft, max_context, w, dtype) for w in d_widths))
-        io += io_bytes(i.draft, max(d_widths), dtype)
+        draft_kv = b * kv_bytes(i.draft, max_context, dtype)
+        acts.append(b * max(activation_bytes(i.draft, max_context, w, dtype) for w in d_widths))
+        io += b * io_bytes(i.draft, max(d_widths), dtype)
     elif i.drafter == "layerskip":
         n = g.layer_skip_layers
         if not 1 <= n < i.target.n_layers:
@@ -274,11 +275,12 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
         one = weight_bytes(i.target, dtype, quant, n_layers=n, int4_block=g.int4_block)
         draft_w = one
         engines.append(one)
-        io += io_bytes(i.target, 2, dtype, n_layers=n)
+        io += b * io_bytes(i.target, 2, dtype, n_layers=n)
     if i.head is None:  # a head's own lines follow
         lines.append(("draft weights" if i.drafter != "layerskip"
                       else f"layer-skip engine weights ({g.layer_skip_layers} layers + head)", draft_w))
-    lines.append((f"target KV ({max_context} positions)", kv_bytes(i.target, max_context, dtype)))
+    lines.append((f"target KV ({b} x {max_context} positions)" if b > 1 else f"target KV ({max_context} positions)",
+                  b * kv_bytes(i.target, max_context, dtype)))
     if i.head is None:
         lines.append(("draft KV" if i.drafter != "layerskip" else "draft KV (shares target layers)", draft_kv))
     else:

@@ -152,7 +152,16 @@ def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_row
             dims.extend(onnx.TensorShapeProto.Dimension(dim_value=size) for size in cache_shape)
 
     # keep only what the outputs still need (the old rotary/mask/score nodes fall away)
-    nodes = prelude + list(graph.node) + attention
+    prune_and_sort(model, prelude + list(graph.node) + attention, new_inits)
+
+
+def prune_and_sort(model, nodes: list, new_inits: list) -> None:
+    """Give model.graph the given nodes, keeping only what its outputs still need (the old rotary /
+    mask / score nodes fall away), in topological order, with the initializers still read (new_inits
+    added) and the com.microsoft opset."""
+    from onnx import helper
+
+    graph = model.graph
     producer = {out: node for node in nodes for out in node.output}
     needed, stack, live = set(), [out.name for out in graph.output], set()
     while stack:
@@ -256,7 +265,11 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress, geometry: Mod
     for stem, spec in manifest["graphs"].items():
         model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
         layers = HEAD_LAYERS if role == "eagle3" else target_layers(int(spec.get("n_layers", model_cfg.n_layers)))
-        rewrite_model(model, model_cfg, layers, int(spec["width"]), cache_rows)
+        if int(spec.get("batch", 1)) > 1:  # a (B, T) graph of graphs/batch_export.py
+            from spec_edge.graphs.batch_attention import rewrite_batch
+            rewrite_batch(model, model_cfg, layers, int(spec["width"]), cache_rows, int(spec["batch"]))
+        else:
+            rewrite_model(model, model_cfg, layers, int(spec["width"]), cache_rows)
         export.save(model, dst / f"{stem}.onnx", store)
         progress(f"[fused]   {stem}: {len(layers)} layers")
     store.close()

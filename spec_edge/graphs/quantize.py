@@ -216,7 +216,8 @@ def pack_qkv(nodes: list) -> list:
         if split.op_type != "Split" or len(split.output) != 3:
             continue
         unsqueezes = [consumers[out][0] if len(consumers[out]) == 1 else None for out in split.output]
-        if any(u is None or u.op_type != "Unsqueeze" for u in unsqueezes):
+        # Unsqueeze (1, T, .) in a B=1 graph, Reshape (B, T, .) in a batched one (graphs/batch_model.py)
+        if any(u is None or u.op_type not in ("Unsqueeze", "Reshape") for u in unsqueezes):
             continue
         users = [consumers[u.output[0]] for u in unsqueezes]
         if any(len(u) != 1 for u in users):
@@ -226,7 +227,8 @@ def pack_qkv(nodes: list) -> list:
                 or list(gqa.input[:3]) != [u.output[0] for u in unsqueezes]:
             continue
         packed = f"{split.input[0]}_packed"
-        replaced[id(unsqueezes[0])] = helper.make_node("Unsqueeze", [split.input[0], unsqueezes[0].input[1]], [packed],
+        replaced[id(unsqueezes[0])] = helper.make_node(unsqueezes[0].op_type, [split.input[0], unsqueezes[0].input[1]],
+                                                       [packed],
                                                        name=f"{split.name}_packed")
         gqa.input[0], gqa.input[1], gqa.input[2] = packed, "", ""
         dropped.update({id(split), id(unsqueezes[1]), id(unsqueezes[2])})
@@ -300,6 +302,8 @@ def convert_folder(src: Path, dst: Path, blocks_for: Blocks, *, accuracy_level: 
             return matched[name]
 
         width = int(spec["width"]) if spec["kind"] in ("step", "verify", "prefill") else 0  # drafters keep M=1
+        if int(spec.get("batch", 1)) > 1:
+            width = 0  # batched graphs (graphs/batch_export.py) run M = B*T rows: no two-row step
         report = rewrite_model(model, blocks, accuracy_level=accuracy_level, width=width)
         if report.q4_layers == 0:  # never hand out fp32 graphs labelled q4
             raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {source} "

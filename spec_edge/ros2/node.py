@@ -158,14 +158,18 @@ def make_node_class():
                 f"drafter={self.cfg.speculative.drafter} k={self.cfg.speculative.k}")
             started = time.monotonic()
             try:
+                from spec_edge.runtime.batch_engine import BatchEngine
                 from spec_edge.runtime.engine import Engine
-                self.engine = Engine.from_config(self.cfg, progress=self.get_logger().info)
+                engine = BatchEngine if self.cfg.graphs.batch_slots > 1 else Engine  # B > 1: in-flight batching
+                self.engine = engine.from_config(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
             except Exception as err:  # a missing model, a refused memory plan, a failed build
                 self.get_logger().error(f"configure: engine did not load: {err}")
                 self.engine = None
                 return TransitionCallbackReturn.FAILURE
-            self.worker = Worker(self.engine, self.cfg, self.get_logger())
+            from spec_edge.ros2.batch_worker import BatchWorker
+            worker = BatchWorker if self.cfg.graphs.batch_slots > 1 else Worker
+            self.worker = worker(self.engine, self.cfg, self.get_logger())
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)
             self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info}")

@@ -130,6 +130,10 @@ class Worker:
             self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
             return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
                            finish_reason="error")
+        return self._outcome(job, result)
+
+    def _outcome(self, job: Job, result: Any) -> Outcome:
+        """The answer to a job whose generation returned result (counted, its stats kept for diagnostics)."""
         self.served += 1
         if result.speculation_off_reason:
             self.speculation_off += 1

@@ -248,10 +248,24 @@ def main(cfg, args, progress) -> int:
         data = json.loads(Path(args.concurrency_json).read_text())
         per_depth = {int(row["clients"]): (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in data["rows"]}
         source = f"{args.concurrency_json}, through the ROS service"
+    elif cfg.graphs.batch_slots > 1:  # the batched node: measured (B, 1) / (B, k+1) costs per occupancy
+        from spec_edge.graphs.batch_export import batch_graphs
+        from spec_edge.runtime.backends.ort_batch import BatchRunner
+        from spec_edge.tools import tune_batch
+
+        k = best or cfg.speculative.k
+        occupancy = tune_batch.occupancy_costs(BatchRunner(batch_graphs(cfg, progress)), k, rounds=max(3, args.rounds // 3))
+        per_depth = tune_batch.occupancy_rates(occupancy, p_accept, k, n_verify, n_step)
+        source = (f"{cfg.graphs.batch_slots} batch slots, k={k}, measured step / verify ms per occupancy "
+                  + ", ".join(f"{n}: {s:.1f} / {v:.1f}" for n, (s, v) in occupancy.items()))
     else:  # one request: plain (k = 0) against the best speculative k of the curve above
         per_depth = {1: (curve.tokens_per_s[0], max(curve.tokens_per_s[1:]))}
         source = "the expected rates of the curve above"
     max_queue, why = queue_rule(per_depth)
+    if cfg.graphs.batch_slots > 1:  # the batched node counts occupied slots, not queued requests
+        why = (f"drafting stopped paying at {min(d for d in per_depth if per_depth[d][1] < per_depth[d][0])} occupied "
+               f"slots: with more than {max_queue} occupied an iteration does not draft" if max_queue
+               else "drafting paid at every occupancy: always speculate")
     updates["serve.speculate_max_queue"] = max_queue
     decision = f"serve.speculate_max_queue = {max_queue}: {why} ({depth_text(per_depth)}; from {source})"
     print(decision)

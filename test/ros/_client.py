@@ -7,7 +7,7 @@ Jobs:
   {"mode": "diagnostics"}                                       the first DiagnosticArray seen
   {"mode": "lifecycle", "node": "/spec_edge", "transitions": [...], "request": {...}}
                                  drive the node's lifecycle; call the service once active and at the end
-Optional: "namespace", "wait" (seconds for the server to appear).
+Optional: "namespace", "wait" (seconds for the server to appear), "start_at" (time.time() to send at).
 """
 import json
 import sys
@@ -27,6 +27,8 @@ def main() -> None:
         mode = job["mode"]
         if mode != "lifecycle":
             client.wait(job.get("wait", 60.0))
+        if job.get("start_at"):  # several client processes sending at the same moment (time.time())
+            time.sleep(max(0.0, job["start_at"] - time.time()))
         if mode == "call":
             out = [response_to_dict(client.call(timeout=300, **r)) for r in job["requests"]]
         elif mode == "burst":

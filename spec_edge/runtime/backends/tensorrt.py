@@ -377,6 +377,8 @@ def load_runners(cfg: Config, *, verify: str = "quick", cuda_graphs: bool = True
     corrupted or mismatched one; verify='quick': sizes + stamps, `spec-edge build --check` runs the
     full hash), all runners share one stream-ordered scratch buffer sized for every engine in the
     manifest (head and layer-skip included, loaded later) before any context is bound."""
+    if cfg.graphs.batch_slots > 1:
+        raise BackendError("graphs.batch_slots > 1 runs on runtime.backend onnxruntime (no batched engines yet)")
     trt = import_tensorrt()
     manifest = check_engines(cfg, trt_version=trt.__version__, gpu=gpu_identity(), verify=verify)
     torch = torch_cuda()

@@ -1,0 +1,103 @@
+"""The engine of graphs.batch_slots > 1: Engine's request handling (validation, chat prompt, sampling
+defaults, streaming text, stop strings) in front of one BatchLoop (runtime/batch.py).
+
+start() turns a request into a SlotRequest whose on_done hands the caller the same GenerateResult
+Engine.generate returns; the caller (the node's batch worker, or generate() here) adds it to the loop
+and iterates the loop from one thread. Each request drafts with its own drafter object: prompt lookup
+(ngram) or none; drafters with a model cache of their own (draft, layerskip, the heads) have no
+per-slot caches yet and are refused with a message.
+
+The speculation policy by occupancy: serve.speculate_max_queue, read here as "speculate while at
+most this many slots are occupied" (0 = always); `spec-edge tune` measures it; the result's stats
+say when an iteration did not draft (speculation_off_reason).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from spec_edge.config import Config
+from spec_edge.graphs import batch_export
+from spec_edge.runtime.backends.ort_batch import BatchRunner
+from spec_edge.runtime.batch import BatchLoop, SlotRequest
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
+
+BATCH_DRAFTERS = ("none", "ngram")  # drafters a slot can run (per-request state, no model cache of their own)
+
+
+class BatchEngine(Engine):
+    """An Engine whose target is a BatchRunner, served by .loop (one request per slot)."""
+
+    @classmethod
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> "BatchEngine":
+        if cfg.speculative.drafter not in BATCH_DRAFTERS:
+            raise RequestError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs speculative.drafter "
+                               f"{' or '.join(BATCH_DRAFTERS)} (per-slot caches for {cfg.speculative.drafter} are not "
+                               f"built yet); set one of those or graphs.batch_slots: 1")
+        started = time.monotonic()
+        graph_dir = batch_export.batch_graphs(cfg, progress)
+        runner = BatchRunner(graph_dir, cfg.runtime.threads)
+        engine = cls(cfg, runner, Tokenizer(graph_dir), graph_dir, progress)
+        k = cfg.speculative.k if cfg.speculative.drafter != "none" else 0
+        engine.loop = BatchLoop(runner, k, speculate_max_active=cfg.serve.speculate_max_queue)
+        progress(f"[engine] onnxruntime, {runner.batch} batch slots, ready in {time.monotonic() - started:.1f} s "
+                 f"(max context {runner.max_context}, widths {sorted(runner.widths)})")
+        return engine
+
+    def start(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+              cancel: Callable[[], str | None] | None = None,
+              on_result: Callable[[GenerateResult], None] | None = None) -> SlotRequest:
+        """The SlotRequest of a request (raises RequestError for a bad one; nothing runs yet);
+        on_result(GenerateResult) is called from the loop's thread when it leaves its slot."""
+        params, max_new, seed, drafter_name, k = self.resolve(request)
+        if drafter_name not in BATCH_DRAFTERS:
+            raise RequestError(f"drafter '{drafter_name}' has no per-slot state in the batched node: use "
+                               f"{' or '.join(BATCH_DRAFTERS)}")
+        if drafter_name != "none" and k != self.loop.k:
+            raise RequestError(f"the batched node verifies k={self.loop.k} drafts per call (speculative.k); "
+                               f"send k=0 or k={self.loop.k}")
+        check_stop(request.stop)
+        prompt_ids = self.prompt_ids(request)
+        drafter = None if drafter_name == "none" or not self.loop.k else self.drafter(drafter_name)
+        decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
+
+        def emit(chunk: list[int]) -> bool:
+            delta = decoder.push(chunk)
+            if delta and on_text is not None:
+                on_text(delta, len(decoder.ids))
+            return decoder.stopped
+
+        def done(new_ids: list[int], finish: str, stats) -> None:
+            tail = decoder.finish()
+            if tail and on_text is not None:
+                on_text(tail, len(decoder.ids))
+            if finish == "stop":
+                new_ids = self._trim_to_stop(new_ids, request.stop)
+            off = ""
+            if drafter is not None and stats.verify_calls == 0 and self.loop.speculate_max_active:
+                off = (f"more than serve.speculate_max_queue={self.loop.speculate_max_active} batch slots "
+                       f"were occupied: no speculation")
+            result = GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
+                                    prompt_tokens=len(prompt_ids), queued_at_start=slot_request.occupancy,
+                                    speculation_off_reason=off)
+            if on_result is not None:
+                on_result(result)
+
+        slot_request = SlotRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids,
+                                   sampling=params, seed=seed, drafter=drafter, emit=emit, cancel=cancel, on_done=done)
+        return slot_request
+
+    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
+        """One request alone through the loop (the CLI's path; the node runs many at once)."""
+        out: list[GenerateResult] = []
+        with self._lock:
+            self.loop.add(self.start(request, on_text, cancel, out.append))
+            self.loop.run()
+        return out[0]
+
+    def info(self) -> dict:
+        return dict(super().info(), batch_slots=self.loop.runner.batch,
+                    speculate_max_active=self.loop.speculate_max_active)
