@@ -43,6 +43,22 @@ def grammar_spec(json_schema: str = "", grammar: str = "", regex: str = "") -> t
     return given[0] if given else None
 
 
+def text_or_file(value: str | None) -> str:
+    """A --json-schema / --grammar / --regex value: the contents of the file it names when that
+    file exists, else the text itself ("" for None)."""
+    from pathlib import Path
+
+    if not value:
+        return ""
+    try:
+        path = Path(value)
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # a schema text too long to be a file name
+        pass
+    return value
+
+
 def _grammar_text(kind: str, text: str) -> str:
     """The llguidance grammar definition of (kind, text); GrammarError for what cannot be read."""
     import llguidance
