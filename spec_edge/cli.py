@@ -131,6 +131,10 @@ def cmd_bench(args) -> int:
 
     if args.accuracy:
         return bench.accuracy_main(config_from_args(args), args, progress)
+    if args.guided:
+        from spec_edge.tools import guided_bench
+
+        return guided_bench.main(config_from_args(args), args, progress)
     return bench.main(config_from_args(args), args, progress)
 
 
@@ -191,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
     p.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (default: 0; --full: 0 0.7 1)")
     p.add_argument("--weights", nargs="+", choices=cfgmod.WEIGHTS, help="graphs.weights variants to measure")
+    p.add_argument("--guided", action="store_true",
+                   help="instead: constrained decoding on bench/robot_schemas.jsonl (or --prompts), free vs guided vs "
+                        "guided + forced drafts for drafter none and each --drafters (validity, tok/s, acceptance)")
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: fp32 vs each --weights form (top-1, KL, perplexity, greedy agreement, "
                         "speculative exactness; spec_edge/tools/accuracy.py)")
