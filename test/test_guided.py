@@ -197,3 +197,36 @@ def test_cut_draft_with_masked_q_preserves_p(mask_q):
         counts[out] = counts.get(out, 0) + 1
     stat, df = chi2_statistic(counts, {i: p[0, i] for i in range(4)}, n)
     assert (stat < chi2_critical(df)) == mask_q, (stat, df)
+
+
+def test_guided_bench_on_tiny(tiny_cfg, tmp_path):
+    """spec-edge bench --guided end to end: every guided row valid, the ids identical across drafters
+    and variants (exit 0), the forced variant proposing the schema's keys."""
+    import argparse
+
+    from spec_edge.tools import guided_bench
+
+    prompts = tmp_path / "schemas.jsonl"
+    prompts.write_text(json.dumps({"id": "cmd", "kind": "pick-and-place", "prompt": PROMPTS[0],
+                                   "schema": json.loads(COMMAND)}) + "\n")
+    out = tmp_path / "guided.json"
+    args = argparse.Namespace(prompts=str(prompts), full=False, repeats=1, drafters=["ngram", "draft"], ks=[4],
+                              max_new_tokens=60, json_out=str(out))
+    assert guided_bench.main(tiny_cfg, args, lambda message: None) == 0
+    rows = {(r["drafter"], r["variant"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 9 and all(rows[(d, v)]["validity"] == 1.0 for d in ("none", "ngram", "draft")
+                                  for v in ("guided", "guided+forced"))
+    assert rows[("none", "guided+forced")]["forced"] > 0 and rows[("none", "guided+forced")]["acceptance"] == 1.0
+
+
+def test_schema_check_catches_what_matters():
+    from spec_edge.tools.schema_check import valid_json
+
+    schema = json.loads(COMMAND)
+    assert valid_json('{"action": "pick", "object": "box", "speed": 3}', schema) == (True, "")
+    for text in ('{"action": "pick", "object": "box"}', '{"action": "run", "object": "box", "speed": 3}',
+                 '{"action": "pick", "object": "a long box", "speed": 3}', '{"action": "pick", "object": "box", '
+                 '"speed": 3.5}', '{"action": "pick", "object": "box", "speed": 3, "x": 1}', '{"action": "pick"'):
+        assert valid_json(text, schema)[0] is False, text
+    with pytest.raises(ValueError, match="pattern"):
+        valid_json('"a"', {"type": "string", "pattern": "a"})
