@@ -113,7 +113,8 @@ def summarize(runs: list[dict], drafters: list[str]) -> dict:
     invalid = [dict(id=r["id"], drafter=r["drafter"], variant=r["variant"], why=r["why"], text=r["text"][:120])
                for r in runs if r["variant"] != "free" and not r["valid"]]
     return dict(rows=rows, mismatches=mismatches, invalid=invalid,
-                free_examples={r["id"]: r["text"][:160] for r in runs if r["drafter"] == "none" and r["variant"] == "free"})
+                free_examples={r["id"]: r["text"][:160] for r in runs
+                               if r["drafter"] == "none" and r["variant"] == "free"})
 
 
 def format_table(report: dict) -> str:

@@ -18,8 +18,8 @@ def violations(value, schema: dict, at: str = "$") -> list[str]:
         raise ValueError(f"schema_check does not know {sorted(unknown)} (at {at}): extend it or check otherwise")
     kind = schema.get("type")
     if kind in ("number", "integer"):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind == "number" or isinstance(value, int))
-        if not ok:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind == "integer" and not isinstance(value, int)):
             return [f"{at}: expected {kind}, got {type(value).__name__}"]
     elif kind is not None and not isinstance(value, TYPES[kind]):
         return [f"{at}: expected {kind}, got {type(value).__name__}"]
