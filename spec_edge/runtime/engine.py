@@ -174,7 +174,9 @@ class Engine:
         prompt_ids = self.prompt_ids(request)
         constraint = self.constraint(request)
         forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
-        forced = constraint is not None and forced and k + 1 in self.target.widths
+        # forced drafts are speculation too: off with speculate=false and under the load rule
+        forced = constraint is not None and forced and request.speculate and not off_reason \
+            and k + 1 in self.target.widths
         with self._lock:
             drafter = None if drafter_name == "none" else self._drafters.drafter(drafter_name)
             if drafter is not None and hasattr(drafter, "check_k"):  # heads built for at most some k
