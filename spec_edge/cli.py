@@ -85,11 +85,22 @@ def cmd_export(args) -> int:
 
 
 def request_from_args(args):
+    from spec_edge.runtime.grammar import text_or_file
     from spec_edge.runtime.requests import GenerateRequest
 
     return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                           stop=tuple(args.stop or ()), drafter=args.drafter, k=args.k, chat=not args.raw)
+                           stop=tuple(args.stop or ()), drafter=args.drafter, k=args.k, chat=not args.raw,
+                           json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
+                           regex=text_or_file(args.regex), forced_drafts=False if args.no_forced_drafts else None)
+
+
+def add_guided_arguments(p: argparse.ArgumentParser) -> None:
+    """--json-schema / --grammar / --regex (at most one), each the text or a file holding it."""
+    group = p.add_argument_group("guided decoding (at most one; the text, or a file path)")
+    group.add_argument("--json-schema", help="JSON Schema the output must be valid against")
+    group.add_argument("--grammar", help="grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)")
+    group.add_argument("--regex", help="regular expression the whole output must match")
 
 
 def cmd_generate(args) -> int:
@@ -108,7 +119,10 @@ def cmd_generate(args) -> int:
     progress(f"[stats] finish={result.finish_reason} tokens={s.new_tokens} drafter={s.drafter} k={s.k} "
              f"drafted={s.drafted} accepted={s.accepted} acceptance={s.acceptance_rate:.2f} "
              f"mean_accepted_length={s.mean_accepted_length:.2f} tok/s={s.tokens_per_s:.1f} "
-             f"ttft={s.time_to_first_token_s * 1000:.0f} ms")
+             f"ttft={s.time_to_first_token_s * 1000:.0f} ms" + (f" forced={s.forced} cut={s.cut}"
+                                                                   if s.forced or s.cut else ""))
+    if result.message:
+        progress(f"[note] {result.message}")
     return 0
 
 
@@ -117,6 +131,10 @@ def cmd_bench(args) -> int:
 
     if args.accuracy:
         return bench.accuracy_main(config_from_args(args), args, progress)
+    if args.guided:
+        from spec_edge.tools import guided_bench
+
+        return guided_bench.main(config_from_args(args), args, progress)
     return bench.main(config_from_args(args), args, progress)
 
 
@@ -158,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    add_guided_arguments(p)
+    p.add_argument("--no-forced-drafts", action="store_true",
+                   help="guided: do not propose the grammar's forced tokens as drafts (speculative.forced_drafts)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("bench", help="target-only vs speculative tok/s, side by side, one run")
@@ -174,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
     p.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (default: 0; --full: 0 0.7 1)")
     p.add_argument("--weights", nargs="+", choices=cfgmod.WEIGHTS, help="graphs.weights variants to measure")
+    p.add_argument("--guided", action="store_true",
+                   help="instead: constrained decoding on bench/robot_schemas.jsonl (or --prompts), free vs guided vs "
+                        "guided + forced drafts for drafter none and each --drafters (validity, tok/s, acceptance)")
     p.add_argument("--accuracy", action="store_true",
                    help="instead of speed: fp32 vs each --weights form (top-1, KL, perplexity, greedy agreement, "
                         "speculative exactness; spec_edge/tools/accuracy.py)")

@@ -145,6 +145,8 @@ class SpeculativeSection:
     eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3 or hybrid
     medusa_head: str = ""   # folder of Medusa heads for drafter=medusa (k <= its head count)
     peagle_head: str = ""   # folder of a parallel-drafting (P-EAGLE) head for drafter=peagle
+    forced_drafts: bool = True  # guided decoding: the tokens a grammar forces are the draft (free,
+                                # always accepted), with any drafter or none (docs/guided.md)
 
 
 @dataclass(frozen=True)

@@ -127,3 +127,38 @@ def test_q4_carries_every_linear_layer(engine):
     spec, _, stats = speculative.generate(q4, edit, max_new_tokens=40, eos_ids=engine.eos_ids,
                                           drafter=NgramDrafter(), k=4)
     assert spec == plain and stats.accepted > 0
+
+
+def test_guided_speculative_equals_guided_plain_and_parses(engine):
+    """The real model under robot-command schemas: ngram speculation (drafts cut by the grammar) and
+    grammar-forced drafts give the guided target-only tokens; the eos text is valid against the schema."""
+    from spec_edge.tools.guided_bench import load_schema_prompts
+    from spec_edge.tools.schema_check import valid_json
+
+    for entry in [e for e in load_schema_prompts() if e["id"] in ("pick-1", "joints-1")]:
+        base = dict(prompt=entry["prompt"], json_schema=json.dumps(entry["schema"]), max_new_tokens=64)
+        plain = engine.generate(GenerateRequest(**base, drafter="none", forced_drafts=False))
+        assert plain.finish_reason == "eos" and valid_json(plain.text, entry["schema"]) == (True, ""), plain.text
+        for forced in (False, True):
+            spec = engine.generate(GenerateRequest(**base, drafter="ngram", k=4, forced_drafts=forced))
+            assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, "eos"), (forced, spec.text, plain.text)
+            assert (spec.stats.forced > 0) == forced and spec.stats.accepted >= spec.stats.forced
+
+
+def test_cli_guided(engine, tmp_path):
+    """--json-schema takes a file; a bad regex exits 2 with one line naming the parser's complaint."""
+    schema = tmp_path / "ok.json"
+    schema.write_text(json.dumps({"type": "object", "additionalProperties": False, "required": ["ok"],
+                                  "properties": {"ok": {"type": "boolean"}}}))
+    common = [sys.executable, "-m", "spec_edge.cli", "generate", "--max-new-tokens", "16", "--engine-dir",
+              str(REPO / "engines")]
+    out = subprocess.run(common + ["--prompt", "Is the battery fine?", "--json-schema", str(schema), "--json"],
+                         capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["finish_reason"] == "eos" and isinstance(json.loads(result["text"])["ok"], bool)
+    out = subprocess.run(common + ["--prompt", "hi", "--regex", "a(b"], capture_output=True, text=True,
+                         timeout=600, cwd=REPO)
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("spec-edge: error: regex is invalid:") and "unclosed group" in last

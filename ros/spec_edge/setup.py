@@ -20,7 +20,7 @@ setup(
         (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml")),
     ],
-    install_requires=["setuptools", "numpy", "pyyaml", "jinja2", "onnxruntime", "onnx", "tokenizers"],
+    install_requires=["setuptools", "numpy", "pyyaml", "jinja2", "onnxruntime", "onnx", "tokenizers", "llguidance"],
     extras_require={
         "export": ["torch", "onnxscript", "transformers", "gguf", "accelerate", "safetensors"],
     },

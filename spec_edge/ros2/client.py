@@ -15,12 +15,16 @@ import time
 from typing import Any, Callable
 
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k")
+GUIDED_FIELDS = ("json_schema", "grammar", "regex")  # msg/Guided.msg, the request's `guided` field
 
 
 def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fields: Any) -> Any:
     """Set a Generate request / goal from plain values; None leaves a field at the node default."""
     from spec_edge_interfaces.msg import ChatMessage
     for name, value in fields.items():
+        if name in GUIDED_FIELDS:
+            setattr(msg.guided, name, value or "")
+            continue
         if name not in msg.get_fields_and_field_types():
             raise TypeError(f"Generate has no field '{name}'")
         if value is None:
@@ -145,7 +149,13 @@ def ask_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the node to appear")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every response field")
+    for flag, what in (("--json-schema", "JSON Schema the output must be valid against"),
+                       ("--grammar", "grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)"),
+                       ("--regex", "regular expression the whole output must match")):
+        parser.add_argument(flag, help=f"guided decoding (at most one): {what}; the text or a file path")
     args = parser.parse_args(argv)
+
+    from spec_edge.runtime.grammar import text_or_file
 
     import rclpy
 
@@ -156,7 +166,9 @@ def ask_main(argv: list[str] | None = None) -> int:
               "set it to LOCALHOST to keep discovery on this machine", file=sys.stderr)
     fields = dict(prompt=args.prompt, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k)
+                  stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k,
+                  json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
+                  regex=text_or_file(args.regex))
     rclpy.init(args=[])
     try:
         with GenerateClient(namespace=args.namespace) as client:
@@ -186,6 +198,8 @@ def ask_main(argv: list[str] | None = None) -> int:
               f"drafter {s.drafter or 'none'} k={s.k}, acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)
         if s.speculation_off_reason:
             print(f"[speculation off: {s.speculation_off_reason}]", file=sys.stderr)
+        if response.message:
+            print(f"[note: {response.message}]", file=sys.stderr)
     else:
         print(f"spec-edge ask: refused: {response.message}", file=sys.stderr)
     return 0 if response.success else 1

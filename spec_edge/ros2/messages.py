@@ -38,6 +38,8 @@ def to_engine_request(msg: Any):
         check_decoded(f"messages[{i}]", m.role + m.content)
     for i, stop in enumerate(msg.stop):
         check_decoded(f"stop[{i}]", stop)
+    for name in ("json_schema", "grammar", "regex"):
+        check_decoded(f"guided.{name}", getattr(msg.guided, name))
     temperature = _optional(msg.temperature)
     top_p = _optional(msg.top_p)
     return GenerateRequest(
@@ -53,6 +55,9 @@ def to_engine_request(msg: Any):
         speculate=bool(msg.speculate),
         drafter=msg.drafter or None,
         k=_optional(msg.k),
+        json_schema=msg.guided.json_schema,
+        grammar=msg.guided.grammar,
+        regex=msg.guided.regex,
     )
 
 

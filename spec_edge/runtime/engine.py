@@ -18,6 +18,7 @@ from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import BackendError, Runner
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
 from spec_edge.runtime.drafting import Drafters
+from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
 from spec_edge.runtime.requests import (GenerateRequest, GenerateResult, RequestError, check_stop, check_text,
                                         speculation_off_reason)
 from spec_edge.runtime.sampling import SamplingParams
@@ -38,6 +39,7 @@ class Engine:
         if eos_text_id is not None and eos_text_id not in self.eos_ids:
             self.eos_ids += (eos_text_id,)
         self._drafters = Drafters(cfg, target, tokenizer, graph_dir, self.model_cfg, progress, draft_runner)
+        self.grammars = Grammars(tokenizer, target.vocab_size, self.eos_ids)
         self._lock = threading.Lock()
 
     @classmethod
@@ -139,12 +141,23 @@ class Engine:
                                f"use one of those or re-export with graphs.k_values including {k}")
         return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
 
+    def constraint(self, request: GenerateRequest) -> Constraint | None:
+        """The request's grammar state (None without json_schema / grammar / regex). The grammar
+        is compiled once per distinct text and kept; RequestError with the parser's message."""
+        try:
+            spec = grammar_spec(request.json_schema, request.grammar, request.regex)
+            return None if spec is None else self.grammars.constraint(*spec)
+        except GrammarError as err:
+            raise RequestError(str(err)) from None
+
     def validate(self, request: GenerateRequest) -> None:
         """Raise RequestError for a request generate() would refuse on its fields, without running
-        anything (a tokenization): the node answers such requests before they take a queue slot."""
+        anything (a tokenization, a grammar compile that is kept): the node answers such requests
+        before they take a queue slot, and compiles their grammars off the worker's loop."""
         self.resolve(request)
         check_stop(request.stop)
         self.prompt_ids(request)
+        self.constraint(request)
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
@@ -159,6 +172,11 @@ class Engine:
             drafter_name = "none"
         check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
+        constraint = self.constraint(request)
+        forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
+        # forced drafts are speculation too: off with speculate=false and under the load rule
+        forced = constraint is not None and forced and request.speculate and not off_reason \
+            and k + 1 in self.target.widths
         with self._lock:
             drafter = None if drafter_name == "none" else self._drafters.drafter(drafter_name)
             if drafter is not None and hasattr(drafter, "check_k"):  # heads built for at most some k
@@ -176,15 +194,21 @@ class Engine:
 
             new_ids, finish, stats = speculative.generate(
                 self.target, prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids, sampling=params,
-                seed=seed, drafter=drafter, k=k, emit=emit, cancel=cancel)
+                seed=seed, drafter=drafter, k=k, emit=emit, cancel=cancel, constraint=constraint,
+                forced_drafts=forced)
         tail = decoder.finish()
         if tail and on_text is not None:
             on_text(tail, len(decoder.ids))
         if finish == "stop":
             new_ids = self._trim_to_stop(new_ids, request.stop)
+        message = ""
+        if constraint is not None and finish != "eos" and not constraint.complete:
+            message = (f"finish_reason {finish}: the output is not complete under the {constraint.kind} "
+                       f"(it does not parse yet" + (f"; raise max_new_tokens above {max_new})" if finish == "length"
+                                                    else ")"))
         return GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                               prompt_tokens=len(prompt_ids), queued_at_start=queued,
-                              speculation_off_reason=off_reason)
+                              speculation_off_reason=off_reason, message=message)
 
     def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
         """The shortest prefix of ids whose text contains a stop string (what plain decoding,

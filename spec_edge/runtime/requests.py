@@ -30,6 +30,11 @@ class GenerateRequest:
     drafter: str | None = None
     k: int | None = None
     chat: bool = True                           # False: the prompt is fed as raw text
+    # guided decoding (runtime/grammar.py): at most one of a JSON Schema, a grammar (Lark or GBNF), a regex
+    json_schema: str = ""
+    grammar: str = ""
+    regex: str = ""
+    forced_drafts: bool | None = None           # None = speculative.forced_drafts
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
 from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, sample, speculative_accept
 
 
@@ -68,6 +69,8 @@ class Stats:
     new_tokens: int = 0
     drafted: int = 0               # draft tokens sent to verify
     accepted: int = 0              # of those, accepted
+    forced: int = 0                # guided: draft tokens the grammar forced (no drafter asked)
+    cut: int = 0                   # guided: draft tokens dropped before verify (the grammar forbids them)
     verify_calls: int = 0
     step_calls: int = 0            # plain [1, 1] target steps (no proposal, or no room)
     accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted
@@ -111,17 +114,29 @@ Cancel = Callable[[], "str | None"]
 def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: tuple[int, ...],
              sampling: SamplingParams = SamplingParams(), seed: int | None = None,
              drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
-             cancel: Cancel | None = None) -> tuple[list[int], str, Stats]:
+             cancel: Cancel | None = None, constraint: Constraint | None = None,
+             forced_drafts: bool = False) -> tuple[list[int], str, Stats]:
     """Decode up to max_new_tokens after prompt_ids. Returns (new token ids without EOS,
-    finish_reason in eos | stop | length | context_full | <cancel's reason>, stats)."""
-    if drafter is not None:
+    finish_reason in eos | stop | length | context_full | <cancel's reason>, stats).
+
+    constraint (guided decoding, runtime/grammar.py): every logits row the choice is made from is
+    masked by the grammar state along the path (the verify rows by the state after the window's
+    first i tokens); a draft is cut at its first token the grammar forbids (the q rows of a sampled
+    draft are masked and renormalised alike, so speculative sampling still follows the constrained
+    target); the loop ends with eos once the grammar admits nothing but EOS. forced_drafts: where
+    the grammar forces the next tokens they are the draft (up to k; with or without a drafter):
+    the masked target must choose them."""
+    speculating = drafter is not None or (constraint is not None and forced_drafts)
+    if speculating:
         target.check_width(k + 1)
-    stats = Stats(drafter=drafter.name if drafter else "none", k=k if drafter else 0,
-                  prompt_tokens=len(prompt_ids), accepted_at=[0] * (k if drafter else 0))
+    stats = Stats(drafter=drafter.name if drafter else "none", k=k if speculating else 0,
+                  prompt_tokens=len(prompt_ids), accepted_at=[0] * (k if speculating else 0))
     sampler = Sampler(sampling, seed)
     eos = set(eos_ids)
     started = time.perf_counter()
     logits = target.prefill(prompt_ids, 0)
+    if constraint is not None:
+        logits = mask_logits(logits[None], constraint.masks([]))[0]
     stats.prefill_time_s = time.perf_counter() - started
     first, _ = sampler.pick(logits)
     seq = list(prompt_ids) + [first]
@@ -138,6 +153,10 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
         if len(new_tokens) + len(chunk) >= max_new_tokens and reason is None:
             chunk, reason = chunk[:max_new_tokens - len(new_tokens)], "length"
         new_tokens.extend(chunk)
+        if constraint is not None:
+            constraint.consume(chunk)
+            if reason is None and constraint.done:  # only EOS may follow: the masked target's choice
+                reason = "eos"
         if chunk and emit is not None and emit(chunk):
             reason = "stop"
         return reason
@@ -155,27 +174,38 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
         if pos >= target.max_context:
             finish = "context_full"
             break
-        draft = None
-        if drafter is not None and pos + k + 1 <= target.max_context:
+        draft, proposer = None, None
+        room = pos + k + 1 <= target.max_context
+        if constraint is not None and forced_drafts and room and (forced := constraint.forced()[:k]):
+            draft = Draft(tokens=forced, q_draft=None)
+            stats.forced += len(forced)
+        elif drafter is not None and room:
             t0 = time.perf_counter()
-            draft = drafter.propose(seq, k, sampler)
+            draft, proposer = drafter.propose(seq, k, sampler), drafter
             stats.draft_time_s += time.perf_counter() - t0
+            if draft is not None and constraint is not None:
+                draft = cut_draft(draft, constraint, stats, drafter)
         t0 = time.perf_counter()
         if draft is None:
             logits = target.forward([seq[-1]], pos)
+            if constraint is not None:
+                logits = mask_logits(logits[:1], constraint.masks([]))
             chunk = [sampler.pick(logits[0])[0]]
             stats.step_calls += 1
             pos += 1
         else:
             window = [seq[-1]] + draft.tokens
-            if sampling.greedy:
+            if constraint is None and sampling.greedy:
                 n_accepted, next_token = greedy_accept(target.argmax(window, pos), draft.tokens)
-            else:
+            elif constraint is None:
                 p_target = probabilities(target.forward(window, pos), sampling)
                 n_accepted, next_token = speculative_accept(p_target, draft.q_draft, draft.tokens, sampler.rng)
-            drafter.observe(k, n_accepted)
+            else:
+                n_accepted, next_token = constrained_accept(target, window, pos, draft, constraint, sampler)
+            if proposer is not None:
+                proposer.observe(len(draft.tokens), n_accepted)
             stats.verify_calls += 1
-            stats.drafted += k
+            stats.drafted += len(draft.tokens)
             stats.accepted += n_accepted
             for i in range(n_accepted):
                 stats.accepted_at[i] += 1
@@ -187,3 +217,31 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
     stats.new_tokens = len(new_tokens)
     stats.total_time_s = time.perf_counter() - started
     return new_tokens, finish, stats
+
+
+def cut_draft(draft: Draft, constraint: Constraint, stats: Stats, drafter: Drafter) -> Draft | None:
+    """The draft up to its first token the grammar forbids (None when that is the first: a plain
+    step follows, and the drafter hears that nothing of it was accepted)."""
+    n = constraint.admitted(draft.tokens)
+    stats.cut += len(draft.tokens) - n
+    if n == 0:
+        drafter.observe(len(draft.tokens), 0)
+        return None
+    if n == len(draft.tokens):
+        return draft
+    return Draft(tokens=draft.tokens[:n], q_draft=None if draft.q_draft is None else draft.q_draft[:n])
+
+
+def constrained_accept(target: Runner, window: list[int], pos: int, draft: Draft, constraint: Constraint,
+                       sampler: Sampler) -> tuple[int, int]:
+    """(n_accepted, next_token) of a verify call under a grammar: row i of the target's logits is
+    masked by the grammar state after window[:i + 1]. A window cut shorter than k + 1 runs in the
+    smallest verify graph it fits, padded (rows past the window are ignored, like rejected drafts)."""
+    width = min(w for w in target.widths if w >= len(window))
+    logits = target.forward(window + [window[-1]] * (width - len(window)), pos)[:len(window)]  # (m+1, V)
+    allowed = constraint.masks(draft.tokens)  # (m+1, V)
+    logits = mask_logits(logits, allowed)
+    if sampler.params.greedy:
+        return greedy_accept(np.argmax(logits, axis=-1), draft.tokens)
+    q = None if draft.q_draft is None else mask_probs(draft.q_draft, allowed[:-1])
+    return speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng)

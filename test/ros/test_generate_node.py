@@ -171,3 +171,31 @@ def test_busy_only_past_the_queue_limit(server, module_env):
     assert all(a["message"].startswith("busy") and "queue_limit" in a["message"] for a in busy), busy
     assert len(served) >= limit + 1, f"only {len(served)} served: busy before the queue was full"
     assert 1 <= len(busy) <= 3, f"{len(busy)} busy of {len(answers)}"
+
+
+ALARM = json.dumps({"type": "object", "additionalProperties": False, "required": ["severity", "subsystem"],
+                    "properties": {"severity": {"enum": ["info", "warning", "critical"]},
+                                   "subsystem": {"enum": ["battery", "motor", "lidar", "camera"]}}})
+ALARM_PROMPT = "Classify this alarm as JSON: motor 2 temperature 95 C, rising."
+
+
+def test_guided_json_schema_service_and_action(server, module_env, reference_engine):
+    """A JSON Schema through the service and the action: the answer parses, equals the core's; a bad
+    schema or two guides at once are refused with the parser's message, and the node keeps serving."""
+    guided = {"prompt": ALARM_PROMPT, "max_new_tokens": 40, "json_schema": ALARM}
+    answers = run_client(module_env, {"mode": "call", "requests": [
+        {"prompt": ALARM_PROMPT, "json_schema": '{"type": "frob"}'},
+        {"prompt": ALARM_PROMPT, "json_schema": ALARM, "regex": "a+"},
+        guided, {"prompt": PROMPT, "max_new_tokens": 10}]})
+    bad, both, good, plain = answers
+    assert bad["success"] is False and "json_schema is invalid: Invalid type: frob" in bad["message"]
+    assert both["success"] is False and "at most one of json_schema, grammar, regex" in both["message"]
+    want = expected(reference_engine, **guided)
+    assert good["success"] and good["finish_reason"] == "eos" == want.finish_reason, good
+    assert good["text"] == want.text and json.loads(good["text"])["severity"] in ("info", "warning", "critical")
+    assert good["stats"]["forced"] == want.stats.forced > 0  # the schema's keys were free drafts
+    assert plain["success"] and plain["text"] == expected(reference_engine, prompt=PROMPT, max_new_tokens=10).text
+    out = run_client(module_env, {"mode": "stream", "request": guided})
+    assert out["status"] == "SUCCEEDED" and out["result"]["text"] == want.text
+    out = run_client(module_env, {"mode": "stream", "request": {"prompt": ALARM_PROMPT, "regex": "a(b"}})
+    assert out["status"] == "ABORTED" and "regex is invalid" in out["result"]["message"]
