@@ -58,6 +58,7 @@ class BatchEngine(Engine):
         if drafter_name != "none" and k != self.loop.k:
             raise RequestError(f"the batched node verifies k={self.loop.k} drafts per call (speculative.k); "
                                f"send k=0 or k={self.loop.k}")
+        self._check_unguided(request)
         check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
         drafter = None if drafter_name == "none" or not self.loop.k else self.drafter(drafter_name)
@@ -88,6 +89,16 @@ class BatchEngine(Engine):
         slot_request = SlotRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids,
                                    sampling=params, seed=seed, drafter=drafter, emit=emit, cancel=cancel, on_done=done)
         return slot_request
+
+    def _check_unguided(self, request: GenerateRequest) -> None:
+        if request.json_schema or request.grammar or request.regex:
+            raise RequestError("guided decoding (json_schema / grammar / regex) is not built for the batched node "
+                               f"yet (graphs.batch_slots={self.loop.runner.batch}): send the request to a node "
+                               "with graphs.batch_slots: 1")
+
+    def validate(self, request: GenerateRequest) -> None:
+        self._check_unguided(request)  # before Engine.validate compiles the grammar
+        super().validate(request)
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:

@@ -52,3 +52,20 @@ def test_eight_clients_each_get_their_solo_answer(server_factory, batch_params, 
     assert max(a["stats"]["queued_at_start"] for a in answers) == 4  # the slots were shared: all four in use
     status, = finish_client(start_client(module_env, {"mode": "diagnostics"}))
     assert status["values"]["batch_slots"] == "4" and int(status["values"]["served"]) == len(PROMPTS)
+
+
+def test_batched_engine_refuses_guided_requests(batch_params, solo):
+    """Guided decoding runs on the B=1 loop only: the batched engine refuses it before it takes a slot
+    (the node answers success=false with this message), and serves the next plain request."""
+    from spec_edge import config as cfgmod
+    from spec_edge.runtime.batch_engine import BatchEngine
+    from spec_edge.runtime.requests import RequestError
+
+    engine = BatchEngine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
+    try:
+        with pytest.raises(RequestError, match="guided decoding .* batch_slots: 1"):
+            engine.validate(engine_request(prompt=PROMPTS[0], json_schema='{"type": "object"}'))
+        assert engine.generate(engine_request(prompt=PROMPTS[0], max_new_tokens=MAX_NEW[0])).token_ids == \
+            solo[0].token_ids
+    finally:
+        engine.close()
