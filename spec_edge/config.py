@@ -172,6 +172,13 @@ class ServeSection:
     # so 1 = speculate only when alone) runs target-only (drafter none; greedy output is the same) and
     # says so in its stats; 0 = never switch off. `spec-edge tune` writes it from its measurement.
     speculate_max_queue: int = 0
+    # keep what a request left in the resident caches (target, draft model, EAGLE-3 / P-EAGLE head):
+    # a prompt sharing a prefix with it (the same system prompt, a growing dialog) prefills only the
+    # rest. The output is the cold run's (greedy: token for token up to float near-ties, docs/bench.md).
+    reuse_prefix: bool = True
+    # prefill the chat prefix of serve.system_prompt (the template's default when "") once the engine
+    # is loaded, so the first request with it reuses it too (needs reuse_prefix)
+    warm_system_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -381,5 +388,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")
     if p.max_new_tokens < 1:
         raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {p.max_new_tokens}")
+    if cfg.serve.warm_system_prompt and not cfg.serve.reuse_prefix:
+        raise ConfigError("serve.warm_system_prompt prefills the system prompt for later requests to reuse: "
+                          "it needs serve.reuse_prefix: true (or set warm_system_prompt: false)")
     if cfg.serve.queue_limit < 1:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")
