@@ -161,6 +161,9 @@ def make_node_class():
                 from spec_edge.runtime.engine import Engine
                 self.engine = Engine.from_config(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
+                if self.cfg.serve.warm_system_prompt:  # the system prompt's rows, for every request to reuse
+                    self.get_logger().info(f"warmed the cache with the system prompt: "
+                                           f"{self.engine.warm()} tokens")
             except Exception as err:  # a missing model, a refused memory plan, a failed build
                 self.get_logger().error(f"configure: engine did not load: {err}")
                 self.engine = None
