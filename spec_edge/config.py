@@ -38,8 +38,7 @@ HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
 # (device/specs.py): the draft model, the layer-skip graph, the EAGLE-3 head (eagle3, and hybrid =
 # prompt lookup + that head); prompt lookup needs no engine. Medusa and P-EAGLE heads have no
 # TensorRT graphs yet (their ONNX Runtime graphs are static per k), so they are refused on tensorrt.
-BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS,
-                    "tensorrt": ("none", "ngram", "draft", "layerskip", "eagle3", "hybrid")}
+BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS, "tensorrt": ("none", "ngram", "draft", "layerskip", "eagle3", "hybrid")}
 
 
 class ConfigError(ValueError):
@@ -137,8 +136,7 @@ class GraphSection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid
-                            # (hybrid: ngram when it has a match worth proposing, else eagle3)
+    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid (ngram, else eagle3)
     k: int = 4              # drafts per verify call; a verify graph of width k+1 must exist
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
@@ -178,6 +176,13 @@ class ServeSection:
     # so 1 = speculate only when alone) runs target-only (drafter none; greedy output is the same) and
     # says so in its stats; 0 = never switch off. `spec-edge tune` writes it from its measurement.
     speculate_max_queue: int = 0
+    # keep what a request left in the resident caches (target, draft model, EAGLE-3 / P-EAGLE head): a
+    # prompt sharing a prefix with it prefills only the rest; the output is the cold run's (docs/bench.md).
+    # graphs.batch_slots > 1: batched slots prefill cold.
+    reuse_prefix: bool = True
+    # prefill the chat prefix of serve.system_prompt (the template's default when "") once the engine
+    # is loaded, so the first request with it reuses it too (needs reuse_prefix)
+    warm_system_prompt: bool = False
 
 
 @dataclass(frozen=True)
@@ -368,8 +373,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"graphs.ort_attention=fused rewrites float32 graphs; with graphs.dtype={g.dtype} "
                           f"set graphs.ort_attention: graph")
     if cfg.serve.speculate_max_queue < 0:
-        raise ConfigError(f"serve.speculate_max_queue must be >= 0 (0 = always speculate), "
-                          f"got {cfg.serve.speculate_max_queue}")
+        raise ConfigError(f"serve.speculate_max_queue must be >= 0 (0 = always speculate), got {cfg.serve.speculate_max_queue}")
     if s.drafter != "none" and s.k not in g.k_values:
         raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
     if s.drafter in HEAD_DRAFTERS and not s.eagle3_head:
@@ -389,5 +393,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")
     if p.max_new_tokens < 1:
         raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {p.max_new_tokens}")
+    if cfg.serve.warm_system_prompt and (not cfg.serve.reuse_prefix or g.batch_slots > 1):
+        raise ConfigError("serve.warm_system_prompt prefills the system prompt for later requests to reuse: it needs "
+                          "serve.reuse_prefix: true and graphs.batch_slots: 1 (or set warm_system_prompt: false)")
     if cfg.serve.queue_limit < 1:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")

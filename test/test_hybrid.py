@@ -132,6 +132,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     assert position == len(first_seq) - 1 and rows == len(seq) - len(first_seq)
     assert rows > max(head.ingest_widths), (rows, head.ingest_widths)
     fresh = Eagle3Drafter(head_engine.target, head, eagle.columns)
+    fresh.forget()  # from scratch, not from the pairs the run left in the head's cache
     fresh.start(ids)
     reference = fresh.propose(seq, k, Sampler(SamplingParams()))
     assert reference.tokens == catch_up.tokens

@@ -153,9 +153,8 @@ def make_node_class():
             except cfgmod.ConfigError as err:
                 self.get_logger().error(f"configure: {err}")
                 return TransitionCallbackReturn.FAILURE
-            self.get_logger().info(
-                f"loading engine: target={self.cfg.model.target} backend={self.cfg.runtime.backend} "
-                f"drafter={self.cfg.speculative.drafter} k={self.cfg.speculative.k}")
+            self.get_logger().info(f"loading engine: target={self.cfg.model.target} backend={self.cfg.runtime.backend} "
+                                   f"drafter={self.cfg.speculative.drafter} k={self.cfg.speculative.k}")
             started = time.monotonic()
             try:
                 from spec_edge.runtime.batch_engine import BatchEngine
@@ -163,6 +162,8 @@ def make_node_class():
                 engine = BatchEngine if self.cfg.graphs.batch_slots > 1 else Engine  # B > 1: in-flight batching
                 self.engine = engine.from_config(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
+                if self.cfg.serve.warm_system_prompt:  # the system prompt's rows, for every request to reuse
+                    self.get_logger().info(f"warmed the cache with the system prompt: {self.engine.warm()} tokens")
             except Exception as err:  # a missing model, a refused memory plan, a failed build
                 self.get_logger().error(f"configure: engine did not load: {err}")
                 self.engine = None

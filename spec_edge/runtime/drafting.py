@@ -40,6 +40,13 @@ class Drafters:
         other.layer_skip = self.layer_skip
         return other
 
+    def forget(self) -> None:
+        """Mark every resident cache (target, draft model, heads) as holding nothing valid: the next
+        request prefills from position 0 (serve.reuse_prefix off, or a request that failed)."""
+        for owner in (self.target, self.draft_runner, self.eagle3_head, self.peagle_head):
+            if owner is not None:
+                owner.held = ()
+
     def drafter(self, name: str):
         from spec_edge.runtime.drafters.draft_model import ModelDrafter
         from spec_edge.runtime.drafters.layer_skip import LayerSkipDrafter

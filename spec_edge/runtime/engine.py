@@ -15,7 +15,7 @@ from pathlib import Path
 from spec_edge.config import DRAFTERS, Config, ConfigError
 from spec_edge.graphs import export
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.base import BackendError, Runner
+from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
 from spec_edge.runtime.drafting import Drafters
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
@@ -192,10 +192,15 @@ class Engine:
                     on_text(delta, len(decoder.ids))
                 return decoder.stopped
 
-            new_ids, finish, stats = speculative.generate(
-                self.target, prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids, sampling=params,
-                seed=seed, drafter=drafter, k=k, emit=emit, cancel=cancel, constraint=constraint,
-                forced_drafts=forced)
+            reuse = self.cfg.serve.reuse_prefix
+            try:
+                new_ids, finish, stats = speculative.generate(
+                    self.target, prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids, sampling=params,
+                    seed=seed, drafter=drafter, k=k, emit=emit, cancel=cancel, constraint=constraint,
+                    forced_drafts=forced, reuse=reuse)
+            except BaseException:
+                self._drafters.forget()  # whatever the caches hold now, the next request runs cold
+                raise
         tail = decoder.finish()
         if tail and on_text is not None:
             on_text(tail, len(decoder.ids))
@@ -209,6 +214,22 @@ class Engine:
         return GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                               prompt_tokens=len(prompt_ids), queued_at_start=queued,
                               speculation_off_reason=off_reason, message=message)
+
+    def warm(self, system_prompt: str = "") -> int:
+        """Prefill the chat prefix every request with this system prompt ("" = serve.system_prompt,
+        then the template's default) shares, so the next such request reuses it (serve.reuse_prefix).
+        Returns its length in tokens."""
+        if not self.cfg.serve.reuse_prefix:
+            raise ConfigError("warming the cache needs serve.reuse_prefix: true")
+        one, two = (self.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in ("a", "b"))
+        shared = list(one[:common_prefix(one, two, len(one))])
+        with self._lock:
+            reused = common_prefix(self.target.held, shared, len(shared) - 1)
+            self.target.held = ()
+            if shared:
+                self.target.prefill(shared[reused:], reused)
+                self.target.held = tuple(shared)
+        return len(shared)
 
     def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
         """The shortest prefix of ids whose text contains a stop string (what plain decoding,

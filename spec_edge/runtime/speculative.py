@@ -9,6 +9,12 @@ rolling back is only moving pos.
 Without a drafter (or when the drafter has nothing worth verifying, or the verify window no longer
 fits the cache) an iteration is a plain [1, 1] step. Target-only decoding is this same loop with
 no drafter, so greedy speculative output equals it token for token.
+
+Prefix reuse (reuse=True): the cache keeps what the last request left in it (`target.held`, the
+ids of rows 0..pos-1 as it ended). A prompt sharing a prefix with those ids prefills only the rest,
+from the first differing position; at least the last prompt token is prefilled (its logits choose
+the first token). Drafters with a cache of their own do the same in start() and record theirs in
+finish().
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
 from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, sample, speculative_accept
 
@@ -60,12 +66,18 @@ class Drafter(Protocol):
 
     def observe(self, n_proposed: int, n_accepted: int) -> None: ...
 
+    # optional (test doubles may lack them); drafters with a cache of their own keep a record of it:
+    def forget(self) -> None: ...  # before start(): ignore the record, start cold (reuse=False)
+
+    def finish(self) -> None: ...  # the request ended normally: record what the drafter's cache holds
+
 
 @dataclass
 class Stats:
     drafter: str = "none"
     k: int = 0
     prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0  # prompt rows kept from the previous request (not prefilled)
     new_tokens: int = 0
     drafted: int = 0               # draft tokens sent to verify
     accepted: int = 0              # of those, accepted
@@ -115,9 +127,10 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
              sampling: SamplingParams = SamplingParams(), seed: int | None = None,
              drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
              cancel: Cancel | None = None, constraint: Constraint | None = None,
-             forced_drafts: bool = False) -> tuple[list[int], str, Stats]:
+             forced_drafts: bool = False, reuse: bool = False) -> tuple[list[int], str, Stats]:
     """Decode up to max_new_tokens after prompt_ids. Returns (new token ids without EOS,
     finish_reason in eos | stop | length | context_full | <cancel's reason>, stats).
+    reuse: keep the cache rows the last request left that match a prefix of prompt_ids.
 
     constraint (guided decoding, runtime/grammar.py): every logits row the choice is made from is
     masked by the grammar state along the path (the verify rows by the state after the window's
@@ -134,7 +147,10 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
     sampler = Sampler(sampling, seed)
     eos = set(eos_ids)
     started = time.perf_counter()
-    logits = target.prefill(prompt_ids, 0)
+    reused = common_prefix(target.held, prompt_ids, len(prompt_ids) - 1) if reuse else 0
+    target.held = ()  # until this request ends normally: a failure leaves the next one cold
+    stats.prompt_tokens_reused = reused
+    logits = target.prefill(prompt_ids[reused:], reused)
     if constraint is not None:
         logits = mask_logits(logits[None], constraint.masks([]))[0]
     stats.prefill_time_s = time.perf_counter() - started
@@ -163,8 +179,11 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
 
     finish = accept([first])
     stats.time_to_first_token_s = time.perf_counter() - started
-    if drafter is not None and finish is None:
+    drafting = drafter is not None and finish is None
+    if drafting:
         t0 = time.perf_counter()
+        if not reuse and (forget := getattr(drafter, "forget", None)) is not None:
+            forget()
         drafter.start(list(prompt_ids))
         stats.draft_time_s += time.perf_counter() - t0
     while finish is None:
@@ -214,6 +233,9 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
         stats.target_time_s += time.perf_counter() - t0
         seq.extend(chunk)
         finish = accept(chunk)
+    target.held = tuple(seq[:pos])  # seq[pos], the pending token, was never fed
+    if drafting and (done := getattr(drafter, "finish", None)) is not None:  # test doubles may lack it
+        done()
     stats.new_tokens = len(new_tokens)
     stats.total_time_s = time.perf_counter() - started
     return new_tokens, finish, stats

@@ -91,8 +91,11 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
     engines = {}
     for weights_name, attention in ((w, a) for w in weights for a in attentions):
         before = rss_mb()
+        # serve.reuse_prefix off: every run is a cold request (the same prompt runs once per system, so
+        # reuse would prefill one token for all but the first); bench/prefix_reuse.py measures reuse
         engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
-                                                   "speculative.drafter": "none"}), progress)
+                                                   "speculative.drafter": "none", "serve.reuse_prefix": False}),
+                                    progress)
         w = variant_label(weights_name, attention)  # the report's label of this variant
         engines[w] = engine
         plain_name = f"spec_edge[{w}] target-only"

@@ -7,6 +7,11 @@ A Runner owns the KV cache of one model (target or draft) and the graphs exporte
 Every call writes the keys/values of the tokens it processes into the cache at
 [position, position + n_tokens). Nothing is ever removed: rolling back is calling again at an
 earlier position, and cache rows >= position are masked out inside the graph.
+
+Prefix reuse across requests: `held` is the token ids whose rows 0..len(held)-1 the cache holds
+validly (rows beyond it are garbage). The caller that drives the cache keeps it (the speculative
+loop for the target, a drafter for its own runner or head): () while a request runs, the fed
+sequence when it ended; so a request that failed leaves () behind and the next one runs cold.
 """
 from __future__ import annotations
 
@@ -20,7 +25,17 @@ class BackendError(RuntimeError):
     """A backend cannot load or run its graphs; the message says what to rebuild or change."""
 
 
+def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int) -> int:
+    """Length of the longest common prefix of held and ids, at most limit."""
+    n = min(len(held), len(ids), limit)
+    i = 0
+    while i < n and held[i] == ids[i]:
+        i += 1
+    return i
+
+
 class Runner(abc.ABC):
+    held: tuple[int, ...] = ()  # token ids of the cache rows that are valid (prefix reuse); see above
     max_context: int       # cache length S
     vocab_size: int        # V
     prefill_chunk: int     # C

@@ -168,6 +168,7 @@ class OrtDynamicHead:
     """The EAGLE-3 head's dynamic graph at its ingest widths and the draft step: OrtEagle3Head's interface
     (ingest, step, draft_ids, cfg, max_context), so drafters/eagle3.py and hybrid.py run it unchanged.
     draft_token: the graph's own d2t[argmax] of the latest call (what the TensorRT engine sends the host)."""
+    held: tuple[int, ...] = ()  # ids whose pairs rows 0..len-2 hold validly (drafters/head.py: CachedHeadDrafter)
 
     def __init__(self, head_dir: str | Path, embed_table: np.ndarray, threads: int = 0):
         self.head_dir = Path(head_dir)

@@ -61,6 +61,8 @@ def target_embedding(target_graph_dir: Path, name: str = "model.embed_tokens.wei
 
 
 class OrtEagle3Head:
+    held: tuple[int, ...] = ()  # ids whose pairs rows 0..len-2 hold validly (drafters/head.py: CachedHeadDrafter)
+
     def __init__(self, head_dir: str | Path, embed_table: np.ndarray, threads: int = 0):
         import onnxruntime as ort
 

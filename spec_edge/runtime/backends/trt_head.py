@@ -89,6 +89,8 @@ class _HeadCall:
 
 
 class TensorRTEagle3Head:
+    held: tuple[int, ...] = ()  # ids whose pairs rows 0..len-2 hold validly (drafters/head.py: CachedHeadDrafter)
+
     def __init__(self, target, cuda_graphs: bool = True):
         """target: the TensorRTRunner whose manifest has the head engine; the head shares its
         stream, scratch and (when it has one) embedding table."""

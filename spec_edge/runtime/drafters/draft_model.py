@@ -6,10 +6,13 @@ last draft + bonus token after a full acceptance), then drafts k tokens one [1, 
 Greedy requests take ids only (Runner.greedy_chain: on TensorRT the argmax and the chain run on the
 device, one copy of k ids per draft); sampling needs each step's logits row on the host.
 Rejected drafts need no cleanup: the next call overwrites those positions.
+
+Across requests the runner's `held` keeps `_fed` (set in finish()): a prompt sharing a prefix with
+it prefills only the rest (no logits are needed here, so the whole prompt may be reused).
 """
 from __future__ import annotations
 
-from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.speculative import Draft, Sampler
 
 
@@ -20,18 +23,20 @@ class ModelDrafter:
         self._fed: list[int] = []
 
     def start(self, prompt_ids: list[int]) -> None:
+        kept = common_prefix(self.runner.held, prompt_ids, len(prompt_ids))
+        self.runner.held = ()  # until finish(): a failed request leaves the next one cold
+        if kept < len(prompt_ids):
+            self.runner.prefill(prompt_ids[kept:], kept)
         self._fed = list(prompt_ids)
-        self.runner.prefill(self._fed, 0)
 
-    def _common_prefix(self, seq: list[int]) -> int:
-        n = min(len(self._fed), len(seq))
-        i = 0
-        while i < n and self._fed[i] == seq[i]:
-            i += 1
-        return i
+    def forget(self) -> None:
+        self.runner.held = ()
+
+    def finish(self) -> None:
+        self.runner.held = tuple(self._fed)
 
     def propose(self, seq: list[int], k: int, sampler: Sampler) -> Draft | None:
-        common = self._common_prefix(seq)
+        common = common_prefix(self._fed, seq, len(seq))
         del self._fed[common:]
         if len(seq) + k > self.runner.max_context:
             return None

@@ -12,11 +12,11 @@ all on the device, k ids to the host); sampled picks over the draft vocabulary: 
 """
 from __future__ import annotations
 
-from spec_edge.runtime.drafters.head import HeadDrafter
+from spec_edge.runtime.drafters.head import CachedHeadDrafter
 from spec_edge.runtime.speculative import Draft, Sampler
 
 
-class Eagle3Drafter(HeadDrafter):
+class Eagle3Drafter(CachedHeadDrafter):
     """head: backends.ort_heads.OrtEagle3Head or backends.trt_head.TensorRTEagle3Head; columns (3Ht,):
     its layers in the target's hidden rows."""
     name = "eagle3"
@@ -25,7 +25,7 @@ class Eagle3Drafter(HeadDrafter):
         last = len(seq) - 2  # the newest real pair: (target hidden at last, pending token seq[-1])
         if last + k > self.head.max_context or last < self._ingested:  # no room / nothing new
             return None
-        start = self._ingested
+        start, self._seq = self._ingested, seq
         chain = getattr(self.head, "greedy_chain", None)  # the real heads have it; test doubles may not
         if sampler.params.greedy and chain is not None:  # ids only (TensorRT: the chain stays on the device)
             ids = chain(seq[start + 1:last + 2], self.hidden(start, last + 1), start, k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.speculative import Draft, Sampler
 
 
@@ -31,6 +31,9 @@ class HeadDrafter:
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         pass
 
+    def finish(self) -> None:
+        pass
+
     def hidden(self, start: int, stop: int) -> np.ndarray:
         """The target's hidden-state rows start..stop-1, the head's columns only."""
         hidden = self.target.hidden_states(start, stop)
@@ -46,3 +49,22 @@ class HeadDrafter:
     def draft_rows(self, logits: np.ndarray, k: int, sampler: Sampler) -> Draft:
         """The Draft of the first k rows of (rows, Vd) logits, one draft per row."""
         return Draft.from_picks([self.pick(logits[i], sampler) for i in range(k)])
+
+
+class CachedHeadDrafter(HeadDrafter):
+    """A head with a cache of its own (EAGLE-3, P-EAGLE): row p holds the pair (target hidden at p,
+    token p+1), so rows 0.._ingested-1 are valid for exactly the ids seq[:_ingested + 1]. Across
+    requests `head.held` keeps those ids (set in finish()); a prompt sharing a prefix with them
+    starts with those pairs ingested (the target's hidden rows there are the same tokens' too)."""
+
+    def start(self, prompt_ids: list[int]) -> None:
+        held = getattr(self.head, "held", ())  # the real heads have it; test doubles may not
+        self._ingested = max(0, common_prefix(held, prompt_ids, len(prompt_ids)) - 1)
+        self.head.held = ()  # until finish(): a failed request leaves the next one cold
+        self._seq = prompt_ids
+
+    def forget(self) -> None:
+        self.head.held = ()
+
+    def finish(self) -> None:
+        self.head.held = tuple(self._seq[:self._ingested + 1]) if self._ingested else ()

@@ -47,3 +47,9 @@ class HybridDrafter:
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         if self._last is not None:
             self._last.observe(n_proposed, n_accepted)
+
+    def forget(self) -> None:
+        self.head.forget()
+
+    def finish(self) -> None:
+        self.head.finish()

@@ -33,5 +33,8 @@ class LayerSkipDrafter:
             token = picks[-1][0]
         return Draft.from_picks(picks)
 
+    def finish(self) -> None:  # its cache is the target's, which the loop records
+        pass
+
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         pass

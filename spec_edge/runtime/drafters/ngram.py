@@ -51,6 +51,9 @@ class NgramDrafter:
             return Draft(tokens=tokens, q_draft=None)
         return None
 
+    def finish(self) -> None:  # nothing cached: the index is rebuilt from each prompt
+        pass
+
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         stats = self._stats[self._last_n]
         stats[0] += n_accepted

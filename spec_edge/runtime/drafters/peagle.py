@@ -13,11 +13,11 @@ sampled tokens, so each row is a proper q for its draft and speculative sampling
 from __future__ import annotations
 
 from spec_edge.config import ConfigError
-from spec_edge.runtime.drafters.head import HeadDrafter
+from spec_edge.runtime.drafters.head import CachedHeadDrafter
 from spec_edge.runtime.speculative import Draft, Sampler
 
 
-class PEagleDrafter(HeadDrafter):
+class PEagleDrafter(CachedHeadDrafter):
     """head: backends.ort_heads.OrtEagle3Head over a P-EAGLE export (draft graphs); columns (3Ht,):
     its three layers in the target's hidden rows."""
     name = "peagle"
@@ -32,7 +32,7 @@ class PEagleDrafter(HeadDrafter):
         last = len(seq) - 2  # the newest real pair: (target hidden at last, pending token seq[-1])
         if last + k > self.head.max_context or last < self._ingested:  # no room / nothing new
             return None
-        start = self._ingested
+        start, self._seq = self._ingested, seq
         hidden = self.hidden(start, last + 1)  # (last + 1 - start, n * Ht)
         if last > start:
             self.head.ingest(seq[start + 1:last + 1], hidden[:-1], start)

@@ -1,0 +1,55 @@
+"""Prefix reuse on the embedded default (fused-attention fp32 graphs, the default profile): a dialog
+over two system prompts, each turn answered with the cache the previous turn left (the suffix
+prefilled from another position, so other chunk bounds) and cold, token for token; a difference is
+accepted only at a near-tie of the cold run (test_tensorrt's rule, top-2 margin < 0.05)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from test_tensorrt import assert_same_but_near_ties
+
+from spec_edge.config import Config
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEMS = ["You control RB-7, a mobile robot with a 6-axis arm and a gripper (payload 2 kg). Tools: move_base(x, y), "
+           "move_arm(x, y, z), open_gripper(width), close_gripper(force), read_battery(), dock(). Never move the "
+           "arm while a person is within one metre. Answer briefly.",
+           "You are a warehouse assistant. Shelves A1 to A4 hold medical supplies, B1 to B4 cleaning supplies. "
+           "Reply with one line."]
+TURNS = ["Which tool checks the battery?", "Pick up the gauze from shelf A2.", "Now drive to the dock."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines")})
+    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+
+
+def answer(engine, reuse: bool, request: GenerateRequest):
+    engine.cfg = engine.cfg.replace(**{"serve.reuse_prefix": reuse})
+    return engine.generate(request)
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_dialog_reused_equals_cold(engine, system):
+    history = (("system", system),)
+    engine.cfg = engine.cfg.replace(**{"serve.reuse_prefix": True})
+    engine.warm(system)  # the first turn reuses the system prompt too
+    for turn in TURNS:
+        request = GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16)
+        reused = answer(engine, True, request)
+        cold = answer(engine, False, request)
+        assert cold.stats.prompt_tokens_reused == 0
+        assert reused.stats.prompt_tokens_reused > len(engine.tokenizer.encode(system))
+        prompt = engine.prompt_ids(request)
+        try:
+            assert_same_but_near_ties(reused.token_ids, cold.token_ids, engine.target, prompt)
+        finally:
+            engine.target.held = ()  # the rule's reference prefill rewrote the cache
+        history = request.messages + (("assistant", cold.text),)
+        engine.cfg = engine.cfg.replace(**{"serve.reuse_prefix": True})
+        engine.generate(request)  # the next turn reuses a reused run's rows, not the cold run's
