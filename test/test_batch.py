@@ -206,7 +206,8 @@ def test_tune_occupancy_rates(batch_runner):
 
     costs = tune_batch.occupancy_costs(batch_runner, K, rounds=2, position=20)
     assert sorted(costs) == list(range(1, SLOTS + 1)) and all(s > 0 and v > 0 for s, v in costs.values())
-    rates = tune_batch.occupancy_rates({1: (10.0, 12.0), 2: (20.0, 40.0)}, [0.5, 0.25, 0.125], 3, 3, 1)
-    tokens = (3 * (1 + 0.5 + 0.25 + 0.125) + 1) / 4  # per slot per call: 3 verifies, 1 silent step
+    tokens = (3 * tune.expected_tokens([0.5, 0.25, 0.125], 3) + 1) / 4  # per slot per call: 3 verifies, 1 silent step
+    assert tokens == pytest.approx((3 * (1 + 0.5 + 0.25 + 0.125) + 1) / 4)
+    rates = tune_batch.occupancy_rates({1: (10.0, 12.0), 2: (20.0, 40.0)}, tokens)
     assert rates[1] == pytest.approx((100.0, 1000 * tokens / 12)) and rates[2] == pytest.approx((100.0, 50 * tokens))
     assert tune.speculate_max_queue(rates) == 1  # speculation pays alone, not with two slots occupied

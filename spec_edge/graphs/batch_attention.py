@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from spec_edge.graphs import io_names
-from spec_edge.graphs.ort_attention import MS_DOMAIN, AttentionRewriteError, LayerIO, prune_and_sort, rotary_tables
+from spec_edge.graphs.gqa_rewrite import MS_DOMAIN, AttentionRewriteError, LayerIO, prune_and_sort, rotary_tables
 
 
 def rewrite_batch(model, model_cfg, layers: list[LayerIO], width: int, cache_rows: int, batch: int) -> None:

@@ -255,7 +255,8 @@ def main(cfg, args, progress) -> int:
 
         k = best or cfg.speculative.k
         occupancy = tune_batch.occupancy_costs(BatchRunner(batch_graphs(cfg, progress)), k, rounds=max(3, args.rounds // 3))
-        per_depth = tune_batch.occupancy_rates(occupancy, p_accept, k, n_verify, n_step)
+        tokens = (n_verify * expected_tokens(p_accept, k) + n_step) / max(n_verify + n_step, 1)
+        per_depth = tune_batch.occupancy_rates(occupancy, tokens)
         source = (f"{cfg.graphs.batch_slots} batch slots, k={k}, measured step / verify ms per occupancy "
                   + ", ".join(f"{n}: {s:.1f} / {v:.1f}" for n, (s, v) in occupancy.items()))
     else:  # one request: plain (k = 0) against the best speculative k of the curve above

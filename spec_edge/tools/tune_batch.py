@@ -18,8 +18,6 @@ import time
 
 import numpy as np
 
-from spec_edge.tools.tune import expected_tokens
-
 
 def occupancy_costs(runner, k: int, rounds: int = 10, position: int = 128) -> dict[int, tuple[float, float]]:
     """occupancy n -> (c_step ms, c_verify ms) on a BatchRunner, n = 1 .. B, interleaved by round."""
@@ -46,8 +44,7 @@ def occupancy_costs(runner, k: int, rounds: int = 10, position: int = 128) -> di
             for n in range(1, batch + 1)}
 
 
-def occupancy_rates(costs: dict[int, tuple[float, float]], p_accept: list[float], k: int, n_verify: int,
-                    n_step: int) -> dict[int, tuple[float, float]]:
-    """occupancy n -> (plain, speculative) expected total tokens/s, from occupancy_costs' ms."""
-    tokens = (n_verify * expected_tokens(p_accept, k) + n_step) / max(n_verify + n_step, 1)
+def occupancy_rates(costs: dict[int, tuple[float, float]], tokens: float) -> dict[int, tuple[float, float]]:
+    """occupancy n -> (plain, speculative) expected total tokens/s, from occupancy_costs' ms and the
+    tokens one slot emits per speculative iteration, (n_verify * E(k) + n_step) / (n_verify + n_step)."""
     return {n: (1000.0 * n / step, 1000.0 * n * tokens / verify) for n, (step, verify) in costs.items()}

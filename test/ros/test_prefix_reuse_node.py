@@ -38,3 +38,7 @@ def test_warm_system_prompt_and_reused_requests_equal_cold(server, module_env, c
         want = cold_engine.generate(engine_request(**request))
         assert want.stats.prompt_tokens_reused == 0
         assert answer["text"] == want.text and answer["num_tokens"] == len(want.token_ids)
+    # every request reused the warmed system prompt's rows; the repeated one all of its prompt but the last token
+    reused = [answer["stats"]["prompt_tokens_reused"] for answer in answers]
+    assert reused[0] > 0 and reused[1] == reused[0], reused
+    assert reused[2] == answers[2]["stats"]["prompt_tokens"] - 1, reused
