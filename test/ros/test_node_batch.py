@@ -63,7 +63,7 @@ def test_batched_engine_refuses_guided_requests(batch_params, solo):
 
     engine = BatchEngine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
     try:
-        with pytest.raises(RequestError, match="guided decoding .* batch_slots: 1"):
+        with pytest.raises(RequestError, match=r"guided decoding .* with graphs\.batch_slots: 1"):
             engine.validate(engine_request(prompt=PROMPTS[0], json_schema='{"type": "object"}'))
         assert engine.generate(engine_request(prompt=PROMPTS[0], max_new_tokens=MAX_NEW[0])).token_ids == \
             solo[0].token_ids
