@@ -15,8 +15,9 @@ from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams, probabilities
+from test_prefix_reuse import profiles  # noqa: F401 (a fixture: the tiny heads' settings, made once)
 from test_speculative import WrongDrafter
-from tiny import chi2_critical, chi2_statistic
+from tiny import chi2_critical, chi2_statistic, engine_with
 
 ACTION = r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."
 COMMAND = json.dumps({
@@ -66,6 +67,35 @@ def test_greedy_constrained_speculative_equals_constrained_plain(tiny_engine, se
                     assert stats.forced > 0
                 if name == "self" and not forced:
                     assert stats.cut > 0  # the unconstrained self-drafter strays: its drafts were cut
+
+
+@pytest.fixture(scope="module")
+def head_engines(tiny_cfg, profiles):  # noqa: F811
+    """drafter -> an engine over the tiny heads' profile (one per profile)."""
+    made = {}
+
+    def get(drafter):
+        settings = {**profiles[drafter], "serve.reuse_prefix": False}
+        if settings["runtime.profile"] not in made:
+            made[settings["runtime.profile"]] = engine_with(tiny_cfg, settings)
+        return made[settings["runtime.profile"]]
+    return get
+
+
+@pytest.mark.parametrize("name", ["eagle3", "peagle", "medusa", "hybrid"])
+def test_head_drafters_constrained_equal_constrained_plain(head_engines, name):
+    """The drafters over the target's hidden states, through Engine.generate: the same constrained
+    answer as target-only (speculate false), with and without grammar-forced drafts."""
+    engine = head_engines(name)
+    for kind, text in GRAMMARS:
+        for prompt in PROMPTS:
+            fields = {"prompt": prompt, "max_new_tokens": 60, kind: text}
+            plain = engine.generate(GenerateRequest(speculate=False, **fields))
+            assert plain.stats.verify_calls == 0 and plain.finish_reason == "eos"
+            for forced in (False, True):
+                spec = engine.generate(GenerateRequest(drafter=name, k=3, forced_drafts=forced, **fields))
+                assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, plain.finish_reason), (name, forced)
+                assert spec.stats.drafted + spec.stats.cut > 0  # it did draft (the random heads' drafts are often cut)
 
 
 def test_eos_outputs_match_the_grammar(tiny_engine):
