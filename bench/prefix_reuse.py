@@ -13,7 +13,8 @@ process, interleaved:
     PYTHONPATH=$PWD .venv/bin/python bench/prefix_reuse.py [--weights fp32|q4_fp32act|q4] [--drafter ngram]
 
 The default profile's max_context is 1024: a 900-token system prompt leaves room for the question and
-a 48-token answer (use --max-context with a profile exported larger for 1000+ tokens).
+a 48-token answer; --max-context 2048 --system-tokens 1000 exports a larger profile of its own
+(<profile>-ctx2048) for the 1,000-token case.
 """
 from __future__ import annotations
 
@@ -202,8 +203,9 @@ def main() -> None:
     args = parser.parse_args()
     settings = {"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": args.weights,
                 "speculative.drafter": args.drafter}
-    if args.max_context:
+    if args.max_context:  # its own profile folder: the default profile's graphs stay as they are
         settings["graphs.max_context"] = args.max_context
+        settings["runtime.profile"] = f"{Config().runtime.profile}-ctx{args.max_context}"
     engine = Engine.from_config(Config().replace(**settings), progress=lambda m: print(m, file=sys.stderr))
     print(f"prefix reuse, {args.weights} target, drafter {args.drafter}, max context {engine.target.max_context}")
     exact = Exactness(engine, args.margin)
