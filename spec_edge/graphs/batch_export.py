@@ -15,7 +15,6 @@ a batched call always multiplies M = B*T > 1 rows).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -97,11 +96,7 @@ def _export_into(cfg: Config, want: dict, out_dir: Path, progress: Progress) -> 
             export_batch_graph(model_cfg, state, path, store, batch=spec["batch"], width=spec["width"],
                                max_context=g.max_context, dtype=g.dtype)
     store.close()
-    (out_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
-    (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
-    tok_cfg = {"chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-               "eos_token": tokenizer.eos_token, "add_bos": tokenizer.add_bos}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    weights.write_side_files(out_dir, model_cfg, tokenizer)
     manifest = dict(want, model=model_cfg.name, weights_bytes=store.size,
                     export_seconds=round(time.monotonic() - started, 1))
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -17,7 +17,6 @@ graph and the three target shapes cost no extra disk.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -180,11 +179,7 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
     table = (shared_table.store(state[shared_table.TENSOR].to(torch_dtype(cfg.graphs.dtype)), store, cfg.graphs.dtype)
              if any(spec.get("embed_input") for spec in plan.values()) else None)  # stored once, for embed_table
     store.close()
-    (out_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
-    (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
-    tok_cfg = {"chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
-               "eos_token": tokenizer.eos_token, "add_bos": tokenizer.add_bos}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    weights.write_side_files(out_dir, model_cfg, tokenizer)
     manifest = dict(wanted, model=model_cfg.name, weights_bytes=store.size,
                     export_seconds=round(time.monotonic() - started, 1))
     if table is not None:

@@ -7,6 +7,7 @@ file (dequantized through transformers + gguf), or a Hugging Face folder (config
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -175,3 +176,12 @@ def _load_gguf(path: Path):
         bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
         add_bos=bool(getattr(tok, "add_bos_token", False)))
     return cfg, state, tokenizer
+
+
+def write_side_files(out_dir: Path, model_cfg: ModelConfig, tokenizer: TokenizerFiles) -> None:
+    """model.json, tokenizer.json and tokenizer_config.json of an exported folder."""
+    (out_dir / "model.json").write_text(json.dumps(dataclasses.asdict(model_cfg), indent=1))
+    (out_dir / "tokenizer.json").write_text(tokenizer.tokenizer_json)
+    tok_cfg = {"chat_template": tokenizer.chat_template, "bos_token": tokenizer.bos_token,
+               "eos_token": tokenizer.eos_token, "add_bos": tokenizer.add_bos}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))

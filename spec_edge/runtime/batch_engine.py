@@ -20,7 +20,7 @@ from spec_edge.config import Config
 from spec_edge.graphs import batch_export
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.batch import BatchLoop, SlotRequest
-from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.engine import Engine, text_emitter
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -63,12 +63,7 @@ class BatchEngine(Engine):
         prompt_ids = self.prompt_ids(request)
         drafter = None if drafter_name == "none" or not self.loop.k else self.drafter(drafter_name)
         decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
-
-        def emit(chunk: list[int]) -> bool:
-            delta = decoder.push(chunk)
-            if delta and on_text is not None:
-                on_text(delta, len(decoder.ids))
-            return decoder.stopped
+        emit = text_emitter(decoder, on_text)
 
         def done(new_ids: list[int], finish: str, stats) -> None:
             tail = decoder.finish()

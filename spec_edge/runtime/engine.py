@@ -25,6 +25,17 @@ from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
+def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None] | None) -> speculative.Emit:
+    """The loop's emit: feed a chunk of tokens to the stream decoder, hand on_text the safe-to-show
+    text and the tokens so far; True once a stop string has shown up."""
+    def emit(chunk: list[int]) -> bool:
+        delta = decoder.push(chunk)
+        if delta and on_text is not None:
+            on_text(delta, len(decoder.ids))
+        return decoder.stopped
+    return emit
+
+
 class Engine:
     def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path,
                  progress: Callable[[str], None] = print, draft_runner: Runner | None = None):
@@ -185,13 +196,7 @@ class Engine:
                 except ConfigError as err:
                     raise RequestError(str(err)) from None
             decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
-
-            def emit(chunk: list[int]) -> bool:
-                delta = decoder.push(chunk)
-                if delta and on_text is not None:
-                    on_text(delta, len(decoder.ids))
-                return decoder.stopped
-
+            emit = text_emitter(decoder, on_text)
             reuse = self.cfg.serve.reuse_prefix
             try:
                 new_ids, finish, stats = speculative.generate(
