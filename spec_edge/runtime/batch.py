@@ -32,7 +32,7 @@ import numpy as np
 
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, speculative_accept
-from spec_edge.runtime.speculative import Cancel, Draft, Drafter, Emit, Sampler, Stats
+from spec_edge.runtime.speculative import Cancel, Draft, Drafter, Emit, Sampler, Stats, take_chunk
 
 MIXED = ("pad", "group")  # how an iteration runs slots that step beside slots that verify
 
@@ -236,16 +236,9 @@ class BatchLoop:
 
     @staticmethod
     def _accept(slot: _Slot, chunk: list[int]) -> str | None:
-        """speculative.generate's accept(): append chosen tokens; a finish reason or None."""
-        request, new_tokens = slot.request, slot.new_tokens
-        reason = None
-        for i, token in enumerate(chunk):
-            if token in request.eos_ids:
-                chunk, reason = chunk[:i], "eos"
-                break
-        if len(new_tokens) + len(chunk) >= request.max_new_tokens and reason is None:
-            chunk, reason = chunk[:request.max_new_tokens - len(new_tokens)], "length"
-        new_tokens.extend(chunk)
+        """speculative.generate's accept() for a slot: append chosen tokens; a finish reason or None."""
+        request = slot.request
+        chunk, reason = take_chunk(slot.new_tokens, chunk, request.eos_ids, request.max_new_tokens)
         if chunk and request.emit is not None and request.emit(chunk):
             reason = "stop"
         return reason

@@ -28,6 +28,8 @@ KINDS = ("json_schema", "grammar", "regex")
 class GrammarError(ValueError):
     """A schema / grammar / regex that cannot be used; the message (the parser's) says why. The
     engine turns it into a RequestError."""
+
+
 # JSON output in one layout, `{"key": value, "key": value}`: no free whitespace, so the grammar forces
 # every key and separator (forced tokens are free drafts) and the output stays on one line
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

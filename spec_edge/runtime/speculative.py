@@ -123,6 +123,20 @@ Emit = Callable[[list[int]], bool]
 Cancel = Callable[[], "str | None"]
 
 
+def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int) -> tuple[list[int], str | None]:
+    """Append chosen tokens to new_tokens up to the first EOS (not kept) or max_new_tokens; returns
+    (the part appended, "eos" | "length" | None). Shared by this loop and runtime/batch.py's slots."""
+    reason = None
+    for i, token in enumerate(chunk):
+        if token in eos:
+            chunk, reason = chunk[:i], "eos"
+            break
+    if len(new_tokens) + len(chunk) >= max_new_tokens and reason is None:
+        chunk, reason = chunk[:max_new_tokens - len(new_tokens)], "length"
+    new_tokens.extend(chunk)
+    return chunk, reason
+
+
 def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: tuple[int, ...],
              sampling: SamplingParams = SamplingParams(), seed: int | None = None,
              drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
@@ -161,14 +175,7 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
 
     def accept(chunk: list[int]) -> str | None:
         """Append a chunk of chosen tokens to the output; returns a finish reason or None."""
-        reason = None
-        for i, token in enumerate(chunk):
-            if token in eos:
-                chunk, reason = chunk[:i], "eos"
-                break
-        if len(new_tokens) + len(chunk) >= max_new_tokens and reason is None:
-            chunk, reason = chunk[:max_new_tokens - len(new_tokens)], "length"
-        new_tokens.extend(chunk)
+        chunk, reason = take_chunk(new_tokens, chunk, eos, max_new_tokens)
         if constraint is not None:
             constraint.consume(chunk)
             if reason is None and constraint.done:  # only EOS may follow: the masked target's choice
