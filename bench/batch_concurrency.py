@@ -10,9 +10,9 @@ config/default.yaml with graphs.batch_slots = --slots (drafters none, ngram; hyb
 no per-slot cache yet). For every drafter and N, N client processes (bench/_stream_client.py) each
 stream one request (prompts of bench/prompts.jsonl, greedy) starting at the same instant; per N:
 total tok/s (all tokens / time until the last answer), per-client tok/s (mean of tokens / own
-latency), mean TTFT (first streamed text, queue wait included). The tuned row applies
-`spec-edge tune`'s rule (tools/tune.speculate_max_queue) to the batched plain/ngram totals: derived
-from the measured rows, not a separate run. The Thor rows are a projection (device/projection.py:
+latency), mean TTFT (first streamed text, queue wait included). The tuned row takes at each N the
+better of the batched plain/ngram totals (tools/tune.table_from_totals: k or 0 per load): derived from
+the measured rows, not a separate run. The Thor rows are a projection (device/projection.py:
 bytes a (B, k+1) call reads = weights once + B slots of static cache), not a measurement.
 Writes JSON, a table (.txt) and a plot (.png).
 """
@@ -112,7 +112,7 @@ def main() -> int:
     os.environ.setdefault("ROS_DOMAIN_ID", "73")
     prompts = [p["prompt"] for p in load_prompts(kinds=["edit", "free-form"])]
     serve_keys = {"serve.queue_limit": max(args.clients) + 1, "serve.request_timeout_s": 1800.0,
-                  "serve.speculate_max_queue": 0}
+                  "serve.speculate_k_by_load": []}
     default = cfgmod.load(ROOT / "config" / "default.yaml").replace(**serve_keys)
     servers = {"serial": (default, {"plain": {"speculate": False}, "ngram": {"drafter": "ngram"}}),
                "serial-hybrid": (cfgmod.load(ROOT / "config" / "smollm2_hybrid.yaml").replace(**serve_keys),
@@ -148,11 +148,12 @@ def main() -> int:
     if "batched plain" in results and "batched ngram" in results:
         per_depth = {n: (results["batched plain"][n]["total_tok_s"], results["batched ngram"][n]["total_tok_s"])
                      for n in args.clients}
-        threshold = tune.speculate_max_queue(per_depth)
-        tuned = {n: per_depth[n][1] if threshold == 0 or n <= threshold else per_depth[n][0] for n in args.clients}
-        report.update(tuned_speculate_max_active=threshold, tuned_total_tok_s=tuned)
-        lines.append(f"tuned: speculate while at most {threshold or 'all'} slots are occupied "
-                     f"(serve.speculate_max_queue = {threshold}; derived from the batched rows)")
+        k = default.speculative.k
+        table = tune.table_from_totals(per_depth, k, max(args.clients))
+        tuned = {n: per_depth[n][1] if table[n - 1] else per_depth[n][0] for n in args.clients}
+        report.update(tuned_speculate_k_by_load=table, tuned_total_tok_s=tuned)
+        lines.append(f"tuned: serve.speculate_k_by_load = {table} (k={k} where ngram was at least as fast as plain; "
+                     f"derived from the batched rows)")
     header = f"{'variant':18s}" + "".join(f"{'N=' + str(n):>22s}" for n in args.clients)
     lines += ["total tok/s | per-client tok/s | TTFT s", header]
     for key, rows in results.items():

@@ -1,13 +1,13 @@
 """Batch invariance of the batched graphs (graphs.batch_slots) on ONNX Runtime, measured, not timed-tested.
 
 For the configured model (default: the embedded SmolLM2-135M, fused attention) in fp32 and q4 it
-prints max |logit diff| of
-  - slot 0 alone (the other slots idle) vs the other slots filled with other prompts, for the (B, 1)
-    step and the (B, k+1) verify call: does a row depend on the other rows?
-  - slot 0 of a batched call vs the B=1 graph at the same position (step_1 / verify_<k+1>)
-  - row 0 of a (B, k+1) call vs the (B, 1) step: what a slot that only steps gets when it rides
-    along in a verify call (padding after its one token)
-and the time of each call (medians), side by side in one run.
+prints, for calls over n = 1 .. B of the slots (every row count the runner has: n = 1 the B=1 graphs,
+n >= 2 the graph of the smallest exported row count >= n; "padded": n >= 2 rows through the B-row graph,
+its B - n padding rows bound to the scratch region) at the step width (q4: the two-row step) and at
+k+1, max |logit diff| of each row against the B=1 graph
+(step_1 / verify_<k+1>) at the same position over the same slot's cache, and whether the argmax ids
+agree; then row 0 of a (k+1) call that a stepping slot rides along in ([pending] * (k+1)) against
+its step row. The calls' costs: bench/batch_rows.py (interleaved, side by side).
 
     PYTHONPATH=$PWD .venv/bin/python bench/batch_invariance.py [--batch 4] [--weights fp32 q4] [--k 4]
 """
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 
@@ -36,56 +34,51 @@ PROMPTS = ["Rewrite this sentence so it is shorter: the robot arm moves to the l
            "What is 17 times 23? Show the steps."]
 
 
-def timed(fn, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def measure(cfg: Config, k: int) -> dict:
     batch = cfg.graphs.batch_slots
     single_dir = ort_graphs(cfg, "target", export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), print),
                             print)
     runner, single = BatchRunner(batch_export.batch_graphs(cfg, print)), OrtRunner(single_dir)
     tok = Tokenizer(single_dir)
-    prompts = [tok.encode(p) for p in PROMPTS[:batch]]
+    prompts = [tok.encode(PROMPTS[slot % len(PROMPTS)] + " " * (slot // len(PROMPTS))) for slot in range(batch)]
     rng = np.random.default_rng(0)
-    out = {"step_width": runner.step_width}
-    pos = [len(p) for p in prompts]
+    step = runner.step_width
+    out = {"step_width": step, "row_counts": list(runner.row_counts)}
 
     def fill():
         for slot, prompt in enumerate(prompts):
             runner.prefill(slot, prompt, 0)
 
-    for width in (1, 2, k + 1):
-        tokens = rng.integers(100, 20000, (batch, width))
-        if width == 2:
-            tokens[:, 1] = tokens[:, 0]  # the two-row step: the pending token twice
-        fill()
-        full = runner.forward(tokens, pos, [True] * batch).copy()
-        full_ms = timed(lambda: runner.forward(tokens, pos, [True] * batch))
-        runner.prefill(0, prompts[0], 0)
-        alone = runner.forward(tokens, pos, [True] + [False] * (batch - 1)).copy()
-        single.prefill(prompts[0], 0)
-        b1 = list(tokens[0]) if width != 2 else [int(tokens[0, 0])]  # B=1: width 2 is the step (two rows for q4)
-        ref = single.forward(b1, pos[0]).copy()
-        single_ms = timed(lambda: single.forward(b1, pos[0]))
-        rows = len(b1)
-        out[f"B{batch}x{width}"] = {"row0_alone_vs_filled": float(np.abs(alone[0] - full[0]).max()),
-                                    "vs_B1_graph": float(np.abs(full[0, :rows] - ref).max()),
-                                    "argmax_equal": bool((full[0, :rows].argmax(-1) == ref.argmax(-1)).all()),
-                                    "batched_ms": round(full_ms, 2), "B1_ms": round(single_ms, 2)}
+    exported = runner.row_counts
+    for n, counts in [(n, exported) for n in range(1, batch + 1)] + [(n, (batch,)) for n in range(2, batch)]:
+        runner.row_counts = counts
+        slots = list(range(batch - n, batch))  # the last n slots: row j is not slot j
+        pos = [len(prompts[slot]) for slot in slots]
+        for width in (step, k + 1):
+            tokens = rng.integers(100, min(20000, runner.vocab_size), (n, width))
+            if width == step:
+                tokens[:, 1:] = tokens[:, :1]  # the (two-row) step: the pending token repeated
+            fill()
+            rows = runner.forward(slots, tokens, pos).copy()
+            diff, same = 0.0, True
+            for j, slot in enumerate(slots):
+                single.prefill(prompts[slot], 0)
+                b1 = list(tokens[j]) if width != step else [int(tokens[j, 0])]  # B=1: the step takes one token
+                ref = single.forward(b1, pos[j])
+                diff = max(diff, float(np.abs(rows[j, :len(b1)] - ref).max()))
+                same &= bool((rows[j, :len(b1)].argmax(-1) == ref.argmax(-1)).all())
+            out[f"n{n}x{width}" + ("_padded" if counts != exported else "")] = {
+                "rows": runner.rows_for(n), "vs_B1_graph": diff, "argmax_equal": same}
+    runner.row_counts = exported
     # a stepping slot riding along in a verify call: its one token, then padding (the pending token again)
-    tokens = np.repeat(rng.integers(100, 20000, (batch, 1)), k + 1, axis=1)
+    slots = list(range(batch))
+    tokens = np.repeat(rng.integers(100, min(20000, runner.vocab_size), (batch, 1)), k + 1, axis=1)
+    pos = [len(p) for p in prompts]
     fill()
-    wide = runner.forward(tokens, pos, [True] * batch)[:, 0].copy()
-    for width in (1, 2):
-        fill()
-        step = runner.forward(tokens[:, :width], pos, [True] * batch)[:, 0].copy()
-        out[f"padded_row0_vs_step{width}"] = float(np.abs(wide - step).max())
+    wide = runner.forward(slots, tokens, pos)[:, 0].copy()
+    fill()
+    narrow = runner.forward(slots, tokens[:, :step], pos)[:, 0].copy()
+    out[f"padded_row0_vs_step{step}"] = float(np.abs(wide - narrow).max())
     return out
 
 

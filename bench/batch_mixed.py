@@ -1,5 +1,6 @@
-"""Slots that step beside slots that verify: one padded (B, k+1) call (mixed="pad") or a (B, 1) call
-plus a (B, k+1) call (mixed="group", the default), measured side by side in one run (runtime/batch.py).
+"""Slots that step beside slots that verify: one padded (n, k+1) call over all of them (mixed="pad") or
+a step call over the stepping slots plus a (k+1) call over the verifying ones (mixed="group", the
+default), measured side by side in one run (runtime/batch.py).
 
     PYTHONPATH=$PWD .venv/bin/python bench/batch_mixed.py [--slots 8] [--clients 8] [--max-new-tokens 48] [--rounds 2]
 

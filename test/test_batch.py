@@ -1,30 +1,37 @@
 """Batched graphs (graphs.batch_slots > 1) and the in-flight batching loop on tiny random models,
-through real ONNX Runtime graphs: ONNX == torch per slot, a row independent of the other rows, an
-idle slot's cache left alone, and every request's output == its solo output token for token."""
+through real ONNX Runtime graphs: the unfused export == torch per row, a call over any subset of the
+slots == the B=1 graph's rows for those slots bit for bit (padding rows included) with every other
+slot's cache bytes untouched, and every request's output == its solo output token for token."""
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
 import torch
 
 from spec_edge.config import ConfigError
-from spec_edge.graphs import batch_export, model as model_mod
+from spec_edge.graphs import batch_export, io_names, model as model_mod
 from spec_edge.runtime import batch, speculative
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
 
-SLOTS, K = 3, 3
+SLOTS, K = 4, 3  # row counts (2, 3, 4)
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
-           "The robot picks up the red box and places it on the shelf. The robot picks up the"]
+           "The robot picks up the red box and places it on the shelf. The robot picks up the",
+           "Navigate to the kitchen and report the battery level."]
 
 
-@pytest.fixture(scope="module", params=["fused", "graph"])
-def batch_runner(request, tiny_cfg):
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [K], "speculative.k": K,
-                              "graphs.ort_attention": request.param})
-    return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
+def batch_cfg(tiny_cfg):
+    return tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [K], "speculative.k": K,
+                               "speculative.drafter": "ngram"})
+
+
+@pytest.fixture(scope="module")
+def batch_runner(tiny_cfg):
+    return BatchRunner(batch_export.batch_graphs(batch_cfg(tiny_cfg), progress=lambda message: None))
 
 
 @pytest.fixture(scope="module")
@@ -47,46 +54,63 @@ def filled(runner, engine, prompts) -> list[int]:
     return [len(p) for p in ids]
 
 
-def test_onnx_equals_torch_per_slot(batch_runner, tiny_engine, torch_target):
-    """Each slot of a (B, T) call == the torch B=1 forward over that slot's own cache region."""
-    positions = filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
+def test_unfused_export_equals_torch_per_row(tiny_cfg, tiny_engine, torch_target):
+    """The exported (m, T) graphs (the fused rewrite's source): row j == the torch B=1 forward over row
+    j's own cache, for every row count m."""
+    from spec_edge.runtime.backends.onnxruntime import cpu_session
+
+    folder = batch_export.export_batch(batch_cfg(tiny_cfg), progress=lambda message: None)
+    cfg = tiny_engine.model_cfg
     rng = np.random.default_rng(0)
-    for width in (1, K + 1):
-        tokens = rng.integers(3, tiny_engine.model_cfg.vocab_size, (SLOTS, width))
-        k_before, v_before = batch_runner.k_cache.copy(), batch_runner.v_cache.copy()
-        logits = batch_runner.forward(tokens, positions, [True] * SLOTS).copy()
-        for slot in range(SLOTS):
+    for m in batch_export.row_counts(SLOTS):
+        session = cpu_session(str(folder / f"{batch_export.rows_stem(m, 'verify', K + 1)}.onnx"))
+        caches = rng.standard_normal((2, cfg.n_layers, m, cfg.n_kv_heads, 128, cfg.head_dim)).astype(np.float32)
+        tokens, position = rng.integers(3, cfg.vocab_size, (m, K + 1)), rng.integers(0, 100, m)
+        feed = {io_names.TOKENS: tokens, io_names.POSITION: position}
+        for layer in range(cfg.n_layers):
+            feed[io_names.k_cache(layer)], feed[io_names.v_cache(layer)] = caches[0, layer], caches[1, layer]
+        logits = session.run([io_names.LOGITS], feed)[0]
+        for j in range(m):
             with torch.no_grad():
-                ref, _, _ = torch_target(torch.from_numpy(tokens[slot:slot + 1]), torch.tensor([positions[slot]]),
-                                         torch.from_numpy(k_before[:, slot]), torch.from_numpy(v_before[:, slot]))
-            np.testing.assert_allclose(logits[slot], ref.numpy(), rtol=5e-5, atol=5e-5 * np.abs(ref.numpy()).max())
-        filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])  # undo the call's rows
+                ref, _, _ = torch_target(torch.from_numpy(tokens[j:j + 1]), torch.tensor([position[j]]),
+                                         torch.from_numpy(caches[0, :, j]), torch.from_numpy(caches[1, :, j]))
+            np.testing.assert_allclose(logits[j], ref.numpy(), rtol=5e-5, atol=5e-5 * np.abs(ref.numpy()).max())
 
 
-def test_row_does_not_depend_on_other_rows(batch_runner, tiny_engine):
-    """Slot 0's logits with all slots filled with other prompts and tokens == with slot 1 idle == alone
-    (one active slot runs the B=1 graph bound to its region)."""
+@pytest.mark.parametrize("rows", [None, (4,)])
+def test_subset_calls_equal_b1_rows_and_leave_other_slots_alone(batch_runner, tiny_engine, rows):
+    """Every subset of the slots, at the step and verify widths: row j == the B=1 graph's rows for slot
+    slots[j] bit for bit (1 row: the B=1 graph; n rows: the n-row graph; rows=(4,): only the 4-row
+    graph, so 2 and 3 rows run with padding rows bound to the scratch region), and the cache bytes of
+    every slot outside the call stay as they were."""
+    single = tiny_engine.target
     rng = np.random.default_rng(1)
-    for width in (1, K + 1):
-        tokens = rng.integers(3, tiny_engine.model_cfg.vocab_size, (SLOTS, width))
-        rows = []
-        for active in ([True] * SLOTS, [True, False, True], [True, False, False]):
-            positions = filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
-            rows.append(batch_runner.forward(tokens, positions, active)[0].copy())
-        for row in rows[1:]:
-            assert np.abs(rows[0] - row).max() <= 1e-5 * np.abs(row).max(), np.abs(rows[0] - row).max()
-
-
-def test_idle_slot_cache_untouched(batch_runner, tiny_engine):
-    """Calls that leave slot 1 idle do not change what slot 1 computes next (its rows < position)."""
-    positions = filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
-    token = np.full((SLOTS, 1), 7, np.int64)
-    before = batch_runner.forward(token, positions, [True] * SLOTS)[1].copy()
-    filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
-    for width in (1, K + 1, 1):
-        batch_runner.forward(np.full((SLOTS, width), 9, np.int64), positions, [True, False, True])
-    after = batch_runner.forward(token, positions, [True] * SLOTS)[1].copy()
-    np.testing.assert_array_equal(before, after)
+    seen = set()
+    exported, batch_runner.row_counts = batch_runner.row_counts, rows or batch_runner.row_counts
+    try:
+        for n in range(1, SLOTS + 1):
+            for slots in itertools.combinations(range(SLOTS), n):
+                for width in (1, K + 1):
+                    positions = filled(batch_runner, tiny_engine, PROMPTS[:SLOTS])
+                    k_before, v_before = batch_runner.k_cache.copy(), batch_runner.v_cache.copy()
+                    tokens = rng.integers(3, tiny_engine.model_cfg.vocab_size, (n, width))
+                    at = [positions[slot] for slot in slots]
+                    logits = batch_runner.forward(slots, tokens, at).copy()
+                    ids = batch_runner.argmax(slots, tokens, at)  # the same call again: the same rows
+                    assert logits.shape == (n, width, tiny_engine.model_cfg.vocab_size)
+                    np.testing.assert_array_equal(ids, logits.argmax(-1))
+                    seen.add(batch_runner.rows_for(n))
+                    for slot in set(range(SLOTS)) - set(slots):
+                        assert np.array_equal(batch_runner.k_cache[:, slot], k_before[:, slot]), (slots, slot)
+                        assert np.array_equal(batch_runner.v_cache[:, slot], v_before[:, slot]), (slots, slot)
+                    for j, slot in enumerate(slots):
+                        single.prefill(prompt_ids(tiny_engine, PROMPTS[slot]), 0)
+                        np.testing.assert_array_equal(logits[j], single.forward(list(tokens[j]), at[j]),
+                                                      err_msg=f"slots {slots} width {width} row {j}")
+    finally:
+        single.held = ()  # its cache was rewritten here
+        batch_runner.row_counts = exported
+    assert seen == ({1, 4} if rows else {1, 2, 3, 4})
 
 
 def solo(runner, engine, request_args, k):
@@ -116,11 +140,15 @@ def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingPara
 
 @pytest.mark.parametrize("mixed", batch.MIXED)
 def test_each_output_equals_its_solo_output(batch_runner, tiny_engine, mixed):
-    """Four requests (mixed drafters and lengths) over three slots, one joining mid-stream and one
-    reusing a freed slot: each == the same request alone, and greedy == B=1 target-only."""
-    factories = make_requests(tiny_engine, batch_runner, ["ngram", "draft", None, "ngram"], [40, 12, 30, 25])
+    """Five requests (mixed drafters and lengths) over four slots, two joining mid-stream and one
+    reusing a freed slot, so calls run 1 to 4 rows: each == the same request alone, and greedy == B=1
+    target-only."""
+    factories = make_requests(tiny_engine, batch_runner, ["ngram", "draft", None, "ngram", None], [40, 12, 30, 25, 20])
+    calls = dict(batch_runner.calls)
     together = batch.generate_all(batch_runner, [batch.SlotRequest(**f()) for f in factories], K,
-                                  join_at=[0, 0, 5, 0], mixed=mixed)
+                                  join_at=[0, 0, 5, 0, 3], mixed=mixed)
+    used = {key for key, count in batch_runner.calls.items() if count > calls.get(key, 0)}
+    assert {rows for _, rows in used} == {1, 2, 3, 4}, used
     for f, (ids, finish, stats) in zip(factories, together):
         alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f, K)
         assert (ids, finish) == (alone_ids, alone_finish)
@@ -142,10 +170,10 @@ def test_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
 
 
 def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
-    """A cancelled request leaves at the next iteration boundary and its slot is reused; with
-    more occupied slots than speculate_max_active no draft is verified, and greedy output stays the same."""
+    """A cancelled request leaves at the next iteration boundary and its slot is reused; with a load
+    policy of no drafts at two occupied slots no draft is verified, and greedy output stays the same."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "ngram", "ngram"], [40, 40, 40])
-    loop = batch.BatchLoop(batch_runner, K, speculate_max_active=1)
+    loop = batch.BatchLoop(batch_runner, K, k_by_load=[K, 0])
     done = {}
     requests = [batch.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
@@ -156,7 +184,8 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     while 0 not in done:
         loop.iterate()
     assert loop.calls["verify"] == 0 and done[0][1] == "cancelled" and 0 < len(done[0][0]) < 40
-    assert loop.add(requests[2]) == 0  # the freed slot
+    assert done[0][2].policy_off_steps == len(done[0][0]) - 1  # every step after the first token
+    assert loop.add(requests[2]) == 2  # a slot never taken before the freed one (its record is kept)
     loop.run()
     for i in (1, 2):
         assert done[i][0] == solo(batch_runner, tiny_engine, factories[i], K)[0]
@@ -167,7 +196,11 @@ def test_batch_slots_config(tiny_cfg):
         tiny_cfg.replace(**{"graphs.batch_slots": 0})
     with pytest.raises(ConfigError, match="batched graphs need B >= 2"):
         batch_export.export_batch(tiny_cfg)
+    with pytest.raises(ConfigError, match="graphs.ort_attention: fused"):
+        batch_export.batch_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}))
     assert batch_export.batch_dir(tiny_cfg.replace(**{"graphs.batch_slots": 4})).name == "target_b4"
+    assert batch_export.row_counts(2) == (2,) and batch_export.row_counts(8) == tuple(range(2, 9))
+    assert batch_export.row_counts(20) == (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)  # padding < a quarter of a call
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +210,8 @@ def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
     from spec_edge.runtime.backends.onnxruntime import OrtRunner
     from test_quantize import _fresh_blocks
 
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [K], "speculative.k": K})
     root = tmp_path_factory.mktemp("q4b")
-    for name, src in (("batched", batch_export.batch_graphs(cfg, progress=lambda m: None)),
+    for name, src in (("batched", batch_export.batch_graphs(batch_cfg(tiny_cfg), progress=lambda m: None)),
                       ("single", tiny_engine.graph_dir)):
         quantize.convert_folder(src, root / name, _fresh_blocks, accuracy_level=quantize.ACCURACY_LEVELS["q4"],
                                 stamp="tiny", source="tiny blocks", progress=lambda m: None)
@@ -188,26 +220,87 @@ def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
 
 def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
     """q4 (int8 activations, where a row's numerics depend on the call's shape): batched steps run as
-    two-row calls, so every request in the batch == the B=1 q4 graphs' own target-only output."""
+    two-row calls, so a subset call's step row 0 and verify rows == the B=1 q4 graphs' bit for bit (with
+    and without padding rows), and every request in the batch == the B=1 q4 graphs' target-only output."""
     batched, single = q4_runners
     assert batched.step_width == 2
-    factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None], [30, 30, 20, 25])
-    together = batch.generate_all(batched, [batch.SlotRequest(**f()) for f in factories], K, join_at=[0, 0, 3, 0])
+    positions = filled(batched, tiny_engine, PROMPTS[:SLOTS])
+    exported = batched.row_counts
+    subsets = ((2,), (0, 3), (0, 1, 3), (0, 1, 2, 3))
+    for counts, slots, width in itertools.product((exported, (4,)), subsets, (2, K + 1)):
+        batched.row_counts = counts
+        tokens = np.array([[7 + slot] * width if width == 2 else [7 + slot, 9, 11, 13] for slot in slots])
+        at = [positions[slot] for slot in slots]
+        logits = batched.forward(slots, tokens, at).copy()
+        for j, slot in enumerate(slots):
+            single.prefill(prompt_ids(tiny_engine, PROMPTS[slot]), 0)
+            rows = 1 if width == 2 else width  # the two-row step: row 0 (the B=1 step graph's one row)
+            np.testing.assert_array_equal(logits[j, :rows], single.forward(list(tokens[j, :rows]), at[j]))
+        filled(batched, tiny_engine, PROMPTS[:SLOTS])
+    batched.row_counts = exported
+    factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
+    together = batch.generate_all(batched, [batch.SlotRequest(**f()) for f in factories], K, join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
         plain = speculative.generate(single, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
                                      eos_ids=tiny_engine.eos_ids)
         assert (ids, finish) == plain[:2]
 
 
-def test_tune_occupancy_rates(batch_runner):
-    """`spec-edge tune` for the batched node: costs per occupancy 1..B measured on the runner, and the
-    expected totals n / c_step(n) and n * tokens per call / c_verify(n)."""
-    from spec_edge.tools import tune, tune_batch
+@pytest.fixture(scope="module")
+def policy_runner(tiny_cfg):
+    """Batched graphs with verify widths for k = 1, 2, 3: the load policy can pick any of them."""
+    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K})
+    return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
 
-    costs = tune_batch.occupancy_costs(batch_runner, K, rounds=2, position=20)
-    assert sorted(costs) == list(range(1, SLOTS + 1)) and all(s > 0 and v > 0 for s, v in costs.values())
-    tokens = (3 * tune.expected_tokens([0.5, 0.25, 0.125], 3) + 1) / 4  # per slot per call: 3 verifies, 1 silent step
-    assert tokens == pytest.approx((3 * (1 + 0.5 + 0.25 + 0.125) + 1) / 4)
-    rates = tune_batch.occupancy_rates({1: (10.0, 12.0), 2: (20.0, 40.0)}, tokens)
-    assert rates[1] == pytest.approx((100.0, 1000 * tokens / 12)) and rates[2] == pytest.approx((100.0, 50 * tokens))
-    assert tune.speculate_max_queue(rates) == 1  # speculation pays alone, not with two slots occupied
+
+@pytest.mark.parametrize("mixed", batch.MIXED)
+def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine, mixed):
+    """serve.speculate_k_by_load in the loop: k=3 alone, 2 with two slots occupied, none with three; the
+    drafts are cut to that k and verified in its graph; every greedy output == its solo output == the
+    B=1 target-only output, whatever k its iterations ran at; the stats count the verify calls by k."""
+    table = [K, 2, 0]
+    loop = batch.BatchLoop(policy_runner, K, k_by_load=table)
+    assert loop.k_now() == K  # empty: the table's first entry
+    factories = make_requests(tiny_engine, policy_runner, ["draft", "ngram", "draft", "draft"], [40, 12, 30, 25])
+    together = batch.generate_all(policy_runner, [batch.SlotRequest(**f()) for f in factories], K,
+                                  join_at=[0, 4, 8, 12], mixed=mixed, k_by_load=table)
+    by_k = [0] * K
+    for f, (ids, finish, stats) in zip(factories, together):
+        plain = speculative.generate(tiny_engine.target, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
+                                     eos_ids=tiny_engine.eos_ids)
+        assert (ids, finish) == plain[:2]
+        if stats.k:
+            assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
+            assert sum(stats.verify_calls_by_k) == stats.verify_calls
+            assert all(0.0 <= p <= 1.0 for p in stats.acceptance_per_position)
+            by_k = [a + b for a, b in zip(by_k, stats.verify_calls_by_k)]
+    assert by_k[K - 1] > 0 and by_k[1] > 0 and by_k[0] == 0  # k=3 alone, k=2 at two slots, never k=1
+    assert sum(stats.policy_off_steps for _, _, stats in together) > 0  # three slots: no drafts
+    first = together[0][2]
+    assert first.verify_calls_by_k[K - 1] > 0 and first.verify_calls_by_k[1] > 0  # one request, two k
+
+
+def test_load_policy_needs_the_graphs(batch_runner, policy_runner, tiny_engine):
+    from spec_edge.runtime.backends.base import BackendError
+
+    with pytest.raises(BackendError, match="k=2"):
+        batch.BatchLoop(batch_runner, K, k_by_load=[K, 2])  # exported for k = 3 only
+    loop = batch.BatchLoop(policy_runner, 2, k_by_load=[K, 1, 0])  # entries above the loop's k are capped
+    ks = []
+    for request in make_requests(tiny_engine, policy_runner, ["ngram"] * SLOTS, [4] * SLOTS):
+        loop.add(batch.SlotRequest(**request()))
+        ks.append(loop.k_now())
+    assert ks == [2, 1] + [0] * (SLOTS - 2)  # the last entry holds for larger loads
+
+
+def test_tune_occupancy_costs(policy_runner):
+    """`spec-edge tune` for the batched node: the ms of calls with 1..B rows of every width, measured
+    through a call(rows, width) on the runner."""
+    from spec_edge.tools import tune_batch
+
+    call = tune_batch.forward_call(policy_runner, position=20)
+    costs = tune_batch.occupancy_costs(call, range(1, SLOTS + 1), [1, 3, K + 1], rounds=2)
+    assert sorted(costs) == [(n, w) for n in range(1, SLOTS + 1) for w in (1, 3, K + 1)]
+    assert all(ms > 0 for ms in costs.values())
+    table, rates = tune_batch.k_table(costs, range(1, SLOTS + 1), [2, K], 1, [0.5, 0.25, 0.125], 0.75)
+    assert len(table) == SLOTS and all(k in (0, 2, K) for k in table) and sorted(rates[1]) == [0, 2, K]

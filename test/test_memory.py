@@ -189,7 +189,8 @@ def test_expected_tokens_and_best_k():
 
 
 def test_batch_slots_count_kv_activations_and_io():
-    """graphs.batch_slots = B: B cache regions (the draft model's too), B rows of activations and I/O; weights once."""
+    """graphs.batch_slots = B: B cache regions (the draft model's too); the target's decode calls run up to B rows,
+    its prefill chunk one (memory.target_rows), so activations and I/O are the larger of the two; weights once."""
     def plan_lines(batch_slots):
         inputs = memory.PlanInputs(target=LLAMA8, graphs=graphs(batch_slots=batch_slots), memory=MemorySection(),
                                    drafter="draft", k=4, draft=LLAMA1)
@@ -199,5 +200,9 @@ def test_batch_slots_count_kv_activations_and_io():
     kv = one["target KV (8192 positions)"]
     assert kv == memory.kv_bytes(LLAMA8, 8192, "bfloat16") and four["target KV (4 x 8192 positions)"] == 4 * kv
     assert four["draft KV"] == 4 * one["draft KV"]
-    assert four["engine I/O buffers (logits, k_new, v_new)"] == 4 * one["engine I/O buffers (logits, k_new, v_new)"]
+    draft_io = memory.io_bytes(LLAMA1, 128, "bfloat16")  # the draft model's B rows at its widest (prefill) width
+    assert one["engine I/O buffers (logits, k_new, v_new)"] == memory.io_bytes(LLAMA8, 128, "bfloat16") + draft_io
+    assert four["engine I/O buffers (logits, k_new, v_new)"] == max(
+        4 * memory.io_bytes(LLAMA8, 5, "bfloat16"), memory.io_bytes(LLAMA8, 128, "bfloat16")) + 4 * draft_io
+    assert memory.target_rows(graphs(batch_slots=4)) == {1: (1, 4, 4), 5: (1, 4, 4), 128: (1, 1, 1)}
     assert four["target weights (1 engine)"] == one["target weights (1 engine)"]

@@ -1,38 +1,95 @@
-"""serve.speculate_max_queue: above that many queued requests a request runs target-only, same output."""
+"""serve.speculate_k_by_load: the k per load (speculation_policy.py), its config checks, and the serial
+engine under it: a smaller k or target-only as the queue deepens, the same greedy output."""
 from __future__ import annotations
 
+import pytest
+
+from spec_edge import speculation_policy as policy
+from spec_edge.config import Config, ConfigError, from_params
 from spec_edge.runtime.engine import Engine
-from spec_edge.runtime.requests import GenerateRequest, speculation_off_reason
+from spec_edge.runtime.requests import GenerateRequest
 
 
-def test_rule():
-    # 0 = never switch off, however deep the queue
-    assert speculation_off_reason("ngram", 50, 0) == ""
-    # queued counts the request itself: 1 = it is alone
-    assert speculation_off_reason("ngram", 1, 1) == ""
-    assert speculation_off_reason("ngram", 2, 2) == ""
-    reason = speculation_off_reason("ngram", 3, 2)
-    assert "3 requests queued" in reason and "serve.speculate_max_queue=2" in reason and "ngram" in reason
-    # a request that would not speculate anyway is not "switched off"
-    assert speculation_off_reason("none", 9, 1) == ""
+def test_k_at_load():
+    table = [4, 3, 1, 0]
+    assert [policy.k_at(table, n, 4) for n in range(1, 7)] == [4, 3, 1, 0, 0, 0]  # the last entry holds
+    assert [policy.k_at(table, n, 3) for n in (1, 2, 3)] == [3, 3, 1]  # a cap on the request's own k
+    assert policy.k_at([], 50, 4) == 4 and policy.k_at(table, 1, 0) == 0  # [] = always k; k 0 stays 0
+    assert policy.from_max_queue(0, 4) == [] and policy.from_max_queue(2, 4) == [4, 4, 0]
+    assert policy.describe([4, 4, 2, 0]) == "load k=4 at 1-2, k=2 at 3, none from 4"
 
 
-def test_engine_runs_target_only_above_the_limit(tiny_engine):
-    engine = Engine(tiny_engine.cfg.replace(**{"serve.speculate_max_queue": 1}), tiny_engine.target,
-                    tiny_engine.tokenizer, tiny_engine.graph_dir, progress=lambda message: None)
-    request = GenerateRequest(prompt="Move the arm to the left and back", max_new_tokens=12, drafter="ngram", k=4)
-    alone = engine.generate(request, queued=1)
-    assert alone.stats.drafter == "ngram" and alone.speculation_off_reason == "" and alone.queued_at_start == 1
-    loaded = engine.generate(request, queued=3)
-    assert loaded.stats.drafter == "none" and loaded.stats.drafted == 0 and loaded.stats.k == 0
-    assert loaded.queued_at_start == 3
-    assert "serve.speculate_max_queue=1" in loaded.speculation_off_reason
-    assert loaded.token_ids == alone.token_ids and loaded.text == alone.text
-    plain = engine.generate(GenerateRequest(prompt=request.prompt, max_new_tokens=12, speculate=False), queued=3)
+def test_reasons():
+    assert policy.serial_reason("ngram", 3, 4, 4, [4]) == ""
+    assert policy.serial_reason("none", 9, 4, 0, [4, 0]) == ""  # it did not ask to speculate
+    off = policy.serial_reason("ngram", 3, 4, 0, [4, 2, 0])
+    assert "3 requests queued" in off and "speculate_k_by_load=[4, 2, 0]" in off and "target-only" in off
+    assert "k=2 drafts per call instead of k=4" in policy.serial_reason("ngram", 2, 4, 2, [4, 2, 0])
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"serve.speculate_k_by_load": [4, 3]}, r"\[1\] = 3 \(load 2\) has no verify graph"),
+    ({"serve.speculate_k_by_load": [4, -1]}, r"\[1\] = -1"),
+    ({"serve.speculate_k_by_load": [4] * 9}, "9 entries, one per load, .* serve.queue_limit=8: drop the last 1"),
+    ({"serve.speculate_k_by_load": [4] * 5, "graphs.batch_slots": 4}, "at most graphs.batch_slots=4"),
+    ({"serve.speculate_k_by_load": [4, 2], "graphs.k_values": [2, 4], "speculative.k": 2, "graphs.batch_slots": 4},
+     r"\[0\] = 4 \(load 1\) would never apply"),
+    ({"serve.speculate_max_queue": 2}, r"speculate_max_queue is gone.*serve.speculate_k_by_load: \[4, 4, 0\]"),
+    ({"serve.speculate_max_queue": 0}, r"speculate_max_queue: 0 is serve.speculate_k_by_load: \[\]"),
+])
+def test_config_refuses(params, message):
+    with pytest.raises(ConfigError, match=message):
+        from_params(params)
+
+
+def test_config_accepts():
+    cfg = Config().replace(**{"graphs.k_values": [2, 4], "serve.speculate_k_by_load": [4, 4, 2, 0, 0, 0, 0, 0]})
+    assert cfg.serve.speculate_k_by_load == (4, 4, 2, 0, 0, 0, 0, 0)
+    # the serial node: an entry above speculative.k applies to requests that ask for that k
+    assert Config().replace(**{"graphs.k_values": [4, 7], "serve.speculate_k_by_load": [7, 4]})
+    assert Config().serve.speculate_k_by_load == ()
+
+
+def _engine(tiny_engine, table) -> Engine:
+    return Engine(tiny_engine.cfg.replace(**{"serve.speculate_k_by_load": table}), tiny_engine.target,
+                  tiny_engine.tokenizer, tiny_engine.graph_dir, progress=lambda message: None)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_every_k_the_policy_picks_gives_the_same_greedy_output(tiny_engine, drafter):
+    engine = _engine(tiny_engine, [4, 3, 1, 0])  # tiny k_values [1, 3, 4, 7]
+    request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
+                              max_new_tokens=24, drafter=drafter, k=4)
+    plain = engine.generate(GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
+    for queued, k in ((1, 4), (2, 3), (3, 1), (4, 0), (9, 0)):
+        result = engine.generate(request, queued=queued)
+        assert result.token_ids == plain.token_ids and result.text == plain.text, (queued, k)
+        assert result.queued_at_start == queued and result.stats.k == k
+        assert result.stats.drafter == (drafter if k else "none")
+        assert len(result.stats.verify_calls_by_k) == len(result.stats.accepted_at) == k
+        assert sum(result.stats.verify_calls_by_k) == result.stats.verify_calls  # all at this request's k
+        if k:
+            assert result.stats.verify_calls_by_k[k - 1] == result.stats.verify_calls
+        if k and drafter == "draft":  # a draft model proposes at every iteration
+            assert result.stats.verify_calls > 0
+        assert result.stats.drafted <= k * result.stats.verify_calls
+        if k == 4:
+            assert result.speculation_off_reason == ""
+        else:
+            assert f"{queued} requests queued" in result.speculation_off_reason
+            want = "target-only" if k == 0 else f"k={k} drafts per call instead of k=4"
+            assert want in result.speculation_off_reason
+
+
+def test_a_smaller_asked_k_is_not_raised(tiny_engine):
+    engine = _engine(tiny_engine, [4, 3])
+    result = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=8, drafter="ngram", k=1), queued=2)
+    assert result.stats.k == 1 and result.speculation_off_reason == ""
+    plain = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=8, speculate=False), queued=2)
     assert plain.speculation_off_reason == ""  # it did not ask to speculate
 
 
 def test_default_never_switches_off(tiny_engine):
-    assert tiny_engine.cfg.serve.speculate_max_queue == 0
+    assert tiny_engine.cfg.serve.speculate_k_by_load == ()
     result = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=4, drafter="ngram"), queued=8)
-    assert result.stats.drafter == "ngram" and result.speculation_off_reason == ""
+    assert result.stats.drafter == "ngram" and result.stats.k == 4 and result.speculation_off_reason == ""

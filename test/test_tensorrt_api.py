@@ -40,7 +40,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORRT_MODULES = ("spec_edge.device.builder", "spec_edge.device.engine_file", "spec_edge.runtime.backends.tensorrt",
-                    "spec_edge.runtime.backends.trt_memory", "spec_edge.runtime.backends.trt_head")
+                    "spec_edge.runtime.backends.trt_memory", "spec_edge.runtime.backends.trt_head",
+                    "spec_edge.runtime.backends.trt_batch")
 # what tensorrt.so needs from libnvinfer / libnvonnxparser / libnvinfer_plugin to import (10.13.3.9)
 STUB_SYMBOLS = {
     "libnvinfer.so.10": ["createInferBuilder_INTERNAL", "createInferRefitter_INTERNAL", "createInferRuntime_INTERNAL",

@@ -57,19 +57,33 @@ def test_draft_cost_moves_k_down():
     assert dear.best_k < free.best_k
 
 
-def test_speculate_max_queue():
-    assert tune.speculate_max_queue({1: (30, 60), 2: (40, 70), 4: (45, 50)}) == 0   # always pays
-    assert tune.speculate_max_queue({1: (30, 60), 2: (40, 45), 4: (45, 40), 8: (46, 38)}) == 2
-    assert tune.speculate_max_queue({1: (30, 25)}) == 1
+def test_table_from_totals():
+    # k where the measured speculative total was at least plain's, else 0; between depths the one below
+    per_depth = {1: (30, 60), 2: (40, 45), 4: (45, 40), 8: (46, 48)}
+    assert tune.table_from_totals(per_depth, 4, 8) == [4, 4, 4, 0, 0, 0, 0, 4]
+    assert tune.table_from_totals({1: (30, 25)}, 4, 3) == [0, 0, 0]
+    assert tune.table_from_totals({2: (30, 35)}, 2, 2) == [2, 2]  # below every depth: the shallowest
 
 
-def test_queue_rule_says_why():
-    value, why = tune.queue_rule({1: (30.0, 60.0)})
-    assert value == 0 and "one request at a time" in why and "never" in why
-    value, why = tune.queue_rule({1: (30.0, 25.0)})
-    assert value == 1 and "alone" in why
-    value, why = tune.queue_rule({1: (30, 60), 2: (40, 45), 4: (45, 40)})
-    assert value == 2 and "at 4 requests" in why
+def test_batched_rate_model():
+    from spec_edge.tools import tune_batch
+
+    # c(j, w) = 10 ms + 2 ms per row and token: a fixed part (the weights) and a part per row
+    costs = {(j, w): 10.0 + 2.0 * j * w for j in range(1, 9) for w in (1, 3, 5)}
+    p = [0.8, 0.6, 0.45, 0.3]
+    # every slot drafts (v = 1): one verify call of n rows
+    e4 = tune.expected_tokens(p, 4)
+    assert tune_batch.rate(costs, 4, 4, 1, p, 1.0) == pytest.approx(1000 * 4 * e4 / costs[(4, 5)])
+    assert tune_batch.rate(costs, 4, 0, 1, p, 0.3) == pytest.approx(1000 * 4 / costs[(4, 1)])
+    # no slot drafts (v = 0): plain steps only, whatever k
+    assert tune_batch.rate(costs, 3, 4, 1, p, 0.0) == pytest.approx(tune_batch.rate(costs, 3, 0, 1, p, 0.0))
+    # one slot, half its iterations draft: (E + 1) / 2 tokens per (c_v + c_s) / 2 ms
+    assert tune_batch.rate(costs, 1, 2, 1, p, 0.5) == pytest.approx(
+        1000 * (tune.expected_tokens(p, 2) + 1) / (costs[(1, 3)] + costs[(1, 1)]))
+    # rows get dearer with the width: k steps back as the slots fill, to none
+    table, rates = tune_batch.k_table(costs, range(1, 9), [2, 4], 1, p, 0.9)
+    assert table == [4, 2, 2, 2, 2, 2, 0, 0]
+    assert all(rates[n][table[n - 1]] == max(rates[n].values()) for n in range(1, 9))
 
 
 def _tune(tiny_cfg, tmp_path, *extra):
@@ -89,23 +103,43 @@ def _tune(tiny_cfg, tmp_path, *extra):
     return cfgmod.load(out), out.read_text()
 
 
-def test_tune_writes_speculate_max_queue(tiny_cfg, tmp_path, capsys):
-    # from this run's one-request curve: never switch off when the chosen k beats plain, else 1
+def test_tune_writes_the_serial_table(tiny_cfg, tmp_path, capsys):
+    # the serial node serves one request at a time: every load takes the one-request curve's best k
     tuned, text = _tune(tiny_cfg, tmp_path)
     printed = capsys.readouterr().out
-    want = 0 if tuned.speculative.drafter != "none" else 1
-    assert tuned.serve.speculate_max_queue == want
-    assert f"serve.speculate_max_queue = {want}:" in printed
-    assert f"#| serve.speculate_max_queue = {want}:" in text
+    best = tuned.speculative.k if tuned.speculative.drafter != "none" else 0
+    want = [best] * tiny_cfg.serve.queue_limit
+    assert list(tuned.serve.speculate_k_by_load) == want
+    assert f"serve.speculate_k_by_load = {want}" in printed and "one request at a time" in printed
+    assert f"#| serve.speculate_k_by_load = {want}" in text
 
 
-def test_tune_takes_speculate_max_queue_from_concurrency_results(tiny_cfg, tmp_path, capsys):
+def test_tune_takes_the_table_from_concurrency_results(tiny_cfg, tmp_path, capsys):
     import json
 
     rows = [{"clients": n, "plain_total_tok_s": p, "spec_total_tok_s": s}
             for n, p, s in ((1, 30.0, 60.0), (2, 40.0, 45.0), (4, 45.0, 40.0))]
     results = tmp_path / "concurrency.json"
-    results.write_text(json.dumps({"rows": rows}))
+    results.write_text(json.dumps({"rows": rows, "k": 3}))
     tuned, _ = _tune(tiny_cfg, tmp_path, "--concurrency-json", str(results))
-    assert tuned.serve.speculate_max_queue == 2
-    assert "serve.speculate_max_queue = 2: speculation stopped paying at 4" in capsys.readouterr().out
+    assert list(tuned.serve.speculate_k_by_load) == [3, 3, 3, 0, 0, 0, 0, 0] and tuned.speculative.k == 3
+    assert "k=3 where speculation was at least as fast as plain" in capsys.readouterr().out
+
+
+def test_tune_writes_the_batched_table(tiny_cfg, tmp_path, capsys):
+    # graphs.batch_slots = 3: one entry per occupancy 1..3 from the measured (n rows, width) costs
+    cfg = tiny_cfg.replace(**{"graphs.batch_slots": 3, "speculative.drafter": "ngram"})
+    tuned, text = _tune(cfg, tmp_path)
+    table = list(tuned.serve.speculate_k_by_load)
+    assert len(table) == 3 and all(k in (0, 1, 3) for k in table)
+    assert tuned.speculative.k == max(table) or tuned.speculative.drafter == "none"
+    printed = capsys.readouterr().out
+    assert "per occupied batch slots (graphs.batch_slots=3)" in printed and "chosen k" in printed
+    assert "#|   load   step ms" in text
+
+
+def test_tune_refuses_a_batched_drafter_without_slots(tiny_cfg, tmp_path):
+    from spec_edge.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tune it with --drafter ngram"):
+        _tune(tiny_cfg.replace(**{"graphs.batch_slots": 3}), tmp_path, "--drafter", "draft")

@@ -1,8 +1,9 @@
 """`spec-edge build`'s work: TensorRT engines from the exported ONNX, with a manifest.
 
 Order of a build: plan check (memory.py) -> export (export.export_model(dynamic=True): one graph per model
-with a dynamic token axis, + the EAGLE-3 head's graph; skipped when up to date; needs no GPU and stops
-here with --export-only, export_only()) -> TensorRT and the GPU -> for each engine (specs.engine_specs),
+with a dynamic token axis, + the EAGLE-3 head's graph; graphs.batch_slots > 1: graphs/batch_dynamic.py's
+(n, T) graph alone; skipped when up to date; needs no GPU and stops here with --export-only,
+export_only()) -> TensorRT and the GPU -> for each engine (specs.engine_specs),
 build only when its build key or file hash changed -> manifest (manifest.py). The runtime calls
 manifest.check_engines(), which refuses a missing, corrupted or mismatched engine with the command
 that rebuilds it.
@@ -26,7 +27,7 @@ from spec_edge.device.manifest import (MANIFEST, checkpoint_fingerprints, identi
                                        profile_dir, read_manifest, write_json_atomic)
 from spec_edge.device.profiles import engine_layout, plan_for_config, plan_inputs
 from spec_edge.device.specs import (BuildError, EngineSpec, engine_specs, external_data_files, file_sha256,
-                                    onnx_quantization)
+                                    onnx_quantization, profile_input_shapes)
 
 Progress = Callable[[str], None]
 # The TensorRT members used here on objects of each class (test/test_tensorrt_api.py checks them, and
@@ -154,10 +155,10 @@ def build_engine(spec: EngineSpec, out_path: Path, *, workspace_bytes: int, timi
     if spec.dynamic:
         for name, width in spec.profile_shapes():
             profile = builder.create_optimization_profile()
-            for i in range(network.num_inputs):
+            for i in range(network.num_inputs):  # (n, T) per width when batched (spec.rows), else (1, T)
                 tensor = network.get_input(i)
-                shape = tuple(width if d < 0 else d for d in tensor.shape)
-                profile.set_shape(tensor.name, shape, shape, shape)
+                low, opt, high = profile_input_shapes(spec, width, tensor.name, tuple(tensor.shape))
+                profile.set_shape(tensor.name, low, opt, high)
             profiles[name] = config.add_optimization_profile(profile)
     started = time.monotonic()
     serialized = builder.build_serialized_network(network, config)
@@ -205,7 +206,11 @@ def export_all(cfg: Config, progress: Progress) -> dict[str, Path]:
     drafter=draft the draft, for drafter=eagle3 / hybrid the EAGLE-3 head's dynamic graph."""
     from spec_edge.graphs import export
     dynamic = engine_layout() == "shared"
-    dirs = {"target": export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress, dynamic)}
+    if cfg.graphs.batch_slots > 1:  # the (n, T) graph over B cache regions; no draft / layer-skip / head graph
+        from spec_edge.graphs import batch_dynamic
+        dirs = {"target": batch_dynamic.export_batch_dynamic(cfg, progress)}
+    else:
+        dirs = {"target": export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress, dynamic)}
     if cfg.graphs.weights in QDQ_WEIGHTS:  # the Q/DQ ONNX TensorRT builds from (graphs/qdq.py, no GPU needed)
         from spec_edge.graphs import qdq
         dirs["target"] = qdq.for_tensorrt(cfg, dirs["target"], progress)
@@ -238,16 +243,26 @@ def write_export_manifest(cfg: Config, onnx_dirs: dict[str, Path], specs: Sequen
             "role": spec.role, "onnx": str(spec.onnx.relative_to(root)), "dynamic": spec.dynamic,
             "external": [str(p.relative_to(root)) for p in external_data_files(spec.onnx)],
             "widths": list(spec.widths), "kinds": {str(w): k for w, k in spec.kinds.items()},
-            "profiles": [name for name, _ in spec.profile_shapes()]}
+            "profiles": [name for name, _ in spec.profile_shapes()], **batch_record(spec)}
     from spec_edge.graphs import shared_table
 
     table = shared_table.record(onnx_dirs["target"])
+    folder = "target" if cfg.graphs.batch_slots == 1 else f"target_dynamic_b{cfg.graphs.batch_slots}"  # batch_dynamic
     manifest = {"profile": cfg.runtime.profile, "config": identity_config(cfg), "precision": precision(cfg),
+                "batch_slots": cfg.graphs.batch_slots,
                 "folders": {role: str(Path(d).relative_to(root)) for role, d in onnx_dirs.items()},
-                "embed_table": None if table is None else dict(table, file=f"target/{table['file']}"),
+                "embed_table": None if table is None else dict(table, file=f"{folder}/{table['file']}"),
                 "engines": engines}
     write_json_atomic(root / EXPORT_MANIFEST, manifest)
     return root / EXPORT_MANIFEST
+
+
+def batch_record(spec: EngineSpec) -> dict[str, Any]:
+    """A batched engine's manifest keys: "batch" (B, its cache regions) and "rows" (width -> [min, opt, max] n)."""
+    if spec.rows is None:
+        return {}
+    return {"batch": max(high for _, _, high in spec.rows.values()),
+            "rows": {str(w): list(r) for w, r in sorted(spec.rows.items())}}
 
 
 def check_quantization(cfg: Config, specs: Sequence[EngineSpec]) -> None:
@@ -291,9 +306,6 @@ def _plan_and_export(cfg: Config, progress: Progress, device: memory.DeviceMemor
 def build(cfg: Config, *, progress: Progress = print, force: bool = False,
           device: memory.DeviceMemory | None = None, cancel: Cancel | None = None) -> dict[str, Any]:
     """Plan check, export (needs no GPU), then TensorRT: engines, manifest. Returns the manifest."""
-    if cfg.graphs.batch_slots > 1:
-        raise ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots}: TensorRT engines with a batch axis are not "
-                          f"built yet (`spec-edge plan` counts the B slots); build with graphs.batch_slots: 1")
     onnx_dirs, specs = _plan_and_export(cfg, progress, device)
     write_export_manifest(cfg, onnx_dirs, specs)
     trt = import_tensorrt()
@@ -321,7 +333,7 @@ def build(cfg: Config, *, progress: Progress = print, force: bool = False,
                             progress=progress, cancel=cancel)
         manifest["engines"][spec.name] = {
             "file": path.name, "role": spec.role, "onnx": str(spec.onnx), "widths": list(spec.widths),
-            "kinds": {str(w): k for w, k in spec.kinds.items()}, "dynamic": spec.dynamic,
+            "kinds": {str(w): k for w, k in spec.kinds.items()}, "dynamic": spec.dynamic, **batch_record(spec),
             "size": path.stat().st_size, "sha256": file_sha256(path), "stamp": engine_stamp(path), "build_key": key,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **info}
     for stale in set(old.get("engines", {})) - set(manifest["engines"]):

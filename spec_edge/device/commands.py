@@ -118,7 +118,8 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
 ASSUMED_ALPHA = {"thor_llama31_8b_bf16": 0.75, "thor_llama31_8b_fp8": 0.75, "thor_qwen3_8b_bf16": 0.70,
                  "thor_llama31_8b_layerskip": 0.40, "thor_llama31_8b_eagle3": 0.75,
                  "thor_llama31_8b_eagle3_int4": 0.80, "thor_llama31_8b_eagle3_fp8": 0.80,
-                 "thor_llama31_8b_eagle3_nvfp4": 0.80}
+                 "thor_llama31_8b_eagle3_nvfp4": 0.80,
+                 "thor_llama31_8b_batch4": 0.59}  # n-gram k=4, per slot: measured on the CPU (README)
 
 
 def profile_report(cfg: Config, alpha: float) -> str:

@@ -9,10 +9,11 @@ runtime runs before it loads any engine.
         manifest.json                    what each engine is, and from what (below); written last
 
 manifest.json: format, profile, identity (sha256 over the engine-shaping config keys and the
-checkpoints' fingerprints), config (those keys), precision, k, max_context, TensorRT version, GPU
-name + compute capability, build time, and per engine: role, widths, kind of each width, file size +
-sha256 + stamp (engine_file.engine_stamp: size and the hash of the first and last MiB), build key
-(ONNX hashes + precision + TensorRT + GPU + workspace) and TensorRT's context memory.
+checkpoints' fingerprints), config (those keys), precision, k, max_context, batch_slots, TensorRT
+version, GPU name + compute capability, build time, and per engine: role, widths, kind of each width,
+file size + sha256 + stamp (engine_file.engine_stamp: size and the hash of the first and last MiB), build
+key (ONNX hashes + precision + TensorRT + GPU + workspace), TensorRT's context memory, and for a batched
+engine "batch" (B) and "rows" (width -> [min, opt, max] rows n of its profile).
 
 check_engines() refuses a missing, corrupted or mismatched engine with the command that rebuilds
 it: verify='quick' (what the runtime runs at every start: sizes and stamps, milliseconds) or
@@ -38,7 +39,8 @@ MANIFEST = "manifest.json"
 # config keys an engine is built for; any difference means the engine must be rebuilt
 IDENTITY_KEYS = ("model.target", "model.draft", "graphs.max_context", "graphs.prefill_chunk",
                  "graphs.k_values", "graphs.dtype", "graphs.weights", "graphs.int4_block", "graphs.calibration",
-                 "graphs.layer_skip_layers", "speculative.drafter", "speculative.eagle3_head")
+                 "graphs.layer_skip_layers", "speculative.drafter", "speculative.eagle3_head",
+                 "graphs.batch_slots")
 
 
 class ManifestError(RuntimeError):
@@ -62,6 +64,8 @@ def identity_config(cfg: Config) -> dict[str, Any]:
         part["graphs.layer_skip_layers"] = None
     if cfg.speculative.drafter not in HEAD_DRAFTERS:
         part["speculative.eagle3_head"] = None
+    if cfg.graphs.batch_slots == 1:  # recorded as None: engines built before the key existed stay valid
+        part["graphs.batch_slots"] = None
     return part
 
 
@@ -136,7 +140,8 @@ def manifest_header(cfg: Config, fingerprints: dict[str, str], trt_version: str,
             "identity": model_identity(part, fingerprints), "config": part, "fingerprints": fingerprints,
             "precision": precision(cfg), "k": cfg.speculative.k, "k_values": list(cfg.graphs.k_values),
             "max_context": cfg.graphs.max_context, "prefill_chunk": cfg.graphs.prefill_chunk,
-            "tensorrt_version": trt_version, "gpu": gpu, "layout": None, "built_at": None, "engines": {}}
+            "batch_slots": cfg.graphs.batch_slots, "tensorrt_version": trt_version, "gpu": gpu, "layout": None,
+            "built_at": None, "engines": {}}
 
 
 def engine_roles_needed(cfg: Config) -> tuple[str, ...]:

@@ -1,8 +1,7 @@
 """Memory plan of a TensorRT deployment: pure byte arithmetic, a refusal with the numbers, and the
 largest cache that fits. `spec-edge plan <profile>` prints it; `spec-edge build` runs it before any
-export or engine build starts. The decode-speed projection (the k table) is projection.py.
-
-Units: every `*_gb` value in the config is GiB (2**30 bytes); every number here is bytes.
+export or engine build starts. The decode-speed projection (the k table) is projection.py. Units:
+every `*_gb` value in the config is GiB (2**30 bytes); every number here is bytes.
 
 Engine layout (decided here, built by builder.py, counted here)
 ---------------------------------------------------------------
@@ -19,14 +18,14 @@ of its (C, V) logits on the device). So:
   layer-skip      a separate engine over the target's first n layers + final norm + head: its
                   weights ARE a second copy of those layers, the embedding and the head, and are
                   counted as such; its KV is the target's first n cache layers (no extra KV).
+  batch_slots B>1 one target engine over the (n, T) graph (graphs/batch_dynamic.py): weights x 1, B cache
+                  regions, decode profiles of 1..B rows, the prefill chunk alone (target_rows)
 
-When a profile's ONNX folder holds only static per-width graphs, specs.engine_specs() gives one
-engine per graph and the plan counts one weight copy per engine (`layout="per_graph"`): 98 GiB
-instead of 35 GiB for Llama-3.1-8B + 3.2-1B in bf16.
+When a profile's ONNX folder holds only static per-width graphs, specs.engine_specs() gives one engine per
+graph and the plan counts a weight copy per engine (`layout="per_graph"`): 98 instead of 35 GiB (8B + 1B bf16).
 
-Tied embeddings (Llama-3.2-1B, Qwen3-0.6B): the Gather table and the lm_head GEMM weight end up
-as two engine constants, so they are counted twice (conservative; the measured engine size in the
-build manifest replaces the estimate once an engine exists).
+Tied embeddings (Llama-3.2-1B, Qwen3-0.6B): the Gather table and the lm_head GEMM weight are two engine
+constants, counted twice (conservative; the build manifest's measured engine size replaces the estimate).
 
 Execution is serialised on one CUDA stream, so all execution contexts of all engines share ONE
 scratch buffer (TensorRT USER_MANAGED context memory) sized to the largest profile: activations
@@ -40,8 +39,8 @@ norms stay in the activation dtype, as ModelOpt's default FP8/NVFP4 recipes leav
         + one fp32 global scale per tensor for the weight and one for its input,
   int4_awq  0.5 byte + one dtype scale per graphs.int4_block weights + the AWQ pre-scale (K per layer),
   int4_gguf 0.5 byte + one dtype scale and one dtype minimum per 32 weights (the GGUF's Q4_1),
-(graphs.weights; spec_edge/graphs/qdq.py writes these files). Once the quantized folder exists
-(`spec-edge build --export-only`), the target's weights are its weights.bin's real size instead.
+(graphs.weights; graphs/qdq.py writes them). Once the quantized folder exists (`spec-edge build
+--export-only`), the target's weights are its weights.bin's real size instead.
 The KV cache stays in graphs.dtype (2 bytes for bf16).
 """
 from __future__ import annotations
@@ -140,6 +139,13 @@ def io_bytes(m: ModelConfig, width: int, dtype: str, n_layers: int | None = None
 def target_widths(graphs: GraphSection) -> tuple[int, ...]:
     """Widths of the target engine's profiles: prefill chunk, step, each verify."""
     return tuple(sorted({graphs.prefill_chunk, 1, *(k + 1 for k in graphs.k_values)}))
+
+
+def target_rows(graphs: GraphSection) -> dict[int, tuple[int, int, int]]:
+    """Rows n (min, opt, max) per target width: decode widths 1..B (opt B, the busy case), the chunk C alone."""
+    b = graphs.batch_slots
+    decode = {1, *(k + 1 for k in graphs.k_values)}
+    return {w: (1, b, b) if w in decode else (1, 1, 1) for w in target_widths(graphs)}
 
 
 def draft_widths(graphs: GraphSection) -> tuple[int, ...]:
@@ -254,9 +260,10 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
                                      target_w * copies)]
     engines = [target_w]
     draft_w = draft_kv = 0
-    b = g.batch_slots  # B slots: B cache regions, B rows of activations and I/O (graphs/batch_model.py)
-    acts = [b * max(activation_bytes(i.target, max_context, w, dtype) for w in t_widths)]
-    io = b * io_bytes(i.target, max(t_widths), dtype)
+    b = g.batch_slots  # B slots: B cache regions; a width's call runs up to its profile's rows (target_rows)
+    rows = target_rows(g)
+    acts = [max(rows[w][2] * activation_bytes(i.target, max_context, w, dtype) for w in t_widths)]
+    io = max(rows[w][2] * io_bytes(i.target, w, dtype) for w in t_widths)  # one buffer, the largest call
     if i.drafter == "draft":
         if i.draft is None:
             raise ConfigError("speculative.drafter=draft needs model.draft (a model folder or preset)")
@@ -362,8 +369,7 @@ def check(p: Plan) -> Plan:
         if _quantization(p.inputs.graphs) == "fp32":
             hints.append("or quantize the target (graphs.weights: int4_awq, fp8 or nvfp4)")
     if p.build_peak > p.device:
-        hints.append(f"building the largest engine needs {_gib(p.build_peak)}: quantize, or lower "
-                     "memory.workspace_gb")
+        hints.append(f"building the largest engine needs {_gib(p.build_peak)}: quantize, or lower memory.workspace_gb")
     if p.available_now is not None and p.runtime_need > p.available_now:
         hints.append(f"only {_gib(p.available_now)} is free now for {_gib(p.runtime_need)}: stop other "
                      "processes or lower graphs.max_context")
@@ -375,9 +381,8 @@ def check(p: Plan) -> Plan:
 
 
 def read_device_memory() -> DeviceMemory | None:
-    """The device's memory when this is the device: on a Jetson the unified memory from
-    /proc/meminfo; with a discrete CUDA GPU torch.cuda.mem_get_info; None elsewhere (plan with
-    the config's memory.device_memory_gb)."""
+    """The device's memory: a Jetson's unified memory (/proc/meminfo), a discrete GPU's
+    torch.cuda.mem_get_info, None elsewhere (plan with the config's memory.device_memory_gb)."""
     from spec_edge.device.meminfo import is_jetson, parse_meminfo
 
     if is_jetson():

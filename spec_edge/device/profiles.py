@@ -95,7 +95,10 @@ def quantized_weights_bytes(cfg: Config) -> int | None:
 
     if cfg.graphs.weights not in QDQ_WEIGHTS:
         return None
-    folder = qdq.folder_for(export.artifact_dir(cfg, "target"), cfg.graphs.weights)
+    from spec_edge.graphs import batch_dynamic
+
+    source = export.artifact_dir(cfg, "target") if cfg.graphs.batch_slots == 1 else batch_dynamic.folder(cfg)
+    folder = qdq.folder_for(source, cfg.graphs.weights)
     manifest = folder / "manifest.json"
     if not manifest.is_file():
         return None

@@ -10,6 +10,10 @@ external-data files), which read graph structure only, never the weights.
     eagle3     widths {1, k+1 for each k, C} (ingest) + a second width-1 profile "step",
                drafter=eagle3 / hybrid (memory.head_widths; heads/eagle3_export.py's dynamic head graph)
   over static graphs (layout "per_graph"): one engine per ONNX file, at that file's width.
+  graphs.batch_slots = B > 1: one target engine over graphs/batch_dynamic.py's (n, T) graph, its
+    profile per width carrying the rows n as (min, opt, max) (memory.target_rows: decode widths
+    (1, B, B), the prefill chunk (1, 1, 1)); no other engine (config.validate refuses the drafters
+    that would need one)
 
 Importable and testable without tensorrt.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +70,8 @@ class EngineSpec:
     # (kind, width) profiles after the width profiles: the head's draft step is a second width-1
     # profile, so it gets its own execution context (a profile serves one context at a time)
     extra_profiles: tuple[tuple[str, int], ...] = ()
+    # graphs.batch_slots > 1: width -> (min, opt, max) rows n of its profile (tokens (n, T)); None: (1, T)
+    rows: dict[int, tuple[int, int, int]] | None = None
 
     def profile_shapes(self) -> list[tuple[str, int]]:
         """(name, width) of every optimization profile in order: str(width) per width, then the extras."""
@@ -75,9 +82,28 @@ class EngineSpec:
         fingerprints, widths, and `extra` (precision, TensorRT version, GPU, workspace)."""
         parts = {"onnx": file_sha256(self.onnx), "widths": list(self.widths), "dynamic": self.dynamic,
                  **({"extra_profiles": [list(p) for p in self.extra_profiles]} if self.extra_profiles else {}),
+                 **({"rows": {str(w): list(r) for w, r in sorted(self.rows.items())}} if self.rows else {}),
                  "external": {p.name: quick_fingerprint(p) for p in external_data_files(self.onnx)},
                  **extra}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def profile_input_shapes(spec: EngineSpec, width: int, name: str, shape: Sequence[int]
+                         ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(min, opt, max) of network input `name` (TensorRT's shape, -1 = dynamic) in the width-`width` profile.
+    Unbatched: every dynamic dimension is T. Batched (spec.rows): tokens is (n, T), any other input's
+    dynamic dimension is the rows n (graphs/batch_dynamic.py: position (n,), caches (n, Hkv, S, D))."""
+    if spec.rows is None:
+        fixed = tuple(width if d < 0 else int(d) for d in shape)
+        return fixed, fixed, fixed
+    dynamic = [i for i, d in enumerate(shape) if d < 0]
+    if name == io_names.TOKENS and dynamic == [0, 1]:
+        return tuple((n, width) for n in spec.rows[width])
+    if name != io_names.TOKENS and len(dynamic) <= 1:
+        return tuple(tuple(n if d < 0 else int(d) for d in shape) for n in spec.rows[width])
+    raise BuildError(f"{spec.onnx}: input '{name}' has shape {tuple(shape)}; a batched graph has tokens (n, T) "
+                     f"and one dynamic dimension n elsewhere: delete {spec.onnx.parent} and run "
+                     f"`spec-edge build --export-only`")
 
 
 def external_data_files(onnx_path: Path) -> list[Path]:
@@ -140,6 +166,8 @@ def engine_specs(cfg: Config, onnx_dirs: dict[str, Path]) -> list[EngineSpec]:
     if drafter in HEAD_DRAFTERS:
         specs.append(head_spec(cfg, onnx_dirs))
     skip_prefix = f"layerskip{g.layer_skip_layers}_"
+    if g.batch_slots > 1:
+        return [batched_spec(cfg, onnx_dirs["target"])]
     for role, folder in roles.items():
         files = sorted(Path(folder).glob("*.onnx"))
         if not files:
@@ -164,6 +192,18 @@ def engine_specs(cfg: Config, onnx_dirs: dict[str, Path]) -> list[EngineSpec]:
                 kind = f.stem.split("_")[0] if group_role != "layerskip" else "layerskip"
                 specs.append(EngineSpec(f"{role}_{f.stem}", group_role, f, (width,), {width: kind}, False))
     return specs
+
+
+def batched_spec(cfg: Config, folder: Path) -> EngineSpec:
+    """The target engine of graphs.batch_slots = B > 1: graphs/batch_dynamic.py's graph, rows per width."""
+    g = cfg.graphs
+    path = Path(folder) / "dynamic.onnx"  # batch_dynamic.STEM
+    if not path.is_file() or onnx_token_width(path) is not None:
+        raise BuildError(f"graphs.batch_slots={g.batch_slots} builds from the batched dynamic graph {path}: the "
+                         f"export did not run (spec-edge build --export-only)")
+    widths = memory.target_widths(g)
+    return EngineSpec("target", "target", path, widths, {w: _kind(w, g, "target") for w in widths}, True,
+                      rows=memory.target_rows(g))
 
 
 HEAD_GRAPH = "eagle3_dynamic.onnx"  # heads.eagle3_export.DYNAMIC_HEAD_STEM

@@ -3,7 +3,9 @@
     forward(tokens (B, T), position (B,), k_cache_0 .. k_cache_{L-1}, v_cache_0 .. v_cache_{L-1})
         -> logits (B, T, V), k_new (L, B, Hkv, T, D), v_new (L, B, Hkv, T, D)
 
-k_cache_<i> is (B, Hkv, S, D): row b is slot b's region of the resident cache. Each slot is its
+B here is the graph's row count (graphs/batch_export.py exports m = 2, 4, .. up to graphs.batch_slots
+rows). k_cache_<i> is (B, Hkv, S, D): row b is one slot's region of the resident cache (after the fused
+rewrite, graphs/batch_attention.py, each row's region is an input of its own). Each row is its
 own sequence: its rotary positions start at position[b], its mask hides its cache rows
 >= position[b], and no slot attends to another's rows, so a row's logits are those of the B=1
 graph (model.LayerCaches) over that slot's cache, up to float summation order. The linear layers

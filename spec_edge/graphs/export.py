@@ -154,20 +154,29 @@ def _remove_tree(path: Path) -> None:
         shutil.rmtree(path)
 
 
+def load_into(cfg: Config, source: str, out_dir: Path) -> tuple:
+    """(model config, state dict, tokenizer, the WeightStore of the new folder out_dir) of source, whose
+    positions must cover graphs.max_context: the start of every export (this one, graphs/batch_export.py,
+    graphs/batch_dynamic.py)."""
+    from spec_edge.graphs import weights
+
+    model_cfg, state, tokenizer = weights.load(source)
+    if cfg.graphs.max_context > model_cfg.max_position_embeddings:
+        raise ConfigError(f"graphs.max_context={cfg.graphs.max_context} exceeds the model's "
+                          f"{model_cfg.max_position_embeddings} positions")
+    out_dir.mkdir(parents=True)
+    return model_cfg, state, tokenizer, WeightStore(out_dir / "weights.bin")
+
+
 def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Path, progress: Progress) -> None:
     from spec_edge.graphs import weights
 
     started = time.monotonic()
     progress(f"[export] {role}: loading {source} ...")
-    model_cfg, state, tokenizer = weights.load(source)
+    model_cfg, state, tokenizer, store = load_into(cfg, source, out_dir)
     if role == "target" and cfg.graphs.layer_skip_layers >= model_cfg.n_layers:
         raise ConfigError(f"graphs.layer_skip_layers={cfg.graphs.layer_skip_layers} must be below the "
                           f"model's {model_cfg.n_layers} layers")
-    if cfg.graphs.max_context > model_cfg.max_position_embeddings:
-        raise ConfigError(f"graphs.max_context={cfg.graphs.max_context} exceeds the model's "
-                          f"{model_cfg.max_position_embeddings} positions")
-    out_dir.mkdir(parents=True)
-    store = WeightStore(out_dir / "weights.bin")
     plan = wanted["graphs"]
     for i, (stem, spec) in enumerate(plan.items(), 1):
         shape = f"width {spec['width']}" if spec["width"] else "dynamic width"

@@ -24,11 +24,11 @@ V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, posit
 # new rows in place, through an output the caller binds to the same memory as the input
 K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S + C, D) aliases k_cache_<i>
 V_PRESENT_PREFIX = "v_present_"
-# graphs.batch_slots = B > 1 (graphs/batch_model.py): tokens (B, T), position (B,), caches (B, Hkv, S, D) per
-# layer, logits (B, T, V), k_new / v_new (L, B, Hkv, T, D). Fused, width > 1 (graphs/batch_attention.py):
-# ONNX Runtime's GroupQueryAttention takes T > 1 new rows over a past only at batch 1, so there each slot's
-# layer is its own input <k_cache_i>_s<b> (1, Hkv, S + C, D) and output <k_present_i>_s<b>, bound to slot
-# b's region of the (L, B, Hkv, S + C, D) cache (slot_name)
+# graphs.batch_slots = B > 1 (graphs/batch_model.py), a graph of m rows: tokens (m, T), position (m,), caches
+# (m, Hkv, S, D) per layer, logits (m, T, V), k_new / v_new (L, m, Hkv, T, D). Fused (graphs/batch_attention.py):
+# each row's layer is its own input <k_cache_i>_s<j> (1, Hkv, S + C, D) and output <k_present_i>_s<j>, bound
+# to the region of the slot row j serves in the (L, B + 1, Hkv, S + C, D) cache (slot_name; runtime/backends/
+# ort_batch.py), so one graph runs any m of the slots
 K_PRESENT = "k_present"      # the EAGLE-3 head graphs' one layer: (1, Hkv, S + W, D) aliases k_cache
 V_PRESENT = "v_present"
 HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers the configured heads read
@@ -63,7 +63,7 @@ def v_present(layer: int) -> str:
 
 
 def slot_name(name: str, slot: int) -> str:
-    """A per-slot cache tensor of a batched fused graph: slot_name(k_cache(3), 1) = 'k_cache_3_s1'."""
+    """A per-row cache tensor of a batched fused graph: slot_name(k_cache(3), 1) = 'k_cache_3_s1' (row 1)."""
     return f"{name}_s{slot}"
 
 

@@ -197,7 +197,7 @@ def ask_main(argv: list[str] | None = None) -> int:
         print(f"[{response.finish_reason}, {response.num_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
               f"drafter {s.drafter or 'none'} k={s.k}, acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)
         if s.speculation_off_reason:
-            print(f"[speculation off: {s.speculation_off_reason}]", file=sys.stderr)
+            print(f"[speculation policy: {s.speculation_off_reason}]", file=sys.stderr)
         if response.message:
             print(f"[note: {response.message}]", file=sys.stderr)
     else:

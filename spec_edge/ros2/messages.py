@@ -90,11 +90,13 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
     resp.text = outcome.text
     resp.num_tokens = outcome.num_tokens
     resp.finish_reason = outcome.finish_reason
-    for name in resp.stats.get_fields_and_field_types():
+    for name, kind in resp.stats.get_fields_and_field_types().items():
         if name in outcome.stats and outcome.stats[name] is not None:
             current = getattr(resp.stats, name)
             value = outcome.stats[name]
-            if isinstance(current, str):
+            if kind.startswith("sequence<"):  # uint32[] (e.g. verify_calls_by_k)
+                value = [int(v) for v in value]
+            elif isinstance(current, str):
                 value = str(value)
             elif isinstance(current, int):
                 value = int(value)
@@ -106,8 +108,14 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
     return resp
 
 
+def _plain(value: Any) -> Any:
+    """A message field's value as JSON takes it (an array field arrives as array.array or numpy)."""
+    return value if isinstance(value, (str, int, float, bool)) else [v.item() if hasattr(v, "item") else v
+                                                                       for v in value]
+
+
 def response_to_dict(resp: Any) -> dict[str, Any]:
     """A Generate response / action result -> plain dict (the `spec-edge ask --json` object)."""
     out = {name: getattr(resp, name) for name in resp.get_fields_and_field_types() if name != "stats"}
-    out["stats"] = {name: getattr(resp.stats, name) for name in resp.stats.get_fields_and_field_types()}
+    out["stats"] = {name: _plain(getattr(resp.stats, name)) for name in resp.stats.get_fields_and_field_types()}
     return out

@@ -8,9 +8,9 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback)
   serve, or refuse with a message. Both feed one FIFO queue served by one worker thread; a request arriving while
   serve.queue_limit requests wait is answered "busy" at once; a request older than
-  serve.request_timeout_s ends with finish_reason "error". A request that starts with more than
-  serve.speculate_max_queue requests queued (itself included; 0 = never) runs target-only: its
-  stats carry queued_at_start and speculation_off_reason, /diagnostics counts speculation_off.
+  serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
+  load (requests queued as one starts, itself included; batched: occupied slots), 0 = target-only:
+  stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s.
 
 Everything the node knows about generation comes from the Engine; it only translates
@@ -269,9 +269,7 @@ def make_node_class():
                 values.update(self._info)
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
-                              refused_busy=worker.refused_busy,
-                              speculate_max_queue=cfg.serve.speculate_max_queue,
-                              speculation_off=worker.speculation_off)
+                              refused_busy=worker.refused_busy, speculation_off=worker.speculation_off)
                 values.update({f"last_{k}": v for k, v in worker.last_stats.items()
                                if isinstance(v, (int, float, str))})
                 if depth >= cfg.serve.queue_limit:

@@ -52,7 +52,7 @@ class Worker:
         self.current: Job | None = None
         self.served = 0
         self.refused_busy = 0
-        self.speculation_off = 0  # requests run target-only by serve.speculate_max_queue
+        self.speculation_off = 0  # requests the load policy (serve.speculate_k_by_load) gave less than their k
         self.last_stats: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, name="spec_edge-worker", daemon=True)
         self._thread.start()
@@ -137,7 +137,7 @@ class Worker:
         self.served += 1
         if result.speculation_off_reason:
             self.speculation_off += 1
-            self.logger.info(f"speculation off: {result.speculation_off_reason}")
+            self.logger.info(f"speculation policy: {result.speculation_off_reason}")
         stats = result_stats(result)
         self.last_stats = stats
         if job.timed_out:

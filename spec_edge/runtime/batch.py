@@ -7,30 +7,41 @@ own logits. One iteration of BatchLoop:
   1. at most one prefill chunk (C tokens, the B=1 prefill graph bound to that slot's region) of the
      earliest joined slot still prefilling: a joining prompt is fed between the others' decode calls,
      so running streams never wait for a whole prompt;
-  2. the decode call(s) of the decoding slots: (B, 1) when no slot has a draft, (B, k+1) when all
-     have one. When some do and some do not, mixed="group" (the default) gives the slots that only
-     step their own (B, 1) call (two calls, each row computed exactly as when its request is alone:
+  2. the decode call(s) of the decoding slots, over exactly those slots (runner.forward(slots, ...):
+     idle and prefilling slots are never in a call and cost nothing): one step call (width 1, or
+     q4's two-row step) when no slot has a draft, one (k+1) verify call when all have one. When some
+     do and some do not, mixed="group" (the default) runs the stepping slots and the verifying slots
+     as two calls over those two subsets (each row computed exactly as when its request is alone:
      measured batch-invariant, bench/batch_invariance.py); mixed="pad" runs them along in the
-     (B, k+1) call as [pending, pending, ...], reading only row 0 (one call, but that row is a
+     (k+1) call as [pending, pending, ...], reading only row 0 (one call, but that row is a
      width-(k+1) row: 3.6e-5 from the step's logits on the embedded default, fp32).
+Greedy calls ask the runner for argmax ids only (runner.argmax); a call with a sampling slot takes logits.
 
 A slot joins (add) at an iteration boundary and leaves when its request finishes (eos, stop,
-length, context_full, cancelled); its slot is free for the next add. Slots that are idle or still
-prefilling are inactive rows: ort_batch.BatchRunner feeds them at their own position, where nothing
-is read before it is written again.
+length, context_full, cancelled); its slot is free for the next add.
 
-speculate_max_active (0 = always): with more occupied slots than this an iteration does not draft
-(greedy output is the same; `spec-edge tune` measures where speculation stops paying).
+Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
+slot b's region holds (as Runner.held for B=1). add() puts a request into the free slot whose
+record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
+index) and prefills only from min(common prefix, len(prompt) - 1) on; the record is () while the
+request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
+empties every record.
+
+k_by_load (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always k): the k of an
+iteration is k_now(), the table's entry at the occupied slots (capped at k), 0 = no drafts: each
+draft is cut to that k and verified in the (B, k'+1) graph; a slot's stats count its verify calls by
+k and the steps the policy took (greedy output is the same; `spec-edge tune` measures the table).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from spec_edge.runtime.backends.base import BackendError
+from spec_edge import speculation_policy
+from spec_edge.runtime.backends.base import BackendError, common_prefix
 from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, speculative_accept
 from spec_edge.runtime.speculative import Cancel, Draft, Drafter, Emit, Sampler, Stats, take_chunk
 
@@ -73,15 +84,18 @@ class _Slot:
 class BatchLoop:
     """B slots over one BatchRunner; the caller adds requests and calls iterate() until idle."""
 
-    def __init__(self, runner, k: int = 0, *, mixed: str = "group", speculate_max_active: int = 0):
+    def __init__(self, runner, k: int = 0, *, mixed: str = "group", k_by_load: Sequence[int] = (),
+                 reuse: bool = False):
         if mixed not in MIXED:
             raise ValueError(f"mixed must be one of {MIXED}, got {mixed!r}")
-        if k:
-            runner.check_width(k + 1)
+        for used in sorted({k, *(min(k, entry) for entry in k_by_load)} - {0}):
+            runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
         self.step_width = getattr(runner, "step_width", 1)  # 2: q4's two-row step (ort_batch.py)
         runner.check_width(self.step_width)
         self.runner, self.k, self.mixed = runner, k, mixed
-        self.speculate_max_active = speculate_max_active
+        self.k_by_load = tuple(k_by_load)
+        self.reuse = reuse  # prefix reuse per slot (runner.held)
+        self._taken = [0] * runner.batch  # (B,) the order slots were last taken in (higher = later; 0 = never)
         self.slots: list[_Slot | None] = [None] * runner.batch
         self.iterations = 0
         self.calls = {"prefill": 0, "step": 0, "verify": 0}
@@ -94,6 +108,10 @@ class BatchLoop:
     def free(self) -> int:
         return self.runner.batch - self.occupied
 
+    def k_now(self) -> int:
+        """The drafts per verify call at this iteration: the load policy's entry at the occupancy."""
+        return speculation_policy.k_at(self.k_by_load, self.occupied, self.k)
+
     def add(self, request: SlotRequest) -> int:
         """Put request into a free slot (it starts prefilling at the next iteration); returns the slot."""
         if not request.prompt_ids:
@@ -101,34 +119,51 @@ class BatchLoop:
         if len(request.prompt_ids) >= self.runner.max_context:
             raise BackendError(f"the prompt ({len(request.prompt_ids)} tokens) leaves no room in the "
                                f"{self.runner.max_context}-token cache")
-        index = next((i for i, slot in enumerate(self.slots) if slot is None), None)
-        if index is None:
+        free = [i for i, slot in enumerate(self.slots) if slot is None]
+        if not free:
             raise BackendError(f"all {self.runner.batch} batch slots are busy")
+        prompt = request.prompt_ids
+        held = self.runner.held
+        # the free slot holding the longest prefix of the prompt (ties: the one taken least recently, so
+        # the records other clients may come back to are kept longest; then the lowest index); at least
+        # the last prompt token is prefilled (its logits choose the first token)
+        shared = {i: common_prefix(held[i], prompt, len(prompt) - 1) if self.reuse else 0 for i in free}
+        index = max(free, key=lambda i: (shared[i], -self._taken[i], -i))
+        self._taken[index] = max(self._taken) + 1
+        held[index] = ()  # until the request leaves: a failure leaves the slot cold
         drafter = request.drafter
         stats = Stats(drafter=drafter.name if drafter else "none", k=self.k if drafter else 0,
-                      prompt_tokens=len(request.prompt_ids), accepted_at=[0] * (self.k if drafter else 0))
-        self.slots[index] = _Slot(request, Sampler(request.sampling, request.seed), stats, time.perf_counter())
+                      prompt_tokens=len(prompt), prompt_tokens_reused=shared[index],
+                      accepted_at=[0] * (self.k if drafter else 0), verify_calls_by_k=[0] * (self.k if drafter else 0))
+        self.slots[index] = _Slot(request, Sampler(request.sampling, request.seed), stats, time.perf_counter(),
+                                  prefilled=shared[index])
         request.occupancy = self.occupied
         return index
 
     def iterate(self) -> None:
-        """One iteration: a prefill chunk of one joining slot, then one decode call for all decoding slots."""
+        """One iteration: a prefill chunk of one joining slot, then the decode call(s) of the decoding slots.
+        An exception (a failed call, an emit that raised) empties every slot's prefix record."""
         self.iterations += 1
-        for slot in self.slots:  # cancellation is seen at the iteration boundary, as in speculative.generate
-            if slot is not None and slot.decoding and slot.request.cancel is not None \
-                    and (reason := slot.request.cancel()):
-                slot.finish = reason
-        joining = [slot for slot in self.slots if slot is not None and slot.finish is None and not slot.decoding]
-        if joining:
-            self._prefill_chunk(min(joining, key=lambda slot: slot.started))
-        self._decode()
-        for i, slot in enumerate(self.slots):
-            if slot is not None and slot.finish is not None:
-                self._leave(i)
+        try:
+            for slot in self.slots:  # cancellation is seen at the iteration boundary, as in speculative.generate
+                if slot is not None and slot.decoding and slot.request.cancel is not None \
+                        and (reason := slot.request.cancel()):
+                    slot.finish = reason
+            joining = [slot for slot in self.slots if slot is not None and slot.finish is None and not slot.decoding]
+            if joining:
+                self._prefill_chunk(min(joining, key=lambda slot: slot.started))
+            self._decode()
+            for i, slot in enumerate(self.slots):
+                if slot is not None and slot.finish is not None:
+                    self._leave(i)
+        except BaseException:
+            self.runner.held = [()] * self.runner.batch  # whatever the regions hold now, nothing is trusted
+            raise
 
     def clear(self) -> None:
         """Empty every slot without answering (after a failed call: the caller answers its requests)."""
         self.slots = [None] * self.runner.batch
+        self.runner.held = [()] * self.runner.batch
 
     def run(self) -> None:
         """iterate() until every slot has left."""
@@ -138,7 +173,7 @@ class BatchLoop:
     # -- one slot's prefill ----------------------------------------------------------------------
 
     def _prefill_chunk(self, slot: _Slot) -> None:
-        index = self.slots.index(slot)
+        index = next(i for i, other in enumerate(self.slots) if other is slot)
         prompt, chunk = slot.request.prompt_ids, self.runner.prefill_chunk
         t0 = time.perf_counter()
         logits = self.runner.prefill_chunk_at(index, prompt[slot.prefilled:slot.prefilled + chunk], slot.prefilled)
@@ -160,7 +195,7 @@ class BatchLoop:
     # -- the decode call -------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        runner, k = self.runner, self.k
+        runner, k = self.runner, self.k_now()
         decoding = [i for i, slot in enumerate(self.slots) if slot is not None and slot.decoding]
         for i in list(decoding):
             slot = self.slots[i]
@@ -169,11 +204,12 @@ class BatchLoop:
                 decoding.remove(i)
         if not decoding:
             return
-        speculate = k > 0 and (self.speculate_max_active == 0 or self.occupied <= self.speculate_max_active)
         for i in decoding:
             slot = self.slots[i]
             slot.draft = None
-            if speculate and slot.request.drafter is not None and slot.pos + k + 1 <= runner.max_context:
+            if slot.request.drafter is not None and not k:
+                slot.stats.policy_off_steps += 1
+            elif slot.request.drafter is not None and slot.pos + k + 1 <= runner.max_context:
                 t0 = time.perf_counter()
                 slot.draft = slot.request.drafter.propose(slot.seq, k, slot.sampler)
                 slot.stats.draft_time_s += time.perf_counter() - t0
@@ -189,44 +225,33 @@ class BatchLoop:
             self._call(decoding, self.step_width)
 
     def _call(self, rows: list[int], width: int) -> None:
-        runner = self.runner
-        tokens = np.zeros((runner.batch, width), np.int64)
-        positions = [0] * runner.batch
-        active = [False] * runner.batch
-        for i, slot in enumerate(self.slots):
-            if slot is None:
-                continue
-            positions[i] = slot.pos if slot.decoding else slot.prefilled  # idle rows write where nothing is read
-            if i in rows:
-                active[i] = True
-                tokens[i] = [slot.seq[-1]] + (slot.draft.tokens if slot.draft is not None else
-                                              [slot.seq[-1]] * (width - 1))
+        """One call over exactly the slots rows (ascending): each slot's pending token and its draft
+        (a slot without one: its pending token repeated, row 0 read)."""
+        runner, slots = self.runner, [self.slots[i] for i in rows]
+        tokens = np.array([[slot.seq[-1]] + (slot.draft.tokens if slot.draft is not None else
+                                             [slot.seq[-1]] * (width - 1)) for slot in slots], np.int64)  # (n, T)
+        positions = [slot.pos for slot in slots]
+        greedy = all(slot.request.sampling.greedy for slot in slots)
         t0 = time.perf_counter()
-        logits = runner.forward(tokens, positions, active)
-        self.calls["verify" if any(self.slots[i].draft is not None for i in rows) else "step"] += 1
+        out = (runner.argmax if greedy else runner.forward)(rows, tokens, positions)  # (n, T) ids or (n, T, V)
+        self.calls["verify" if any(slot.draft is not None for slot in slots) else "step"] += 1
         spent = time.perf_counter() - t0
-        for i in rows:
-            slot = self.slots[i]
+        for j, slot in enumerate(slots):
             slot.stats.target_time_s += spent
             draft, sampling = slot.draft, slot.request.sampling
             if draft is None:
-                chunk = [slot.sampler.pick(logits[i, 0])[0]]
+                chunk = [int(out[j, 0]) if greedy else slot.sampler.pick(out[j, 0])[0]]
                 slot.stats.step_calls += 1
                 slot.pos += 1
             else:
-                window = width
                 if sampling.greedy:
-                    n_accepted, next_token = greedy_accept(np.argmax(logits[i, :window], axis=-1), draft.tokens)
+                    n_accepted, next_token = greedy_accept(out[j] if greedy else np.argmax(out[j], axis=-1),
+                                                           draft.tokens)
                 else:
-                    p_target = probabilities(logits[i, :window], sampling)
+                    p_target = probabilities(out[j], sampling)
                     n_accepted, next_token = speculative_accept(p_target, draft.q_draft, draft.tokens, slot.sampler.rng)
-                slot.request.drafter.observe(self.k, n_accepted)
-                stats = slot.stats
-                stats.verify_calls += 1
-                stats.drafted += self.k
-                stats.accepted += n_accepted
-                for j in range(n_accepted):
-                    stats.accepted_at[j] += 1
+                slot.request.drafter.observe(len(draft.tokens), n_accepted)
+                slot.stats.verified(width - 1, len(draft.tokens), n_accepted)
                 chunk = draft.tokens[:n_accepted] + [next_token]
                 slot.pos += n_accepted + 1
             slot.seq.extend(chunk)
@@ -246,6 +271,7 @@ class BatchLoop:
     def _leave(self, index: int) -> None:
         slot = self.slots[index]
         self.slots[index] = None
+        self.runner.held[index] = tuple(slot.seq[:slot.pos])  # seq[pos], the pending token, was never fed
         slot.stats.new_tokens = len(slot.new_tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
         if slot.request.on_done is not None:
@@ -253,12 +279,13 @@ class BatchLoop:
 
 
 def generate_all(runner, requests: list[SlotRequest], k: int = 0, *, join_at: list[int] | None = None,
-                 mixed: str = "group", speculate_max_active: int = 0) -> list[tuple[list[int], str, Stats]]:
+                 mixed: str = "group", k_by_load: Sequence[int] = (),
+                 reuse: bool = False) -> list[tuple[list[int], str, Stats]]:
     """Run requests through one BatchLoop, request i joining at iteration join_at[i] (default 0) or
     as soon as a slot is free after it; returns (token ids, finish reason, stats) per request."""
     join_at = join_at or [0] * len(requests)
     results: list = [None] * len(requests)
-    loop = BatchLoop(runner, k, mixed=mixed, speculate_max_active=speculate_max_active)
+    loop = BatchLoop(runner, k, mixed=mixed, k_by_load=k_by_load, reuse=reuse)
     waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
     for i in waiting:
         previous = requests[i].on_done

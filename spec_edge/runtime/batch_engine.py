@@ -1,5 +1,6 @@
 """The engine of graphs.batch_slots > 1: Engine's request handling (validation, chat prompt, sampling
-defaults, streaming text, stop strings) in front of one BatchLoop (runtime/batch.py).
+defaults, streaming text, stop strings) in front of one BatchLoop (runtime/batch.py), over ONNX Runtime's
+BatchRunner or, on runtime.backend tensorrt, the batched engine's TensorRTBatchRunner (trt_batch.py).
 
 start() turns a request into a SlotRequest whose on_done hands the caller the same GenerateResult
 Engine.generate returns; the caller (the node's batch worker, or generate() here) adds it to the loop
@@ -7,17 +8,24 @@ and iterates the loop from one thread. Each request drafts with its own drafter 
 (ngram) or none; drafters with a model cache of their own (draft, layerskip, the heads) have no
 per-slot caches yet and are refused with a message.
 
-The speculation policy by occupancy: serve.speculate_max_queue, read here as "speculate while at
-most this many slots are occupied" (0 = always); `spec-edge tune` measures it; the result's stats
-say when an iteration did not draft (speculation_off_reason).
+Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
+longest prefix of its prompt (runtime/batch.py); warm() prefills the system prompt's chat prefix into
+every slot.
+
+The speculation policy by occupancy: serve.speculate_k_by_load, the k of each iteration by the
+occupied slots (speculation_policy.py; `spec-edge tune` measures it); a result's stats count its
+verify calls by k and its steps without speculation, and speculation_off_reason says when the policy
+gave it less than speculative.k.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from spec_edge.config import Config
+from spec_edge import speculation_policy
+from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import batch_export
+from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.batch import BatchLoop, SlotRequest
 from spec_edge.runtime.engine import Engine, text_emitter
@@ -37,13 +45,19 @@ class BatchEngine(Engine):
                                f"{' or '.join(BATCH_DRAFTERS)} (per-slot caches for {cfg.speculative.drafter} are not "
                                f"built yet); set one of those or graphs.batch_slots: 1")
         started = time.monotonic()
-        graph_dir = batch_export.batch_graphs(cfg, progress)
-        runner = BatchRunner(graph_dir, cfg.runtime.threads)
+        if cfg.runtime.backend == "tensorrt":  # the batched engine `spec-edge build` made (runs on the device)
+            from spec_edge.graphs import batch_dynamic
+            from spec_edge.runtime.backends.trt_batch import TensorRTBatchRunner
+
+            runner, graph_dir = TensorRTBatchRunner(cfg), batch_dynamic.folder(cfg)
+        else:
+            graph_dir = batch_export.batch_graphs(cfg, progress)
+            runner = BatchRunner(graph_dir, cfg.runtime.threads)
         engine = cls(cfg, runner, Tokenizer(graph_dir), graph_dir, progress)
         k = cfg.speculative.k if cfg.speculative.drafter != "none" else 0
-        engine.loop = BatchLoop(runner, k, speculate_max_active=cfg.serve.speculate_max_queue)
-        progress(f"[engine] onnxruntime, {runner.batch} batch slots, ready in {time.monotonic() - started:.1f} s "
-                 f"(max context {runner.max_context}, widths {sorted(runner.widths)})")
+        engine.loop = BatchLoop(runner, k, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
+        progress(f"[engine] {cfg.runtime.backend}, {runner.batch} batch slots, ready in {time.monotonic() - started:.1f}"
+                 f" s (max context {runner.max_context}, widths {sorted(runner.widths)})")
         return engine
 
     def start(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
@@ -71,10 +85,7 @@ class BatchEngine(Engine):
                 on_text(tail, len(decoder.ids))
             if finish == "stop":
                 new_ids = self._trim_to_stop(new_ids, request.stop)
-            off = ""
-            if drafter is not None and stats.verify_calls == 0 and self.loop.speculate_max_active:
-                off = (f"more than serve.speculate_max_queue={self.loop.speculate_max_active} batch slots "
-                       f"were occupied: no speculation")
+            off = speculation_policy.batch_reason(stats, self.loop.k_by_load, self.loop.k) if drafter else ""
             result = GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                                     prompt_tokens=len(prompt_ids), queued_at_start=slot_request.occupancy,
                                     speculation_off_reason=off)
@@ -101,9 +112,36 @@ class BatchEngine(Engine):
         out: list[GenerateResult] = []
         with self._lock:
             self.loop.add(self.start(request, on_text, cancel, out.append))
-            self.loop.run()
+            try:
+                self.loop.run()
+            except BaseException:
+                self.loop.clear()  # the failed request leaves its slot (the loop emptied the prefix records)
+                raise
         return out[0]
 
+    def warm(self, system_prompt: str = "") -> int:
+        """Engine.warm for every free slot: the chat prefix every request with this system prompt
+        shares is prefilled once (into the free slot holding most of it already) and copied into the
+        other free slots' regions, so the next requests reuse it whichever slot they get."""
+        if not self.cfg.serve.reuse_prefix:
+            raise ConfigError("warming the cache needs serve.reuse_prefix: true")
+        one, two = (self.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in ("a", "b"))
+        shared = list(one[:common_prefix(one, two, len(one))])
+        runner = self.loop.runner
+        with self._lock:
+            free = [i for i, slot in enumerate(self.loop.slots) if slot is None]
+            if not shared or not free:
+                return len(shared)
+            first = max(free, key=lambda i: (common_prefix(runner.held[i], shared, len(shared) - 1), -i))
+            reused = common_prefix(runner.held[first], shared, len(shared) - 1)
+            for i in free:
+                runner.held[i] = ()
+            runner.prefill(first, shared[reused:], reused)
+            for i in free:
+                if i != first:
+                    runner.copy_prefix(first, i, len(shared))
+                runner.held[i] = tuple(shared)
+        return len(shared)
+
     def info(self) -> dict:
-        return dict(super().info(), batch_slots=self.loop.runner.batch,
-                    speculate_max_active=self.loop.speculate_max_active)
+        return dict(super().info(), batch_slots=self.loop.runner.batch)

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from spec_edge import speculation_policy
 from spec_edge.config import DRAFTERS, Config, ConfigError
 from spec_edge.graphs import export
 from spec_edge.runtime import speculative
@@ -19,8 +20,7 @@ from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
 from spec_edge.runtime.drafting import Drafters
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
-from spec_edge.runtime.requests import (GenerateRequest, GenerateResult, RequestError, check_stop, check_text,
-                                        speculation_off_reason)
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop, check_text
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -175,18 +175,21 @@ class Engine:
         """Serve one request. Raises RequestError for a bad request (nothing is run).
         on_text(delta, n_tokens) receives each piece of safe-to-show text and the number of tokens
         generated so far; cancel() is asked between speculative steps. queued: requests in the
-        caller's queue as this one starts, itself included; above serve.speculate_max_queue the
-        request runs target-only (greedy output is the same; the result says why)."""
-        params, max_new, seed, drafter_name, k = self.resolve(request)
-        off_reason = speculation_off_reason(drafter_name, queued, self.cfg.serve.speculate_max_queue)
-        if off_reason:
+        caller's queue as this one starts, itself included: the load serve.speculate_k_by_load gives
+        a k for (a smaller k, or 0: target-only; greedy output is the same; the result says why)."""
+        params, max_new, seed, drafter_name, asked = self.resolve(request)
+        table = self.cfg.serve.speculate_k_by_load
+        k = speculation_policy.k_at(table, queued, asked) if drafter_name != "none" else asked
+        off_reason = speculation_policy.serial_reason(drafter_name, queued, asked, k, table)
+        policy_off = drafter_name != "none" and k == 0
+        if policy_off:
             drafter_name = "none"
         check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
         constraint = self.constraint(request)
         forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
-        # forced drafts are speculation too: off with speculate=false and under the load rule
-        forced = constraint is not None and forced and request.speculate and not off_reason \
+        # forced drafts are speculation too: off with speculate=false and where the load policy says 0
+        forced = constraint is not None and forced and request.speculate and not policy_off \
             and k + 1 in self.target.widths
         with self._lock:
             drafter = None if drafter_name == "none" else self._drafters.drafter(drafter_name)
@@ -251,6 +254,8 @@ class Engine:
         return {"backend": self.cfg.runtime.backend, "model": self.model_cfg.name,
                 "max_context": self.target.max_context, "k_values": sorted(w - 1 for w in self.target.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
+                "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
+                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
                 "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def close(self) -> None:

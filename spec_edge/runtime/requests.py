@@ -1,6 +1,6 @@
 """A request and its result, as the CLI, the ROS node and the tools hand them to the engine; the
-checks on a request's own fields (text, stop strings) that need no model; the load rule that
-switches speculation off under a queue."""
+checks on a request's own fields (text, stop strings) that need no model. (The load policy that
+speculates less under a queue: spec_edge/speculation_policy.py.)"""
 from __future__ import annotations
 
 import unicodedata
@@ -46,23 +46,13 @@ class GenerateResult:
     prompt_tokens: int = 0
     message: str = ""
     queued_at_start: int = 1         # requests in the caller's queue as it started, itself included
-    speculation_off_reason: str = ""  # why it ran target-only though it would have speculated ("" = it did not)
+    speculation_off_reason: str = ""  # why the load policy gave it less than its k (none or smaller; "" = not)
 
     def as_dict(self) -> dict:
         return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
                 "prompt_tokens": self.prompt_tokens, "message": self.message,
                 "queued_at_start": self.queued_at_start, "speculation_off_reason": self.speculation_off_reason,
                 "stats": self.stats.as_dict()}
-
-
-def speculation_off_reason(drafter: str, queued: int, max_queue: int) -> str:
-    """The load rule of serve.speculate_max_queue: "" when a request resolved to `drafter` speculates
-    as asked, else why it runs target-only. queued: requests in the queue as it starts, itself
-    included (1 = it is alone); max_queue: serve.speculate_max_queue, 0 = never switch off."""
-    if drafter == "none" or max_queue <= 0 or queued <= max_queue:
-        return ""
-    return (f"{queued} requests queued (this one included) > serve.speculate_max_queue={max_queue}: "
-            f"ran target-only instead of drafter {drafter}")
 
 
 def check_text(name: str, text: str) -> None:

@@ -85,7 +85,10 @@ class Stats:
     cut: int = 0                   # guided: draft tokens dropped before verify (the grammar forbids them)
     verify_calls: int = 0
     step_calls: int = 0            # plain [1, 1] target steps (no proposal, or no room)
-    accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted
+    accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted (len k)
+    # [i]: verify calls that could carry i+1 drafts (the k the load policy chose for the call; len k)
+    verify_calls_by_k: list[int] = field(default_factory=list)
+    policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (batched node; in step_calls)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0     # verify + step calls (prefill excluded)
     draft_time_s: float = 0.0
@@ -109,7 +112,18 @@ class Stats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [n / self.verify_calls for n in self.accepted_at] if self.verify_calls else []
+        """[i]: the share of the verify calls that could carry draft i+1 (k >= i+1) that accepted it."""
+        reach = [sum(self.verify_calls_by_k[i:]) for i in range(len(self.accepted_at))]
+        return [n / calls if calls else 0.0 for n, calls in zip(self.accepted_at, reach)] if self.verify_calls else []
+
+    def verified(self, k: int, drafted: int, accepted: int) -> None:
+        """Count one verify call that could carry k drafts, carried `drafted` and accepted `accepted`."""
+        self.verify_calls += 1
+        self.verify_calls_by_k[k - 1] += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for i in range(accepted):
+            self.accepted_at[i] += 1
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -157,7 +171,8 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
     if speculating:
         target.check_width(k + 1)
     stats = Stats(drafter=drafter.name if drafter else "none", k=k if speculating else 0,
-                  prompt_tokens=len(prompt_ids), accepted_at=[0] * (k if speculating else 0))
+                  prompt_tokens=len(prompt_ids), accepted_at=[0] * (k if speculating else 0),
+                  verify_calls_by_k=[0] * (k if speculating else 0))
     sampler = Sampler(sampling, seed)
     eos = set(eos_ids)
     started = time.perf_counter()
@@ -230,11 +245,7 @@ def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_
                 n_accepted, next_token = constrained_accept(target, window, pos, draft, constraint, sampler)
             if proposer is not None:
                 proposer.observe(len(draft.tokens), n_accepted)
-            stats.verify_calls += 1
-            stats.drafted += len(draft.tokens)
-            stats.accepted += n_accepted
-            for i in range(n_accepted):
-                stats.accepted_at[i] += 1
+            stats.verified(k, len(draft.tokens), n_accepted)
             chunk = draft.tokens[:n_accepted] + [next_token]
             pos += n_accepted + 1
         stats.target_time_s += time.perf_counter() - t0

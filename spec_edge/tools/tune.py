@@ -15,11 +15,14 @@ position: (1 - a^(k+1)) / (1 - a)) and costs c_verify(k) + k * c_draft. Drafters
 
 and the tuner picks the k with the highest value (k = 0: no speculation, 1 / c_step).
 
-It also writes serve.speculate_max_queue, the queue depth above which the node runs a request
-target-only. The node's one worker serves its FIFO queue one request at a time, so a deeper queue
-changes neither the plain nor the speculative rate of a request: from this run's one-request rates
-the value is 0 (never switch off) when the best k beats plain, else 1 (speculate only alone). With
---concurrency-json the rates measured through the ROS service per number of clients decide instead.
+It also writes serve.speculate_k_by_load, the k per load (spec_edge/speculation_policy.py), one entry
+per load n = 1..L: the k (0 = no speculation) with the highest expected total tokens/s at that load.
+The serial node (graphs.batch_slots = 1, L = serve.queue_limit): its one worker serves its FIFO queue
+one request at a time, so the queue changes neither the plain nor the speculative rate of a request:
+from this run every entry is the curve's best k. With --concurrency-json the totals measured through
+the ROS service per number of clients decide instead (the k they were measured at where speculation
+was at least as fast as plain, else 0). The batched node (L = graphs.batch_slots): the costs of calls
+with n rows of every width and the expected rates per occupancy, tools/tune_batch.py.
 """
 from __future__ import annotations
 
@@ -103,39 +106,17 @@ def curve_text(curve: Curve, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def speculate_max_queue(per_depth: dict[int, tuple[float, float]]) -> int:
-    """From measured total tokens/s (plain, speculative) per number of concurrent requests: the largest
-    depth up to which speculation is never slower than plain. 0 = speculation always pays (never switch
-    off); it is the deepest load at which the speculative total is still >= plain, when a deeper load
-    measured slower."""
+def table_from_totals(per_depth: dict[int, tuple[float, float]], k: int, loads: int) -> list[int]:
+    """serve.speculate_k_by_load for loads 1..loads from measured total tokens/s (plain, speculative at k)
+    per number of requests at once: k where speculation was at least as fast, else 0; a load between
+    measured depths takes the deepest measured depth below it (the shallowest for loads below all)."""
     depths = sorted(per_depth)
-    worse = [d for d in depths if per_depth[d][1] < per_depth[d][0]]
-    if not worse:
-        return 0
-    first_bad = worse[0]
-    ok = [d for d in depths if d < first_bad]
-    return max(ok) if ok else 1
-
-
-def queue_rule(per_depth: dict[int, tuple[float, float]]) -> tuple[int, str]:
-    """serve.speculate_max_queue from (plain, speculative) tokens/s per number of requests queued at
-    once (speculate_max_queue's rule), and why, in words. The node compares it with the requests
-    queued as a request starts, that one included: above it the request runs target-only."""
-    value = speculate_max_queue(per_depth)
-    depths = sorted(per_depth)
-    worse = [d for d in depths if per_depth[d][1] < per_depth[d][0]]
-    if value == 0 and depths == [1]:
-        why = ("speculation is faster than plain on one request, and the node's one worker serves its queue one "
-               "request at a time, so a deeper queue changes neither speed: never switch off")
-    elif value == 0:
-        why = "speculation was at least as fast as plain at every measured depth: never switch off"
-    elif worse[0] == depths[0]:
-        why = (f"speculation was slower than plain already at {depths[0]} request(s) at once: a request "
-               f"speculates only when it starts alone")
-    else:
-        why = (f"speculation stopped paying at {worse[0]} requests at once: a request that starts with more than "
-               f"{value} queued runs target-only")
-    return value, why
+    table = []
+    for n in range(1, loads + 1):
+        depth = max((d for d in depths if d <= n), default=depths[0])
+        plain, spec = per_depth[depth]
+        table.append(k if spec >= plain else 0)
+    return table
 
 
 def depth_text(per_depth: dict[int, tuple[float, float]]) -> str:
@@ -196,8 +177,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="profile to write (default: config/tuned.yaml)")
     p.add_argument("--plot", help="PNG of the curve (default: <out>.png)")
     p.add_argument("--concurrency-json", help="results of bench/concurrency.py (total tok/s through the ROS service "
-                                              "per number of clients): serve.speculate_max_queue from those "
-                                              "instead of from this run's one-request curve")
+                                              "per number of clients): serve.speculate_k_by_load of the serial "
+                                              "node from those instead of from this run's one-request curve")
 
 
 def main(cfg, args, progress) -> int:
@@ -208,7 +189,14 @@ def main(cfg, args, progress) -> int:
 
     drafter = args.drafter or (cfg.speculative.drafter if cfg.speculative.drafter != "none" else "ngram")
     ks = sorted(set(args.ks or cfg.graphs.k_values))
-    cfg = cfg.replace(**{"graphs.k_values": sorted(set(cfg.graphs.k_values) | set(ks)),
+    batched = cfg.graphs.batch_slots > 1
+    if batched:
+        from spec_edge.runtime.batch_engine import BATCH_DRAFTERS
+        if drafter not in BATCH_DRAFTERS:
+            raise cfgmod.ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots}: the batched node drafts with "
+                                     f"{' or '.join(BATCH_DRAFTERS[1:])}; tune it with --drafter ngram")
+    # measured with the policy off: the acceptance run verifies k_max drafts whatever table the profile has
+    cfg = cfg.replace(**{"graphs.k_values": sorted(set(cfg.graphs.k_values) | set(ks)), "serve.speculate_k_by_load": [],
                          "speculative.drafter": drafter, "speculative.k": max(ks)})
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     load = machine_load()
@@ -240,35 +228,41 @@ def main(cfg, args, progress) -> int:
                     n_verify=n_verify or 1, n_step=n_step)
     text = curve_text(curve, f"k curve ({drafter}, {cfg.runtime.backend}, weights {cfg.graphs.weights})")
     print(text)
-    best = curve.best_k
-    updates = {"speculative.drafter": drafter if best else "none"}
-    if best:
-        updates["speculative.k"] = best
-    if args.concurrency_json:
-        data = json.loads(Path(args.concurrency_json).read_text())
-        per_depth = {int(row["clients"]): (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in data["rows"]}
-        source = f"{args.concurrency_json}, through the ROS service"
-    elif cfg.graphs.batch_slots > 1:  # the batched node: measured (B, 1) / (B, k+1) costs per occupancy
+    from spec_edge import speculation_policy
+
+    loads, what, bound = speculation_policy.max_load(cfg)
+    if batched:  # the batched node: measured costs of calls with n rows per occupancy
         from spec_edge.graphs.batch_export import batch_graphs
         from spec_edge.runtime.backends.ort_batch import BatchRunner
         from spec_edge.tools import tune_batch
 
-        k = best or cfg.speculative.k
-        occupancy = tune_batch.occupancy_costs(BatchRunner(batch_graphs(cfg, progress)), k, rounds=max(3, args.rounds // 3))
-        tokens = (n_verify * expected_tokens(p_accept, k) + n_step) / max(n_verify + n_step, 1)
-        per_depth = tune_batch.occupancy_rates(occupancy, tokens)
-        source = (f"{cfg.graphs.batch_slots} batch slots, k={k}, measured step / verify ms per occupancy "
-                  + ", ".join(f"{n}: {s:.1f} / {v:.1f}" for n, (s, v) in occupancy.items()))
-    else:  # one request: plain (k = 0) against the best speculative k of the curve above
-        per_depth = {1: (curve.tokens_per_s[0], max(curve.tokens_per_s[1:]))}
-        source = "the expected rates of the curve above"
-    max_queue, why = queue_rule(per_depth)
-    if cfg.graphs.batch_slots > 1:  # the batched node counts occupied slots, not queued requests
-        why = (f"drafting stopped paying at {min(d for d in per_depth if per_depth[d][1] < per_depth[d][0])} occupied "
-               f"slots: with more than {max_queue} occupied an iteration does not draft" if max_queue
-               else "drafting paid at every occupancy: always speculate")
-    updates["serve.speculate_max_queue"] = max_queue
-    decision = f"serve.speculate_max_queue = {max_queue}: {why} ({depth_text(per_depth)}; from {source})"
+        runner = BatchRunner(batch_graphs(cfg, progress), cfg.runtime.threads)
+        call = tune_batch.forward_call(runner)
+        occupancy = tune_batch.occupancy_costs(call, range(1, loads + 1), [runner.step_width] + [k + 1 for k in ks],
+                                               rounds=max(3, args.rounds // 3))
+        table, rates = tune_batch.k_table(occupancy, range(1, loads + 1), ks, runner.step_width, p_accept,
+                                          n_verify / max(n_verify + n_step, 1))
+        why = (f"per {what} ({bound}): the k with the highest expected total tok/s from the measured costs of "
+               f"calls with n rows (runner.forward, mixed=group) and this run's acceptance\n"
+               + tune_batch.table_text(occupancy, rates, table, runner.step_width))
+    elif args.concurrency_json:
+        data = json.loads(Path(args.concurrency_json).read_text())
+        per_depth = {int(row["clients"]): (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in data["rows"]}
+        measured_k = int(data.get("k") or curve.best_k or kmax)
+        if measured_k not in ks:
+            raise cfgmod.ConfigError(f"{args.concurrency_json} was measured at k={measured_k}: add it to --ks")
+        table = table_from_totals(per_depth, measured_k, loads)
+        why = (f"per {what} ({bound}): k={measured_k} where speculation was at least as fast as plain through "
+               f"the ROS service, else 0 ({depth_text(per_depth)}; {args.concurrency_json})")
+    else:  # the serial node serves one request at a time: every load gets the one-request curve's best k
+        table = [curve.best_k] * loads
+        why = (f"per {what} ({bound}): the node's one worker serves its queue one request at a time, so a "
+               f"deeper queue changes neither rate: every load takes the curve's best k")
+    best = max(table)
+    updates = {"speculative.drafter": drafter if best else "none", "serve.speculate_k_by_load": table}
+    if best:
+        updates["speculative.k"] = best
+    decision = f"serve.speculate_k_by_load = {table} ({speculation_policy.describe(table)}): {why}"
     print(decision)
     tuned = cfg.replace(**updates)
     out = Path(args.out or "config/tuned.yaml")
@@ -278,7 +272,7 @@ def main(cfg, args, progress) -> int:
                    f"machine load {load['loadavg_1m']} on {load['cpus']} cores\n"
                    f"# step[1] {costs['step_ms']:.1f} ms; acceptance per position "
                    f"{' '.join(f'{p:.2f}' for p in p_accept)}\n{header}\n" + cfgmod.dump(tuned))
-    progress(f"[tune] wrote {out} (k = {best}, serve.speculate_max_queue = {max_queue})")
+    progress(f"[tune] wrote {out} (speculative.k = {tuned.speculative.k}, serve.speculate_k_by_load = {table})")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")
     if _plot(curve, plot, f"{drafter} on {cfg.runtime.backend} ({cfg.graphs.weights})"):
         progress(f"[tune] curve: {plot}")

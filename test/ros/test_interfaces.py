@@ -27,8 +27,10 @@ def test_response_round_trip():
     from spec_edge_interfaces.srv import Generate
     outcome = Outcome(success=True, text="hi", num_tokens=2, finish_reason="eos",
                       stats={"drafted": 4, "accepted": 3, "acceptance_rate": 0.75, "drafter": "ngram",
-                             "k": 4, "tokens_per_s": float("nan"), "accepted_at": [1, 2]})
+                             "k": 4, "tokens_per_s": float("nan"), "accepted_at": [1, 2],
+                             "verify_calls_by_k": [0, 2, 0, 5]})
     out = response_to_dict(fill_response(Generate.Response(), outcome))
     assert out["text"] == "hi" and out["finish_reason"] == "eos" and out["success"] is True
     assert out["stats"]["drafted"] == 4 and out["stats"]["drafter"] == "ngram"
+    assert out["stats"]["verify_calls_by_k"] == [0, 2, 0, 5]  # a uint32[] field, as a JSON list
     assert out["stats"]["tokens_per_s"] == 0.0  # not finite -> 0

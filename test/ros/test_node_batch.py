@@ -1,5 +1,6 @@
 """In-flight batching through the node (graphs.batch_slots > 1) with real rclpy processes on loopback:
-8 client processes at once over 4 slots, none lost, each answer == the same request alone."""
+8 client processes at once over 4 slots, none lost, each answer == the same request alone; the chat
+prefix warmed into every slot (serve.warm_system_prompt) is reused by every request."""
 from __future__ import annotations
 
 import time
@@ -20,22 +21,25 @@ def batch_params(tiny_models):
     return {"model.target": str(tiny_models["target"]), "graphs.max_context": 128, "graphs.prefill_chunk": 16,
             "graphs.k_values": [4], "graphs.layer_skip_layers": 2, "graphs.batch_slots": 4,
             "runtime.engine_dir": str(tiny_models["root"] / "engines_batch"), "runtime.profile": "tiny",
-            "speculative.drafter": "ngram", "speculative.k": 4, "serve.queue_limit": 8}
+            "speculative.drafter": "ngram", "speculative.k": 4, "serve.queue_limit": 8,
+            "serve.warm_system_prompt": True}
 
 
 @pytest.fixture(scope="module")
 def solo(batch_params):
-    """Each request alone through the same batched graphs, in this process (exports them first)."""
+    """Each request alone and cold (no prefix reuse) through the same batched graphs, in this process
+    (exports them first)."""
     from spec_edge import config as cfgmod
     from spec_edge.runtime.batch_engine import BatchEngine
 
-    engine = BatchEngine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
+    cold = {**batch_params, "serve.reuse_prefix": False, "serve.warm_system_prompt": False}
+    engine = BatchEngine.from_config(cfgmod.from_params(cold), progress=lambda m: None)
     yield [engine.generate(engine_request(prompt=p, max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)]
     engine.close()
 
 
 def test_eight_clients_each_get_their_solo_answer(server_factory, batch_params, solo, module_env):
-    server_factory(batch_params)
+    server = server_factory(batch_params)
     start_at = time.time() + 12  # every client process up and connected, then all send at once
     clients = [start_client(module_env, {"mode": "call", "start_at": start_at,
                                          "requests": [{"prompt": p, "max_new_tokens": n}]})
@@ -50,6 +54,8 @@ def test_eight_clients_each_get_their_solo_answer(server_factory, batch_params, 
         assert (answer["stats"]["drafted"], answer["stats"]["accepted"]) == (want.stats.drafted, want.stats.accepted)
     assert sum(a["stats"]["drafted"] for a in answers) > 0  # prompt lookup did speculate
     assert max(a["stats"]["queued_at_start"] for a in answers) == 4  # the slots were shared: all four in use
+    assert "warmed the cache with the system prompt" in server.log()
+    assert min(a["stats"]["prompt_tokens_reused"] for a in answers) > 0  # each slot held the chat prefix
     status, = finish_client(start_client(module_env, {"mode": "diagnostics"}))
     assert status["values"]["batch_slots"] == "4" and int(status["values"]["served"]) == len(PROMPTS)
 

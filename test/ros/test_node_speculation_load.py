@@ -1,5 +1,7 @@
-"""serve.speculate_max_queue through the node: requests that start behind a deep queue run target-only
-and say so in their stats; their text is the solo (speculative) answer; a request started alone speculates."""
+"""serve.speculate_k_by_load through the node: with [4, 0] requests that start behind a queue run target-only
+and say so in their stats; their text is the solo (speculative) answer; a request started alone speculates at
+k=4 and counts its verify calls by k; /diagnostics carries the table. (Smaller k than speculative.k: the
+tiny-model tests, test/test_speculation_load.py and test/test_batch.py, as the default graphs have k=4 only.)"""
 from __future__ import annotations
 
 import pytest
@@ -13,11 +15,11 @@ MAX_NEW = 16
 
 @pytest.fixture(scope="module")
 def server(server_factory):
-    return server_factory(test_params(**{"serve.speculate_max_queue": 1}))
+    return server_factory(test_params(**{"serve.speculate_k_by_load": [4, 0]}))
 
 
 def test_deep_queue_switches_speculation_off(server, module_env, reference_engine):
-    assert reference_engine.cfg.serve.speculate_max_queue == 0  # the oracle always speculates
+    assert reference_engine.cfg.serve.speculate_k_by_load == ()  # the oracle always speculates
     solo = [reference_engine.generate(engine_request(prompt=p, max_new_tokens=MAX_NEW)) for p in PROMPTS]
     drafter = reference_engine.cfg.speculative.drafter
     assert drafter != "none" and all(s.stats.drafter == drafter for s in solo)
@@ -32,12 +34,15 @@ def test_deep_queue_switches_speculation_off(server, module_env, reference_engin
         assert answer["num_tokens"] == len(want.token_ids), prompt
         assert stats["queued_at_start"] >= 1
         if stats["queued_at_start"] > 1:
-            assert stats["drafter"] == "none" and stats["drafted"] == 0, stats
+            assert stats["drafter"] == "none" and stats["drafted"] == 0 and stats["k"] == 0, stats
+            assert stats["verify_calls_by_k"] == [], stats
             assert f"{stats['queued_at_start']} requests queued" in stats["speculation_off_reason"]
-            assert "serve.speculate_max_queue=1" in stats["speculation_off_reason"]
+            assert "serve.speculate_k_by_load=[4, 0] gives k=0" in stats["speculation_off_reason"]
             off.append(answer)
         else:
             assert stats["drafter"] == drafter and stats["speculation_off_reason"] == "", stats
+            assert stats["k"] == 4 and len(stats["verify_calls_by_k"]) == 4, stats
+            assert stats["verify_calls_by_k"][:3] == [0, 0, 0]  # every verify call at k=4
             on.append(answer)
     # the burst queues behind the first request; the last one served starts with nobody behind it
     assert off, [a["stats"]["queued_at_start"] for a in answers]
@@ -45,10 +50,12 @@ def test_deep_queue_switches_speculation_off(server, module_env, reference_engin
 
     alone, = run_client(module_env, {"mode": "call", "requests": [{"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW}]})
     assert alone["stats"]["queued_at_start"] == 1 and alone["stats"]["drafter"] == drafter
+    assert alone["stats"]["verify_calls_by_k"] == [0, 0, 0, solo[0].stats.verify_calls]
     assert alone["text"] == solo[0].text
 
     status, = run_client(module_env, {"mode": "diagnostics"})
     values = status["values"]
-    assert values["speculate_max_queue"] == "1"
+    assert values["speculate_k_by_load"] == "[4, 0]" and values["speculation_policy"] == "load k=4 at 1, none from 2"
+    assert "speculate_max_queue" not in values
     assert int(values["speculation_off"]) == len(off)
     assert values["last_drafter"] == drafter and values["last_speculation_off_reason"] == ""

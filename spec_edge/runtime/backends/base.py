@@ -34,6 +34,21 @@ def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int) -> int:
     return i
 
 
+def prefill_in_chunks(prefill_chunk_at, chunk: int, max_context: int, token_ids: Sequence[int],
+                      position: int) -> np.ndarray:
+    """All of token_ids at [position, ...) as prefill_chunk_at(part, position) calls of at most `chunk`
+    tokens (the batched runners' prefill of one slot); the last token's logits (V,)."""
+    n_tokens = len(token_ids)
+    if n_tokens == 0:
+        raise BackendError("prefill needs at least one token")
+    if position < 0 or position + n_tokens > max_context:
+        raise BackendError(f"positions [{position}, {position + n_tokens}) do not fit the {max_context}-token cache")
+    logits = None
+    for start in range(0, n_tokens, chunk):
+        logits = prefill_chunk_at(token_ids[start:start + chunk], position + start)
+    return logits
+
+
 class Runner(abc.ABC):
     held: tuple[int, ...] = ()  # token ids of the cache rows that are valid (prefix reuse); see above
     max_context: int       # cache length S

@@ -1,17 +1,40 @@
 """ONNX Runtime over the batched graphs (graphs/batch_export.py): B static slots, one resident cache.
 
 State, allocated once:
-  k_cache, v_cache   (L, B, Hkv, R, D) float32   slot b's region is [:, b]; R = S (+ C with fused attention)
-  per width T: tokens (B, T) int64, position (B,) int64, logits (B, T, V), k_new / v_new (L, B, Hkv, T, D)
-Every (B, T) call runs all B rows: a row whose slot is not active gets token 0 at that slot's own
-position, where its keys/values land in rows no call reads before writing them again (rollback is
-moving the position, as for B=1), so an idle or prefilling slot's cache is never disturbed. Prefill
-is the B=1 prefill graph, bound once per slot to that slot's region ((1, Hkv, R, D) fused,
-(Hkv, S, D) otherwise): a joining request's chunk runs alone between the others' decode calls.
+  k_cache, v_cache   (L, B + 1, Hkv, R, D) float32   slot b's region is [:, b]; [:, B] is scratch
+                                                       (R = S + C: room for a padded prefill chunk)
+  per (width T, row count m): tokens (m, T) int64, position (m,) int64, logits (m, T, V)
+  held               B tuples: the token ids whose rows each slot's region holds (prefix reuse)
+
+A call names the slots it runs: forward(slots, tokens (n, T), positions) computes those n rows only,
+each writing its T keys/values at [pos, pos + T) of its own slot's region; no other region is
+touched, and idle or prefilling slots are never in a call:
+
+  - one row: the B=1 graph of that width (single_*), bound to the slot's region: the single-request
+    speed, bit-equal rows (q4's B=1 step graph computes its two rows itself);
+  - n >= 2 rows: the batched graph of the smallest exported row count m >= n (batch_export.row_counts:
+    every count up to 8, then coarser). Its rows have one GroupQueryAttention node each, with a cache
+    input per row (graphs/batch_attention.py), so row j is bound to slot slots[j]'s region; the m - n
+    padding rows run token 0 at position 0 bound to the scratch region, garbage nobody reads;
+  - the IO binding of a (width, m, slots) triple is made on its first call and kept (LRU,
+    BINDINGS): a repeated subset rebinds nothing, a new one costs one binding (2 L m cache views).
+
+Why (measured side by side, SmolLM2-135M, B=8, docs/bench.md "Calls over a subset of the slots"): the
+old runner ran all B rows in every call, a (8, 5) verify 76 ms fp32 / 220 ms q4 whether 2 or 8 slots
+were decoding; on this CPU a call costs about in proportion to its rows (2 rows: 29 / 68 ms), so
+running only the named slots pays at every occupancy below B, and padding to a coarser row count
+would waste what its padding rows cost (hence every count up to 8). The cost of the design: a
+per-row attention node in the width-1 step too (at 8 of 8 slots 30.7 vs 29.3 ms fp32, +5%; q4 0%),
+one session per (width, row count) (memory: fp32 0.54 GB each), and 3-7 ms to make the binding
+of an 8-row subset the first time it is seen (a call: 20-220 ms).
+
+Prefill is the B=1 prefill graph bound to one slot's region: a joining request's chunk runs alone
+between the others' decode calls. Only fused-attention folders run here (batch_export.batch_graphs).
 """
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,27 +43,27 @@ import numpy as np
 
 from spec_edge.graphs import io_names
 from spec_edge.graphs.export import read_model_config
-from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks
 from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, cpu_session
+
+BINDINGS = 512  # IO bindings kept per runner (least recently used dropped): every subset of 8 slots x 2 widths
 
 
 @dataclass
-class _Call:
+class _Graph:
+    """One session with the buffers its calls share: tokens (m, T) / (1, C), position (m,) / (1,),
+    logits (m, T, V) / (T, V) / (1, V), last_index (1,) for prefill. The graph writes its logits
+    output into logits[:out_rows] (q4's B=1 step graph: row 0 of the two-row step only)."""
     session: object
-    binding: object
-    tokens: np.ndarray        # (B, T) int64, or (1, C) for the prefill graph
-    position: np.ndarray      # (B,) int64, or (1,)
-    logits: np.ndarray        # (B, T, V), or (1, V)
-    k_new: np.ndarray | None  # (L, B, Hkv, T, D) (prefill: (L, Hkv, C, D)); None with fused attention
-    v_new: np.ndarray | None
-    last_index: np.ndarray | None = None  # (1,) prefill only
-
-    def run(self) -> None:
-        self.session.run_with_iobinding(self.binding)
+    tokens: np.ndarray
+    position: np.ndarray
+    logits: np.ndarray
+    last_index: np.ndarray | None = None
+    out_rows: int | None = None
 
 
 class BatchRunner:
-    """The target's batched graphs around one (L, B, Hkv, R, D) cache; forward() runs all slots at once."""
+    """The target's batched graphs around one (L, B + 1, Hkv, R, D) cache; forward() runs the named slots."""
 
     def __init__(self, graph_dir: str | Path, threads: int = 0):
         import onnxruntime as ort
@@ -51,111 +74,100 @@ class BatchRunner:
             raise BackendError(f"{self.graph_dir} holds no batched export (manifest.json missing): set "
                                f"graphs.batch_slots and run `spec-edge export`")
         self.manifest = json.loads(path.read_text())
-        if int(self.manifest.get("batch_slots", 1)) < 2:
-            raise BackendError(f"{self.graph_dir} is not a batched export (no batch_slots >= 2 in its manifest)")
+        if int(self.manifest.get("batch_slots", 1)) < 2 or "row_counts" not in self.manifest:
+            raise BackendError(f"{self.graph_dir} is not a batched export of this version (no batch_slots >= 2 and "
+                               f"row_counts in its manifest): delete it and let it be exported again")
+        if self.manifest.get("attention") != "fused":
+            raise BackendError(f"{self.graph_dir}: batched graphs run with fused attention (graphs.ort_attention: "
+                               f"fused; batch_export.batch_graphs makes that folder)")
         self.model_cfg = cfg = read_model_config(self.graph_dir)
         self.batch = int(self.manifest["batch_slots"])
         self.max_context = int(self.manifest["max_context"])
         self.prefill_chunk = int(self.manifest["prefill_chunk"])
         self.vocab_size = cfg.vocab_size
-        self.fused = self.manifest.get("attention") == "fused"
-        self.cache_rows = int(self.manifest.get("cache_rows", self.max_context))
+        self.cache_rows = int(self.manifest["cache_rows"])
         self.threads = _init_thread_pool(threads)
         self._value = ort.OrtValue.ortvalue_from_numpy
-        shape = (cfg.n_layers, self.batch, cfg.n_kv_heads, self.cache_rows, cfg.head_dim)  # (L, B, Hkv, R, D)
+        shape = (cfg.n_layers, self.batch + 1, cfg.n_kv_heads, self.cache_rows, cfg.head_dim)  # (L, B + 1, Hkv, R, D)
         self.k_cache = np.zeros(shape, np.float32)
         self.v_cache = np.zeros(shape, np.float32)
-        self._calls: dict[int, _Call] = {}
-        self._prefill: list[_Call] = []
-        single: dict[tuple[str, int], list[_Call]] = {}  # (kind, width) -> the B=1 graph bound to each slot
-        for stem, spec in self.manifest["graphs"].items():
-            session = self._session(stem)
-            if "batch" not in spec:
-                calls = [self._bind_single(session, spec["kind"], spec["width"], slot) for slot in range(self.batch)]
-                if spec["kind"] == "prefill":
-                    self._prefill = calls
-                else:
-                    single[(spec["kind"], spec["width"])] = calls
-            else:
-                self._calls[spec["width"]] = self._bind_batch(session, spec["width"])
-        self.widths = frozenset(self._calls)
+        self.scratch = self.batch  # the padding rows' region
+        self.held: list[tuple[int, ...]] = [()] * self.batch  # per slot, as Runner.held (base.py)
+        specs = self.manifest["graphs"]
         # int8 activations (q4): a step is the width-2 call [pending, pending] (as graphs/two_rows.py does for
         # B=1), so each slot's step row equals the B=1 step and the verify rows bit for bit
-        self.step_width = 2 if int(self.manifest.get("accuracy_level", 0)) == 4 and 2 in self.widths else 1
-        # one active slot runs the B=1 graph of the call's width (a verify, else the step: q4's B=1 step
-        # graph computes two rows itself), bound to that slot: the single-request speed, the same rows
-        self._single = {width: single.get(("verify", width)) or single.get(("step", 1)) for width in self.widths
-                        if ("verify", width) in single or (width == self.step_width and ("step", 1) in single)}
-        if self.fused and max(self.widths) > self.cache_rows - self.max_context:
-            raise BackendError(f"{self.graph_dir}: a width-{max(self.widths)} call of an idle slot needs "
-                               f"{max(self.widths)} spare cache rows, the fused graphs have "
-                               f"{self.cache_rows - self.max_context}: set graphs.prefill_chunk >= {max(self.widths)}")
+        two_row = int(self.manifest.get("accuracy_level", 0)) == 4
+        verify_widths = {spec["width"] for spec in specs.values() if spec["kind"] == "verify"}
+        self.step_width = 2 if two_row else 1
+        self.widths = frozenset({self.step_width} | {w for w in verify_widths if w > 1})
+        self.row_counts = tuple(int(m) for m in self.manifest["row_counts"])
+        self._batched: dict[tuple[int, int], _Graph] = {}   # (width, m) -> graph
+        self._single: dict[int, _Graph] = {}                # width -> the B=1 graph of a one-row call
+        self._prefill: _Graph | None = None
+        for stem, spec in specs.items():
+            kind, width, rows = spec["kind"], int(spec["width"]), int(spec.get("batch", 1))
+            if kind == "prefill":
+                self._prefill = self._graph(stem, (1, width), (1, cfg.vocab_size), prefill=True)
+            elif rows > 1 and width in self.widths:
+                self._batched[(width, rows)] = self._graph(stem, (rows, width), (rows, width, cfg.vocab_size))
+            elif rows == 1 and (kind == "verify" and width in self.widths
+                                or kind == "step" and self.step_width not in verify_widths):
+                # the B=1 step graph serves the step width (q4: it computes the two rows itself, graphs/two_rows.py;
+                # with k = 1 the B=1 verify_2 graph does, whose row 0 is the same)
+                key = self.step_width if kind == "step" else width
+                self._single[key] = self._graph(stem, (1, width), (key, cfg.vocab_size), out_rows=width)
+        missing = [(w, m) for w in self.widths for m in self.row_counts if (w, m) not in self._batched]
+        missing += [(w, 1) for w in self.widths if w not in self._single]
+        if self._prefill is None or missing:
+            raise BackendError(f"{self.graph_dir}: graphs missing for (width, rows) {missing}"
+                               f"{'' if self._prefill else ' and the prefill graph'}: re-run `spec-edge export`")
+        self._bindings: OrderedDict[tuple, object] = OrderedDict()
+        self.calls: dict[tuple[int, int], int] = {}  # (width, graph rows) -> calls so far (tests, benchmarks)
 
-    def _session(self, stem: str):
+    def _graph(self, stem: str, tokens: tuple[int, ...], logits: tuple[int, ...], prefill: bool = False,
+               out_rows: int | None = None) -> _Graph:
         path = self.graph_dir / f"{stem}.onnx"
         if not path.is_file():
             raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
         try:
-            return cpu_session(str(path), self.threads)
+            session = cpu_session(str(path), self.threads)
         except Exception as err:  # onnxruntime raises several unrelated types for a bad file
             raise BackendError(f"ONNX Runtime cannot load {path}: {err}; re-run `spec-edge export`") from err
+        return _Graph(session, np.zeros(tokens, np.int64), np.zeros(tokens[:1], np.int64),
+                      np.zeros(logits, np.float32), np.zeros((1,), np.int64) if prefill else None, out_rows)
 
-    def _bind_caches(self, call: _Call, slot: int | None) -> None:
-        """Bind the per-layer cache inputs (and, fused, the in-place outputs): the whole layer
-        (B, Hkv, R, D), each slot's own input (io_names.slot_name, fused graphs of width > 1), or,
-        for the prefill graph, one slot's region."""
-        inputs = {value.name for value in call.session.get_inputs()}
-        per_slot = slot is None and io_names.slot_name(io_names.k_cache(0), 0) in inputs
+    # -- bindings --------------------------------------------------------------------------------
+
+    def _binding(self, key: tuple, graph: _Graph, regions: Sequence[int], per_row: bool):
+        """The IO binding of graph with row j's cache bound to region regions[j] (a slot or the
+        scratch), made once per key and kept. per_row: the batched graphs' <cache>_s<j> inputs; else
+        the B=1 graph's one (1, Hkv, R, D) input per layer."""
+        binding = self._bindings.get(key)
+        if binding is not None:
+            self._bindings.move_to_end(key)
+            return binding
+        binding = graph.session.io_binding()
+        binding.bind_ortvalue_input(io_names.TOKENS, self._value(graph.tokens))
+        binding.bind_ortvalue_input(io_names.POSITION, self._value(graph.position))
+        if graph.last_index is not None:
+            binding.bind_ortvalue_input(io_names.LAST_INDEX, self._value(graph.last_index))
+        binding.bind_ortvalue_output(io_names.LOGITS, self._value(graph.logits[:graph.out_rows]))
         for layer in range(self.model_cfg.n_layers):
-            if per_slot:
-                views = [(self.k_cache[layer, b:b + 1], self.v_cache[layer, b:b + 1], b) for b in range(self.batch)]
-            elif slot is None:
-                views = [(self.k_cache[layer], self.v_cache[layer], None)]  # (B, Hkv, R, D)
-            elif self.fused:
-                views = [(self.k_cache[layer, slot:slot + 1], self.v_cache[layer, slot:slot + 1], None)]  # (1, Hkv, R, D)
-            else:
-                views = [(self.k_cache[layer, slot], self.v_cache[layer, slot], None)]  # (Hkv, S, D)
-            for k, v, b in views:
+            for j, region in enumerate(regions):
                 def name(base: str) -> str:
-                    return base if b is None else io_names.slot_name(base, b)
-                k, v = self._value(k), self._value(v)
-                call.binding.bind_ortvalue_input(name(io_names.k_cache(layer)), k)
-                call.binding.bind_ortvalue_input(name(io_names.v_cache(layer)), v)
-                if self.fused:
-                    call.binding.bind_ortvalue_output(name(io_names.k_present(layer)), k)
-                    call.binding.bind_ortvalue_output(name(io_names.v_present(layer)), v)
+                    return io_names.slot_name(base, j) if per_row else base
+                k = self._value(self.k_cache[layer, region:region + 1])  # (1, Hkv, R, D)
+                v = self._value(self.v_cache[layer, region:region + 1])
+                binding.bind_ortvalue_input(name(io_names.k_cache(layer)), k)
+                binding.bind_ortvalue_input(name(io_names.v_cache(layer)), v)
+                binding.bind_ortvalue_output(name(io_names.k_present(layer)), k)  # in place
+                binding.bind_ortvalue_output(name(io_names.v_present(layer)), v)
+        self._bindings[key] = binding
+        if len(self._bindings) > BINDINGS:
+            self._bindings.popitem(last=False)
+        return binding
 
-    def _bind_batch(self, session, width: int) -> _Call:
-        cfg, batch = self.model_cfg, self.batch
-        new = (cfg.n_layers, batch, cfg.n_kv_heads, width, cfg.head_dim)
-        call = _Call(session, session.io_binding(), np.zeros((batch, width), np.int64), np.zeros((batch,), np.int64),
-                     np.zeros((batch, width, cfg.vocab_size), np.float32),
-                     None if self.fused else np.zeros(new, np.float32), None if self.fused else np.zeros(new, np.float32))
-        self._bind_io(call, slot=None)
-        return call
-
-    def _bind_single(self, session, kind: str, width: int, slot: int) -> _Call:
-        """A B=1 graph (prefill, step, verify) bound to slot's region of the cache."""
-        cfg, prefill = self.model_cfg, kind == "prefill"
-        new = (cfg.n_layers, cfg.n_kv_heads, width, cfg.head_dim)
-        call = _Call(session, session.io_binding(), np.zeros((1, width), np.int64), np.zeros((1,), np.int64),
-                     np.zeros((1 if prefill else width, cfg.vocab_size), np.float32),
-                     None if self.fused else np.zeros(new, np.float32), None if self.fused else np.zeros(new, np.float32),
-                     last_index=np.zeros((1,), np.int64) if prefill else None)
-        self._bind_io(call, slot=slot)
-        if prefill:
-            call.binding.bind_ortvalue_input(io_names.LAST_INDEX, self._value(call.last_index))
-        return call
-
-    def _bind_io(self, call: _Call, slot: int | None) -> None:
-        bind = call.binding
-        bind.bind_ortvalue_input(io_names.TOKENS, self._value(call.tokens))
-        bind.bind_ortvalue_input(io_names.POSITION, self._value(call.position))
-        self._bind_caches(call, slot)
-        bind.bind_ortvalue_output(io_names.LOGITS, self._value(call.logits))
-        if not self.fused:
-            bind.bind_ortvalue_output(io_names.K_NEW, self._value(call.k_new))
-            bind.bind_ortvalue_output(io_names.V_NEW, self._value(call.v_new))
+    # -- calls -----------------------------------------------------------------------------------
 
     def check_width(self, width: int) -> None:
         if width not in self.widths:
@@ -163,81 +175,77 @@ class BatchRunner:
             raise BackendError(f"no batched graph of width {width} (k={width - 1}); exported for k in {ks}: "
                                f"re-export with graphs.k_values including {width - 1}")
 
-    def forward(self, tokens: np.ndarray, positions: Sequence[int], active: Sequence[bool]) -> np.ndarray:
-        """One (B, T) call. tokens (B, T) int64 (inactive rows: anything), positions (B,) each slot's
-        position (inactive slots: where their next real row goes), active (B,) bool. Writes the T rows
-        of every active slot at [position, position + T); returns logits (B, T, V) (a view, valid until
-        the next call of this width; inactive rows are garbage)."""
-        tokens = np.asarray(tokens, np.int64)
-        batch, width = tokens.shape
-        if batch != self.batch:
-            raise BackendError(f"a batched call takes {self.batch} rows, got {batch}")
-        self.check_width(width)
-        call = self._calls[width]
-        rows = [slot for slot in range(batch) if active[slot]]
-        if len(rows) == 1 and width in self._single:
-            return self._forward_one(rows[0], tokens, int(positions[rows[0]]), call)
-        for slot in range(batch):
-            pos = int(positions[slot])
-            if active[slot]:
-                if pos < 0 or pos + width > self.max_context:
-                    raise BackendError(f"slot {slot}: positions [{pos}, {pos + width}) do not fit the "
-                                       f"{self.max_context}-token cache")
-                call.tokens[slot] = tokens[slot]
-            else:
-                pos = min(max(pos, 0), self.max_context)  # fused: lands in rows nobody reads yet
-                call.tokens[slot] = 0
-            call.position[slot] = pos
-        call.run()
-        if not self.fused:
-            for slot in range(batch):
-                if active[slot]:
-                    pos = int(call.position[slot])
-                    self.k_cache[:, slot, :, pos:pos + width] = call.k_new[:, slot]
-                    self.v_cache[:, slot, :, pos:pos + width] = call.v_new[:, slot]
-        return call.logits
+    def rows_for(self, n: int) -> int:
+        """The row count of the graph an n-row call runs (1: the B=1 graphs)."""
+        return 1 if n == 1 else min(m for m in self.row_counts if m >= n)
 
-    def _forward_one(self, slot: int, tokens: np.ndarray, pos: int, batched: _Call) -> np.ndarray:
-        """forward() with one active slot: its B=1 graph; the logits land in row slot of the batched buffer."""
-        width = tokens.shape[1]
-        call = self._single[width][slot]
-        n = call.tokens.shape[1]  # the B=1 step graph of q4 takes the pending token once
-        if pos < 0 or pos + width > self.max_context:
-            raise BackendError(f"slot {slot}: positions [{pos}, {pos + width}) do not fit the "
-                               f"{self.max_context}-token cache")
-        call.tokens[0] = tokens[slot, :n]
-        call.position[0] = pos
-        call.run()
-        if not self.fused:
-            self.k_cache[:, slot, :, pos:pos + n] = call.k_new
-            self.v_cache[:, slot, :, pos:pos + n] = call.v_new
-        batched.logits[slot, :n] = call.logits
-        return batched.logits
+    def forward(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        """Run the n slots `slots` only: tokens (n, T) int64 (row j: slot slots[j]'s T tokens),
+        positions (n,) each row's first position. Writes row j's T keys/values at [positions[j],
+        positions[j] + T) of slot slots[j]'s region; no other slot's region is touched. Returns logits
+        (n, T, V) (a view, valid until the next call of this width and row count). A two-row step
+        (step_width 2: [pending, pending]) is read at row 0 only; a one-row call does not compute its row 1."""
+        tokens = np.asarray(tokens, np.int64)
+        n, width = tokens.shape
+        slots = tuple(int(slot) for slot in slots)
+        self.check_width(width)
+        if len(slots) != n or len(positions) != n or n == 0:
+            raise BackendError(f"a call takes one row of tokens and one position per slot, got {len(slots)} slots, "
+                               f"{n} token rows, {len(positions)} positions")
+        if len(set(slots)) != n or not all(0 <= slot < self.batch for slot in slots):
+            raise BackendError(f"slots must be distinct, in [0, {self.batch}), got {list(slots)}")
+        for slot, pos in zip(slots, positions):
+            if pos < 0 or pos + width > self.max_context:
+                raise BackendError(f"slot {slot}: positions [{pos}, {pos + width}) do not fit the "
+                                   f"{self.max_context}-token cache")
+        m = self.rows_for(n)
+        self.calls[(width, m)] = self.calls.get((width, m), 0) + 1
+        if m == 1:
+            graph = self._single[width]
+            binding = self._binding(("single", width, slots), graph, slots, per_row=False)
+            graph.tokens[0] = tokens[0, :graph.tokens.shape[1]]  # q4's B=1 step graph takes the pending token once
+            graph.position[0] = positions[0]
+            graph.session.run_with_iobinding(binding)
+            return graph.logits[None]
+        graph = self._batched[(width, m)]
+        binding = self._binding((width, m, slots), graph, slots + (self.scratch,) * (m - n), per_row=True)
+        graph.tokens[:n] = tokens
+        graph.tokens[n:] = 0
+        graph.position[:n] = positions
+        graph.position[n:] = 0  # padding rows: [0, T) of the scratch region
+        graph.session.run_with_iobinding(binding)
+        return graph.logits[:n]
+
+    def argmax(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        """Greedy token after each position, (n, T) int64. A device runner overrides this so only
+        the n x T ids cross to the host."""
+        return np.argmax(self.forward(slots, tokens, positions), axis=-1)
 
     def prefill(self, slot: int, token_ids: Sequence[int], position: int) -> np.ndarray:
         """All of token_ids into slot's region at [position, ...) in chunks of C; the last token's logits (V,)."""
-        n_tokens = len(token_ids)
-        if n_tokens == 0:
-            raise BackendError("prefill needs at least one token")
-        if position < 0 or position + n_tokens > self.max_context:
-            raise BackendError(f"positions [{position}, {position + n_tokens}) do not fit the "
-                               f"{self.max_context}-token cache")
-        logits = None
-        for start in range(0, n_tokens, self.prefill_chunk):
-            logits = self.prefill_chunk_at(slot, token_ids[start:start + self.prefill_chunk], position + start)
-        return logits
+        return prefill_in_chunks(lambda part, at: self.prefill_chunk_at(slot, part, at), self.prefill_chunk,
+                                 self.max_context, token_ids, position)
 
     def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray:
         """One chunk (at most C tokens) into slot's region at position; its last token's logits (V,)."""
-        call, n_valid = self._prefill[slot], len(part)
+        graph, n_valid = self._prefill, len(part)
         if not 1 <= n_valid <= self.prefill_chunk:
             raise BackendError(f"a prefill chunk holds 1..{self.prefill_chunk} tokens, got {n_valid}")
-        call.tokens[0, :n_valid] = part
-        call.tokens[0, n_valid:] = part[-1]  # padding at the end: causal masking keeps it out of the real rows
-        call.position[0] = position
-        call.last_index[0] = n_valid - 1
-        call.run()
-        if not self.fused:
-            self.k_cache[:, slot, :, position:position + n_valid] = call.k_new[:, :, :n_valid]
-            self.v_cache[:, slot, :, position:position + n_valid] = call.v_new[:, :, :n_valid]
-        return call.logits[0]
+        if not 0 <= slot < self.batch:
+            raise BackendError(f"slot must be in [0, {self.batch}), got {slot}")
+        if position < 0 or position + n_valid > self.max_context:
+            raise BackendError(f"positions [{position}, {position + n_valid}) do not fit the "
+                               f"{self.max_context}-token cache")
+        binding = self._binding(("prefill", slot), graph, (slot,), per_row=False)
+        graph.tokens[0, :n_valid] = part
+        graph.tokens[0, n_valid:] = part[-1]  # padding at the end: causal masking keeps it out of the real rows
+        graph.position[0] = position
+        graph.last_index[0] = n_valid - 1
+        graph.session.run_with_iobinding(binding)
+        return graph.logits[0]
+
+    def copy_prefix(self, source: int, target: int, n_rows: int) -> None:
+        """Slot target's cache rows [0, n_rows) := slot source's (the same bytes a prefill of the same
+        tokens there writes: warming every slot with one prefill)."""
+        self.k_cache[:, target, :, :n_rows] = self.k_cache[:, source, :, :n_rows]
+        self.v_cache[:, target, :, :n_rows] = self.v_cache[:, source, :, :n_rows]

@@ -378,7 +378,8 @@ def load_runners(cfg: Config, *, verify: str = "quick", cuda_graphs: bool = True
     full hash), all runners share one stream-ordered scratch buffer sized for every engine in the
     manifest (head and layer-skip included, loaded later) before any context is bound."""
     if cfg.graphs.batch_slots > 1:
-        raise BackendError("graphs.batch_slots > 1 runs on runtime.backend onnxruntime (no batched engines yet)")
+        raise BackendError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs the batched engine through "
+                           f"trt_batch.TensorRTBatchRunner (BatchEngine.from_config), not load_runners")
     trt = import_tensorrt()
     manifest = check_engines(cfg, trt_version=trt.__version__, gpu=gpu_identity(), verify=verify)
     torch = torch_cuda()

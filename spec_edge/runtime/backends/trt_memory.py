@@ -53,13 +53,15 @@ def load_embed_table(export_dir: Path):
     return shared_table.table_tensor(export_dir).to("cuda").contiguous()
 
 
-def capture_cuda_graph(torch, stream, context, body):
+def capture_cuda_graph(torch, stream, context, body, warm_up: bool = True):
     """The CUDA graph of body() (enqueued on stream, not run). TensorRT wants one plain execution of
     the context first (it finishes its shape-dependent setup); that warm-up writes only the call's
-    own outputs, never a resident cache. Raises RuntimeError when either step fails."""
-    with torch.cuda.stream(stream):
-        if not context.execute_async_v3(stream.cuda_stream):
-            raise RuntimeError("warm-up execution failed")
+    own outputs, never a resident cache. warm_up=False: the caller has just run the context eagerly at
+    these shapes and addresses. Raises RuntimeError when either step fails."""
+    if warm_up:
+        with torch.cuda.stream(stream):
+            if not context.execute_async_v3(stream.cuda_stream):
+                raise RuntimeError("warm-up execution failed")
     stream.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):

@@ -1,0 +1,27 @@
+"""Keys spec_edge once read and no longer does: config.from_params refuses a config that still sets
+one, with a message naming what replaced it (the value to write instead where there is one)."""
+from __future__ import annotations
+
+from typing import Any
+
+from spec_edge import speculation_policy
+
+_FOLDED = {"none": "fp32", "fp8": "fp8", "nvfp4": "nvfp4"}  # the old graphs.quantization -> graphs.weights
+
+
+def message(params: dict[str, Any]) -> str | None:
+    """The refusal of the first retired key in params (flat 'section.field' keys), or None."""
+    from spec_edge.config import WEIGHTS, SpeculativeSection
+
+    if "graphs.quantization" in params:
+        return (f"graphs.quantization is gone: the quantized forms are values of graphs.weights now "
+                f"(graphs.quantization: {params['graphs.quantization']} -> graphs.weights: "
+                f"{_FOLDED.get(params['graphs.quantization'], 'fp32')}; values: {', '.join(WEIGHTS)})")
+    if "serve.speculate_max_queue" in params:
+        old, k = params["serve.speculate_max_queue"], params.get("speculative.k", SpeculativeSection.k)
+        new = speculation_policy.from_max_queue(old, k) if isinstance(old, int) and isinstance(k, int) else "[k, .., 0]"
+        return (f"serve.speculate_max_queue is gone: the load policy is {speculation_policy.KEY} now, the k to "
+                f"verify at each load (0 = no speculation). speculate_max_queue: {old} is {speculation_policy.KEY}: "
+                f"{new} ([] = speculative.k at every load; [k] * m + [0] = k up to m requests, none beyond); "
+                f"`spec-edge tune` measures it")
+    return None
