@@ -67,10 +67,13 @@ def action_qos_kwargs(feedback_key: str) -> dict[str, Any]:
 # Parameters
 
 
-def _param_value(value: Any) -> Any:
-    """A ROS parameter value -> the plain Python value spec_edge.config expects."""
+def _param_value(value: Any, default: Any) -> Any:
+    """A ROS parameter value -> the plain Python value spec_edge.config expects. An empty list has no
+    ROS type: rclpy declares and reads it as an unset parameter (None), which is [] for a list key."""
     if isinstance(value, (array.array, tuple)):
         return list(value)
+    if value is None and isinstance(default, list):
+        return []
     return value
 
 
@@ -119,12 +122,12 @@ def make_node_class():
         # -- parameters -------------------------------------------------------------------------
 
         def _current_params(self) -> dict[str, Any]:
-            names = cfgmod.to_params(cfgmod.Config())
-            return {name: _param_value(self.get_parameter(name).value) for name in names}
+            defaults = cfgmod.to_params(cfgmod.Config())
+            return {name: _param_value(self.get_parameter(name).value, default) for name, default in defaults.items()}
 
         def _check_parameters(self, params: list) -> Any:
             merged = self._current_params()
-            merged.update({p.name: _param_value(p.value) for p in params})
+            merged.update({p.name: _param_value(p.value, merged.get(p.name)) for p in params})
             try:
                 cfgmod.from_params(merged)
             except cfgmod.ConfigError as err:
@@ -137,7 +140,7 @@ def make_node_class():
             """Overrides from params files / -p that name no parameter of this node (a typo such as
             speculative.drafterr): rclpy ignores them silently, `spec-edge serve --params` refuses them."""
             overrides = self._parameter_overrides  # rclpy keeps them only here (no public getter)
-            return {name: _param_value(p.value) for name, p in overrides.items()
+            return {name: _param_value(p.value, None) for name, p in overrides.items()
                     if not self.has_parameter(name) and not name.startswith(ROS_PARAMETER_PREFIXES)}
 
         def on_configure(self, state):

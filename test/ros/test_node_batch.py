@@ -22,7 +22,10 @@ def batch_params(tiny_models):
             "graphs.k_values": [4], "graphs.layer_skip_layers": 2, "graphs.batch_slots": 4,
             "runtime.engine_dir": str(tiny_models["root"] / "engines_batch"), "runtime.profile": "tiny",
             "speculative.drafter": "ngram", "speculative.k": 4, "serve.queue_limit": 8,
-            "serve.warm_system_prompt": True}
+            "serve.warm_system_prompt": True,
+            # written into the params file as bench/batch_concurrency.py writes it: rclpy reads an empty
+            # list as an unset parameter (None), which the node must take as the empty table
+            "serve.speculate_k_by_load": []}
 
 
 @pytest.fixture(scope="module")
