@@ -11,13 +11,9 @@ alternating by round; prints total tok/s of each, the ratio, and whether the out
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from spec_edge.config import Config
 from spec_edge.graphs import batch_export
@@ -29,20 +25,8 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.tokenizer import Tokenizer
 from spec_edge.tools.prompts import load_prompts
 
-REPO = Path(__file__).resolve().parents[1]
+from _old_rev import old_module
 
-
-def old_module(rev: str, path: str):
-    """Module `path` (spec_edge/...) as it was at git revision rev, loaded under its own name."""
-    source = subprocess.check_output(["git", "-C", str(REPO), "show", f"{rev}:{path}"])
-    name = f"{Path(path).stem}_{rev}"
-    file = Path(f"/tmp/{name}.py")
-    file.write_bytes(source)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:

@@ -21,12 +21,9 @@ new graphs of every row count go to their own profile (<profile>-rows), not the 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -36,19 +33,8 @@ from spec_edge.config import Config
 from spec_edge.graphs import batch_export
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 
-REPO = Path(__file__).resolve().parents[1]
+from _old_rev import old_module
 
-
-def old_runner_class(rev: str):
-    """The BatchRunner class of git revision rev (spec_edge/runtime/backends/ort_batch.py)."""
-    source = subprocess.check_output(["git", "-C", str(REPO), "show", f"{rev}:spec_edge/runtime/backends/ort_batch.py"])
-    path = Path(f"/tmp/ort_batch_{rev}.py")
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location(f"ort_batch_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.BatchRunner
 
 
 def pow2(n: int, batch: int) -> int:
@@ -70,7 +56,7 @@ def main() -> None:
     cfg = Config().replace(**{"graphs.batch_slots": batch, "graphs.weights": args.weights,
                               "runtime.profile": f"{Config().runtime.profile}-rows"})
     new = BatchRunner(batch_export.batch_graphs(cfg, print, rows=tuple(range(2, batch + 1))))
-    old = old_runner_class(args.old_rev)(args.old_graphs)
+    old = old_module(args.old_rev, "spec_edge/runtime/backends/ort_batch.py").BatchRunner(args.old_graphs)
     assert old.step_width == new.step_width and old.batch == batch
     prompt = list(range(100, 100 + args.position))
     for runner in (old, new):

@@ -47,8 +47,8 @@ from spec_edge.device.engine_file import load_engine
 from spec_edge.device.manifest import ManifestError, check_engines, profile_dir
 from spec_edge.graphs import io_names
 from spec_edge.runtime.backends.base import BackendError, Runner
-from spec_edge.runtime.backends.trt_memory import (Scratch, capture_cuda_graph, load_embed_table, torch_cuda,
-                                                   torch_dtype)
+from spec_edge.runtime.backends.trt_memory import (Scratch, bind_buffers, capture_cuda_graph, load_embed_table,
+                                                   torch_cuda, torch_dtype)
 
 log = logging.getLogger(__name__)
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
@@ -210,17 +210,7 @@ class TensorRTRunner(Runner):
         for layer in range(self.n_layers):  # (Hkv, S, D) views of the resident cache: contiguous, no copy
             buffers[io_names.k_cache(layer)] = self.k_cache[layer]
             buffers[io_names.v_cache(layer)] = self.v_cache[layer]
-        for name in names:
-            buffer = buffers.get(name)
-            if buffer is None:
-                raise BackendError(f"{entry['file']} has an I/O tensor '{name}' this backend does not "
-                                   f"know (io_names.py): rebuild from the current export")
-            if tuple(buffer.shape) != shape(name):
-                raise BackendError(f"{entry['file']}: '{name}' is {shape(name)}, the buffer is "
-                                   f"{tuple(buffer.shape)}")
-            if not buffer.is_contiguous():
-                raise BackendError(f"'{name}' buffer is not contiguous")
-            context.set_tensor_address(name, buffer.data_ptr())
+        bind_buffers(context, names, buffers, entry["file"])
         return call
 
     def _drop_graphs(self) -> None:

@@ -45,21 +45,15 @@ from spec_edge.device.builder import context_memory_size, gpu_identity, import_t
 from spec_edge.device.engine_file import load_engine
 from spec_edge.device.manifest import ManifestError, check_engines, profile_dir
 from spec_edge.graphs import io_names
+from spec_edge.runtime.backends import tensorrt
 from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks
 from spec_edge.runtime.backends.batch_rows import RowCount, check_call, check_chunk, plan_call, store_targets
-from spec_edge.runtime.backends.trt_memory import (Scratch, capture_cuda_graph, load_embed_table, torch_cuda,
-                                                   torch_dtype)
+from spec_edge.runtime.backends.trt_memory import (Scratch, bind_buffers, capture_cuda_graph, load_embed_table,
+                                                   torch_cuda, torch_dtype)
 
 log = logging.getLogger(__name__)
 ALIGN = 256  # bytes: every tensor address bound to TensorRT
-# TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
-TENSORRT_API = {
-    "Runtime": (),
-    "ICudaEngine": ("num_io_tensors", "get_tensor_name", "get_tensor_shape", "get_tensor_dtype",
-                    "create_execution_context", "device_memory_size_v2"),
-    "IExecutionContext": ("set_optimization_profile_async", "set_input_shape", "get_tensor_shape",
-                          "set_tensor_address", "execute_async_v3"),
-}
+TENSORRT_API = tensorrt.TENSORRT_API  # the same members as the B=1 runner (test/test_tensorrt_api.py)
 TENSORRT_RECEIVERS = {"engine": "ICudaEngine", "self.engine": "ICudaEngine", "context": "IExecutionContext",
                       "call.context": "IExecutionContext", "self.runtime": "Runtime"}
 
@@ -197,17 +191,9 @@ class TensorRTBatchRunner:
         self._shape(call, nmax, 0)
         bound = {io_names.TOKENS: call.views.tokens, io_names.POSITION: call.views.position,
                  io_names.EMBED_TABLE: self.embed_table, **{name: call.views.out[name] for name in self.out}}
-        for name in self.names:
-            if name in io_names.cache_inputs(self.n_layers):
-                continue  # bound by _shape, per block
-            buffer = bound.get(name)
-            if buffer is None:
-                raise BackendError(f"the batched engine has an I/O tensor '{name}' this runner does not know "
-                                   f"(io_names.py): rebuild it from the current export")
-            if tuple(buffer.shape) != tuple(context.get_tensor_shape(name)):
-                raise BackendError(f"batched engine (width {width}, {nmax} rows): '{name}' is "
-                                   f"{tuple(context.get_tensor_shape(name))}, the buffer is {tuple(buffer.shape)}")
-            context.set_tensor_address(name, buffer.data_ptr())
+        caches = set(io_names.cache_inputs(self.n_layers))  # bound by _shape, per block
+        bind_buffers(context, [name for name in self.names if name not in caches], bound,
+                     f"the batched engine (width {width}, {nmax} rows)")
         return call
 
     def _shape(self, call: _Call, n: int, base: int) -> None:

@@ -48,7 +48,7 @@ from spec_edge.device.manifest import ManifestError
 from spec_edge.graphs import io_names
 from spec_edge.heads.eagle3_export import read_head_config
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.trt_memory import capture_cuda_graph, load_embed_table, torch_dtype
+from spec_edge.runtime.backends.trt_memory import bind_buffers, capture_cuda_graph, load_embed_table, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -191,15 +191,7 @@ class TensorRTEagle3Head:
                    io_names.EMBED_TABLE: self.embed_table, io_names.LOGITS: self.logits,
                    io_names.DRAFT_TOKEN: self.draft_token,
                    io_names.K_NEW: call.k_new, io_names.V_NEW: call.v_new, io_names.HIDDEN_OUT: self.hidden_out}
-        for name in sorted(names):
-            buffer = buffers.get(name)
-            if buffer is None:
-                raise BackendError(f"the head engine has an I/O tensor '{name}' this runner does not know: rebuild "
-                                   f"it from the current export")
-            if tuple(buffer.shape) != tuple(context.get_tensor_shape(name)):
-                raise BackendError(f"head engine ({kind} {width}): '{name}' is {tuple(context.get_tensor_shape(name))}, "
-                                   f"the buffer is {tuple(buffer.shape)}")
-            context.set_tensor_address(name, buffer.data_ptr())
+        bind_buffers(context, sorted(names), buffers, f"head engine ({kind} {width})")
         missing = sorted(set(buffers) - names - {io_names.EMBED_TABLE})
         if missing:
             raise BackendError(f"the head engine lacks {missing}: rebuild it from the current export")

@@ -1,6 +1,6 @@
 """What the TensorRT runners (tensorrt.py: a model; trt_head.py: an EAGLE-3 head) share on the
 device: torch with CUDA for the buffers, TensorRT -> torch dtypes, the token-embedding table an
-engine takes as an input (io_names.EMBED_TABLE), and Scratch, the one execution-context memory
+engine takes as an input (io_names.EMBED_TABLE), binding buffers to an execution context, and Scratch, the one execution-context memory
 buffer every context of every runner binds (TensorRT USER_MANAGED context memory; calls are
 serialised on one stream, so one buffer serves them all).
 """
@@ -16,7 +16,8 @@ from spec_edge.runtime.backends.base import BackendError
 log = logging.getLogger(__name__)
 
 # TensorRT members used on objects (test/test_tensorrt_api.py checks them against the 10.13 bindings)
-TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory", "execute_async_v3")}
+TENSORRT_API = {"IExecutionContext": ("set_device_memory", "device_memory", "execute_async_v3", "get_tensor_shape",
+                                      "set_tensor_address")}
 TENSORRT_RECEIVERS = {"context": "IExecutionContext"}  # expressions that always hold that class here
 
 
@@ -51,6 +52,22 @@ def load_embed_table(export_dir: Path):
         raise BackendError(f"the engine takes {io_names.EMBED_TABLE} as an input but its export {export_dir} "
                            f"records no shared table: rebuild with `spec-edge build`")
     return shared_table.table_tensor(export_dir).to("cuda").contiguous()
+
+
+def bind_buffers(context, names, buffers: dict[str, Any], engine: str) -> None:
+    """Set the address of every I/O tensor in names to its buffer in buffers (contiguous, of the shape the
+    context reports for its current input shapes); engine names the engine in the errors."""
+    for name in names:
+        buffer = buffers.get(name)
+        if buffer is None:
+            raise BackendError(f"{engine} has an I/O tensor '{name}' this runner does not know (io_names.py): "
+                               f"rebuild it from the current export")
+        want = tuple(context.get_tensor_shape(name))
+        if tuple(buffer.shape) != want:
+            raise BackendError(f"{engine}: '{name}' is {want}, the buffer is {tuple(buffer.shape)}")
+        if not buffer.is_contiguous():
+            raise BackendError(f"{engine}: the '{name}' buffer is not contiguous")
+        context.set_tensor_address(name, buffer.data_ptr())
 
 
 def capture_cuda_graph(torch, stream, context, body, warm_up: bool = True):
