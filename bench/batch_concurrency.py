@@ -2,19 +2,22 @@
 speculative, 1, 2, 4, 8 client processes, in one run. A measurement, not a timed test.
 
     ROS_DOMAIN_ID=73 PYTHONPATH=$PWD .venv/bin/python bench/batch_concurrency.py [--clients 1 2 4 8]
-        [--slots 8] [--max-new-tokens 48] [--out bench/results/batch_concurrency.json]
+        [--slots 8] [--max-new-tokens 48] [--k-values 2 4] [--tuned bench/results/tuned_k_by_load_b8.yaml]
+        [--variants serial serial-hybrid batched batched-tuned batched-hybrid]
+        [--out bench/results/batch_concurrency.json]
 
 Servers (`spec-edge serve`, one at a time, discovery on localhost): serial = config/default.yaml
 (drafters none, ngram), serial-hybrid = config/smollm2_hybrid.yaml (drafter hybrid), batched =
-config/default.yaml with graphs.batch_slots = --slots (drafters none, ngram; hybrid's EAGLE-3 head has
-no per-slot cache yet). For every drafter and N, N client processes (bench/_stream_client.py) each
-stream one request (prompts of bench/prompts.jsonl, greedy) starting at the same instant; per N:
-total tok/s (all tokens / time until the last answer), per-client tok/s (mean of tokens / own
-latency), mean TTFT (first streamed text, queue wait included). The tuned row takes at each N the
-better of the batched plain/ngram totals (tools/tune.table_from_totals: k or 0 per load): derived from
-the measured rows, not a separate run. The Thor rows are a projection (device/projection.py:
-bytes a (B, k+1) call reads = weights once + B slots of static cache), not a measurement.
-Writes JSON, a table (.txt) and a plot (.png).
+config/default.yaml with graphs.batch_slots = --slots (drafters none, ngram), batched-tuned = the
+batched server with serve.speculate_k_by_load read from --tuned (the table `spec-edge tune` wrote for
+these slots; requests ask for ngram, the node steps k down with the occupancy), batched-hybrid =
+smollm2_hybrid.yaml with the slots (each slot its own n-gram + EAGLE-3 head state). Every server but
+the hybrid ones gets graphs.k_values = --k-values, so they share one exported folder. For every drafter
+and N, N client processes (bench/_stream_client.py) each stream one request (prompts of
+bench/prompts.jsonl, greedy) starting at the same instant; per N: total tok/s (all tokens / time until
+the last answer), per-client tok/s (mean of tokens / own latency), mean TTFT (first streamed text,
+queue wait included). The Thor rows are a projection (device/projection.py: bytes a (B, k+1) call reads
+= weights once + B slots of static cache), not a measurement. Writes JSON, a table (.txt) and a plot (.png).
 """
 from __future__ import annotations
 
@@ -78,19 +81,25 @@ def burst(prompts: list[str], n: int, fields: dict, max_new: int) -> dict:
             "loadavg": os.getloadavg()[0]}
 
 
-def thor_projection(model_cfg, clients: list[int], alpha: float, k: int, max_context: int) -> list[dict]:
-    """Projected total tok/s on Thor, bf16, batched: a (B, T) call reads the weights once and B static caches."""
-    from spec_edge.device import memory, projection
+THOR_PROFILE = ROOT / "config" / "thor_llama31_8b_batch4.yaml"
 
-    weights = projection.bytes_read_per_call(model_cfg, "bfloat16", "fp32", max_context) \
-        - memory.kv_bytes(model_cfg, max_context, "bfloat16")
-    kv = memory.kv_bytes(model_cfg, max_context, "bfloat16")
+
+def thor_projection(cfg, clients: list[int], alpha: float, k: int) -> list[dict]:
+    """Projected total tok/s on Thor for cfg's model, graphs.dtype / weights, max_context: a call over n slots
+    reads the weights once and the n slots' static caches whole (device/projection.py's bytes and constants)."""
+    from spec_edge.device import memory, profiles, projection
+
+    g = cfg.graphs
+    model = profiles.model_config(cfg.model.target)
+    quant = g.weights  # fp32 | fp8 | int4_awq: what TensorRT builds (memory.QUANTIZATIONS)
+    kv = memory.kv_bytes(model, g.max_context, g.dtype)
+    weights = projection.bytes_read_per_call(model, g.dtype, quant, g.max_context) - kv
     rows = []
     for n in clients:
-        step = projection.call_seconds(weights + n * kv, model_cfg.n_layers)
-        plain = n / step
-        spec = n * projection.expected_tokens(alpha, k) / (step * projection.VERIFY_OVERHEAD)
-        rows.append({"clients": n, "bytes_per_call": weights + n * kv, "plain_tok_s": plain, "spec_tok_s": spec})
+        step = projection.call_seconds(weights + n * kv, model.n_layers)
+        rows.append({"model": model.name, "dtype": g.dtype, "weights": quant, "max_context": g.max_context,
+                     "clients": n, "bytes_per_call": weights + n * kv, "plain_tok_s": n / step,
+                     "spec_tok_s": n * projection.expected_tokens(alpha, k) / (step * projection.VERIFY_OVERHEAD)})
     return rows
 
 
@@ -99,12 +108,17 @@ def main() -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--variants", nargs="+", default=["serial", "serial-hybrid", "batched"])
+    parser.add_argument("--variants", nargs="+", default=["serial", "serial-hybrid", "batched", "batched-tuned"],
+                        choices=["serial", "serial-hybrid", "batched", "batched-tuned", "batched-hybrid"])
+    parser.add_argument("--k-values", type=int, nargs="+", default=[2, 4],
+                        help="graphs.k_values of the non-hybrid servers (one exported folder for all of them)")
+    parser.add_argument("--tuned", default=str(ROOT / "bench" / "results" / "tuned_k_by_load_b8.yaml"),
+                        help="profile written by `spec-edge tune` for these slots: its serve.speculate_k_by_load")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "batch_concurrency.json"))
     args = parser.parse_args()
 
     from spec_edge import config as cfgmod
-    from spec_edge.graphs import export
+    from spec_edge.device import projection
     from spec_edge.tools import tune
     from spec_edge.tools.prompts import load_prompts
 
@@ -113,12 +127,24 @@ def main() -> int:
     prompts = [p["prompt"] for p in load_prompts(kinds=["edit", "free-form"])]
     serve_keys = {"serve.queue_limit": max(args.clients) + 1, "serve.request_timeout_s": 1800.0,
                   "serve.speculate_k_by_load": []}
-    default = cfgmod.load(ROOT / "config" / "default.yaml").replace(**serve_keys)
-    servers = {"serial": (default, {"plain": {"speculate": False}, "ngram": {"drafter": "ngram"}}),
-               "serial-hybrid": (cfgmod.load(ROOT / "config" / "smollm2_hybrid.yaml").replace(**serve_keys),
-                                 {"hybrid": {"drafter": "hybrid"}}),
-               "batched": (default.replace(**{"graphs.batch_slots": args.slots}),
-                           {"plain": {"speculate": False}, "ngram": {"drafter": "ngram"}})}
+    default = cfgmod.load(ROOT / "config" / "default.yaml").replace(
+        **serve_keys, **{"graphs.k_values": tuple(args.k_values)})
+    hybrid = cfgmod.load(ROOT / "config" / "smollm2_hybrid.yaml").replace(**serve_keys)
+    batched = default.replace(**{"graphs.batch_slots": args.slots})
+    ngram = {"ngram": {"drafter": "ngram"}}
+    servers = {"serial": (default, {"plain": {"speculate": False}, **ngram}),
+               "serial-hybrid": (hybrid, {"hybrid": {"drafter": "hybrid"}}),
+               "batched": (batched, {"plain": {"speculate": False}, **ngram}),
+               "batched-hybrid": (hybrid.replace(**{"graphs.batch_slots": args.slots}), {"hybrid": {"drafter": "hybrid"}})}
+    if "batched-tuned" in args.variants:
+        table = cfgmod.load(args.tuned).serve.speculate_k_by_load
+        if len(table) != args.slots or any(k and k not in args.k_values for k in table):
+            raise SystemExit(f"--tuned {args.tuned}: serve.speculate_k_by_load {list(table)} is not a table for "
+                             f"{args.slots} slots with k in --k-values {args.k_values}; run `spec-edge tune` "
+                             f"with graphs.batch_slots: {args.slots} first")
+        servers["batched-tuned"] = (batched.replace(**{"serve.speculate_k_by_load": table,
+                                                       "speculative.k": max(table) or default.speculative.k}),
+                                    {"tuned": {"drafter": "ngram"}})
     tmp = Path(tempfile.mkdtemp(prefix="spec_edge_bconc_"))
     load_start = tune.machine_load()
     results: dict[str, dict[int, dict]] = {}
@@ -131,7 +157,7 @@ def main() -> int:
         try:
             burst(prompts, 1, {}, 8)  # warm-up
             for name, fields in drafters.items():
-                key = f"{'batched' if variant == 'batched' else 'serial'} {name}"
+                key = f"{variant.split('-')[0]} {name}"
                 results[key] = {}
                 for n in args.clients:
                     res = burst(prompts, n, fields, args.max_new_tokens)
@@ -145,40 +171,46 @@ def main() -> int:
               "load_start": load_start, "load_end": tune.machine_load(), "command": " ".join(sys.argv),
               "slots": args.slots, "max_new_tokens": args.max_new_tokens}
     lines = []
-    if "batched plain" in results and "batched ngram" in results:
-        per_depth = {n: (results["batched plain"][n]["total_tok_s"], results["batched ngram"][n]["total_tok_s"])
-                     for n in args.clients}
-        k = default.speculative.k
-        table = tune.table_from_totals(per_depth, k, max(args.clients))
-        tuned = {n: per_depth[n][1] if table[n - 1] else per_depth[n][0] for n in args.clients}
-        report.update(tuned_speculate_k_by_load=table, tuned_total_tok_s=tuned)
-        lines.append(f"tuned: serve.speculate_k_by_load = {table} (k={k} where ngram was at least as fast as plain; "
-                     f"derived from the batched rows)")
+    if "batched tuned" in results:
+        report["tuned_speculate_k_by_load"] = list(servers["batched-tuned"][0].serve.speculate_k_by_load)
+        lines.append(f"batched tuned: serve.speculate_k_by_load = {report['tuned_speculate_k_by_load']} "
+                     f"(from {args.tuned}), requests ask for ngram")
     header = f"{'variant':18s}" + "".join(f"{'N=' + str(n):>22s}" for n in args.clients)
     lines += ["total tok/s | per-client tok/s | TTFT s", header]
     for key, rows in results.items():
         lines.append(f"{key:18s}" + "".join(f"{rows[n]['total_tok_s']:8.1f} {rows[n]['per_client_tok_s']:6.1f} "
                                             f"{rows[n]['ttft_s']:5.2f} " for n in args.clients))
-    if "tuned_total_tok_s" in report:
-        lines.append(f"{'batched tuned':18s}" + "".join(f"{report['tuned_total_tok_s'][n]:8.1f}{'':14s}"
-                                                       for n in args.clients))
-    for label in ("plain", "ngram"):
+    for label in ("plain", "ngram", "hybrid"):
         a, b = results.get(f"serial {label}", {}).get(1), results.get(f"batched {label}", {}).get(1)
         if a and b:
             lines.append(f"one client, {label}: batched / serial = {b['total_tok_s'] / a['total_tok_s']:.3f}")
-    same = [results[f"batched {label}"][n]["texts"] == results[f"serial {label}"][n]["texts"]
-            for label in ("plain", "ngram") for n in args.clients
-            if f"batched {label}" in results and f"serial {label}" in results]
-    lines.append(f"batched texts == serial texts: {sum(same)}/{len(same)} bursts")
+    if all(key in results for key in ("batched tuned", "batched plain", "batched ngram")):
+        ratios = {n: results["batched tuned"][n]["total_tok_s"] / max(results["batched plain"][n]["total_tok_s"],
+                                                                     results["batched ngram"][n]["total_tok_s"])
+                  for n in args.clients}
+        report["tuned_over_better"] = ratios
+        lines.append("batched tuned / the better of batched plain and ngram: "
+                     + ", ".join(f"N={n}: {r:.3f}" for n, r in ratios.items()))
+    same = [results[f"{kind} {label}"][n]["texts"] == results[f"serial {ref}"][n]["texts"]
+            for kind, label, ref in (("batched", "plain", "plain"), ("batched", "ngram", "ngram"),
+                                     ("batched", "tuned", "plain"), ("batched", "hybrid", "hybrid"))
+            for n in args.clients if f"{kind} {label}" in results and f"serial {ref}" in results]
+    lines.append(f"batched texts == serial texts (greedy): {sum(same)}/{len(same)} bursts")
+    report["texts_equal"] = [sum(same), len(same)]
     alpha = statistics.mean(x for r in results.get("batched ngram", results.get("serial ngram", {})).values()
                             for x in r["acceptance"]) if results else 0.0
-    model_cfg = export.read_model_config(export.artifact_dir(default, "target"))
-    thor = thor_projection(model_cfg, args.clients, alpha, default.speculative.k, default.graphs.max_context)
-    report["thor_projection"] = thor
-    lines.append(f"PROJECTION (not measured), Thor bf16 {model_cfg.name}, ngram acceptance {alpha:.2f}, "
-                 f"k={default.speculative.k}:")
-    lines.append("  " + "  ".join(f"N={r['clients']}: plain {r['plain_tok_s']:.0f}, spec {r['spec_tok_s']:.0f} tok/s "
-                                  f"({r['bytes_per_call'] / 1e6:.0f} MB/call)" for r in thor))
+    thor_cfg = cfgmod.load(THOR_PROFILE)
+    projections = {"this bench's model": thor_projection(default.replace(**{"graphs.dtype": "bfloat16"}),
+                                                         args.clients, alpha, default.speculative.k),
+                   THOR_PROFILE.name: thor_projection(thor_cfg, args.clients, alpha, thor_cfg.speculative.k)}
+    report["thor_projection"] = projections
+    for label, rows in projections.items():
+        r0 = rows[0]
+        lines.append(f"PROJECTION (not measured): Thor, {r0['model']} {r0['dtype']} weights {r0['weights']}, "
+                     f"S={r0['max_context']} per slot ({label}), ngram acceptance {alpha:.2f} i.i.d., "
+                     f"verify = {projection.VERIFY_OVERHEAD:.2f} step:")
+        lines.append("  " + "  ".join(f"N={r['clients']}: plain {r['plain_tok_s']:.0f}, spec {r['spec_tok_s']:.0f} "
+                                      f"tok/s ({r['bytes_per_call'] / 1e9:.2f} GB/call)" for r in rows))
     text = "\n".join(lines)
     print(text)
     out = Path(args.out)
@@ -196,17 +228,14 @@ def plot(results: dict, report: dict, clients: list[int], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
     for key, rows in results.items():
-        style = "-" if key.startswith("batched") else "--"
+        style = ":" if key == "batched tuned" else "-" if key.startswith("batched") else "--"
         for ax, metric in zip(axes[:3], ("total_tok_s", "per_client_tok_s", "ttft_s")):
             ax.plot(clients, [rows[n][metric] for n in clients], style, marker="o", label=key)
-    if "tuned_total_tok_s" in report:
-        axes[0].plot(clients, [report["tuned_total_tok_s"][n] for n in clients], ":", c="k", lw=2,
-                     label="batched tuned (derived)")
-    thor = report["thor_projection"]
-    axes[3].plot(clients, [r["plain_tok_s"] for r in thor], marker="s", label="plain")
-    axes[3].plot(clients, [r["spec_tok_s"] for r in thor], marker="o", label="ngram")
+    for (label, rows), marker in zip(report["thor_projection"].items(), "so"):
+        axes[3].plot(clients, [r["plain_tok_s"] for r in rows], marker=marker, label=f"{rows[0]['model']} plain")
+        axes[3].plot(clients, [r["spec_tok_s"] for r in rows], "--", marker=marker, label=f"{rows[0]['model']} ngram")
     for ax, title in zip(axes, ("total tok/s (this 2-core CPU)", "tok/s per client", "TTFT s (queue wait incl.)",
-                                "PROJECTION: Thor bf16 total tok/s")):
+                                "PROJECTION: Thor total tok/s")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(clients)
         ax.set_xticklabels(clients)
