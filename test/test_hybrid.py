@@ -105,9 +105,9 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     ingested, seen = [], []  # (rows, position) per ingest call; (seq, draft) per EAGLE-3 draft
     real_ingest, real_propose = head.ingest, eagle.propose
 
-    def ingest(tokens, hidden, position):
+    def ingest(tokens, hidden, position, slot=0):
         ingested.append((len(tokens), position))
-        return real_ingest(tokens, hidden, position)
+        return real_ingest(tokens, hidden, position, slot)
 
     def propose(seq, k, sampler):
         draft = real_propose(seq, k, sampler)

@@ -8,6 +8,10 @@
       rows<m>_step_2.onnx     (m, 2)     (the two-row step of q4)
       rows<m>_verify_<k+1>.onnx (m, k+1) caches (m, Hkv, S, D) per layer -> logits (m, T, V), k/v_new
       single_step_1.onnx, single_verify_<k+1>.onnx   the B=1 graphs: a call with one row
+    A profile with draft heads (hidden.target_hidden_layers: speculative.eagle3_head / peagle_head /
+    medusa_head set) also gets the hidden-state output of export.py's graphs on every graph here
+    (spec "hidden_layers"; the batched graphs' is (m, T, n * H)), which the per-slot heads read
+    (runtime/backends/ort_batch.py keeps it per slot); without heads the plan is what it was.
 
 A call runs only the slots it names (runtime/backends/ort_batch.py): n rows go through the graph of
 the smallest row count m >= n (row_counts: every count up to 8, then coarser), the m - n padding rows
@@ -26,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge.config import QDQ_WEIGHTS, Config, ConfigError, engine_root
-from spec_edge.graphs import export, io_names
+from spec_edge.graphs import export, hidden, io_names
 
 Progress = Callable[[str], None]
 
@@ -75,6 +79,10 @@ def batch_plan(cfg: Config, rows: tuple[int, ...] | None = None) -> dict[str, di
     plan[SINGLE + io_names.graph_file("step", 1)] = {"kind": "step", "width": 1}
     for k in sorted(set(g.k_values)):
         plan[SINGLE + io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1}
+    hidden_layers = hidden.target_hidden_layers(cfg)
+    if hidden_layers:  # draft heads are configured: every graph also returns the hidden states they read
+        for spec in plan.values():
+            spec["hidden_layers"] = list(hidden_layers)
     return plan
 
 
@@ -115,12 +123,13 @@ def _export_into(cfg: Config, want: dict, out_dir: Path, progress: Progress) -> 
         progress(f"[export] batched target: graph {i}/{len(want['graphs'])} {stem} ({spec.get('batch', 1)} rows, "
                  f"width {spec['width']}) ...")
         path = out_dir / f"{stem}.onnx"
+        hidden_layers = tuple(spec.get("hidden_layers", ()))
         if "batch" not in spec:  # a B=1 graph, as export.py writes it
             export.export_graph(model_cfg, state, path, store, kind=spec["kind"], width=spec["width"],
-                                max_context=g.max_context, dtype=g.dtype)
+                                max_context=g.max_context, dtype=g.dtype, hidden_layers=hidden_layers)
         else:
             export_batch_graph(model_cfg, state, path, store, batch=spec["batch"], width=spec["width"],
-                               max_context=g.max_context, dtype=g.dtype)
+                               max_context=g.max_context, dtype=g.dtype, hidden_layers=hidden_layers)
     store.close()
     weights.write_side_files(out_dir, model_cfg, tokenizer)
     manifest = dict(want, model=model_cfg.name, weights_bytes=store.size,
@@ -130,19 +139,21 @@ def _export_into(cfg: Config, want: dict, out_dir: Path, progress: Progress) -> 
 
 
 def export_batch_graph(model_cfg, state: dict, path: Path, store: export.WeightStore, *, batch: int, width: int,
-                       max_context: int, dtype: str = "float32") -> None:
-    """Export one (m, T) graph of batch_model.BatchCaches (batch = its row count m) to path, every tensor static."""
+                       max_context: int, dtype: str = "float32", hidden_layers: tuple[int, ...] = ()) -> None:
+    """Export one (m, T) graph of batch_model.BatchCaches (batch = its row count m) to path, every tensor
+    static; hidden_layers: also return those layers' hidden states (m, T, n * H) (graphs/hidden.py)."""
     import torch
 
     from spec_edge.graphs import model as model_mod
     from spec_edge.graphs.batch_model import BatchCaches
 
     torch_dtype = export.torch_dtype(dtype)
-    module = model_mod.build(model_cfg, state, dtype=torch_dtype, cls=BatchCaches)
+    module = model_mod.build(model_cfg, state, dtype=torch_dtype, hidden_layers=hidden_layers, cls=BatchCaches)
     layer = (batch, model_cfg.n_kv_heads, max_context, model_cfg.head_dim)  # (m, Hkv, S, D)
     caches = tuple(torch.zeros(layer, dtype=torch_dtype) for _ in range(2 * model_cfg.n_layers))
     args = (torch.zeros(batch, width, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)) + caches
-    graph = export.trace(module, args, io_names.graph_inputs(model_cfg.n_layers), list(io_names.GRAPH_OUTPUTS))
+    outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
+    graph = export.trace(module, args, io_names.graph_inputs(model_cfg.n_layers), outputs)
     export.check_static(graph, path.name)
     export.save(graph, path, store)
 

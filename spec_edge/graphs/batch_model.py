@@ -2,6 +2,8 @@
 
     forward(tokens (B, T), position (B,), k_cache_0 .. k_cache_{L-1}, v_cache_0 .. v_cache_{L-1})
         -> logits (B, T, V), k_new (L, B, Hkv, T, D), v_new (L, B, Hkv, T, D)
+           [, hidden (B, T, n * H): the layers hidden_layers names, as model.Transformer returns them
+              per row (a profile with draft heads: graphs/hidden.py)]
 
 B here is the graph's row count (graphs/batch_export.py exports m = 2, 4, .. up to graphs.batch_slots
 rows). k_cache_<i> is (B, Hkv, S, D): row b is one slot's region of the resident cache (after the fused
@@ -77,7 +79,7 @@ class BatchCaches(Transformer):
         x = self.model.embed_tokens(tokens.reshape(batch * seq))  # (B*T, hidden)
         cos, sin, mask = batch_rope_and_mask(self.inv_freq, position, seq, cache_len, x.dtype)
         cos, sin, mask = cos.to(x.dtype), sin.to(x.dtype), mask.to(x.dtype)
-        k_news, v_news = [], []
+        k_news, v_news, hiddens = [], [], []
         for i, layer in enumerate(self.model.layers):
             attn, k_new, v_new = batch_attention(layer.self_attn, layer.input_layernorm(x), cos, sin,
                                                  k_caches[i], v_caches[i], mask, batch, seq)
@@ -85,5 +87,12 @@ class BatchCaches(Transformer):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             k_news.append(k_new)
             v_news.append(v_new)
+            if i in self.hidden_layers:
+                hiddens.append(x)
+        if self.n_layers in self.hidden_layers:  # index L: the final-norm state (Medusa)
+            hiddens.append(self.model.norm(x))
         logits = self.head(x).view(batch, seq, -1)  # (B, T, V)
-        return logits, torch.stack(k_news), torch.stack(v_news)  # k/v_new (L, B, Hkv, T, D)
+        outputs = (logits, torch.stack(k_news), torch.stack(v_news))  # k/v_new (L, B, Hkv, T, D)
+        if self.hidden_layers:
+            outputs = outputs + (torch.cat(hiddens, dim=-1).view(batch, seq, -1),)  # (B, T, n * H)
+        return outputs

@@ -20,6 +20,12 @@ Greedy calls ask the runner for argmax ids only (runner.argmax); a call with a s
 A slot joins (add) at an iteration boundary and leaves when its request finishes (eos, stop,
 length, context_full, cancelled); its slot is free for the next add.
 
+Drafters: a request brings its drafter (SlotRequest.drafter, e.g. prompt lookup) or has it made for
+the slot it takes (SlotRequest.make_drafter(slot): a drafter over that slot's own regions of the draft
+model's / head's caches, runtime/slot_drafting.py). Its life is speculative.generate's: start(prompt)
+once the prompt is in (forget() first without prefix reuse), propose / observe per iteration,
+finish() when the request leaves (recording what its cache holds for the slot's next request).
+
 Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
 slot b's region holds (as Runner.held for B=1). add() puts a request into the free slot whose
 record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
@@ -56,6 +62,8 @@ class SlotRequest:
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None
     drafter: Drafter | None = None  # this request's own (a drafter keeps per-request state)
+    # or: made by BatchLoop.add for the slot the request takes (a drafter over that slot's caches)
+    make_drafter: Callable[[int], Drafter] | None = None
     emit: Emit | None = None
     cancel: Cancel | None = None
     # on_done(token_ids, finish_reason, stats): called once, from the loop's thread, when it leaves
@@ -75,6 +83,7 @@ class _Slot:
     new_tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     draft: Draft | None = None          # this iteration's proposal
+    drafting: bool = False              # the drafter was started (finish() it as the slot leaves)
 
     @property
     def decoding(self) -> bool:
@@ -129,6 +138,8 @@ class BatchLoop:
         # the last prompt token is prefilled (its logits choose the first token)
         shared = {i: common_prefix(held[i], prompt, len(prompt) - 1) if self.reuse else 0 for i in free}
         index = max(free, key=lambda i: (shared[i], -self._taken[i], -i))
+        if request.drafter is None and request.make_drafter is not None:
+            request.drafter = request.make_drafter(index)  # before the slot is taken: it may refuse
         self._taken[index] = max(self._taken) + 1
         held[index] = ()  # until the request leaves: a failure leaves the slot cold
         drafter = request.drafter
@@ -187,9 +198,13 @@ class BatchLoop:
         slot.pos = len(prompt)
         slot.finish = self._accept(slot, [first])
         slot.stats.time_to_first_token_s = time.perf_counter() - slot.started
-        if slot.request.drafter is not None and slot.finish is None:
+        drafter = slot.request.drafter
+        if drafter is not None and slot.finish is None:
             t0 = time.perf_counter()
-            slot.request.drafter.start(list(prompt))
+            if not self.reuse and (forget := getattr(drafter, "forget", None)) is not None:
+                forget()  # its cache's record is ignored: cold, as speculative.generate with reuse=False
+            drafter.start(list(prompt))
+            slot.drafting = True
             slot.stats.draft_time_s += time.perf_counter() - t0
 
     # -- the decode call -------------------------------------------------------------------------
@@ -272,6 +287,8 @@ class BatchLoop:
         slot = self.slots[index]
         self.slots[index] = None
         self.runner.held[index] = tuple(slot.seq[:slot.pos])  # seq[pos], the pending token, was never fed
+        if slot.drafting and (done := getattr(slot.request.drafter, "finish", None)) is not None:
+            done()  # the drafter's cache record (test doubles may lack it)
         slot.stats.new_tokens = len(slot.new_tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
         if slot.request.on_done is not None:

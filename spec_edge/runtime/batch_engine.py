@@ -4,9 +4,12 @@ BatchRunner or, on runtime.backend tensorrt, the batched engine's TensorRTBatchR
 
 start() turns a request into a SlotRequest whose on_done hands the caller the same GenerateResult
 Engine.generate returns; the caller (the node's batch worker, or generate() here) adds it to the loop
-and iterates the loop from one thread. Each request drafts with its own drafter object: prompt lookup
-(ngram) or none; drafters with a model cache of their own (draft, layerskip, the heads) have no
-per-slot caches yet and are refused with a message.
+and iterates the loop from one thread. Each request drafts with its own drafter, made for the slot it
+takes (runtime/slot_drafting.py): prompt lookup (ngram), the draft model, the EAGLE-3 head (eagle3,
+hybrid), P-EAGLE and Medusa heads, each over its slot's own regions of the draft model's / head's
+caches and its slot's target hidden states, so a slot drafts exactly what the request drafts alone
+through the B=1 Engine; layerskip (the target's own first layers over the target's cache) is refused
+with a message. The TensorRT batched engine drafts with none or ngram.
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
 longest prefix of its prompt (runtime/batch.py); warm() prefills the system prompt's chat prefix into
@@ -30,9 +33,10 @@ from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.batch import BatchLoop, SlotRequest
 from spec_edge.runtime.engine import Engine, text_emitter
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.slot_drafting import SLOT_DRAFTERS, SlotDrafters, refusal
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
-BATCH_DRAFTERS = ("none", "ngram")  # drafters a slot can run (per-request state, no model cache of their own)
+BATCH_DRAFTERS = ("none",) + SLOT_DRAFTERS  # drafters a slot can run (each over its slot's own caches)
 
 
 class BatchEngine(Engine):
@@ -40,10 +44,9 @@ class BatchEngine(Engine):
 
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> "BatchEngine":
-        if cfg.speculative.drafter not in BATCH_DRAFTERS:
-            raise RequestError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs speculative.drafter "
-                               f"{' or '.join(BATCH_DRAFTERS)} (per-slot caches for {cfg.speculative.drafter} are not "
-                               f"built yet); set one of those or graphs.batch_slots: 1")
+        reason = refusal(cfg.speculative.drafter, cfg.graphs.batch_slots)
+        if reason:
+            raise RequestError(f"speculative.drafter: {reason}")
         started = time.monotonic()
         if cfg.runtime.backend == "tensorrt":  # the batched engine `spec-edge build` made (runs on the device)
             from spec_edge.graphs import batch_dynamic
@@ -54,8 +57,11 @@ class BatchEngine(Engine):
             graph_dir = batch_export.batch_graphs(cfg, progress)
             runner = BatchRunner(graph_dir, cfg.runtime.threads)
         engine = cls(cfg, runner, Tokenizer(graph_dir), graph_dir, progress)
+        engine.slot_drafters = SlotDrafters(cfg, runner, engine.tokenizer, graph_dir, engine.model_cfg, progress)
         k = cfg.speculative.k if cfg.speculative.drafter != "none" else 0
         engine.loop = BatchLoop(runner, k, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
+        if k:
+            engine.slot_drafters.load(cfg.speculative.drafter)  # now, not on the first request
         progress(f"[engine] {cfg.runtime.backend}, {runner.batch} batch slots, ready in {time.monotonic() - started:.1f}"
                  f" s (max context {runner.max_context}, widths {sorted(runner.widths)})")
         return engine
@@ -66,16 +72,18 @@ class BatchEngine(Engine):
         """The SlotRequest of a request (raises RequestError for a bad one; nothing runs yet);
         on_result(GenerateResult) is called from the loop's thread when it leaves its slot."""
         params, max_new, seed, drafter_name, k = self.resolve(request)
-        if drafter_name not in BATCH_DRAFTERS:
-            raise RequestError(f"drafter '{drafter_name}' has no per-slot state in the batched node: use "
-                               f"{' or '.join(BATCH_DRAFTERS)}")
+        self._check_drafter(drafter_name)
         if drafter_name != "none" and k != self.loop.k:
             raise RequestError(f"the batched node verifies k={self.loop.k} drafts per call (speculative.k); "
                                f"send k=0 or k={self.loop.k}")
         self._check_unguided(request)
         check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
-        drafter = None if drafter_name == "none" or not self.loop.k else self.drafter(drafter_name)
+        drafting = drafter_name != "none" and self.loop.k > 0
+        if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
+            self.slot_drafters.load(drafter_name)
+            loop = self.loop  # every k the load policy can give it
+            self.slot_drafters.check_k(drafter_name, {loop.k, *(min(loop.k, e) for e in loop.k_by_load)} - {0})
         decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
         emit = text_emitter(decoder, on_text)
 
@@ -85,15 +93,19 @@ class BatchEngine(Engine):
                 on_text(tail, len(decoder.ids))
             if finish == "stop":
                 new_ids = self._trim_to_stop(new_ids, request.stop)
-            off = speculation_policy.batch_reason(stats, self.loop.k_by_load, self.loop.k) if drafter else ""
+            off = speculation_policy.batch_reason(stats, self.loop.k_by_load, self.loop.k) if drafting else ""
             result = GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                                     prompt_tokens=len(prompt_ids), queued_at_start=slot_request.occupancy,
                                     speculation_off_reason=off)
             if on_result is not None:
                 on_result(result)
 
+        def make_drafter(slot: int):
+            return self.slot_drafters.drafter(drafter_name, slot)
+
         slot_request = SlotRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids,
-                                   sampling=params, seed=seed, drafter=drafter, emit=emit, cancel=cancel, on_done=done)
+                                   sampling=params, seed=seed, make_drafter=make_drafter if drafting else None,
+                                   emit=emit, cancel=cancel, on_done=done)
         return slot_request
 
     def _check_unguided(self, request: GenerateRequest) -> None:
@@ -102,9 +114,15 @@ class BatchEngine(Engine):
                                f"yet (graphs.batch_slots={self.loop.runner.batch}): send the request to a node "
                                "with graphs.batch_slots: 1")
 
+    def _check_drafter(self, drafter_name: str) -> None:
+        reason = refusal(drafter_name, self.loop.runner.batch)
+        if reason:
+            raise RequestError(reason)
+
     def validate(self, request: GenerateRequest) -> None:
         self._check_unguided(request)  # before Engine.validate compiles the grammar
         super().validate(request)
+        self._check_drafter(self.resolve(request)[3])
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:

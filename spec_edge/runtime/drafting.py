@@ -2,6 +2,10 @@
 they need (a draft model's graphs, the layer-skip graphs, the EAGLE-3 / Medusa / P-EAGLE heads
 exported and passed through the ONNX Runtime passes the config asks for) are loaded once; the
 drafter objects themselves are cheap and made per request.
+
+slots=B (the batched node, graphs.batch_slots > 1): the components are made with one cache region per
+slot (the EAGLE-3 / P-EAGLE heads' OrtEagle3Head(slots=B), the draft model as a BatchRunner over its
+B=1 export); runtime/slot_drafting.py makes each slot's drafter over views of its slot.
 """
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ from spec_edge.runtime.tokenizer import Tokenizer
 class Drafters:
     """drafter(name) for one target. State, loaded on first use: draft_runner, layer_skip (Runners),
     eagle3_head (ort_heads.OrtEagle3Head, or trt_head.TensorRTEagle3Head on the tensorrt backend),
-    peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads)."""
+    peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads). slots > 1: see above
+    (target: slot 0's view, for the checks; draft_runner: an ort_batch.BatchRunner)."""
 
     def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path, model_cfg: ModelConfig,
-                 progress: Callable[[str], None] = print, draft_runner: Runner | None = None):
+                 progress: Callable[[str], None] = print, draft_runner: Runner | None = None, slots: int = 1):
         self.cfg, self.target, self.tokenizer, self.progress = cfg, target, tokenizer, progress
+        self.slots = slots
         self.graph_dir, self.model_cfg = graph_dir, model_cfg  # the target's graphs and geometry
         self.draft_runner = draft_runner
         self.layer_skip: Runner | None = None
@@ -36,13 +42,14 @@ class Drafters:
         """The drafters for another config of the same target (graphs.head_weights changed, say): the
         draft model and layer-skip runners are kept, the heads are loaded again on first use."""
         other = Drafters(cfg, self.target, self.tokenizer, self.graph_dir, self.model_cfg, self.progress,
-                         self.draft_runner)
+                         self.draft_runner, self.slots)
         other.layer_skip = self.layer_skip
         return other
 
     def forget(self) -> None:
         """Mark every resident cache (target, draft model, heads) as holding nothing valid: the next
-        request prefills from position 0 (serve.reuse_prefix off, or a request that failed)."""
+        request prefills from position 0 (serve.reuse_prefix off, or a request that failed). B=1 only:
+        the batched node's records are per slot (each slot's drafter's forget(), runtime/batch.py)."""
         for owner in (self.target, self.draft_runner, self.eagle3_head, self.peagle_head):
             if owner is not None:
                 owner.held = ()
@@ -60,18 +67,7 @@ class Drafters:
                 self.layer_skip = self.target.layer_skip(self.cfg.graphs.layer_skip_layers)
             return LayerSkipDrafter(self.layer_skip, self.cfg.graphs.layer_skip_layers)
         if name == "draft":
-            if self.draft_runner is None:
-                if not self.cfg.model.draft:
-                    raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
-                if self.cfg.runtime.backend == "tensorrt":
-                    raise RequestError("the draft model's engine is loaded only when speculative.drafter is "
-                                       "'draft' in the profile: set it and restart")
-                draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
-                                                self.progress)
-                check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
-                draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
-                self.draft_runner = load_runner(self.cfg, draft_dir)
-            return ModelDrafter(self.draft_runner)
+            return ModelDrafter(self.draft_model())
         if name == "eagle3":
             return self._eagle3_drafter()
         if name == "hybrid":
@@ -85,21 +81,48 @@ class Drafters:
             return self._peagle_drafter()
         raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
 
-    def _eagle3_drafter(self, name: str = "eagle3"):
-        from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
+    def draft_model(self) -> Runner:
+        """The draft model's runner (loaded once; slots > 1: a BatchRunner over its B=1 export)."""
+        if self.draft_runner is None:
+            if not self.cfg.model.draft:
+                raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
+            if self.cfg.runtime.backend == "tensorrt":
+                raise RequestError("the draft model's engine is loaded only when speculative.drafter is "
+                                   "'draft' in the profile: set it and restart")
+            draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
+                                            self.progress)
+            check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
+            draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
+            if self.slots > 1:  # one region per slot, bound to the fused graphs' in-place cache outputs
+                from spec_edge.runtime.backends.ort_batch import BatchRunner
 
-        head = self.eagle3_head
-        if head is None and self.cfg.runtime.backend == "tensorrt":
-            head = self.eagle3_head = self._tensorrt_head(name)
-        if head is None:
+                if export.read_model_config(draft_dir).qk_norm:
+                    raise RequestError("the batched node runs the draft model with fused attention, which does not "
+                                       "cover q/k norms (Qwen3): use another draft model, or graphs.batch_slots: 1")
+                self.draft_runner = BatchRunner(draft_dir, self.cfg.runtime.threads, slots=self.slots)
+            else:
+                self.draft_runner = load_runner(self.cfg, draft_dir)
+        return self.draft_runner
+
+    def load_eagle3_head(self, name: str = "eagle3"):
+        """The EAGLE-3 head (loaded once); name: the drafter that asked (eagle3 or hybrid)."""
+        if self.eagle3_head is None and self.cfg.runtime.backend == "tensorrt":
+            self.eagle3_head = self._tensorrt_head(name)
+        if self.eagle3_head is None:
             from spec_edge.heads import eagle3_export
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
             head_dir = self._export_head(name, "eagle3", "an EAGLE-3 head", eagle3_export.export_head,
                                          made_by="spec-edge train-draft", fused=True)
-            head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
-            self.eagle3_head = head
-        return Eagle3Drafter(self.target, head, self._columns(head.cfg.aux_layers))
+            self.eagle3_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
+                                             slots=self.slots)
+        return self.eagle3_head
+
+    def _eagle3_drafter(self, name: str = "eagle3"):
+        from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
+
+        head = self.load_eagle3_head(name)
+        return Eagle3Drafter(self.target, head, self.columns(head.cfg.aux_layers))
 
     def _tensorrt_head(self, name: str):
         """The EAGLE-3 head engine `spec-edge build` made beside the target's (TensorRT backend)."""
@@ -135,35 +158,43 @@ class Drafters:
                                                 read_head_config(head_dir).as_model_config())
         return quantize.for_head(self.cfg, head_dir, self.progress)
 
-    def _medusa_drafter(self):
-        from spec_edge.runtime.drafters.medusa import MedusaDrafter
-
-        heads = self.medusa_heads
-        if heads is None:
+    def load_medusa_heads(self):
+        """The Medusa heads (loaded once; no cache, so the batched node's slots share them)."""
+        if self.medusa_heads is None:
             from spec_edge.heads import medusa
             from spec_edge.runtime.backends.ort_heads import OrtMedusaHeads
+            from spec_edge.runtime.drafters.medusa import MedusaDrafter
 
             heads = OrtMedusaHeads(self._export_head("medusa", "medusa", "Medusa heads", medusa.export_heads),
                                    self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
                 MedusaDrafter(self.target, heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
             self.medusa_heads = heads
-        return MedusaDrafter(self.target, heads, self._columns((self.model_cfg.n_layers,)))
+        return self.medusa_heads
 
-    def _peagle_drafter(self):
-        from spec_edge.runtime.drafters.peagle import PEagleDrafter
+    def _medusa_drafter(self):
+        from spec_edge.runtime.drafters.medusa import MedusaDrafter
 
-        head = self.peagle_head
-        if head is None:
+        return MedusaDrafter(self.target, self.load_medusa_heads(), self.columns((self.model_cfg.n_layers,)))
+
+    def load_peagle_head(self):
+        """The P-EAGLE head (loaded once)."""
+        if self.peagle_head is None:
             from spec_edge.heads import peagle
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
             head_dir = self._export_head("peagle", "peagle", "a parallel-drafting head", peagle.export_head)
-            head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads)
-            self.peagle_head = head
-        return PEagleDrafter(self.target, head, self._columns(head.cfg.aux_layers))
+            self.peagle_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
+                                             slots=self.slots)
+        return self.peagle_head
 
-    def _columns(self, layers: tuple[int, ...]):
+    def _peagle_drafter(self):
+        from spec_edge.runtime.drafters.peagle import PEagleDrafter
+
+        head = self.load_peagle_head()
+        return PEagleDrafter(self.target, head, self.columns(head.cfg.aux_layers))
+
+    def columns(self, layers: tuple[int, ...]):
         """Where a head's layers sit in the target's hidden-state rows (union of all heads' layers)."""
         return hidden.hidden_columns(self.hidden_layers, tuple(layers), self.model_cfg.hidden_size)
 

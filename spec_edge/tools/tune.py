@@ -190,11 +190,10 @@ def main(cfg, args, progress) -> int:
     drafter = args.drafter or (cfg.speculative.drafter if cfg.speculative.drafter != "none" else "ngram")
     ks = sorted(set(args.ks or cfg.graphs.k_values))
     batched = cfg.graphs.batch_slots > 1
-    if batched:
-        from spec_edge.runtime.batch_engine import BATCH_DRAFTERS
-        if drafter not in BATCH_DRAFTERS:
-            raise cfgmod.ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots}: the batched node drafts with "
-                                     f"{' or '.join(BATCH_DRAFTERS[1:])}; tune it with --drafter ngram")
+    if batched and drafter != "ngram":  # tune_batch prices the target's calls per occupancy, not a slot's drafting
+        raise cfgmod.ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots}: spec-edge tune prices the batched "
+                                 f"node's target calls per occupancy, not drafter {drafter}'s own per-slot cost; "
+                                 f"tune it with --drafter ngram")
     # measured with the policy off: the acceptance run verifies k_max drafts whatever table the profile has
     cfg = cfg.replace(**{"graphs.k_values": sorted(set(cfg.graphs.k_values) | set(ks)), "serve.speculate_k_by_load": [],
                          "speculative.drafter": drafter, "speculative.k": max(ks)})

@@ -34,6 +34,14 @@ def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int) -> int:
     return i
 
 
+def resident_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
+    """A zeroed array whose pages are all written now: np.zeros maps untouched pages that fault in on
+    first use, which made the first request on a fresh batch slot slow."""
+    array = np.empty(shape, dtype)
+    array.fill(0)
+    return array
+
+
 def prefill_in_chunks(prefill_chunk_at, chunk: int, max_context: int, token_ids: Sequence[int],
                       position: int) -> np.ndarray:
     """All of token_ids at [position, ...) as prefill_chunk_at(part, position) calls of at most `chunk`

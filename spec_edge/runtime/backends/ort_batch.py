@@ -1,10 +1,18 @@
 """ONNX Runtime over the batched graphs (graphs/batch_export.py): B static slots, one resident cache.
 
-State, allocated once:
+State, allocated once (and written once, so no slot's pages are faulted in by its first request):
   k_cache, v_cache   (L, B + 1, Hkv, R, D) float32   slot b's region is [:, b]; [:, B] is scratch
                                                        (R = S + C: room for a padded prefill chunk)
+  hidden             (B, S, n * H) float32 or None    graphs exported with draft heads configured: the
+                                                       hidden states of each slot's positions, written
+                                                       like the cache (rows [pos, pos + T) per call)
   per (width T, row count m): tokens (m, T) int64, position (m,) int64, logits (m, T, V)
+                                [, hidden out (m, T, n * H) / (T, n * H)]
   held               B tuples: the token ids whose rows each slot's region holds (prefix reuse)
+
+BatchRunner(b1_folder, slots=B) runs a B=1 export (a draft model's) over B regions: every call is one
+row (its B=1 graphs bound to the slot's region), e.g. the draft model of per-slot drafters
+(runtime/slot_drafting.py); one slot of any BatchRunner as a B=1 Runner: backends/slot_views.py.
 
 A call names the slots it runs: forward(slots, tokens (n, T), positions) computes those n rows only,
 each writing its T keys/values at [pos, pos + T) of its own slot's region; no other region is
@@ -43,7 +51,7 @@ import numpy as np
 
 from spec_edge.graphs import io_names
 from spec_edge.graphs.export import read_model_config
-from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks
+from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks, resident_zeros
 from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, cpu_session
 
 BINDINGS = 512  # IO bindings kept per runner (least recently used dropped): every subset of 8 slots x 2 widths
@@ -53,19 +61,22 @@ BINDINGS = 512  # IO bindings kept per runner (least recently used dropped): eve
 class _Graph:
     """One session with the buffers its calls share: tokens (m, T) / (1, C), position (m,) / (1,),
     logits (m, T, V) / (T, V) / (1, V), last_index (1,) for prefill. The graph writes its logits
-    output into logits[:out_rows] (q4's B=1 step graph: row 0 of the two-row step only)."""
+    output into logits[:out_rows] (q4's B=1 step graph: row 0 of the two-row step only), its hidden
+    states (graphs with draft heads) into hidden, (m, T, n * H) or (rows, n * H) as the graph declares."""
     session: object
     tokens: np.ndarray
     position: np.ndarray
     logits: np.ndarray
     last_index: np.ndarray | None = None
     out_rows: int | None = None
+    hidden: np.ndarray | None = None
 
 
 class BatchRunner:
-    """The target's batched graphs around one (L, B + 1, Hkv, R, D) cache; forward() runs the named slots."""
+    """The target's batched graphs around one (L, B + 1, Hkv, R, D) cache; forward() runs the named slots.
+    slots=B: a B=1 export (no batched graphs) over B regions, every call one row."""
 
-    def __init__(self, graph_dir: str | Path, threads: int = 0):
+    def __init__(self, graph_dir: str | Path, threads: int = 0, *, slots: int | None = None):
         import onnxruntime as ort
 
         self.graph_dir = Path(graph_dir)
@@ -74,14 +85,20 @@ class BatchRunner:
             raise BackendError(f"{self.graph_dir} holds no batched export (manifest.json missing): set "
                                f"graphs.batch_slots and run `spec-edge export`")
         self.manifest = json.loads(path.read_text())
-        if int(self.manifest.get("batch_slots", 1)) < 2 or "row_counts" not in self.manifest:
+        if slots is not None:  # a B=1 export over `slots` regions: one-row calls only
+            if "batch_slots" in self.manifest:
+                raise BackendError(f"{self.graph_dir} is a batched export: open it without slots= (that runs a "
+                                   f"B=1 export over several regions)")
+            if slots < 2:
+                raise BackendError(f"slots={slots}: a B=1 export over regions needs slots >= 2 (one slot: OrtRunner)")
+        elif int(self.manifest.get("batch_slots", 1)) < 2 or "row_counts" not in self.manifest:
             raise BackendError(f"{self.graph_dir} is not a batched export of this version (no batch_slots >= 2 and "
                                f"row_counts in its manifest): delete it and let it be exported again")
         if self.manifest.get("attention") != "fused":
             raise BackendError(f"{self.graph_dir}: batched graphs run with fused attention (graphs.ort_attention: "
-                               f"fused; batch_export.batch_graphs makes that folder)")
+                               f"fused; batch_export.batch_graphs and ort_attention.ensure_fused make such folders)")
         self.model_cfg = cfg = read_model_config(self.graph_dir)
-        self.batch = int(self.manifest["batch_slots"])
+        self.batch = slots or int(self.manifest["batch_slots"])
         self.max_context = int(self.manifest["max_context"])
         self.prefill_chunk = int(self.manifest["prefill_chunk"])
         self.vocab_size = cfg.vocab_size
@@ -89,8 +106,8 @@ class BatchRunner:
         self.threads = _init_thread_pool(threads)
         self._value = ort.OrtValue.ortvalue_from_numpy
         shape = (cfg.n_layers, self.batch + 1, cfg.n_kv_heads, self.cache_rows, cfg.head_dim)  # (L, B + 1, Hkv, R, D)
-        self.k_cache = np.zeros(shape, np.float32)
-        self.v_cache = np.zeros(shape, np.float32)
+        self.k_cache = resident_zeros(shape)
+        self.v_cache = resident_zeros(shape)
         self.scratch = self.batch  # the padding rows' region
         self.held: list[tuple[int, ...]] = [()] * self.batch  # per slot, as Runner.held (base.py)
         specs = self.manifest["graphs"]
@@ -100,7 +117,12 @@ class BatchRunner:
         verify_widths = {spec["width"] for spec in specs.values() if spec["kind"] == "verify"}
         self.step_width = 2 if two_row else 1
         self.widths = frozenset({self.step_width} | {w for w in verify_widths if w > 1})
-        self.row_counts = tuple(int(m) for m in self.manifest["row_counts"])
+        self.row_counts = tuple(int(m) for m in self.manifest.get("row_counts", ()))  # () with slots=: one row
+        hidden_widths = {len(spec.get("hidden_layers", ())) * cfg.hidden_size for spec in specs.values()}
+        if len(hidden_widths) > 1:
+            raise BackendError(f"{self.graph_dir}: graphs disagree on the hidden states they return: re-export")
+        (hidden_width,) = hidden_widths or {0}
+        self.hidden = resident_zeros((self.batch, self.max_context, hidden_width)) if hidden_width else None
         self._batched: dict[tuple[int, int], _Graph] = {}   # (width, m) -> graph
         self._single: dict[int, _Graph] = {}                # width -> the B=1 graph of a one-row call
         self._prefill: _Graph | None = None
@@ -133,8 +155,14 @@ class BatchRunner:
             session = cpu_session(str(path), self.threads)
         except Exception as err:  # onnxruntime raises several unrelated types for a bad file
             raise BackendError(f"ONNX Runtime cannot load {path}: {err}; re-run `spec-edge export`") from err
+        hidden = None
+        if self.hidden is not None:  # the graph's own declared (static) shape of its hidden output
+            (declared,) = [out.shape for out in session.get_outputs() if out.name == io_names.HIDDEN] or [None]
+            if declared is None:
+                raise BackendError(f"{path} returns no hidden states while its manifest says it does: re-export")
+            hidden = np.zeros(tuple(declared), np.float32)
         return _Graph(session, np.zeros(tokens, np.int64), np.zeros(tokens[:1], np.int64),
-                      np.zeros(logits, np.float32), np.zeros((1,), np.int64) if prefill else None, out_rows)
+                      np.zeros(logits, np.float32), np.zeros((1,), np.int64) if prefill else None, out_rows, hidden)
 
     # -- bindings --------------------------------------------------------------------------------
 
@@ -152,6 +180,8 @@ class BatchRunner:
         if graph.last_index is not None:
             binding.bind_ortvalue_input(io_names.LAST_INDEX, self._value(graph.last_index))
         binding.bind_ortvalue_output(io_names.LOGITS, self._value(graph.logits[:graph.out_rows]))
+        if graph.hidden is not None:
+            binding.bind_ortvalue_output(io_names.HIDDEN, self._value(graph.hidden))
         for layer in range(self.model_cfg.n_layers):
             for j, region in enumerate(regions):
                 def name(base: str) -> str:
@@ -177,6 +207,8 @@ class BatchRunner:
 
     def rows_for(self, n: int) -> int:
         """The row count of the graph an n-row call runs (1: the B=1 graphs)."""
+        if n > 1 and not self.row_counts:
+            raise BackendError(f"{self.graph_dir} is a B=1 export run over {self.batch} regions: a call runs one slot")
         return 1 if n == 1 else min(m for m in self.row_counts if m >= n)
 
     def forward(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
@@ -206,6 +238,9 @@ class BatchRunner:
             graph.tokens[0] = tokens[0, :graph.tokens.shape[1]]  # q4's B=1 step graph takes the pending token once
             graph.position[0] = positions[0]
             graph.session.run_with_iobinding(binding)
+            if graph.hidden is not None:
+                rows = min(width, graph.hidden.shape[0])
+                self.hidden[slots[0], positions[0]:positions[0] + rows] = graph.hidden[:rows]
             return graph.logits[None]
         graph = self._batched[(width, m)]
         binding = self._binding((width, m, slots), graph, slots + (self.scratch,) * (m - n), per_row=True)
@@ -214,7 +249,18 @@ class BatchRunner:
         graph.position[:n] = positions
         graph.position[n:] = 0  # padding rows: [0, T) of the scratch region
         graph.session.run_with_iobinding(binding)
+        if graph.hidden is not None:  # (m, T, n * H): row j's T states at [pos, pos + T) of its slot's
+            for j, (slot, pos) in enumerate(zip(slots, positions)):
+                self.hidden[slot, pos:pos + width] = graph.hidden[j]
         return graph.logits[:n]
+
+    def hidden_states(self, slot: int, start: int, stop: int) -> np.ndarray:
+        """Slot's target hidden states (stop - start, n * H) at positions [start, stop) as the latest calls
+        wrote them (a view, valid until a call rewrites them): base.Runner.hidden_states per slot."""
+        if self.hidden is None:
+            raise BackendError(f"{self.graph_dir} was exported without hidden-state outputs: set speculative."
+                               f"eagle3_head (or medusa_head / peagle_head) so the batched graphs return them")
+        return self.hidden[slot, start:stop]
 
     def argmax(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
         """Greedy token after each position, (n, T) int64. A device runner overrides this so only
@@ -242,6 +288,8 @@ class BatchRunner:
         graph.position[0] = position
         graph.last_index[0] = n_valid - 1
         graph.session.run_with_iobinding(binding)
+        if graph.hidden is not None:
+            self.hidden[slot, position:position + n_valid] = graph.hidden[:n_valid]
         return graph.logits[0]
 
     def copy_prefix(self, source: int, target: int, n_rows: int) -> None:
@@ -249,3 +297,5 @@ class BatchRunner:
         tokens there writes: warming every slot with one prefill)."""
         self.k_cache[:, target, :, :n_rows] = self.k_cache[:, source, :, :n_rows]
         self.v_cache[:, target, :, :n_rows] = self.v_cache[:, source, :, :n_rows]
+        if self.hidden is not None:  # the heads read these rows as the prefill wrote them
+            self.hidden[target, :n_rows] = self.hidden[source, :n_rows]

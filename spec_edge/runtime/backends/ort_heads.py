@@ -4,8 +4,10 @@ parallel-drafting variant (spec_edge/heads/peagle.py) and Medusa heads (spec_edg
 EAGLE-3 / P-EAGLE:
 
 State, allocated once:
-  k_cache, v_cache  (1, Hkv, S, D) float32   the head's own resident cache ((1, Hkv, S + W, D) with
-                                             fused attention: the graphs write it in place)
+  k_cache, v_cache  (slots, Hkv, S, D) float32   the head's own resident cache, one region per slot
+                                             (slots = 1 but for the batched node's per-slot heads;
+                                             (., Hkv, S + W, D) with fused attention: the graphs
+                                             write it in place); per slot one IO binding per graph
   embed_table       (V, H) float32           the target's token embedding: a read-only memory map of
                                              the target's weights.bin (no copy), bound as an input
   per graph: tokens (1, W), hidden (W, 3Ht) or (1, H), position, last_index, logits (1, Vd),
@@ -24,14 +26,14 @@ import numpy as np
 
 from spec_edge.graphs import io_names
 from spec_edge.heads.eagle3_export import read_head_config
-from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime.backends.base import BackendError, resident_zeros
 from spec_edge.runtime.backends.onnxruntime import cpu_session
 
 
 @dataclass
 class _HeadGraph:
     session: object
-    binding: object
+    bindings: list          # [slot]: the IO binding with that slot's cache region bound
     tokens: np.ndarray      # (1, W) int64
     hidden: np.ndarray      # (W, 3Ht) ingest / (1, H) step
     position: np.ndarray    # (1,) int64
@@ -44,10 +46,16 @@ class _HeadGraph:
 
 def target_embedding(target_graph_dir: Path, name: str = "model.embed_tokens.weight") -> np.ndarray:
     """The target's (V, H) embedding as a read-only memory map of its weights.bin (found through
-    the external-data record of the step graph), so the head shares the target's pages."""
+    the external-data record of the step graph: step_1.onnx, or a batched folder's single_step_1.onnx),
+    so the head shares the target's pages."""
     import onnx
 
-    graph = onnx.load(str(Path(target_graph_dir) / "step_1.onnx"), load_external_data=False)
+    from spec_edge.graphs.batch_export import SINGLE
+
+    step = Path(target_graph_dir) / "step_1.onnx"
+    if not step.is_file():
+        step = Path(target_graph_dir) / f"{SINGLE}step_1.onnx"
+    graph = onnx.load(str(step), load_external_data=False)
     for tensor in graph.graph.initializer:
         if tensor.name == name or tensor.name.endswith("embed_tokens.weight"):
             if tensor.data_location != onnx.TensorProto.EXTERNAL or tensor.data_type != onnx.TensorProto.FLOAT:
@@ -56,14 +64,17 @@ def target_embedding(target_graph_dir: Path, name: str = "model.embed_tokens.wei
             shape = tuple(tensor.dims)
             return np.memmap(Path(target_graph_dir) / info["location"], dtype=np.float32, mode="r",
                              offset=int(info["offset"]), shape=shape)
-    raise BackendError(f"{target_graph_dir}/step_1.onnx: no float32 external embedding table found "
+    raise BackendError(f"{step}: no float32 external embedding table found "
                        f"(the EAGLE-3 head reads the target's embedding from weights.bin)")
 
 
 class OrtEagle3Head:
+    """slots > 1: one cache region per batch slot (the batched node's per-slot drafters, each seeing its
+    slot through backends/slot_views.SlotHead); the sessions and buffers are shared, every call names its
+    slot (default 0)."""
     held: tuple[int, ...] = ()  # ids whose pairs rows 0..len-2 hold validly (drafters/head.py: CachedHeadDrafter)
 
-    def __init__(self, head_dir: str | Path, embed_table: np.ndarray, threads: int = 0):
+    def __init__(self, head_dir: str | Path, embed_table: np.ndarray, threads: int = 0, slots: int = 1):
         import onnxruntime as ort
 
         self.head_dir = Path(head_dir)
@@ -82,11 +93,13 @@ class OrtEagle3Head:
         # fused attention (spec_edge/graphs/ort_attention.py): the graphs write their rows into the cache
         # themselves (k_present bound to the k_cache memory); spare rows take an ingest's padding
         self.fused = self.manifest.get("attention") == "fused"
-        shape = (1, c.n_kv_heads, int(self.manifest.get("cache_rows", self.max_context)), c.head_dim)
-        self.k_cache = np.zeros(shape, np.float32)
-        self.v_cache = np.zeros(shape, np.float32)
-        self._k_value = ort.OrtValue.ortvalue_from_numpy(self.k_cache)  # one view of each, shared by all graphs
-        self._v_value = ort.OrtValue.ortvalue_from_numpy(self.v_cache)
+        self.slots = slots
+        shape = (slots, c.n_kv_heads, int(self.manifest.get("cache_rows", self.max_context)), c.head_dim)
+        self.k_cache = resident_zeros(shape)  # (slots, Hkv, S [+ W], D); every page written now
+        self.v_cache = resident_zeros(shape)
+        # per slot one (1, Hkv, ., D) view of each, shared by all graphs
+        self._k_values = [ort.OrtValue.ortvalue_from_numpy(self.k_cache[b:b + 1]) for b in range(slots)]
+        self._v_values = [ort.OrtValue.ortvalue_from_numpy(self.v_cache[b:b + 1]) for b in range(slots)]
         self._ingest: dict[int, _HeadGraph] = {}
         self._draft: dict[int, _HeadGraph] = {}  # P-EAGLE draft passes by k
         self._step: _HeadGraph | None = None
@@ -112,7 +125,7 @@ class OrtEagle3Head:
         hidden_in = c.hidden_size if kind == "step" else 3 * c.target_hidden_size
         new_shape = (1, c.n_kv_heads, width, c.head_dim)
         draft = kind == "draft"  # P-EAGLE: one real row in, width rows of logits out
-        graph = _HeadGraph(session=session, binding=session.io_binding(),
+        graph = _HeadGraph(session=session, bindings=[session.io_binding() for _ in range(self.slots)],
                            tokens=np.zeros((1, 1 if draft else width), np.int64),
                            hidden=np.zeros((1 if draft else width, hidden_in), np.float32),
                            position=np.zeros((1,), np.int64), last_index=np.zeros((1,), np.int64),
@@ -120,45 +133,53 @@ class OrtEagle3Head:
                            k_new=None if self.fused else np.zeros(new_shape, np.float32),
                            v_new=None if self.fused else np.zeros(new_shape, np.float32),
                            hidden_out=np.zeros((1, c.hidden_size), np.float32))
-        bind, value = graph.binding, ort.OrtValue.ortvalue_from_numpy
+        value = ort.OrtValue.ortvalue_from_numpy
         inputs = [(io_names.TOKENS, graph.tokens), (io_names.HIDDEN, graph.hidden),
                   (io_names.POSITION, graph.position)]
         outputs = [(io_names.LOGITS, graph.logits)]
-        bind.bind_ortvalue_input(io_names.K_CACHE, self._k_value)
-        bind.bind_ortvalue_input(io_names.V_CACHE, self._v_value)
-        if self.fused:  # same memory in and out: the node writes its rows in place
-            bind.bind_ortvalue_output(io_names.K_PRESENT, self._k_value)
-            bind.bind_ortvalue_output(io_names.V_PRESENT, self._v_value)
-        else:
+        if not self.fused:
             outputs += [(io_names.K_NEW, graph.k_new), (io_names.V_NEW, graph.v_new)]
         if not draft:
             inputs.append((io_names.LAST_INDEX, graph.last_index))
             outputs.append((io_names.HIDDEN_OUT, graph.hidden_out))
-        for name, array in inputs:
-            bind.bind_ortvalue_input(name, value(array))
         table = self.embed_table
         if not (isinstance(table, np.ndarray) and table.flags.c_contiguous and table.dtype == np.float32):
             table = np.ascontiguousarray(table, dtype=np.float32)
-        bind.bind_cpu_input(io_names.EMBED_TABLE, table)  # by pointer: a memory map stays a memory map
-        for name, array in outputs:
-            bind.bind_ortvalue_output(name, value(array))
+        for bind, k_value, v_value in zip(graph.bindings, self._k_values, self._v_values):
+            bind.bind_ortvalue_input(io_names.K_CACHE, k_value)
+            bind.bind_ortvalue_input(io_names.V_CACHE, v_value)
+            if self.fused:  # same memory in and out: the node writes its rows in place
+                bind.bind_ortvalue_output(io_names.K_PRESENT, k_value)
+                bind.bind_ortvalue_output(io_names.V_PRESENT, v_value)
+            for name, array in inputs:
+                bind.bind_ortvalue_input(name, value(array))
+            bind.bind_cpu_input(io_names.EMBED_TABLE, table)  # by pointer: a memory map stays a memory map
+            for name, array in outputs:
+                bind.bind_ortvalue_output(name, value(array))
         return graph
 
-    def _run(self, graph: _HeadGraph, position: int, n_valid: int) -> tuple[np.ndarray, np.ndarray]:
+    def _binding(self, graph: _HeadGraph, slot: int):
+        if not 0 <= slot < self.slots:
+            raise BackendError(f"head slot must be in [0, {self.slots}), got {slot}")
+        return graph.bindings[slot]
+
+    def _run(self, graph: _HeadGraph, position: int, n_valid: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         if position < 0 or position + n_valid > self.max_context:
             raise BackendError(f"head positions [{position}, {position + n_valid}) do not fit its "
                                f"{self.max_context}-row cache")
+        binding = self._binding(graph, slot)
         graph.position[0] = position
         graph.last_index[0] = n_valid - 1
-        graph.session.run_with_iobinding(graph.binding)
+        graph.session.run_with_iobinding(binding)
         if not self.fused:
-            self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
-            self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
+            self.k_cache[slot:slot + 1, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
+            self.v_cache[slot:slot + 1, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
         return graph.logits[0], graph.hidden_out
 
-    def ingest(self, tokens: Sequence[int], hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """Feed pairs (target hidden at position + i, tokens[i]) for i < n; returns the draft logits
-        (Vd,) and the head's hidden (1, H) after the last pair. Chunks by the widest graph."""
+    def ingest(self, tokens: Sequence[int], hidden: np.ndarray, position: int,
+               slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Feed pairs (target hidden at position + i, tokens[i]) for i < n into slot's cache; returns the
+        draft logits (Vd,) and the head's hidden (1, H) after the last pair. Chunks by the widest graph."""
         n = len(tokens)
         if n == 0:
             raise BackendError("ingest needs at least one pair")
@@ -173,43 +194,46 @@ class OrtEagle3Head:
             graph.tokens[0, take:] = 0
             graph.hidden[:take] = hidden[start:start + take]
             graph.hidden[take:] = 0.0
-            result = self._run(graph, position + start, take)
+            result = self._run(graph, position + start, take, slot)
             start += take
         return result
 
-    def step(self, token: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, token: int, hidden: np.ndarray, position: int, slot: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """One draft step from the head's own hidden (1, H) and the last drafted token."""
         graph = self._step
         graph.tokens[0, 0] = token
         graph.hidden[:] = hidden
-        return self._run(graph, position, 1)
+        return self._run(graph, position, 1, slot)
 
-    def greedy_chain(self, tokens: Sequence[int], hidden: np.ndarray, position: int, k: int) -> np.ndarray:
+    def greedy_chain(self, tokens: Sequence[int], hidden: np.ndarray, position: int, k: int,
+                     slot: int = 0) -> np.ndarray:
         """Greedy drafts 1..k as target ids (k,) int64: ingest the pairs, then k - 1 steps each fed
         the previous draft (the reference for trt_head.TensorRTEagle3Head.greedy_chain, which runs
         the same chain on the device)."""
-        logits, own = self.ingest(tokens, hidden, position)
+        logits, own = self.ingest(tokens, hidden, position, slot)
         ids = [int(self.draft_ids[int(np.argmax(logits))])]
         for i in range(k - 1):
-            logits, own = self.step(ids[-1], own, position + len(tokens) + i)
+            logits, own = self.step(ids[-1], own, position + len(tokens) + i, slot)
             ids.append(int(self.draft_ids[int(np.argmax(logits))]))
         return np.asarray(ids, np.int64)
 
-    def draft(self, token: int, hidden: np.ndarray, position: int, k: int) -> np.ndarray:
+    def draft(self, token: int, hidden: np.ndarray, position: int, k: int, slot: int = 0) -> np.ndarray:
         """P-EAGLE: the pair (target hidden (1, 3Ht) at position, token) and k-1 mask rows in one
-        pass; the pair's K/V is written at position. Returns the logits (k, Vd) of drafts 1..k."""
+        pass; the pair's K/V is written at position of slot's region. Returns the logits (k, Vd) of
+        drafts 1..k."""
         graph = self._draft.get(k)
         if graph is None:
             raise BackendError(f"no P-EAGLE draft graph for k={k} (built for k in {self.draft_widths})")
         if position < 0 or position + k > self.max_context:
             raise BackendError(f"head positions [{position}, {position + k}) do not fit its "
                                f"{self.max_context}-row cache")
+        binding = self._binding(graph, slot)
         graph.tokens[0, 0] = token
         graph.hidden[:] = hidden
         graph.position[0] = position
-        graph.session.run_with_iobinding(graph.binding)
-        self.k_cache[:, :, position] = graph.k_new[:, :, 0]
-        self.v_cache[:, :, position] = graph.v_new[:, :, 0]
+        graph.session.run_with_iobinding(binding)
+        self.k_cache[slot:slot + 1, :, position] = graph.k_new[:, :, 0]
+        self.v_cache[slot:slot + 1, :, position] = graph.v_new[:, :, 0]
         return graph.logits
 
 

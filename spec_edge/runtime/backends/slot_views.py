@@ -1,0 +1,85 @@
+"""One batch slot of a batched runner or a per-slot head, seen through the interface the drafters use.
+
+The drafters (runtime/drafters/*.py) are written against one model cache: a Runner (base.py) for the
+draft model and for the target's hidden states, an ONNX Runtime head (ort_heads.py) for EAGLE-3 /
+P-EAGLE. In the batched node each slot's drafter gets views of its own slot instead, so the drafters
+run unchanged, each over its slot's regions only:
+
+  SlotRunner(runner, b)   a BatchRunner (ort_batch.py: the batched target, or a draft model's B=1
+                          export over B regions) as a B=1 Runner of slot b: forward / argmax /
+                          prefill / greedy_chain run one-row calls on b's region, hidden_states reads
+                          b's rows, held is runner.held[b] (the slot's prefix record)
+  SlotHead(head, b)       an OrtEagle3Head(slots=B) as one head of slot b: ingest / step /
+                          greedy_chain / draft on b's cache region; held is the slot's own record
+                          (kept on the view, which the slot keeps across requests)
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from spec_edge.runtime.backends.base import BackendError, Runner
+
+
+class SlotRunner(Runner):
+    """Slot `slot` of a BatchRunner as a B=1 Runner (every call a one-row call on its region)."""
+
+    def __init__(self, runner, slot: int):
+        if not 0 <= slot < runner.batch:
+            raise BackendError(f"slot must be in [0, {runner.batch}), got {slot}")
+        self.runner, self.slot = runner, slot
+        self.max_context = runner.max_context
+        self.vocab_size = runner.vocab_size
+        self.prefill_chunk = runner.prefill_chunk
+        self.widths = runner.widths
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        return self.runner.held[self.slot]
+
+    @held.setter
+    def held(self, ids: tuple[int, ...]) -> None:
+        self.runner.held[self.slot] = ids
+
+    def forward(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        """Logits (T, V) of the slot's one-row call (a view, valid until the next call of that width)."""
+        return self.runner.forward([self.slot], np.asarray([token_ids], np.int64), [position])[0]
+
+    def argmax(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        return self.runner.argmax([self.slot], np.asarray([token_ids], np.int64), [position])[0]
+
+    def prefill(self, token_ids: Sequence[int], position: int) -> np.ndarray:
+        return self.runner.prefill(self.slot, token_ids, position)
+
+    def hidden_states(self, start: int, stop: int) -> np.ndarray:
+        return self.runner.hidden_states(self.slot, start, stop)
+
+    def layer_skip(self, n_layers: int) -> Runner:
+        raise BackendError("the layer-skip drafter shares the target's own cache, which has no per-slot layer-skip "
+                           "graphs: use graphs.batch_slots: 1 for drafter layerskip")
+
+
+class SlotHead:
+    """Slot `slot` of an OrtEagle3Head(slots=B), as drafters/eagle3.py, peagle.py and hybrid.py use a head."""
+
+    def __init__(self, head, slot: int):
+        if not 0 <= slot < head.slots:
+            raise BackendError(f"head slot must be in [0, {head.slots}), got {slot}")
+        self.head, self.slot = head, slot
+        self.held: tuple[int, ...] = ()  # this slot's record (drafters/head.py: CachedHeadDrafter)
+        self.cfg, self.head_dir, self.draft_ids = head.cfg, head.head_dir, head.draft_ids
+        self.max_context = head.max_context
+        self.ingest_widths, self.draft_widths = head.ingest_widths, head.draft_widths
+
+    def ingest(self, tokens: Sequence[int], hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.head.ingest(tokens, hidden, position, self.slot)
+
+    def step(self, token: int, hidden: np.ndarray, position: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.head.step(token, hidden, position, self.slot)
+
+    def greedy_chain(self, tokens: Sequence[int], hidden: np.ndarray, position: int, k: int) -> np.ndarray:
+        return self.head.greedy_chain(tokens, hidden, position, k, self.slot)
+
+    def draft(self, token: int, hidden: np.ndarray, position: int, k: int) -> np.ndarray:
+        return self.head.draft(token, hidden, position, k, self.slot)
