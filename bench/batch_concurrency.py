@@ -11,7 +11,8 @@ Servers (`spec-edge serve`, one at a time, discovery on localhost): serial = con
 config/default.yaml with graphs.batch_slots = --slots (drafters none, ngram), batched-tuned = the
 batched server with serve.speculate_k_by_load read from --tuned (the table `spec-edge tune` wrote for
 these slots; requests ask for ngram, the node steps k down with the occupancy), batched-hybrid =
-smollm2_hybrid.yaml with the slots (each slot its own n-gram + EAGLE-3 head state). Every server but
+smollm2_hybrid.yaml with the slots and graphs.k_values = its k alone (profile folder <profile>-k<k>; each
+slot its own n-gram + EAGLE-3 head state). Every server but
 the hybrid ones gets graphs.k_values = --k-values, so they share one exported folder. For every drafter
 and N, N client processes (bench/_stream_client.py) each stream one request (prompts of
 bench/prompts.jsonl, greedy) starting at the same instant; per N: total tok/s (all tokens / time until
@@ -135,7 +136,11 @@ def main() -> int:
     servers = {"serial": (default, {"plain": {"speculate": False}, **ngram}),
                "serial-hybrid": (hybrid, {"hybrid": {"drafter": "hybrid"}}),
                "batched": (batched, {"plain": {"speculate": False}, **ngram}),
-               "batched-hybrid": (hybrid.replace(**{"graphs.batch_slots": args.slots}), {"hybrid": {"drafter": "hybrid"}})}
+               # only the hybrid's own k: a verify width is one graph per row count, each holding the weights
+               "batched-hybrid": (hybrid.replace(**{"graphs.batch_slots": args.slots,
+                                                    "graphs.k_values": (hybrid.speculative.k,),
+                                                    "runtime.profile": f"{hybrid.runtime.profile}-k{hybrid.speculative.k}"}),
+                                  {"hybrid": {"drafter": "hybrid"}})}
     if "batched-tuned" in args.variants:
         table = cfgmod.load(args.tuned).serve.speculate_k_by_load
         if len(table) != args.slots or any(k and k not in args.k_values for k in table):

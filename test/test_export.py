@@ -130,6 +130,16 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
     assert json.loads((fused / "manifest.json").read_text())["attention"] == "fused"
     assert f"ONNX Runtime runs {fused}" in capsys.readouterr().err
 
+    # with batch slots, the batched folder the node loads too (its first start would export it otherwise)
+    profile.write_text("/**:\n  ros__parameters:\n    graphs:\n      max_context: 64\n      prefill_chunk: 8\n"
+                       "      layer_skip_layers: 1\n      k_values: [3]\n      batch_slots: 2\n    speculative:\n"
+                       "      k: 3\n")
+    assert cli.main(["export", "--config", str(profile), "--target", str(folder),
+                     "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
+    batched = tmp_path / "e" / "cli" / "onnx" / "target_b2_fused"
+    assert (batched / "manifest.json").is_file()
+    assert f"ONNX Runtime runs {batched}" in capsys.readouterr().err
+
 
 def test_unsupported_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))

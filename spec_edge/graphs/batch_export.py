@@ -165,8 +165,8 @@ def batch_graphs(cfg: Config, progress: Progress = print, rows: tuple[int, ...] 
     from spec_edge.graphs import ort_attention, quantize
 
     if cfg.runtime.backend != "onnxruntime":
-        raise ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs on runtime.backend=onnxruntime; "
-                          f"TensorRT engines with a batch axis are not built yet (set graphs.batch_slots: 1)")
+        raise ConfigError("the batched ONNX Runtime graphs are for runtime.backend=onnxruntime; TensorRT builds its "
+                          "batched engine from graphs/batch_dynamic.py's graph (`spec-edge build`)")
     if cfg.graphs.weights in QDQ_WEIGHTS:
         raise ConfigError(f"graphs.batch_slots > 1 runs graphs.weights fp32, q4 or q4_fp32act, not "
                           f"{cfg.graphs.weights}")
