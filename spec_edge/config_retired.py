@@ -2,6 +2,7 @@
 one, with a message naming what replaced it (the value to write instead where there is one)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from spec_edge import speculation_policy
@@ -9,16 +10,15 @@ from spec_edge import speculation_policy
 _FOLDED = {"none": "fp32", "fp8": "fp8", "nvfp4": "nvfp4"}  # the old graphs.quantization -> graphs.weights
 
 
-def message(params: dict[str, Any]) -> str | None:
-    """The refusal of the first retired key in params (flat 'section.field' keys), or None."""
-    from spec_edge.config import WEIGHTS, SpeculativeSection
-
+def message(params: dict[str, Any], weights: Sequence[str], default_k: int) -> str | None:
+    """The refusal of the first retired key in params (flat 'section.field' keys), or None; weights: the
+    values of graphs.weights, default_k: speculative.k's default (config.py passes both)."""
     if "graphs.quantization" in params:
         return (f"graphs.quantization is gone: the quantized forms are values of graphs.weights now "
                 f"(graphs.quantization: {params['graphs.quantization']} -> graphs.weights: "
-                f"{_FOLDED.get(params['graphs.quantization'], 'fp32')}; values: {', '.join(WEIGHTS)})")
+                f"{_FOLDED.get(params['graphs.quantization'], 'fp32')}; values: {', '.join(weights)})")
     if "serve.speculate_max_queue" in params:
-        old, k = params["serve.speculate_max_queue"], params.get("speculative.k", SpeculativeSection.k)
+        old, k = params["serve.speculate_max_queue"], params.get("speculative.k", default_k)
         new = speculation_policy.from_max_queue(old, k) if isinstance(old, int) and isinstance(k, int) else "[k, .., 0]"
         return (f"serve.speculate_max_queue is gone: the load policy is {speculation_policy.KEY} now, the k to "
                 f"verify at each load (0 = no speculation). speculate_max_queue: {old} is {speculation_policy.KEY}: "

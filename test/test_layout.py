@@ -16,15 +16,18 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "spec_edge"
 
-# what each room may use (besides itself); the top-level config.py is the shared leaf, cli.py the top
+# what each room may use (besides itself); the top-level config.py is the shared leaf (with its own two
+# leaves: the load policy and the retired keys), cli.py the top
 ALLOWED = {
-    "config": set(),
+    "speculation_policy": set(),
+    "config_retired": {"speculation_policy"},
+    "config": {"speculation_policy", "config_retired"},
     "graphs": {"config"},
     "heads": {"config", "graphs"},
     "device": {"config", "graphs", "heads"},
-    "runtime": {"config", "graphs", "heads", "device"},
+    "runtime": {"config", "speculation_policy", "graphs", "heads", "device"},
     "training": {"config", "graphs", "heads", "runtime"},
-    "tools": {"config", "graphs", "heads", "device", "runtime"},
+    "tools": {"config", "speculation_policy", "graphs", "heads", "device", "runtime"},
     "ros2": {"config", "runtime"},
     "cli": {"config", "graphs", "heads", "device", "runtime", "training", "tools", "ros2"},
 }

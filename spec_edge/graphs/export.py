@@ -30,17 +30,14 @@ from pathlib import Path
 from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
 from spec_edge.graphs import hidden, io_names, shared_table
 
-FORMAT_VERSION = 2  # 2: one cache input per layer, two-part attention, fusable RMSNorm
-ALIGN = 4096
+FORMAT_VERSION, ALIGN = 2, 4096  # format 2: one cache input per layer, two-part attention, fusable RMSNorm
 Progress = Callable[[str], None]
+DYNAMIC_STEM = "dynamic"
 
 
 def torch_dtype(name: str):
     import torch
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
-
-
-DYNAMIC_STEM = "dynamic"
 
 
 def graph_plan(cfg: Config, role: str, dynamic: bool = False) -> dict[str, dict]:
@@ -155,9 +152,8 @@ def _remove_tree(path: Path) -> None:
 
 
 def load_into(cfg: Config, source: str, out_dir: Path) -> tuple:
-    """(model config, state dict, tokenizer, the WeightStore of the new folder out_dir) of source, whose
-    positions must cover graphs.max_context: the start of every export (this one, graphs/batch_export.py,
-    graphs/batch_dynamic.py)."""
+    """(model config, state dict, tokenizer, WeightStore of the new folder out_dir) of source, checked to
+    cover graphs.max_context: how every export starts (this one, batch_export.py, batch_dynamic.py)."""
     from spec_edge.graphs import weights
 
     model_cfg, state, tokenizer = weights.load(source)

@@ -37,31 +37,10 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import DRAFTERS
+from spec_edge.tools.acceptance import expected_tokens, expected_tokens_geometric  # noqa: F401 (tests)
 
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
-
-
-def expected_tokens_geometric(alpha: float, k: int) -> float:
-    """Tokens per verify call when every draft is accepted with probability alpha independently."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def expected_tokens(p_accept: list[float], k: int) -> float:
-    """1 + P_1 + ... + P_k from measured per-position acceptance (P_i: share of verifies whose first i
-    drafts were accepted). Beyond the measured positions the last conditional rate P_n / P_{n-1}
-    continues geometrically."""
-    p = [min(max(float(x), 0.0), 1.0) for x in p_accept]
-    total = 1.0
-    for i in range(k):
-        if i < len(p):
-            total += p[i]
-        elif p:
-            ratio = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else p[-1]
-            total += p[-1] * ratio ** (i - len(p) + 1)
-    return total
 
 
 def verify_cost(costs: dict[int, float], k: int) -> float:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from spec_edge.tools.tune import expected_tokens
+from spec_edge.tools.acceptance import expected_tokens
 
 Call = Callable[[int, int], object]  # call(rows, width): one decode call with that many rows
 
