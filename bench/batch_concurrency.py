@@ -2,7 +2,7 @@
 speculative, 1, 2, 4, 8 client processes, in one run. A measurement, not a timed test.
 
     ROS_DOMAIN_ID=73 PYTHONPATH=$PWD .venv/bin/python bench/batch_concurrency.py [--clients 1 2 4 8]
-        [--slots 8] [--max-new-tokens 48] [--k-values 2 4] [--tuned bench/results/tuned_k_by_load_b8.yaml]
+        [--slots 8] [--max-new-tokens 48] [--rounds 1] [--solo-rounds 4] [--k-values 2 4] [--tuned bench/results/tuned_k_by_load_b8.yaml]
         [--variants serial serial-hybrid batched batched-tuned batched-hybrid]
         [--out bench/results/batch_concurrency.json]
 
@@ -14,8 +14,9 @@ these slots; requests ask for ngram, the node steps k down with the occupancy), 
 smollm2_hybrid.yaml with the slots and graphs.k_values = its k alone (profile folder <profile>-k<k>; each
 slot its own n-gram + EAGLE-3 head state). Every server but
 the hybrid ones gets graphs.k_values = --k-values, so they share one exported folder. For every drafter
-and N, N client processes (bench/_stream_client.py) each stream one request (prompts of
-bench/prompts.jsonl, greedy) starting at the same instant; per N: total tok/s (all tokens / time until
+and N, after a warm-up burst, N client processes (bench/_stream_client.py) each stream one request (the
+prompts of bench/prompts.jsonl, the ones `spec-edge tune` measures acceptance on; greedy) starting at the
+same instant (--rounds bursts per N, one client --solo-rounds, each on the next prompts); per N: total tok/s (all tokens / time until
 the last answer), per-client tok/s (mean of tokens / own latency), mean TTFT (first streamed text,
 queue wait included). The Thor rows are a projection (device/projection.py: bytes a (B, k+1) call reads
 = weights once + B slots of static cache), not a measurement. Writes JSON, a table (.txt) and a plot (.png).
@@ -58,11 +59,12 @@ def stop(server: subprocess.Popen) -> None:
         server.wait()
 
 
-def burst(prompts: list[str], n: int, fields: dict, max_new: int) -> dict:
+def burst(prompts: list[str], n: int, fields: dict, max_new: int, offset: int = 0) -> dict:
     start_at = time.time() + 5 + 1.5 * n  # every process imported rclpy and found the node
     procs = [subprocess.Popen([sys.executable, str(CLIENT), json.dumps(
         {"index": i, "start_at": start_at,
-         "request": dict(prompt=prompts[i % len(prompts)], max_new_tokens=max_new, temperature=0.0, **fields)})],
+         "request": dict(prompt=prompts[(offset + i) % len(prompts)], max_new_tokens=max_new, temperature=0.0,
+                         **fields)})],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
     answers = []
     for proc in procs:
@@ -79,7 +81,23 @@ def burst(prompts: list[str], n: int, fields: dict, max_new: int) -> dict:
             "per_client_tok_s": statistics.mean(a["num_tokens"] / a["latency_s"] for a in answers),
             "ttft_s": statistics.mean(a["ttft_s"] for a in answers), "makespan_s": makespan, "tokens": tokens,
             "texts": [a["text"] for a in answers], "acceptance": [a["stats"]["acceptance_rate"] for a in answers],
+            "latencies_s": [a["latency_s"] for a in answers], "ttfts_s": [a["ttft_s"] for a in answers],
             "loadavg": os.getloadavg()[0]}
+
+
+def measure(prompts: list[str], n: int, fields: dict, max_new: int, rounds: int) -> dict:
+    """`rounds` bursts of n clients, round r on the prompts from r * n on: total tok/s = all tokens / the
+    bursts' summed makespans, per-client tok/s and TTFT the means over every request."""
+    runs = [burst(prompts, n, fields, max_new, offset=r * n) for r in range(rounds)]
+    if rounds == 1:
+        return runs[0]
+    per = [t / ms for run in runs for t, ms in zip(run["tokens"], run["latencies_s"])]
+    return {"clients": n, "rounds": rounds, "total_tok_s": sum(sum(r["tokens"]) for r in runs) / sum(r["makespan_s"] for r in runs),
+            "per_client_tok_s": statistics.mean(per), "ttft_s": statistics.mean(t for r in runs for t in r["ttfts_s"]),
+            "makespan_s": sum(r["makespan_s"] for r in runs), "tokens": [t for r in runs for t in r["tokens"]],
+            "texts": [t for r in runs for t in r["texts"]], "acceptance": [a for r in runs for a in r["acceptance"]],
+            "latencies_s": [x for r in runs for x in r["latencies_s"]], "ttfts_s": [x for r in runs for x in r["ttfts_s"]],
+            "loadavg": statistics.mean(r["loadavg"] for r in runs)}
 
 
 THOR_PROFILE = ROOT / "config" / "thor_llama31_8b_batch4.yaml"
@@ -115,6 +133,9 @@ def main() -> int:
                         help="graphs.k_values of the non-hybrid servers (one exported folder for all of them)")
     parser.add_argument("--tuned", default=str(ROOT / "bench" / "results" / "tuned_k_by_load_b8.yaml"),
                         help="profile written by `spec-edge tune` for these slots: its serve.speculate_k_by_load")
+    parser.add_argument("--rounds", type=int, default=1, help="bursts per N > 1, each on the next prompts")
+    parser.add_argument("--solo-rounds", type=int, default=4,
+                        help="bursts of one client per variant, each on the next prompt (the single-client ratio)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "batch_concurrency.json"))
     args = parser.parse_args()
 
@@ -125,7 +146,7 @@ def main() -> int:
 
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     os.environ.setdefault("ROS_DOMAIN_ID", "73")
-    prompts = [p["prompt"] for p in load_prompts(kinds=["edit", "free-form"])]
+    prompts = [p["prompt"] for p in load_prompts()]  # the prompts `spec-edge tune` measures acceptance on
     serve_keys = {"serve.queue_limit": max(args.clients) + 1, "serve.request_timeout_s": 1800.0,
                   "serve.speculate_k_by_load": []}
     default = cfgmod.load(ROOT / "config" / "default.yaml").replace(
@@ -153,6 +174,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="spec_edge_bconc_"))
     load_start = tune.machine_load()
     results: dict[str, dict[int, dict]] = {}
+    partial = Path(args.out).with_suffix(".partial.json")
     for variant in args.variants:
         cfg, drafters = servers[variant]
         params = tmp / f"{variant}.yaml"
@@ -160,18 +182,19 @@ def main() -> int:
         print(f"[bconc] starting {variant} server ...", file=sys.stderr, flush=True)
         server = serve(params, tmp / f"{variant}.log")
         try:
-            burst(prompts, 1, {}, 8)  # warm-up
             for name, fields in drafters.items():
                 key = f"{variant.split('-')[0]} {name}"
                 results[key] = {}
+                burst(prompts, max(args.clients), fields, 16)  # warm-up: the first runs of each call shape
                 for n in args.clients:
-                    res = burst(prompts, n, fields, args.max_new_tokens)
+                    res = measure(prompts, n, fields, args.max_new_tokens, args.solo_rounds if n == 1 else args.rounds)
                     results[key][n] = res
                     print(f"[bconc] {key:16s} N={n}: total {res['total_tok_s']:6.1f} tok/s, per client "
                           f"{res['per_client_tok_s']:6.1f}, TTFT {res['ttft_s']:.2f} s, load {res['loadavg']:.2f}",
                           file=sys.stderr, flush=True)
         finally:
             stop(server)
+        partial.write_text(json.dumps(results, indent=1))  # what has run so far, should a later server fail
     report = {"results": {k: {str(n): r for n, r in v.items()} for k, v in results.items()},
               "load_start": load_start, "load_end": tune.machine_load(), "command": " ".join(sys.argv),
               "slots": args.slots, "max_new_tokens": args.max_new_tokens}
@@ -205,7 +228,7 @@ def main() -> int:
     alpha = statistics.mean(x for r in results.get("batched ngram", results.get("serial ngram", {})).values()
                             for x in r["acceptance"]) if results else 0.0
     thor_cfg = cfgmod.load(THOR_PROFILE)
-    projections = {"this bench's model": thor_projection(default.replace(**{"graphs.dtype": "bfloat16"}),
+    projections = {"this bench's model": thor_projection(default.replace(**{"graphs.dtype": "bfloat16", "graphs.ort_attention": "graph"}),
                                                          args.clients, alpha, default.speculative.k),
                    THOR_PROFILE.name: thor_projection(thor_cfg, args.clients, alpha, thor_cfg.speculative.k)}
     report["thor_projection"] = projections
@@ -223,6 +246,7 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=1))
     out.with_suffix(".txt").write_text(text + "\n")
     plot(results, report, args.clients, out.with_suffix(".png"))
+    partial.unlink(missing_ok=True)
     return 0
 
 
@@ -239,6 +263,7 @@ def plot(results: dict, report: dict, clients: list[int], path: Path) -> None:
     for (label, rows), marker in zip(report["thor_projection"].items(), "so"):
         axes[3].plot(clients, [r["plain_tok_s"] for r in rows], marker=marker, label=f"{rows[0]['model']} plain")
         axes[3].plot(clients, [r["spec_tok_s"] for r in rows], "--", marker=marker, label=f"{rows[0]['model']} ngram")
+    axes[3].set_yscale("log")  # the 135M and the 8B model, two orders of magnitude apart
     for ax, title in zip(axes, ("total tok/s (this 2-core CPU)", "tok/s per client", "TTFT s (queue wait incl.)",
                                 "PROJECTION: Thor total tok/s")):
         ax.set_xscale("log", base=2)
