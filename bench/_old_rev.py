@@ -2,6 +2,7 @@
 change against today's in one process (bench/batch_rows.py, bench/batch_loop_ab.py)."""
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import subprocess
 import sys
@@ -21,3 +22,14 @@ def old_module(rev: str, path: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def ab_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every old-against-new bench takes: the earlier revision, its graph folder, the
+    weights form and the batch slots."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--old-rev", required=True)
+    parser.add_argument("--old-graphs", required=True)
+    parser.add_argument("--weights", default="fp32")
+    parser.add_argument("--slots", type=int, default=8)
+    return parser

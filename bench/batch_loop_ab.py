@@ -10,7 +10,6 @@ alternating by round; prints total tok/s of each, the ratio, and whether the out
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -25,16 +24,11 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.tokenizer import Tokenizer
 from spec_edge.tools.prompts import load_prompts
 
-from _old_rev import old_module
-
+from _old_rev import ab_parser, old_module
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old-rev", required=True)
-    parser.add_argument("--old-graphs", required=True)
-    parser.add_argument("--weights", default="fp32")
-    parser.add_argument("--slots", type=int, default=8)
+    parser = ab_parser(__doc__)
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--drafter", default="ngram", choices=["ngram", "none"])
     parser.add_argument("--max-new-tokens", type=int, default=48)

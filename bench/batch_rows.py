@@ -20,7 +20,6 @@ new graphs of every row count go to their own profile (<profile>-rows), not the 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,7 +32,7 @@ from spec_edge.config import Config
 from spec_edge.graphs import batch_export
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 
-from _old_rev import old_module
+from _old_rev import ab_parser, old_module
 
 
 
@@ -42,11 +41,7 @@ def pow2(n: int, batch: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old-rev", required=True)
-    parser.add_argument("--old-graphs", required=True)
-    parser.add_argument("--weights", default="fp32")
-    parser.add_argument("--slots", type=int, default=8)
+    parser = ab_parser(__doc__)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--position", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=7)
