@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pytest
 
+from spec_edge.device import projection
 from spec_edge.tools import tune
 
 
-def test_geometric_expected_tokens():
-    assert tune.expected_tokens_geometric(0.0, 4) == pytest.approx(1.0)
-    assert tune.expected_tokens_geometric(1.0, 4) == pytest.approx(5.0)
-    assert tune.expected_tokens_geometric(0.75, 4) == pytest.approx(1 + 0.75 + 0.75**2 + 0.75**3 + 0.75**4)
+def test_geometric_expected_tokens():  # one acceptance rate at every position (device/projection.py)
+    assert projection.expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert projection.expected_tokens(1.0, 4) == pytest.approx(5.0)
+    assert projection.expected_tokens(0.75, 4) == pytest.approx(1 + 0.75 + 0.75**2 + 0.75**3 + 0.75**4)
 
 
 def test_measured_positions_and_extrapolation():

@@ -1,13 +1,7 @@
 """Tokens per verify call from measured acceptance: the formula tools/tune.py (B = 1) and
-tools/tune_batch.py (per occupancy) both price a k with."""
+tools/tune_batch.py (per occupancy) both price a k with (one rate at every position, i.i.d.:
+device/projection.expected_tokens)."""
 from __future__ import annotations
-
-
-def expected_tokens_geometric(alpha: float, k: int) -> float:
-    """Tokens per verify call when every draft is accepted with probability alpha independently."""
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 def expected_tokens(p_accept: list[float], k: int) -> float:

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import DRAFTERS
-from spec_edge.tools.acceptance import expected_tokens, expected_tokens_geometric  # noqa: F401 (tests)
+from spec_edge.tools.acceptance import expected_tokens
 
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
