@@ -75,29 +75,24 @@ def burst(prompts: list[str], n: int, fields: dict, max_new: int, offset: int = 
     bad = [a for a in answers if not a["success"]]
     if bad:
         raise RuntimeError(f"{len(bad)} of {n} requests failed: {bad[0]}")
-    tokens = [a["num_tokens"] for a in answers]
-    makespan = max(a["latency_s"] for a in answers)
-    return {"clients": n, "total_tok_s": sum(tokens) / makespan,
-            "per_client_tok_s": statistics.mean(a["num_tokens"] / a["latency_s"] for a in answers),
-            "ttft_s": statistics.mean(a["ttft_s"] for a in answers), "makespan_s": makespan, "tokens": tokens,
-            "texts": [a["text"] for a in answers], "acceptance": [a["stats"]["acceptance_rate"] for a in answers],
-            "latencies_s": [a["latency_s"] for a in answers], "ttfts_s": [a["ttft_s"] for a in answers],
-            "loadavg": os.getloadavg()[0]}
+    return {"tokens": [a["num_tokens"] for a in answers], "latencies_s": [a["latency_s"] for a in answers],
+            "ttfts_s": [a["ttft_s"] for a in answers], "texts": [a["text"] for a in answers],
+            "acceptance": [a["stats"]["acceptance_rate"] for a in answers],
+            "makespan_s": max(a["latency_s"] for a in answers), "loadavg": os.getloadavg()[0]}
 
 
 def measure(prompts: list[str], n: int, fields: dict, max_new: int, rounds: int) -> dict:
     """`rounds` bursts of n clients, round r on the prompts from r * n on: total tok/s = all tokens / the
-    bursts' summed makespans, per-client tok/s and TTFT the means over every request."""
+    bursts' summed makespans (time until each burst's last answer), per-client tok/s (tokens / own
+    latency) and TTFT the means over every request."""
     runs = [burst(prompts, n, fields, max_new, offset=r * n) for r in range(rounds)]
-    if rounds == 1:
-        return runs[0]
-    per = [t / ms for run in runs for t, ms in zip(run["tokens"], run["latencies_s"])]
-    return {"clients": n, "rounds": rounds, "total_tok_s": sum(sum(r["tokens"]) for r in runs) / sum(r["makespan_s"] for r in runs),
-            "per_client_tok_s": statistics.mean(per), "ttft_s": statistics.mean(t for r in runs for t in r["ttfts_s"]),
-            "makespan_s": sum(r["makespan_s"] for r in runs), "tokens": [t for r in runs for t in r["tokens"]],
-            "texts": [t for r in runs for t in r["texts"]], "acceptance": [a for r in runs for a in r["acceptance"]],
-            "latencies_s": [x for r in runs for x in r["latencies_s"]], "ttfts_s": [x for r in runs for x in r["ttfts_s"]],
-            "loadavg": statistics.mean(r["loadavg"] for r in runs)}
+    every = {key: [x for run in runs for x in run[key]] for key in ("tokens", "latencies_s", "ttfts_s", "texts",
+                                                                  "acceptance")}
+    makespan = sum(run["makespan_s"] for run in runs)
+    return {"clients": n, "rounds": rounds, "total_tok_s": sum(every["tokens"]) / makespan,
+            "per_client_tok_s": statistics.mean(t / s for t, s in zip(every["tokens"], every["latencies_s"])),
+            "ttft_s": statistics.mean(every["ttfts_s"]), "makespan_s": makespan, **every,
+            "loadavg": statistics.mean(run["loadavg"] for run in runs)}
 
 
 THOR_PROFILE = ROOT / "config" / "thor_llama31_8b_batch4.yaml"
