@@ -31,7 +31,7 @@ ALLOWED = {
     "ros2": {"config", "runtime"},
     "cli": {"config", "graphs", "heads", "device", "runtime", "training", "tools", "ros2"},
 }
-MAX_LINES = 400
+MAX_LINES = 600  # a smell alarm, not a target: a module holds one concept, sized by that concept
 LONGER = {}  # module -> why it reads better whole (none so far)
 
 
@@ -113,6 +113,7 @@ def test_no_import_cycles():
 
 
 def test_modules_stay_readable_in_one_sitting():
+    """One concept per module is the rule (reviewed); past MAX_LINES a module is a smell to look at."""
     long = {name: len(path.read_text().splitlines()) for name, path in modules().items()}
     over = {name: n for name, n in long.items() if n > MAX_LINES and name not in LONGER}
     assert not over, f"modules over {MAX_LINES} lines (split them, or say in LONGER why they read better whole): {over}"
