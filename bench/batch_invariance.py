@@ -7,7 +7,7 @@ its B - n padding rows bound to the scratch region) at the step width (q4: the t
 k+1, max |logit diff| of each row against the B=1 graph
 (step_1 / verify_<k+1>) at the same position over the same slot's cache, and whether the argmax ids
 agree; then row 0 of a (k+1) call that a stepping slot rides along in ([pending] * (k+1)) against
-its step row. The calls' costs: bench/batch_rows.py (interleaved, side by side).
+its step row.
 
     PYTHONPATH=$PWD .venv/bin/python bench/batch_invariance.py [--batch 4] [--weights fp32 q4] [--k 4]
 """

@@ -34,7 +34,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--medusa-head", help="Medusa heads folder for --drafter medusa (speculative.medusa_head)")
     group.add_argument("--peagle-head", help="parallel-drafting head folder for --drafter peagle "
                        "(speculative.peagle_head)")
-    group.add_argument("--calibration", help="prompt file the int4_awq / fp8 forms calibrate on (graphs.calibration)")
 
 
 def _from_cwd(path: str | None) -> str | None:
@@ -48,8 +47,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                  "graphs.max_context": args.max_context, "runtime.engine_dir": _from_cwd(args.engine_dir),
                  "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
                  "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head,
-                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head,
-                 "graphs.calibration": args.calibration}
+                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head}
     weights = getattr(args, "weights", None)
     if isinstance(weights, str):  # export / generate: one form (bench takes a list and runs each)
         overrides["graphs.weights"] = weights
@@ -158,12 +156,14 @@ def forward(module: str, function: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from spec_edge.graphs.quantize import ORT_WEIGHTS
+
     parser = argparse.ArgumentParser(prog="spec-edge", description="speculative decoding for robots")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export the static ONNX graphs of the configured models")
     add_config_args(p)
-    p.add_argument("--weights", choices=cfgmod.WEIGHTS, help="target weights form (graphs.weights)")
+    p.add_argument("--weights", choices=ORT_WEIGHTS, help="target weights form ONNX Runtime runs (graphs.weights)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="answer one prompt with speculative decoding")
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every prompt, temperatures 0/0.7/1.0, 3 repeats, weights fp32 and q4 (default: quick mode)")
     p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
     p.add_argument("--temperatures", type=float, nargs="+", help="sampling temperatures (default: 0; --full: 0 0.7 1)")
-    p.add_argument("--weights", nargs="+", choices=cfgmod.WEIGHTS, help="graphs.weights variants to measure")
+    p.add_argument("--weights", nargs="+", choices=ORT_WEIGHTS, help="graphs.weights variants to measure")
     p.add_argument("--guided", action="store_true",
                    help="instead: constrained decoding on bench/robot_schemas.jsonl (or --prompts), free vs guided vs "
                         "guided + forced drafts for drafter none and each --drafters (validity, tok/s, acceptance)")

@@ -11,7 +11,7 @@
     A profile with draft heads (hidden.target_hidden_layers: speculative.eagle3_head / peagle_head /
     medusa_head set) also gets the hidden-state output of export.py's graphs on every graph here
     (spec "hidden_layers"; the batched graphs' is (m, T, n * H)), which the per-slot heads read
-    (runtime/backends/ort_batch.py keeps it per slot); without heads the plan is what it was.
+    (runtime/backends/ort_batch.py keeps it per slot).
 
 A call runs only the slots it names (runtime/backends/ort_batch.py): n rows go through the graph of
 the smallest row count m >= n (row_counts: every count up to 8, then coarser), the m - n padding rows
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from spec_edge.config import QDQ_WEIGHTS, Config, ConfigError, engine_root
+from spec_edge.config import Config, ConfigError, engine_root
 from spec_edge.graphs import export, hidden, io_names
 
 Progress = Callable[[str], None]
@@ -91,7 +91,7 @@ def wanted(cfg: Config, fingerprint: str, rows: tuple[int, ...] | None = None) -
     rows = tuple(rows or row_counts(g.batch_slots))
     return {"format": export.FORMAT_VERSION, "batch_format": BATCH_FORMAT, "role": "target",
             "source": cfg.model.target, "fingerprint": fingerprint, "max_context": g.max_context,
-            "prefill_chunk": g.prefill_chunk, "dtype": g.dtype, "layout": "static", "batch_slots": g.batch_slots,
+            "prefill_chunk": g.prefill_chunk, "dtype": g.dtype, "batch_slots": g.batch_slots,
             "row_counts": list(rows), "graphs": batch_plan(cfg, rows)}
 
 
@@ -153,9 +153,7 @@ def export_batch_graph(model_cfg, state: dict, path: Path, store: export.WeightS
     caches = tuple(torch.zeros(layer, dtype=torch_dtype) for _ in range(2 * model_cfg.n_layers))
     args = (torch.zeros(batch, width, dtype=torch.int64), torch.zeros(batch, dtype=torch.int64)) + caches
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
-    graph = export.trace(module, args, io_names.graph_inputs(model_cfg.n_layers), outputs)
-    export.check_static(graph, path.name)
-    export.save(graph, path, store)
+    export.save_static(module, args, io_names.graph_inputs(model_cfg.n_layers), outputs, path, store)
 
 
 def batch_graphs(cfg: Config, progress: Progress = print, rows: tuple[int, ...] | None = None) -> Path:
@@ -165,11 +163,8 @@ def batch_graphs(cfg: Config, progress: Progress = print, rows: tuple[int, ...] 
     from spec_edge.graphs import ort_attention, quantize
 
     if cfg.runtime.backend != "onnxruntime":
-        raise ConfigError("the batched ONNX Runtime graphs are for runtime.backend=onnxruntime; TensorRT builds its "
-                          "batched engine from graphs/batch_dynamic.py's graph (`spec-edge build`)")
-    if cfg.graphs.weights in QDQ_WEIGHTS:
-        raise ConfigError(f"graphs.batch_slots > 1 runs graphs.weights fp32, q4 or q4_fp32act, not "
-                          f"{cfg.graphs.weights}")
+        raise ConfigError("the batched ONNX Runtime graphs are for runtime.backend=onnxruntime; TensorRT batches "
+                          "inside the engines `spec-edge build` writes")
     if cfg.graphs.ort_attention != "fused":
         raise ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs fused attention (each call binds any "
                           f"subset of the slots' cache regions to its rows); set graphs.ort_attention: fused, or "

@@ -9,7 +9,6 @@
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
-    dynamic=True (TensorRT): dynamic.onnx (+ hidden states, embed_table input with a head) + layerskip<N>_dynamic
 
 Graphs come from torch.onnx.export's dynamo exporter (opset 20), which keeps every shape static;
 check_static() proves it on each file. Weights shared by graphs are stored once, so the layer-skip
@@ -28,11 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
-from spec_edge.graphs import hidden, io_names, shared_table
+from spec_edge.graphs import hidden, io_names
 
 FORMAT_VERSION, ALIGN = 2, 4096  # format 2: one cache input per layer, two-part attention, fusable RMSNorm
 Progress = Callable[[str], None]
-DYNAMIC_STEM = "dynamic"
 
 
 def torch_dtype(name: str):
@@ -40,22 +38,9 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
-def graph_plan(cfg: Config, role: str, dynamic: bool = False) -> dict[str, dict]:
-    """stem -> {kind, width, n_layers}: the graphs a role ('target' or 'draft') needs.
-
-    dynamic=True (TensorRT's shared layout, see memory.py): one graph per model whose token axis T
-    is symbolic, so one engine with an optimization profile per width holds the weights once;
-    everything but T stays static. Width 0 marks the symbolic axis."""
+def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
+    """stem -> {kind, width, n_layers}: the graphs a role ('target' or 'draft') needs."""
     g = cfg.graphs
-    if dynamic:
-        plan = {DYNAMIC_STEM: {"kind": "dynamic", "width": 0}}
-        if role == "target":
-            hidden_layers = hidden.target_hidden_layers(cfg)
-            if hidden_layers:  # a head reads them; it also shares the target's embedding table (an input)
-                plan[DYNAMIC_STEM].update(hidden_layers=list(hidden_layers), embed_input=True)
-            plan[f"layerskip{g.layer_skip_layers}_{DYNAMIC_STEM}"] = {
-                "kind": "layerskip", "width": 0, "n_layers": g.layer_skip_layers}
-        return plan
     plan = {io_names.graph_file("prefill", g.prefill_chunk): {"kind": "prefill", "width": g.prefill_chunk},
             io_names.graph_file("step", 1): {"kind": "step", "width": 1}}
     if role == "target":
@@ -71,11 +56,11 @@ def graph_plan(cfg: Config, role: str, dynamic: bool = False) -> dict[str, dict]
     return plan
 
 
-def wanted_manifest(cfg: Config, role: str, fingerprint: str, source: str, dynamic: bool = False) -> dict:
+def wanted_manifest(cfg: Config, role: str, fingerprint: str, source: str) -> dict:
     g = cfg.graphs
     return {"format": FORMAT_VERSION, "role": role, "source": source, "fingerprint": fingerprint,
             "max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "dtype": g.dtype,
-            "layout": "shared" if dynamic else "static", "graphs": graph_plan(cfg, role, dynamic)}
+            "graphs": graph_plan(cfg, role)}
 
 
 def up_to_date(out_dir: Path, wanted: dict) -> bool:
@@ -88,14 +73,13 @@ def up_to_date(out_dir: Path, wanted: dict) -> bool:
     except json.JSONDecodeError:
         return False
     same = all(have.get(key) == wanted[key] for key in
-               ("format", "role", "fingerprint", "max_context", "prefill_chunk", "dtype", "layout"))
+               ("format", "role", "fingerprint", "max_context", "prefill_chunk", "dtype"))
     graphs = have.get("graphs", {})
     return same and all(graphs.get(stem) == spec and (out_dir / f"{stem}.onnx").is_file()
                         for stem, spec in wanted["graphs"].items())
 
 
-def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print,
-                 dynamic: bool = False) -> Path:
+def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print) -> Path:
     """Export the graphs of the target ('target') or draft ('draft') model into out_dir, unless
     an up-to-date export is already there. Returns out_dir.
 
@@ -110,7 +94,7 @@ def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = pri
     if not source:
         raise ConfigError(f"no {role} model configured (model.{role})")
     fingerprint = weights.fingerprint(source)
-    wanted = wanted_manifest(cfg, role, fingerprint, source, dynamic)
+    wanted = wanted_manifest(cfg, role, fingerprint, source)
     out_dir = Path(out_dir)
     if up_to_date(out_dir, wanted):
         return out_dir
@@ -153,7 +137,7 @@ def _remove_tree(path: Path) -> None:
 
 def load_into(cfg: Config, source: str, out_dir: Path) -> tuple:
     """(model config, state dict, tokenizer, WeightStore of the new folder out_dir) of source, checked to
-    cover graphs.max_context: how every export starts (this one, batch_export.py, batch_dynamic.py)."""
+    cover graphs.max_context: how every export starts (this one, batch_export.py)."""
     from spec_edge.graphs import weights
 
     model_cfg, state, tokenizer = weights.load(source)
@@ -175,20 +159,14 @@ def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Pat
                           f"model's {model_cfg.n_layers} layers")
     plan = wanted["graphs"]
     for i, (stem, spec) in enumerate(plan.items(), 1):
-        shape = f"width {spec['width']}" if spec["width"] else "dynamic width"
-        progress(f"[export] {role}: graph {i}/{len(plan)} {stem} ({shape}) ...")
+        progress(f"[export] {role}: graph {i}/{len(plan)} {stem} (width {spec['width']}) ...")
         export_graph(model_cfg, state, out_dir / f"{stem}.onnx", store, kind=spec["kind"],
                      width=spec["width"], max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype,
-                     n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())),
-                     embed_input=bool(spec.get("embed_input")))
-    table = (shared_table.store(state[shared_table.TENSOR].to(torch_dtype(cfg.graphs.dtype)), store, cfg.graphs.dtype)
-             if any(spec.get("embed_input") for spec in plan.values()) else None)  # stored once, for embed_table
+                     n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())))
     store.close()
     weights.write_side_files(out_dir, model_cfg, tokenizer)
     manifest = dict(wanted, model=model_cfg.name, weights_bytes=store.size,
                     export_seconds=round(time.monotonic() - started, 1))
-    if table is not None:
-        manifest[shared_table.KEY] = table
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
     progress(f"[export] {role}: {len(plan)} graphs in {manifest['export_seconds']} s")
 
@@ -226,9 +204,8 @@ class WeightStore:
 
 def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightStore, *, kind: str,
                  width: int, max_context: int, dtype: str = "float32", n_layers: int | None = None,
-                 hidden_layers: tuple[int, ...] = (), embed_input: bool = False) -> None:
-    """Export one graph to path, its large weights moved into store. width 0: symbolic T.
-    embed_input: the token embedding is the graph input embed_table (V, H) instead of a weight."""
+                 hidden_layers: tuple[int, ...] = ()) -> None:
+    """Export one static graph to path, its large weights moved into store."""
     import torch
 
     from spec_edge.graphs import model as model_mod
@@ -238,31 +215,13 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
                              hidden_layers=hidden_layers, cls=model_mod.LayerCaches)
     module.prefill = prefill
-    module.table_input = embed_input
     k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
-    # a symbolic T is traced at width 4 (torch.export specialises dimensions of example size 0 or 1)
-    args = (torch.zeros(1, width or 4, dtype=torch.int64), torch.tensor([0]))
+    args = (torch.zeros(1, width, dtype=torch.int64), torch.tensor([0]))
     if prefill:
         args = args + (torch.tensor([width - 1]),)
-    inputs = io_names.graph_inputs(layers, prefill)
-    if embed_input:
-        args = args + (torch.zeros(model_cfg.vocab_size, model_cfg.hidden_size, dtype=torch_dtype(dtype)),)
-        inputs.insert(len(args) - 1, io_names.EMBED_TABLE)
     args = args + tuple(layer.clone() for layer in (*k_cache, *v_cache))  # one (Hkv, S, D) input per layer
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
-    dynamic_shapes = None
-    if width == 0:
-        tokens_dim = torch.export.Dim("T", min=1, max=max_context)
-        dynamic_shapes = torch.export.ShapesCollection()  # by tensor: forward(tokens, position, *rest)
-        dynamic_shapes[args[0]] = {1: tokens_dim}
-    graph = trace(module, args, inputs, outputs, dynamic_shapes)
-    if width == 0:
-        check_dynamic_io(graph, path.name, (layers, model_cfg.n_kv_heads, max_context, model_cfg.head_dim),
-                         model_cfg.vocab_size, len(hidden_layers) * model_cfg.hidden_size,
-                         model_cfg.hidden_size if embed_input else 0)
-    else:
-        check_static(graph, path.name)
-    save(graph, path, store)
+    save_static(module, args, io_names.graph_inputs(layers, prefill), outputs, path, store)
 
 
 def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path: Path, store: WeightStore) -> None:
@@ -272,7 +231,7 @@ def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path
     save(graph, path, store)
 
 
-def trace(module, args: tuple, inputs: list[str], outputs: list[str], dynamic_shapes=None):
+def trace(module, args: tuple, inputs: list[str], outputs: list[str]):
     """torch.onnx's dynamo exporter (opset 20, optimized), quietly; returns the ModelProto."""
     import onnx
     import torch
@@ -288,7 +247,7 @@ def trace(module, args: tuple, inputs: list[str], outputs: list[str], dynamic_sh
                 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
                 torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
                                   input_names=inputs, output_names=outputs, external_data=True,
-                                  dynamic_shapes=dynamic_shapes, optimize=True, verbose=False)
+                                  optimize=True, verbose=False)
         finally:
             quiet.setLevel(level)
         return onnx.load(str(tmp_path), load_external_data=True)
@@ -309,31 +268,6 @@ def save(graph, path: Path, store: WeightStore) -> None:
                 entry.key, entry.value = key, value
     store.fh.flush()
     onnx.save_model(graph, str(path))
-
-
-def check_dynamic_io(graph, name: str, cache_shape: tuple[int, ...], vocab: int, hidden_width: int = 0,
-                     table_width: int = 0) -> None:
-    """The I/O contract of a dynamic-width graph: T symbolic exactly where io_names.py says (hidden_width:
-    the (T, n * H) hidden output's columns, 0 = none; table_width: H of an embed_table input, 0 = none)."""
-    def dims(value):
-        return [d.dim_value if d.HasField("dim_value") else "T" for d in value.type.tensor_type.shape.dim]
-
-    layers, heads, _, head_dim = cache_shape
-    layer_shape = list(cache_shape[1:])
-    want = {io_names.TOKENS: [1, "T"], io_names.POSITION: [1], io_names.LOGITS: ["T", vocab],
-            io_names.K_NEW: [layers, heads, "T", head_dim], io_names.V_NEW: [layers, heads, "T", head_dim]}
-    want.update({name: layer_shape for name in io_names.cache_inputs(layers)})
-    if hidden_width:
-        want[io_names.HIDDEN] = ["T", hidden_width]
-    if table_width:
-        want[io_names.EMBED_TABLE] = [vocab, table_width]
-    have = {v.name: dims(v) for v in list(graph.graph.input) + list(graph.graph.output)}
-    wrong = {k: have.get(k) for k, v in want.items() if have.get(k) != v}
-    if sorted(set(have) - set(want)):
-        raise RuntimeError(f"{name}: dynamic-width export has I/O tensors {sorted(set(have) - set(want))} unnamed here")
-    if wrong:
-        raise RuntimeError(f"{name}: dynamic-width export has unexpected I/O shapes {wrong}, expected "
-                           f"{ {k: want[k] for k in wrong} }")
 
 
 def dynamic_tensors(graph) -> tuple[int, list[str]]:

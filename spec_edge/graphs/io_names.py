@@ -1,7 +1,7 @@
 """The one place graph tensor names are defined.
 
-Export (spec_edge/graphs/export.py) names the ONNX inputs/outputs with these, and every backend
-(ONNX Runtime, TensorRT) binds tensors by these names. Shapes, with
+Export (spec_edge/graphs/export.py) names the ONNX inputs/outputs with these, and the ONNX Runtime
+backends bind tensors by these names. Shapes, with
 L = layers, Hkv = KV heads, S = max context (cache length), D = head dim, T = graph width, V = vocab:
 """
 
@@ -36,12 +36,6 @@ HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers t
                              # state); an output of the target's graphs, an input of the head graphs
 EMBED_TABLE = "embed_table"  # (V, hidden) EAGLE-3 head input: the target's token embedding, bound by pointer
 HIDDEN_OUT = "hidden_out"    # (1, hidden) EAGLE-3 head output: its own hidden state for the next draft step
-# The TensorRT-bound (dynamic-width) EAGLE-3 head graph (heads/eagle3_export.py, export_dynamic_head): one
-# graph for the ingest widths and the draft step. `hidden` (T, 3Ht) goes through fc, `hidden_draft` (T, H)
-# does not; the row the head runs on is fc(hidden) + hidden_draft, so an ingest feeds zeros as hidden_draft
-# and a draft step zeros as hidden (fc has no bias: fc(0) = 0 exactly).
-HIDDEN_DRAFT = "hidden_draft"  # (T, hidden) the head's own hidden_out fed back (draft step; zeros for ingest)
-DRAFT_TOKEN = "draft_token"  # (1,) int64 d2t[argmax(logits)]: the drafted token as a *target* vocabulary id
 
 GRAPH_OUTPUTS = (LOGITS, K_NEW, V_NEW)
 

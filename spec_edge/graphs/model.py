@@ -162,23 +162,17 @@ class Transformer(nn.Module):
         self.hidden_layers = hidden_layers  # layers whose outputs are also returned (L = after the final norm)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def head(self, h: torch.Tensor, embed_table: torch.Tensor | None = None) -> torch.Tensor:
+    def head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.model.norm(h)
-        table = self.model.embed_tokens.weight if embed_table is None else embed_table
-        weight = table if self.lm_head is None else self.lm_head.weight
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(h, weight.t()).float()
 
-    def forward(self, tokens, position, k_cache, v_cache, last_index=None, embed_table=None):
+    def forward(self, tokens, position, k_cache, v_cache, last_index=None):
         # tokens (1, T) int64; position (1,) int64; last_index (1,) int64
         # k_cache/v_cache: (L, Hkv, S, D), or a sequence of L (Hkv, S, D) layers (the exported graphs)
-        # embed_table (V, hidden) or None: the token embedding as an input instead of the model's own
-        # (the TensorRT graphs of a profile with a head: one device table shared with the head engine)
         seq = tokens.shape[1]
         cache_len = k_cache[0].shape[1]
-        if embed_table is None:
-            x = self.model.embed_tokens(tokens[0])  # (T, hidden)
-        else:
-            x = torch.index_select(embed_table, 0, tokens[0])  # (T, hidden)
+        x = self.model.embed_tokens(tokens[0])  # (T, hidden)
         cos, sin, mask = rope_and_mask(self.inv_freq, position, seq, cache_len, x.dtype)
         cos, sin, mask = cos.to(x.dtype), sin.to(x.dtype), mask.to(x.dtype)  # (T, D), (T, D), (T, S + T)
         k_news, v_news, hiddens = [], [], []
@@ -192,7 +186,7 @@ class Transformer(nn.Module):
             hiddens.append(self.model.norm(x))
         if last_index is not None:
             x = torch.index_select(x, 0, last_index)  # (1, hidden)
-        logits = self.head(x, embed_table)  # (T or 1, V)
+        logits = self.head(x)  # (T or 1, V)
         outputs = (logits, torch.stack(k_news), torch.stack(v_news))  # k/v_new (L, Hkv, T, D)
         if self.hidden_layers:
             outputs = outputs + (torch.cat(hiddens, dim=-1),)  # (T, n_hidden * hidden)
@@ -206,13 +200,11 @@ class LayerCaches(Transformer):
     subclass, not a wrapper, so parameter (= initializer) names stay Hugging Face's."""
 
     prefill = False  # True: last_index follows position (the prefill graphs)
-    table_input = False  # True: embed_table (V, hidden) follows position (export.py's dynamic graphs with a head)
 
     def forward(self, tokens, position, *rest):
-        last_index, rest = (rest[0], rest[1:]) if self.prefill else (None, rest)
-        embed_table, caches = (rest[0], rest[1:]) if self.table_input else (None, rest)
+        last_index, caches = (rest[0], rest[1:]) if self.prefill else (None, rest)
         n_layers = len(caches) // 2
-        return super().forward(tokens, position, caches[:n_layers], caches[n_layers:], last_index, embed_table)
+        return super().forward(tokens, position, caches[:n_layers], caches[n_layers:], last_index)
 
 
 def empty_cache(cfg: ModelConfig, max_context: int, n_layers: int | None = None,

@@ -1,7 +1,7 @@
 """Fused attention for the ONNX Runtime backend (graphs.ort_attention = fused): the folder of fused
 copies of an exported target / draft model / EAGLE-3 head, each graph rewritten by
 graphs/gqa_rewrite.py (the (B, T) graphs of graphs/batch_export.py by graphs/batch_attention.py).
-The exported graphs and the TensorRT path are untouched.
+The exported graphs are untouched.
 
     <engine_dir>/<profile>/onnx/<folder>_fused/   same stems and manifest, plus "attention": "fused"
 """
@@ -66,9 +66,6 @@ def _convert(src: Path, dst: Path, stamp: str, progress: Progress, geometry: Mod
     progress(f"[fused] rewriting attention into GroupQueryAttention ({src.name} -> {dst.name}) ...")
     manifest = json.loads((src / "manifest.json").read_text())
     role = manifest.get("role")
-    if manifest.get("layout") == "dynamic":
-        raise AttentionRewriteError(f"{src}: dynamic-shape exports are for TensorRT; fused attention rewrites "
-                                    f"the static ONNX Runtime graphs")
     if role in ("target", "draft"):
         model_cfg = read_model_config(src)
         widest = int(manifest["prefill_chunk"])  # the only padded graph

@@ -9,9 +9,8 @@ MatMulNBits node with exactly those codes and scales, and the tied LM head, stor
 Why the minimum is carried beside the node, not as its zero point: MatMulNBits dequantizes
 (code - zero_point) * scale. With scale = d, Q4_1 needs zero_point = -m / d, which is not an
 integer, so the packed 4-bit uint8 zero points cannot hold it. The op does accept float zero points
-(same type as A, unpacked, shape (N, blocks)), but ONNX Runtime's CPU kernel then falls back to
-dequantizing the whole matrix on every call (measured here: 3.1 ms instead of 0.13 ms for a
-1536 x 576 weight, 35x slower). So each Q4_1 linear layer is written as
+(same type as A, unpacked, shape (N, blocks)), but ONNX Runtime's CPU kernel then dequantizes the
+whole matrix on every call (docs/bench.md, "The 4-bit path"). So each Q4_1 linear layer is written as
 
     y = MatMulNBits(x; codes q, scale d, zero point 0) + BlockSum32(x) @ M      M[b, n] = m[n, b]
 
@@ -244,6 +243,7 @@ def q4_dir(fp32_dir: Path, accuracy_level: int) -> Path:
 
 
 ACCURACY_LEVELS = {"q4": 4, "q4_fp32act": 0}  # graphs.weights -> MatMulNBits accuracy_level
+ORT_WEIGHTS = ("fp32",) + tuple(ACCURACY_LEVELS)  # the graphs.weights forms ONNX Runtime runs
 
 
 def for_config(cfg, fp32_dir: Path, progress: Progress = print) -> Path:

@@ -1,6 +1,5 @@
 """Step graphs that compute their one row exactly as a verify call computes each of its rows
-(graphs.weights q4: 4-bit MatMulNBits with int8 activations, graphs/quantize.py; graphs.weights fp8:
-activations rounded to E4M3 by Q/DQ pairs, graphs/qdq_decode.py).
+(graphs.weights q4: 4-bit MatMulNBits with int8 activations, graphs/quantize.py).
 
 ONNX Runtime's CPU kernels quantize each row of x on its own (per row, per block of 32: rows never
 share a scale), but run a one-row call through other code than a call of 2..128 rows:
@@ -12,8 +11,8 @@ share a scale), but run a one-row call through other code than a call of 2..128 
 
 Both agree up to float summation order (~1e-6 of the output), but the next layer rounds its input
 to int8: a 1e-6 change flips some of those roundings, each worth 1/127 of a block's largest input,
-and over the 30 layers of the embedded default a verify row ended ~1 logit away from the [1, 1] step
-at the same position (speculative output == target-only on 12/36 bench runs).
+so a verify row and the [1, 1] step at the same position can pick different tokens (docs/bench.md,
+"Exactness of q4", has the measurements).
 
 So a fused-attention step graph runs its token twice, as a width-2 call: the tokens (1, 1) are
 stacked to (1, 2), every layer computes both rows (the same token at position and position + 1),
@@ -23,10 +22,9 @@ row outputs take row 0 only. Every row of every call width then runs the same fl
 bit for bit (test/test_quantize.py); the LM head (8-bit Q8_0 MatMulNBits) has one kernel for
 every M, so it keeps its one row. Cost: the layers' work for two rows, no extra nodes per layer.
 
-Not covered: the exported attention (graphs.ort_attention graph), whose shapes carry T throughout;
-and fp32 activations (q4_fp32act), which differ the same way but are never rounded afterwards
-(their verify rows stay within ~5e-5 of the steps), and whose multi-row path dequantizes the whole
-matrix on every call: those graphs are left as they are.
+Not covered, left as they are: the exported attention (graphs.ort_attention graph), whose shapes
+carry T throughout; and fp32 activations (q4_fp32act), never rounded afterwards, whose multi-row
+path dequantizes the whole matrix on every call.
 """
 from __future__ import annotations
 

@@ -212,11 +212,3 @@ def export_heads(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path,
 
 def read_config(out_dir: Path) -> MedusaConfig:
     return MedusaConfig(**json.loads((Path(out_dir) / "head.json").read_text()))
-
-
-def max_heads(head_path: str | Path) -> int:
-    """medusa_num_heads of a head folder, read cheaply (config.json only)."""
-    path = Path(head_path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"Medusa head '{head_path}' has no config.json")
-    return int(json.loads((path / "config.json").read_text()).get("medusa_num_heads", 0))

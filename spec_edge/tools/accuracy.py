@@ -1,8 +1,7 @@
-"""`spec-edge bench --accuracy`: what each graphs.weights form costs in accuracy against fp32, and
-that speculation stays exact on it. ONNX Runtime runs the very files each form produces.
+"""`spec-edge bench --accuracy`: what each graphs.weights form (q4, q4_fp32act) costs in accuracy
+against fp32, and that speculation stays exact on it. ONNX Runtime runs the very files each form produces.
 
-Per form, on the held-out prompts (bench/prompts.jsonl; calibration uses bench/calibration.jsonl)
-and a held-out text (bench/heldout.txt):
+Per form, on the held-out prompts (bench/prompts.jsonl) and a held-out text (bench/heldout.txt):
   top-1      share of positions where the form's argmax equals fp32's, both fed fp32's own greedy
              continuation (teacher forcing: every position sees the same prefix)
   KL         mean KL(p_fp32 || p_form) over those positions (nats)
@@ -10,7 +9,7 @@ and a held-out text (bench/heldout.txt):
   greedy     the form's own greedy continuation vs fp32's: mean share of the prefix that agrees,
              and how many continuations are identical
   exact      speculative greedy == the form's own target-only greedy, per drafter (runs / runs)
-  tok/s      target-only greedy decode speed on this machine (not the goal: TensorRT fuses Q/DQ)
+  tok/s      target-only greedy decode speed on this machine
 """
 from __future__ import annotations
 

@@ -73,10 +73,6 @@ def variant_label(weights: str, ort_attention: str) -> str:
 INEXACT_VARIANTS = ("q4+graph",)
 
 
-def label_weights(label: str) -> str:
-    return label.split("+")[0]
-
-
 def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], progress,
                  attentions: tuple[str, ...] = ("fused",)) -> tuple[list[System], dict]:
     """Target-only and drafter x k systems per weights x ort_attention variant. At temperature > 0
