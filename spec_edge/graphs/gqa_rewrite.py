@@ -3,8 +3,8 @@ com.microsoft GroupQueryAttention node that writes its keys/values into the resi
 (graphs/ort_attention.py makes the folders; graphs/batch_attention.py the (B, T) graphs' variant).
 
 graphs.ort_attention = fused rewrites the exported target graphs (and a draft model's, and an
-EAGLE-3 head's) after export: a post-export ONNX pass like quantize.py; the exported graphs and the
-TensorRT path are untouched. Per layer, everything between the q/k/v projections and the o
+EAGLE-3 head's) after export: a post-export ONNX pass like quantize.py; the exported graphs are
+untouched. Per layer, everything between the q/k/v projections and the o
 projection (rotary, the (T, S + T) mask, scores over the whole cache, softmax, P @ V: ~30 small
 nodes) becomes
 
