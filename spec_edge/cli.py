@@ -34,7 +34,6 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--medusa-head", help="Medusa heads folder for --drafter medusa (speculative.medusa_head)")
     group.add_argument("--peagle-head", help="parallel-drafting head folder for --drafter peagle "
                        "(speculative.peagle_head)")
-    group.add_argument("--calibration", help="prompt file the int4_awq / fp8 forms calibrate on (graphs.calibration)")
 
 
 def _from_cwd(path: str | None) -> str | None:
@@ -48,8 +47,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
                  "graphs.max_context": args.max_context, "runtime.engine_dir": _from_cwd(args.engine_dir),
                  "runtime.profile": args.profile, "runtime.backend": args.backend, "runtime.threads": args.threads,
                  "graphs.k_values": args.k_values, "speculative.eagle3_head": args.eagle3_head,
-                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head,
-                 "graphs.calibration": args.calibration}
+                 "speculative.medusa_head": args.medusa_head, "speculative.peagle_head": args.peagle_head}
     weights = getattr(args, "weights", None)
     if isinstance(weights, str):  # export / generate: one form (bench takes a list and runs each)
         overrides["graphs.weights"] = weights
@@ -220,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     for name, module, function, text in (
-            ("build", "device.commands", "build_main", "build TensorRT engines on the device"),
+            ("build", "device.commands", "build_main", "build a profile's TensorRT Edge-LLM engines (--export-only: no GPU)"),
             ("plan", "device.commands", "plan_main", "print the memory plan of a profile"),
             ("serve", "ros2.node", "serve_main", "start the ROS 2 node without ros2 launch"),
             ("ask", "ros2.client", "ask_main", "call /generate as a ROS 2 client"),

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from spec_edge.config import QDQ_WEIGHTS, Config, ConfigError, engine_root
+from spec_edge.config import Config, ConfigError, engine_root
 from spec_edge.graphs import export, hidden, io_names
 
 Progress = Callable[[str], None]
@@ -167,9 +167,6 @@ def batch_graphs(cfg: Config, progress: Progress = print, rows: tuple[int, ...] 
     if cfg.runtime.backend != "onnxruntime":
         raise ConfigError("the batched ONNX Runtime graphs are for runtime.backend=onnxruntime; TensorRT builds its "
                           "batched engine from graphs/batch_dynamic.py's graph (`spec-edge build`)")
-    if cfg.graphs.weights in QDQ_WEIGHTS:
-        raise ConfigError(f"graphs.batch_slots > 1 runs graphs.weights fp32, q4 or q4_fp32act, not "
-                          f"{cfg.graphs.weights}")
     if cfg.graphs.ort_attention != "fused":
         raise ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs fused attention (each call binds any "
                           f"subset of the slots' cache regions to its rows); set graphs.ort_attention: fused, or "

@@ -132,10 +132,9 @@ def main(cfg, args, progress) -> int:
 
 def accuracy_main(cfg, args, progress) -> int:
     """`spec-edge bench --accuracy`: the accuracy table of each --weights form against fp32 (tools/accuracy.py)."""
-    from spec_edge.config import QDQ_WEIGHTS
     from spec_edge.tools import accuracy
 
-    forms = getattr(args, "weights", None) or list(QDQ_WEIGHTS)
+    forms = getattr(args, "weights", None) or ["q4", "q4_fp32act"]
     prompts = [p["prompt"] for p in load_prompts(Path(args.prompts) if args.prompts else None, args.kinds)]
     # the drafters run on each form's own engine (eagle3: a profile with its head, e.g. config/smollm2_eagle3.yaml)
     drafters = {name: {} for name in args.drafters if name != "layerskip" or len(args.drafters) == 1}

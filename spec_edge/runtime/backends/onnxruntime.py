@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.config import QDQ_WEIGHTS, Config
+from spec_edge.config import Config
 from spec_edge.graphs import io_names, ort_attention, qdq, quantize
 from spec_edge.graphs.export import read_model_config
 from spec_edge.runtime.backends.base import BackendError, Runner
@@ -234,13 +234,9 @@ class OrtRunner(Runner):
 def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str], None]) -> Path:
     """The folder ONNX Runtime runs for an exported target or draft model: the post-export passes
     the config asks for (fused attention, graphs/ort_attention.py; for the target with
-    graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, graphs/quantize.py; for int4_awq,
-    int4_gguf, fp8, nvfp4 the Q/DQ copy, graphs/qdq.py)."""
+    graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, graphs/quantize.py)."""
     graph_dir = ort_attention.for_config(cfg, exported, progress)
-    if role == "target" and cfg.graphs.weights in QDQ_WEIGHTS:  # Q/DQ ONNX, the TensorRT files (graphs/qdq.py)
-        graph_dir = qdq.for_onnxruntime(cfg, graph_dir, exported, progress,
-                                        lambda path: cpu_session(path, cfg.runtime.threads))
-    elif role == "target" and cfg.graphs.weights != "fp32":
+    if role == "target" and cfg.graphs.weights != "fp32":
         graph_dir = quantize.for_config(cfg, graph_dir, progress)
     return graph_dir
 
