@@ -135,6 +135,7 @@ def build(cfg: Config, profile_yaml: str, *, export_only: bool = False, force: b
         if st.reuse("head", base_key) is None:
             checkpoint.edgellm_head_folder(cfg.speculative.eagle3_head, inputs.target, head_dir)
         st.record("head", base_key, {"head": "head"}, time.monotonic() - t)
+    write_manifest(st.dir, st.manifest)
     st.say("checkpoint", f"target {target_src}" + (f", head {head_dir}" if head_dir else ""))
     # 3 quantize
     source = quantize(st, target_src, base_key)

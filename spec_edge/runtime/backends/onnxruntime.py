@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import Config
-from spec_edge.graphs import io_names, ort_attention, qdq, quantize
+from spec_edge.graphs import io_names, ort_attention, quantize
 from spec_edge.graphs.export import read_model_config
 from spec_edge.runtime.backends.base import BackendError, Runner
 
