@@ -223,7 +223,8 @@ def main() -> int:
     alpha = statistics.mean(x for r in results.get("batched ngram", results.get("serial ngram", {})).values()
                             for x in r["acceptance"]) if results else 0.0
     thor_cfg = cfgmod.load(THOR_PROFILE)
-    projections = {"this bench's model": thor_projection(default.replace(**{"graphs.dtype": "bfloat16", "graphs.ort_attention": "graph"}),
+    projections = {"this bench's model": thor_projection(default.replace(**{"runtime.backend": "tensorrt", "graphs.dtype": "float16",
+                                                                             "speculative.drafter": "none"}),
                                                          args.clients, alpha, default.speculative.k),
                    THOR_PROFILE.name: thor_projection(thor_cfg, args.clients, alpha, thor_cfg.speculative.k)}
     report["thor_projection"] = projections

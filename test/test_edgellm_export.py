@@ -79,8 +79,10 @@ def test_eagle3_export_target_and_head(exported):
 def test_second_run_reuses_and_a_changed_output_is_stale(exported):
     cfg, manifest, _ = exported["plain"]
     lines: list[str] = []
-    edgellm_build.build(cfg, PROFILES["plain"], export_only=True, progress=lines.append)
-    assert any("target: up to date" in line for line in lines)
+    for _ in range(2):  # a reused stage keeps its record: the run after it reuses it again
+        lines.clear()
+        edgellm_build.build(cfg, PROFILES["plain"], export_only=True, progress=lines.append)
+        assert any("target: up to date" in line for line in lines)
     stages = edgellm_build.Stages(cfg, PROFILES["plain"], lines.append, force=False)
     key = manifest["stages"]["export_target"]["key"]
     assert stages.reuse("export_target", key) is not None
@@ -106,6 +108,8 @@ def test_engine_dirs_refuse_export_only_and_other_versions(exported):
         edgellm_layout.check_manifest(cfg, other)
     with pytest.raises(edgellm_layout.ManifestError, match="holds profile 'smollm2-135m-edgellm'"):
         edgellm_layout.check_manifest(cfg, dict(manifest, profile="smollm2-135m-edgellm"))
+    with pytest.raises(edgellm_layout.ManifestError, match="the eagle3 checkpoint changed since"):
+        edgellm_layout.check_manifest(cfg, dict(manifest, fingerprints=dict(manifest["fingerprints"], eagle3="0" * 16)))
     with pytest.raises(edgellm_layout.ManifestError, match="graphs.max_context: built for 1024, config says 2048"):
         edgellm_layout.check_manifest(cfg.replace(**{"graphs.max_context": 2048}), manifest)
     # a built profile: the engine dirs the runtime gets, relative to the profile dir in the manifest

@@ -168,6 +168,7 @@ def quantize(st: Stages, source: Path, base_key: str) -> Path:
     if (record := st.reuse("quantize", base_key)) is not None:
         st.say("quantize", f"up to date ({out}, made in {record['seconds']} s)")
         st.manifest["stages"]["quantize"] = record
+        write_manifest(st.dir, st.manifest)
         return out
     import importlib.util
 
@@ -220,6 +221,7 @@ def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> di
             st.record(stage, key, {"onnx": f"onnx/{role}/llm"}, time.monotonic() - t)
             st.say("export", f"{role}: {llm} in {time.monotonic() - t:.0f} s")
         out[role] = root / "llm"
+    write_manifest(st.dir, st.manifest)  # the reused records too: the next run reads them
     return out
 
 

@@ -127,7 +127,26 @@ def check_manifest(cfg: Config, manifest: dict[str, Any] | None, *, version: str
              if have.get(key) != want[key]]
     if diffs:
         raise ManifestError(f"{directory} was built for a different config (" + "; ".join(diffs) + f"): {rebuild}")
+    for role, recorded in manifest.get("fingerprints", {}).items():
+        current = _fingerprint(cfg, role)
+        if current is not None and current != recorded:
+            raise ManifestError(f"the {role} checkpoint changed since {directory} was built (fingerprint {recorded} "
+                                f"-> {current}): {rebuild}")
     return manifest
+
+
+def _fingerprint(cfg: Config, role: str) -> str | None:
+    """The current fingerprint of a role's checkpoint; None when it is not on this machine (the engines are)."""
+    from spec_edge.graphs import weights
+    from spec_edge.heads.eagle3 import head_fingerprint
+
+    try:
+        if role == "eagle3":
+            path = Path(cfg.speculative.eagle3_head).expanduser()
+            return head_fingerprint(path) if path.is_dir() else None
+        return weights.fingerprint(cfg.model.target)
+    except ConfigError:
+        return None
 
 
 def engine_dirs(cfg: Config) -> tuple[Path, Path | None]:
