@@ -105,9 +105,9 @@ def thor_projection(cfg, clients: list[int], alpha: float, k: int) -> list[dict]
 
     g = cfg.graphs
     model = profiles.model_config(cfg.model.target)
-    quant = g.weights  # fp32 | fp8 | int4_awq: what TensorRT builds (memory.QUANTIZATIONS)
-    kv = memory.kv_bytes(model, g.max_context, g.dtype)
-    weights = projection.bytes_read_per_call(model, g.dtype, quant, g.max_context) - kv
+    quant = g.weights if g.weights in memory.QUANTIZATIONS else "fp32"  # what TensorRT Edge-LLM builds
+    kv = memory.kv_bytes(model, g.max_context)
+    weights = projection.bytes_read_per_call(model, quant, g.max_context) - kv
     rows = []
     for n in clients:
         step = projection.call_seconds(weights + n * kv, model.n_layers)
@@ -223,7 +223,8 @@ def main() -> int:
     alpha = statistics.mean(x for r in results.get("batched ngram", results.get("serial ngram", {})).values()
                             for x in r["acceptance"]) if results else 0.0
     thor_cfg = cfgmod.load(THOR_PROFILE)
-    projections = {"this bench's model": thor_projection(default.replace(**{"graphs.dtype": "bfloat16", "graphs.ort_attention": "graph"}),
+    projections = {"this bench's model": thor_projection(default.replace(**{"runtime.backend": "tensorrt", "graphs.dtype": "float16",
+                                                                             "speculative.drafter": "none"}),
                                                          args.clients, alpha, default.speculative.k),
                    THOR_PROFILE.name: thor_projection(thor_cfg, args.clients, alpha, thor_cfg.speculative.k)}
     report["thor_projection"] = projections

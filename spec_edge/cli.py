@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_tune)
 
     for name, module, function, text in (
-            ("build", "device.commands", "build_main", "build TensorRT engines on the device"),
+            ("build", "device.commands", "build_main", "build a profile's TensorRT Edge-LLM engines (--export-only: no GPU)"),
             ("plan", "device.commands", "plan_main", "print the memory plan of a profile"),
             ("serve", "ros2.node", "serve_main", "start the ROS 2 node without ros2 launch"),
             ("ask", "ros2.client", "ask_main", "call /generate as a ROS 2 client"),

@@ -32,8 +32,8 @@ EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
 HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
 BACKENDS = ("onnxruntime", "tensorrt")
-QDQ_WEIGHTS = ("int4_awq", "int4_gguf", "fp8", "nvfp4")  # graphs.weights as Q/DQ ONNX (both backends)
-WEIGHTS = ("fp32", "q4", "q4_fp32act") + QDQ_WEIGHTS  # graphs.weights
+EDGELLM_WEIGHTS = ("int4_awq", "fp8", "nvfp4")  # graphs.weights TensorRT Edge-LLM quantizes to (runtime.backend tensorrt)
+WEIGHTS = ("fp32", "q4", "q4_fp32act") + EDGELLM_WEIGHTS  # graphs.weights
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
 # The drafters each backend can run. TensorRT: every drafter whose graphs have an engine spec (device/specs.py):
@@ -102,21 +102,18 @@ class GraphSection:
     max_context: int = 1024          # cache length S: prompt + generated tokens must fit
     prefill_chunk: int = 64          # prefill graph width C
     k_values: tuple[int, ...] = (4,)  # a verify graph of width k+1 is exported for each k
-    dtype: str = "float32"           # float32 (CPU) | float16 | bfloat16 (TensorRT)
+    dtype: str = "float32"           # float32 (ONNX Runtime) | float16 (TensorRT Edge-LLM: fp16 activations and KV)
     layer_skip_layers: int = 8       # layers of the target the layer-skip drafter runs
-    # Target weights: fp32 | q4 | q4_fp32act | int4_awq | int4_gguf | fp8 | nvfp4.
+    # Target weights: fp32 | q4 | q4_fp32act | int4_awq | fp8 | nvfp4.
+    # fp32: not quantized, in graphs.dtype (float32 on ONNX Runtime, float16 on TensorRT).
     # q4 / q4_fp32act (ONNX Runtime, float32 graphs) carry the GGUF's Q4_1 blocks (and the Q8_0 head)
     # into MatMulNBits without re-rounding (spec_edge/graphs/quantize.py); q4 multiplies with int8
     # activations like llama.cpp (logits move ~1, greedy text may differ from fp32), q4_fp32act keeps
     # fp32 activations (logits within 1e-4 of fp32, less speed-up).
-    # int4_awq | int4_gguf | fp8 | nvfp4 are Q/DQ ONNX (spec_edge/graphs/qdq.py), the same files for
-    # TensorRT and ONNX Runtime: INT4 weight-only with AWQ scales from calibration (blocks of
-    # int4_block), INT4 carrying a GGUF's own Q4_1 bits, FP8 E4M3 weights and activations, NVFP4 weights
+    # int4_awq | fp8 | nvfp4 (runtime.backend tensorrt): TensorRT Edge-LLM's forms, made by
+    # tensorrt-edgellm-quantize (ModelOpt calibration, wants a GPU) unless model.target already is a
+    # checkpoint quantized that way (spec_edge/device/edgellm_build.py)
     weights: str = "fp32"
-    int4_block: int = 64             # int4_awq: weights per INT4 scale along K (64 divides SmolLM2's 576, Llama's 4096)
-    # int4_awq / fp8 calibration prompts: a prompt file like `spec-edge tune`'s (.jsonl or one prompt a
-    # line); "" = the shipped set bench/calibration.jsonl. Its hash is recorded in the manifest.
-    calibration: str = ""
     # ONNX Runtime attention: fused | graph. fused rewrites each layer's attention into one
     # GroupQueryAttention node that writes the cache in place and reads only rows < position + T
     # (spec_edge/graphs/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
@@ -190,8 +187,7 @@ class ServeSection:
 class MemorySection:
     device_memory_gb: float = 128.0   # Thor: 128 GB unified; read from the device when available
     os_ros_reserve_gb: float = 12.0   # kept free for the OS, ROS 2 and the robot's other nodes
-    context_overhead_gb: float = 1.5  # CUDA + TensorRT context
-    workspace_gb: float = 2.0         # TensorRT builder/runtime workspace limit
+    context_overhead_gb: float = 1.5  # CUDA + TensorRT context, per Edge-LLM runtime loaded
 
 
 @dataclass(frozen=True)
@@ -348,17 +344,23 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"graphs.prefill_chunk must be in [1, max_context], got {g.prefill_chunk}")
     if not g.k_values or any(not 1 <= k <= 16 for k in g.k_values):
         raise ConfigError(f"graphs.k_values must list k values in [1, 16], got {list(g.k_values)}")
-    if g.dtype not in ("float32", "float16", "bfloat16"):
-        raise ConfigError(f"graphs.dtype must be float32, float16 or bfloat16, got {g.dtype}")
+    if g.dtype not in ("float32", "float16"):
+        raise ConfigError(f"graphs.dtype must be float32 (ONNX Runtime) or float16 (TensorRT), got {g.dtype}"
+                          + (": TensorRT Edge-LLM runs fp16 activations and KV cache, set graphs.dtype: float16"
+                             if g.dtype == "bfloat16" else ""))
     if g.weights not in WEIGHTS:
         raise ConfigError(f"graphs.weights must be one of {', '.join(WEIGHTS)}, got {g.weights}")
-    if g.weights in ("q4", "q4_fp32act") and (cfg.runtime.backend != "onnxruntime" or g.dtype != "float32"):
+    if cfg.runtime.backend == "tensorrt" and g.dtype != "float16":
+        raise ConfigError(f"graphs.dtype={g.dtype} on runtime.backend=tensorrt: TensorRT Edge-LLM runs fp16 "
+                          f"activations and KV cache, set graphs.dtype: float16")
+    if cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
+        raise ConfigError(f"graphs.dtype={g.dtype} on runtime.backend=onnxruntime: the CPU graphs are float32")
+    if g.weights in ("q4", "q4_fp32act") and cfg.runtime.backend != "onnxruntime":
         raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
-                          f"runtime.backend=onnxruntime and graphs.dtype=float32 (TensorRT: int4_awq or int4_gguf)")
-    if g.weights in QDQ_WEIGHTS and cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
-        raise ConfigError(f"graphs.weights={g.weights} on ONNX Runtime runs float32 graphs; set graphs.dtype: float32")
-    if g.int4_block not in (32, 64, 128, 256):
-        raise ConfigError(f"graphs.int4_block must be 32, 64, 128 or 256, got {g.int4_block}")
+                          f"runtime.backend=onnxruntime (TensorRT Edge-LLM: {', '.join(EDGELLM_WEIGHTS)})")
+    if g.weights in EDGELLM_WEIGHTS and cfg.runtime.backend != "tensorrt":
+        raise ConfigError(f"graphs.weights={g.weights} is a TensorRT Edge-LLM form: it needs runtime.backend=tensorrt "
+                          f"(ONNX Runtime: fp32, q4 or q4_fp32act)")
     if not 1 <= g.batch_slots <= 64:
         raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
     if g.batch_slots > 1 and cfg.runtime.backend == "tensorrt" and s.drafter not in ("none", "ngram"):

@@ -17,6 +17,14 @@ def message(params: dict[str, Any], weights: Sequence[str], default_k: int) -> s
         return (f"graphs.quantization is gone: the quantized forms are values of graphs.weights now "
                 f"(graphs.quantization: {params['graphs.quantization']} -> graphs.weights: "
                 f"{_FOLDED.get(params['graphs.quantization'], 'fp32')}; values: {', '.join(weights)})")
+    for key in ("graphs.int4_block", "graphs.calibration", "memory.workspace_gb"):
+        if key in params:
+            return (f"{key} is gone: it shaped spec_edge's own TensorRT graphs and engines, retired for TensorRT "
+                    f"Edge-LLM (docs/tensorrt.md): Edge-LLM's quantizer and builder pick their own INT4 block, "
+                    f"calibration set and workspace; delete the key")
+    if params.get("graphs.weights") == "int4_gguf":
+        return ("graphs.weights: int4_gguf is gone (its Q4_1 minimum term has no TensorRT form; docs/tensorrt.md): "
+                "on TensorRT use int4_awq, nvfp4 or fp8 (Edge-LLM's forms), on ONNX Runtime q4 (the same GGUF bits)")
     if "serve.speculate_max_queue" in params:
         old, k = params["serve.speculate_max_queue"], params.get("speculative.k", default_k)
         new = speculation_policy.from_max_queue(old, k) if isinstance(old, int) and isinstance(k, int) else "[k, .., 0]"

@@ -5,19 +5,16 @@ config/thor_*.yaml (write_profile_docs).
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError, load
-from spec_edge.device import memory, projection
-from spec_edge.device.builder import Cancel, build, export_only
-from spec_edge.device.manifest import ManifestError, check_engines, precision
+from spec_edge.config import Config, ConfigError, load
+from spec_edge.device import edgellm_build, memory, projection
+from spec_edge.device.edgellm_build import BuildError
+from spec_edge.device.edgellm_layout import ManifestError, batch_engine_dir, engine_dirs
 from spec_edge.device.profiles import plan_for_config, resolve_profile
-from spec_edge.device.specs import BuildError
 
 # ---------------------------------------------------------------------------------------------
 # Command lines (the lead wires these into `spec-edge build|plan` and the ROS executable)
@@ -36,10 +33,9 @@ def _without_ros_args(argv: Sequence[str] | None) -> list[str]:
 
 def plan_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spec-edge plan", description="Print the memory plan of a profile.")
-    parser.add_argument("profile", help="profile yaml, or a name in config/ (e.g. thor_llama31_8b_bf16)")
+    parser.add_argument("profile", help="profile yaml, or a name in config/ (e.g. thor_llama31_8b_eagle3_nvfp4)")
     parser.add_argument("--max-context", type=int, help="plan this graphs.max_context instead")
     parser.add_argument("--k", type=int, help="plan this speculative.k (must be in graphs.k_values)")
-    parser.add_argument("--layout", choices=("shared", "per_graph"), help="engine layout (default: what build does)")
     parser.add_argument("--config-only", action="store_true", help="ignore the memory of this machine")
     parser.add_argument("--alpha", type=float,
                         help="draft acceptance rate for the k table (default: the profile's assumed rate, "
@@ -53,7 +49,7 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = _load_profile(args.profile, overrides)
         device = None if args.config_only else memory.read_device_memory()
-        the_plan = plan_for_config(cfg, device, args.layout)
+        the_plan = plan_for_config(cfg, device)
     except ConfigError as err:
         print(f"spec-edge plan: {err}", file=sys.stderr)
         return 2
@@ -70,15 +66,15 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build") -> int:
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Export and build the TensorRT engines of a profile.")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Build a profile's TensorRT Edge-LLM engines: plan -> checkpoint -> quantize -> "
+                               "export -> engines (spec_edge/device/edgellm_build.py).")
     parser.add_argument("profile", help="profile yaml, or a name in config/")
-    parser.add_argument("--force", action="store_true", help="rebuild every engine")
+    parser.add_argument("--force", action="store_true", help="redo every stage")
     parser.add_argument("--engine-dir", help="override runtime.engine_dir (relative to the current directory)")
     parser.add_argument("--check", action="store_true", help="only check the built engines against the profile")
     parser.add_argument("--export-only", action="store_true",
-                        help="plan check and every ONNX graph TensorRT would be given, with their manifest; "
-                             "needs no CUDA and no TensorRT")
+                        help="every stage that needs no GPU (plan, checkpoint, quantize, export) with their manifest")
     parser.add_argument("--weights", choices=memory.QUANTIZATIONS, help="override graphs.weights (the target's form)")
     args = parser.parse_args(_without_ros_args(argv))
     overrides = {"runtime.engine_dir": str(Path(args.engine_dir).expanduser().absolute())} if args.engine_dir else {}
@@ -87,26 +83,15 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
     try:
         cfg = _load_profile(args.profile, overrides)
         if args.check:
-            manifest = check_engines(cfg)
-            print(f"engines for '{cfg.runtime.profile}' are complete and match the profile "
-                  f"({len(manifest['engines'])} engines, TensorRT {manifest['tensorrt_version']})")
+            target, draft = engine_dirs(cfg)
+            batch = batch_engine_dir(cfg)
+            print(f"engines for '{cfg.runtime.profile}' match the profile: {target}"
+                  + (f", draft in {draft}" if draft else "") + (f", batch engine {batch}" if batch else ""))
             return 0
-        if args.export_only:
-            export_only(cfg)
-            return 0
-        cancel = Cancel()
-        if threading.current_thread() is not threading.main_thread():
-            build(cfg, force=args.force, cancel=cancel)
-            return 0
-        # Ctrl-C asks TensorRT to stop at its next step (the monitor returns False) instead of
-        # leaving a half-written engine; the engine file is only replaced once complete anyway.
-        previous = signal.signal(signal.SIGINT, lambda *_: cancel.event.set())
-        try:
-            build(cfg, force=args.force, cancel=cancel)
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        edgellm_build.build(cfg, args.profile, export_only=args.export_only, force=args.force,
+                            progress=lambda text: print(text, file=sys.stderr, flush=True))
     except (ConfigError, BuildError, ManifestError) as err:
-        print(f"spec-edge build: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 1
     return 0
 
@@ -114,46 +99,43 @@ def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build")
 # ---------------------------------------------------------------------------------------------
 # docs/thor_profiles.md and the plan comments of config/thor_*.yaml
 
-# acceptance rates assumed for the k tables until `spec-edge bench` has measured them on the robot
-ASSUMED_ALPHA = {"thor_llama31_8b_bf16": 0.75, "thor_llama31_8b_fp8": 0.75, "thor_qwen3_8b_bf16": 0.70,
-                 "thor_llama31_8b_layerskip": 0.40, "thor_llama31_8b_eagle3": 0.75,
-                 "thor_llama31_8b_eagle3_int4": 0.80, "thor_llama31_8b_eagle3_fp8": 0.80,
-                 "thor_llama31_8b_eagle3_nvfp4": 0.80,
-                 "thor_llama31_8b_batch4": 0.59}  # n-gram k=4, per slot: measured on the CPU (README)
+# acceptance rates assumed for the k tables until the device check (scripts/thor_check.sh) measures them
+ASSUMED_ALPHA = {"thor_llama31_8b_eagle3": 0.80, "thor_llama31_8b_eagle3_int4": 0.80,
+                 "thor_llama31_8b_eagle3_fp8": 0.80, "thor_llama31_8b_eagle3_nvfp4": 0.80}
 
 
 def profile_report(cfg: Config, alpha: float) -> str:
-    """The shared-layout plan, the per-graph total for comparison, and the k table."""
-    shared = plan_for_config(cfg, None, "shared")
-    per_graph = plan_for_config(cfg, None, "per_graph")
-    return (shared.table() + f"\n  (with one engine per static graph instead: total "
-            f"{per_graph.total / memory.GIB:.2f} GiB)\n" + projection.k_table(shared.inputs, alpha))
+    """The plan and the k table."""
+    p = plan_for_config(cfg, None)
+    return p.table() + "\n" + projection.k_table(p.inputs, alpha)
+
+
+def _precision(cfg: Config) -> str:
+    return "fp16" if cfg.graphs.weights == "fp32" else f"{cfg.graphs.weights} + fp16"
 
 
 def write_profile_docs(config_dir: Path, doc_path: Path) -> None:
     """Regenerate the `#@plan` comment block of each config/thor_*.yaml and docs/thor_profiles.md."""
     sections = ["# Thor profiles\n",
                 "Generated by `spec_edge.device.commands.write_profile_docs` from config/thor_*.yaml "
-                "(memory.py's and projection.py's arithmetic; acceptance rates are assumptions until "
-                "`spec-edge bench` measures them). `spec-edge plan <profile>` prints the same on the robot, "
-                "with its real free memory.\n",
-                "| profile | target + draft | precision | k | max_context | total GiB | largest context | "
-                "speed-up at k (assumed alpha) |", "|---|---|---|---|---|---|---|---|"]
+                "(memory.py's and projection.py's arithmetic for what TensorRT Edge-LLM builds; acceptance rates "
+                "are assumptions until the device check measures them). `spec-edge plan <profile>` prints the same "
+                "on the robot, with its real free memory.\n",
+                "| profile | target + drafter | weights | k | batch | max_context | total GiB | largest context | "
+                "speed-up at k (assumed alpha) |", "|---|---|---|---|---|---|---|---|---|"]
     details = []
     for path in sorted(Path(config_dir).glob("thor_*.yaml")):
         cfg = load(path)
         alpha = ASSUMED_ALPHA.get(path.stem, 0.7)
         report = profile_report(cfg, alpha)
-        p = plan_for_config(cfg, None, "shared")
-        c = projection.draft_cost(p.inputs) or 0.0
-        draft = (Path(cfg.model.draft).name if cfg.speculative.drafter == "draft"
-                 else f"layer-skip {cfg.graphs.layer_skip_layers}" if cfg.speculative.drafter == "layerskip"
-                 else f"{cfg.speculative.drafter} {Path(cfg.speculative.eagle3_head).name}"
-                 if cfg.speculative.drafter in HEAD_DRAFTERS else cfg.speculative.drafter)
-        sections.append(f"| {path.stem} | {Path(cfg.model.target).name} + {draft} | {precision(cfg)} | "
-                        f"{cfg.speculative.k} | {cfg.graphs.max_context} | {p.total / memory.GIB:.1f} | "
-                        f"{p.largest_max_context} | {projection.speedup(alpha, cfg.speculative.k, c):.2f}x "
-                        f"({alpha}) |")
+        p = plan_for_config(cfg, None)
+        c = projection.draft_cost(p.inputs)
+        draft = (f"eagle3 {Path(cfg.speculative.eagle3_head).name}" if cfg.speculative.drafter == "eagle3"
+                 else cfg.speculative.drafter)
+        speed = f"{projection.speedup(alpha, cfg.speculative.k, c):.2f}x ({alpha})" if c is not None else "-"
+        sections.append(f"| {path.stem} | {Path(cfg.model.target).name} + {draft} | {_precision(cfg)} | "
+                        f"{cfg.speculative.k} | {cfg.graphs.batch_slots} | {cfg.graphs.max_context} | "
+                        f"{p.total / memory.GIB:.1f} | {p.largest_max_context} | {speed} |")
         details.append(f"\n## {path.stem}\n\n```\n{report}\n```\n")
         text = path.read_text()
         head, sep, body = text.partition("/**:")

@@ -1,47 +1,33 @@
-"""Memory plan of a TensorRT deployment: pure byte arithmetic, a refusal with the numbers, and the
-largest cache that fits. `spec-edge plan <profile>` prints it; `spec-edge build` runs it before any
-export or engine build starts. The decode-speed projection (the k table) is projection.py. Units:
-every `*_gb` value in the config is GiB (2**30 bytes); every number here is bytes.
+"""Memory plan of a TensorRT Edge-LLM deployment: pure byte arithmetic, a refusal with the numbers, and
+the largest KV capacity that fits. `spec-edge plan <profile>` prints it; `spec-edge build` runs it before
+any stage starts. The decode-speed projection (the k table) is projection.py. Units: every `*_gb` value
+in the config is GiB (2**30 bytes); every number here is bytes.
 
-Engine layout (decided here, built by builder.py, counted here)
----------------------------------------------------------------
-A TensorRT engine embeds its own copy of every weight it uses. One engine per graph shape
-(prefill C, step 1, verify k+1 ...) would therefore hold the 16 GB of an 8B bf16 target three or
-four times. Instead each model gets ONE engine that holds every width it runs: the ONNX graph is
-exported with a dynamic token axis T, and the engine gets one optimization profile per width with
-min = opt = max = T, so TensorRT still tunes fixed-shape kernels per width while the weights are
-stored once. The prefill chunk is simply the width-C profile (the backend picks the last real row
-of its (C, V) logits on the device). So:
+What Edge-LLM builds for a profile (edgellm_build.py) and what each costs
+-------------------------------------------------------------------------
+  target engine   every decoder layer's linear weights in the graphs.weights form, the final norm and the
+                  lm_head in fp16 (ModelOpt's recipes leave lm_head unquantized); ONE engine holds all
+                  shapes (dynamic token axis, paged KV).
+  embedding       embedding.safetensors, fp16 (V x H), looked up outside the engine: a separate copy even
+                  when the checkpoint ties it to lm_head.
+  paged KV        K + V of every layer, fp16, for max_kv_cache_capacity = graphs.max_context positions
+                  (rounded up to Edge-LLM's 128-token pages) per sequence, x max_batch_size sequences.
+  EAGLE-3 head    drafter eagle3: its own engine (fc 3Ht -> H, one layer whose q/k/v read 2H, MLP,
+                  lm_head over the draft vocabulary, fp16) + d2t (int32) + its own one-layer paged KV; the
+                  target engine then also writes 3 hidden states (3H fp16) per token it runs.
+  activations     one call of max_input_len = graphs.max_context tokens (the widest Edge-LLM plans for):
+                  the dense intermediates of one layer (the attention plugin never materialises T x S
+                  scores) + the logits of the selected tokens (float32). An estimate.
+  runtimes        LLMRuntime (batch 1; speculative when drafter eagle3) or RequestEngine (graphs.batch_slots
+                  B > 1, no speculation). B > 1 with drafter eagle3: the node may switch between both, so
+                  both are resident: a batch-1 EAGLE-3 base engine + head AND a batch-B plain engine (its own
+                  weights copy, KV and activations), each with its CUDA + TensorRT context.
+  OS + ROS        memory.os_ros_reserve_gb.
 
-  target engine   weights x 1, widths {C, 1, k+1 for each k in graphs.k_values}
-  draft engine    weights x 1 (drafter=draft), widths {C, 1}
-  layer-skip      a separate engine over the target's first n layers + final norm + head: its
-                  weights ARE a second copy of those layers, the embedding and the head, and are
-                  counted as such; its KV is the target's first n cache layers (no extra KV).
-  batch_slots B>1 one target engine over the (n, T) graph (graphs/batch_dynamic.py): weights x 1, B cache
-                  regions, decode profiles of 1..B rows, the prefill chunk alone (target_rows)
-
-When a profile's ONNX folder holds only static per-width graphs, specs.engine_specs() gives one engine per
-graph and the plan counts a weight copy per engine (`layout="per_graph"`): 98 instead of 35 GiB (8B + 1B bf16).
-
-Tied embeddings (Llama-3.2-1B, Qwen3-0.6B): the Gather table and the lm_head GEMM weight are two engine
-constants, counted twice (conservative; the build manifest's measured engine size replaces the estimate).
-
-Execution is serialised on one CUDA stream, so all execution contexts of all engines share ONE
-scratch buffer (TensorRT USER_MANAGED context memory) sized to the largest profile: activations
-are counted once, as the maximum over models and widths, not summed.
-
-Precision bytes per weight (linear layers only: q/k/v/o, gate/up/down; embeddings, lm_head and
-norms stay in the activation dtype, as ModelOpt's default FP8/NVFP4 recipes leave them):
-  float32 4, float16/bfloat16 2,
-  fp8   1 byte + one fp32 scale per tensor for the weight and one for its input,
-  nvfp4 0.5 byte (E2M1) + one FP8 E4M3 scale per 16-element block (1/16 byte) = 0.5625 byte,
-        + one fp32 global scale per tensor for the weight and one for its input,
-  int4_awq  0.5 byte + one dtype scale per graphs.int4_block weights + the AWQ pre-scale (K per layer),
-  int4_gguf 0.5 byte + one dtype scale and one dtype minimum per 32 weights (the GGUF's Q4_1),
-(graphs.weights; graphs/qdq.py writes them). Once the quantized folder exists (`spec-edge build
---export-only`), the target's weights are its weights.bin's real size instead.
-The KV cache stays in graphs.dtype (2 bytes for bf16).
+Bytes per linear weight (graphs.weights): fp32 = not quantized, fp16 2; fp8 1 + an fp32 scale per tensor
+for the weight and one for its input; nvfp4 0.5 + one FP8 scale per 16 (1/16) + 2 fp32 per tensor;
+int4_awq 0.5 + one fp16 scale per 128 weights (ModelOpt's INT4_AWQ block) + the fp16 AWQ pre-scale of
+each linear's input.
 """
 from __future__ import annotations
 
@@ -51,17 +37,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from spec_edge.config import ConfigError, GraphSection, MemorySection, ModelConfig
-from spec_edge.device import head_memory
-from spec_edge.device.engine_file import load_peak_bytes
 
 if TYPE_CHECKING:
     from spec_edge.heads.eagle3 import HeadConfig
 
 GIB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-QUANTIZATIONS = ("fp32", "int4_awq", "int4_gguf", "fp8", "nvfp4")  # graphs.weights values TensorRT builds
+DTYPE_BYTES = {"float32": 4, "float16": 2}
+FP16 = 2
+QUANTIZATIONS = ("fp32", "int4_awq", "fp8", "nvfp4")  # graphs.weights Edge-LLM builds (fp32: fp16, not quantized)
 LINEARS_PER_LAYER = 7          # q, k, v, o, gate, up, down
 NVFP4_BLOCK = 16               # elements per FP8 block scale
+INT4_AWQ_BLOCK = 128           # ModelOpt INT4_AWQ_CFG block size (tensorrt-edgellm-quantize)
+KV_PAGE = 128                  # Edge-LLM's KV page (tensorrt_edgellm.models.ops.KV_PAGE_SIZE)
 CONTEXT_STEP = 256             # the largest max_context is reported in multiples of this
 
 
@@ -73,84 +60,67 @@ class PlanError(ConfigError):
 # Pure arithmetic
 
 
-def weight_bytes(m: ModelConfig, dtype: str, quantization: str = "fp32", n_layers: int | None = None,
-                 tied_copies: int = 2, int4_block: int = 128) -> int:
-    """Bytes of the weights an engine of `m` (or of its first n_layers) holds.
-
-    linear weights in the quantized format (or dtype), embedding + head + norms in dtype; a tied
-    embedding counts `tied_copies` times (Gather table + GEMM weight are two engine constants)."""
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+def linear_bytes(m: ModelConfig, quantization: str) -> int:
+    """Bytes of one decoder layer's seven linear weights in a graphs.weights form."""
     if quantization not in QUANTIZATIONS:
-        raise ConfigError(f"unknown quantization {quantization!r}; use one of {', '.join(QUANTIZATIONS)}")
-    layers = m.n_layers if n_layers is None else n_layers
-    dt = DTYPE_BYTES[dtype]
+        raise ConfigError(f"graphs.weights={quantization} is not a TensorRT Edge-LLM form; use one of "
+                          f"{', '.join(QUANTIZATIONS)}")
     h, d = m.hidden_size, m.head_dim
-    linear = h * d * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * h * m.intermediate_size
-    norms = 2 * h + (2 * d if m.qk_norm else 0)
+    n = h * d * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * h * m.intermediate_size
     if quantization == "fp32":
-        linear_bytes = linear * dt
-    elif quantization == "fp8":
-        linear_bytes = linear + LINEARS_PER_LAYER * 2 * 4
-    elif quantization == "int4_awq":  # codes + a scale per block + the AWQ pre-scale of each layer's input
-        pre = h * 4 + h * 2 + d * m.n_heads + m.intermediate_size  # q/k/v, gate/up, o, down inputs
-        linear_bytes = linear // 2 + linear // int4_block * dt + pre * dt
-    elif quantization == "int4_gguf":  # codes + scale d + minimum per 32 weights
-        linear_bytes = linear // 2 + linear // 32 * 2 * dt
-    else:  # nvfp4: 4-bit values + FP8 scale per 16-element block + 2 fp32 global scales per tensor
-        linear_bytes = linear // 2 + linear // NVFP4_BLOCK + LINEARS_PER_LAYER * 2 * 4
-    embed = m.vocab_size * h * (tied_copies if m.tie_embeddings else 2)
-    return layers * (linear_bytes + norms * dt) + (embed + h) * dt
+        return n * FP16
+    if quantization == "fp8":
+        return n + LINEARS_PER_LAYER * 2 * 4
+    if quantization == "nvfp4":
+        return n // 2 + n // NVFP4_BLOCK + LINEARS_PER_LAYER * 2 * 4
+    pre = h * 4 + h * 2 + d * m.n_heads + m.intermediate_size  # int4_awq: q/k/v, gate/up, o, down inputs
+    return n // 2 + n // INT4_AWQ_BLOCK * FP16 + pre * FP16
 
 
-def kv_bytes(m: ModelConfig, max_context: int, dtype: str, n_layers: int | None = None) -> int:
-    """K + V cache (L, Hkv, S, D) x 2 in dtype."""
+def weight_bytes(m: ModelConfig, quantization: str = "fp32", n_layers: int | None = None) -> int:
+    """Bytes of the target engine's weights: layers (linears in the form, norms fp16), final norm and
+    lm_head (fp16). The embedding table is embedding_bytes (outside the engine)."""
     layers = m.n_layers if n_layers is None else n_layers
-    return 2 * layers * m.n_kv_heads * max_context * m.head_dim * DTYPE_BYTES[dtype]
+    norms = 2 * m.hidden_size + (2 * m.head_dim if m.qk_norm else 0)
+    return layers * (linear_bytes(m, quantization) + norms * FP16) + (m.vocab_size + 1) * m.hidden_size * FP16
 
 
-def activation_bytes(m: ModelConfig, max_context: int, width: int, dtype: str) -> int:
-    """Peak live intermediates of one width-T call (TensorRT reuses them layer after layer), for
-    the graph of spec_edge/graphs/model.py:
-      dense   T x (2 hidden [residual, normed] + (Hq + 2 Hkv) D [q,k,v] + Hq D [attn out]
-                   + 3 inter [gate, up, act]) in dtype
-      concat  keys and values of one layer, cache + new: 2 x Hkv x (S + T) x D in dtype
-      scores  Hq x T x (S + T) three times: scores (dtype), fp32 softmax (4), probs (dtype)
-      head    T x V in dtype before the float32 cast
-    An estimate: the engine's device_memory_size replaces it once built (build manifest)."""
-    dt = DTYPE_BYTES[dtype]
-    t, s = width, max_context
-    h, d, hq, hkv = m.hidden_size, m.head_dim, m.n_heads, m.n_kv_heads
-    dense = t * (2 * h + (hq + 2 * hkv) * d + hq * d + 3 * m.intermediate_size) * dt
-    concat = 2 * hkv * (s + t) * d * dt
-    scores = hq * t * (s + t) * (2 * dt + 4)
-    head = t * m.vocab_size * dt
-    return dense + concat + scores + head
+def embedding_bytes(m: ModelConfig) -> int:
+    """embedding.safetensors: the fp16 token table (V, H)."""
+    return m.vocab_size * m.hidden_size * FP16
 
 
-def io_bytes(m: ModelConfig, width: int, dtype: str, n_layers: int | None = None) -> int:
-    """Engine outputs the backend allocates once at the widest width: logits (T, V) float32 and
-    k_new / v_new (L, Hkv, T, D); plus tokens (1, T), position, last_index int64."""
+def kv_capacity(max_context: int) -> int:
+    """Positions of KV one sequence gets: max_context rounded up to whole pages."""
+    return -(-max_context // KV_PAGE) * KV_PAGE
+
+
+def kv_bytes(m: ModelConfig, max_context: int, n_layers: int | None = None) -> int:
+    """K + V of one sequence's paged cache, fp16: 2 x L x Hkv x capacity x D."""
     layers = m.n_layers if n_layers is None else n_layers
-    return (width * m.vocab_size * 4 + 2 * layers * m.n_kv_heads * width * m.head_dim * DTYPE_BYTES[dtype]
-            + (width + 2) * 8)
+    return 2 * layers * m.n_kv_heads * kv_capacity(max_context) * m.head_dim * FP16
 
 
-def target_widths(graphs: GraphSection) -> tuple[int, ...]:
-    """Widths of the target engine's profiles: prefill chunk, step, each verify."""
-    return tuple(sorted({graphs.prefill_chunk, 1, *(k + 1 for k in graphs.k_values)}))
+def activation_bytes(m: ModelConfig, tokens: int, logits_rows: int) -> int:
+    """One call over `tokens` tokens: one layer's dense intermediates (residual, normed, q/k/v, attention
+    out, gate/up/act) in fp16, + logits (rows, V) float32. An estimate."""
+    h, d = m.hidden_size, m.head_dim
+    dense = tokens * (2 * h + (m.n_heads + 2 * m.n_kv_heads) * d + m.n_heads * d + 3 * m.intermediate_size) * FP16
+    return dense + logits_rows * m.vocab_size * 4
 
 
-def target_rows(graphs: GraphSection) -> dict[int, tuple[int, int, int]]:
-    """Rows n (min, opt, max) per target width: decode widths 1..B (opt B, the busy case), the chunk C alone."""
-    b = graphs.batch_slots
-    decode = {1, *(k + 1 for k in graphs.k_values)}
-    return {w: (1, b, b) if w in decode else (1, 1, 1) for w in target_widths(graphs)}
+def head_weight_bytes(h: "HeadConfig") -> int:
+    """The EAGLE-3 draft engine's weights (fp16): fc (3Ht -> H), the layer (q/k/v over 2H, o, MLP),
+    lm_head over the draft vocabulary, four norms, + d2t (Vd int32)."""
+    H, D = h.hidden_size, h.head_dim
+    n = (3 * h.target_hidden_size * H + 2 * H * D * (h.n_heads + 2 * h.n_kv_heads) + H * D * h.n_heads
+         + 3 * H * h.intermediate_size + h.draft_vocab_size * H)
+    return (n + 4 * H) * FP16 + h.draft_vocab_size * 4
 
 
-def draft_widths(graphs: GraphSection) -> tuple[int, ...]:
-    """Widths of the draft engine: prefill chunk and step (export.graph_plan's draft graphs)."""
-    return tuple(sorted({graphs.prefill_chunk, 1}))
+def head_kv_bytes(h: "HeadConfig", max_context: int) -> int:
+    """The head's own one-layer paged K + V, fp16."""
+    return 2 * h.n_kv_heads * kv_capacity(max_context) * h.head_dim * FP16
 
 
 @dataclass(frozen=True)
@@ -167,14 +137,9 @@ class PlanInputs:
     target: ModelConfig
     graphs: GraphSection
     memory: MemorySection
-    drafter: str = "none"             # speculative.drafter
+    drafter: str = "none"             # speculative.drafter: eagle3 | none (what Edge-LLM runs)
     k: int = 4                        # speculative.k
-    draft: ModelConfig | None = None  # drafter == "draft"
-    layout: str = "shared"            # shared: one engine per model; per_graph: one per width
-    measured_activation: int | None = None  # an engine's device_memory_size, when built
-    head: "HeadConfig | None" = None  # drafter eagle3 / hybrid: the EAGLE-3 head engine
-    hidden_layers: int = 0            # hidden states the target returns for the head (3 for EAGLE-3)
-    measured_target_weights: int | None = None  # bytes of the quantized folder's weights.bin, when made
+    head: "HeadConfig | None" = None  # drafter eagle3: the EAGLE-3 head
 
 
 @dataclass(frozen=True)
@@ -188,17 +153,12 @@ class Plan:
     available_now: int | None           # measured free memory now, None off the device
     build_peak: int                     # bytes while the largest engine is built
     largest_max_context: int            # the largest S (multiple of CONTEXT_STEP) that fits
-    context_cap: int = 0                # the models' position limit the search stops at
+    context_cap: int = 0                # the model's position limit the search stops at
 
     @property
     def fits(self) -> bool:
-        return self.load_peak <= self.device and self.build_peak <= self.device and (
+        return self.total <= self.device and self.build_peak <= self.device and (
             self.available_now is None or self.runtime_need <= self.available_now)
-
-    @property
-    def load_peak(self) -> int:
-        """At start: everything resident plus the one read buffer engines are streamed through."""
-        return self.total + load_peak_bytes()
 
     @property
     def runtime_need(self) -> int:
@@ -207,25 +167,22 @@ class Plan:
 
     def table(self) -> str:
         i = self.inputs
-        title = (f"plan: target {i.target.name or '?'} {_precision(i)}"
-                 + (f" + draft {i.draft.name or '?'} {i.graphs.dtype}" if i.draft is not None else "")
-                 + f", drafter={i.drafter}, k={i.k}, max_context={self.max_context}, layout={i.layout}")
+        title = (f"plan: target {i.target.name or '?'} {_precision(i)}, drafter={i.drafter}, k={i.k}, "
+                 f"max_context={self.max_context}, batch_slots={i.graphs.batch_slots} (TensorRT Edge-LLM)")
         rows = [title]
         for what, n in self.lines:
-            rows.append(f"  {what:<46s} {_gib(n):>10s}")
-        rows.append(f"  {'total':<46s} {_gib(self.total):>10s}")
-        rows.append(f"  {'device memory (' + self.device_source + ')':<46s} {_gib(self.device):>10s}"
+            rows.append(f"  {what:<58s} {_gib(n):>10s}")
+        rows.append(f"  {'total':<58s} {_gib(self.total):>10s}")
+        rows.append(f"  {'device memory (' + self.device_source + ')':<58s} {_gib(self.device):>10s}"
                     f"   {'fits' if self.total <= self.device else 'DOES NOT FIT'}"
                     f" ({_gib(self.device - self.total)} headroom)")
-        rows.append(f"  {'load peak (engines streamed, 64 MiB reads)':<46s} {_gib(self.load_peak):>10s}"
-                    f"   {'fits' if self.load_peak <= self.device else 'DOES NOT FIT'}")
-        rows.append(f"  {'build peak (largest engine)':<46s} {_gib(self.build_peak):>10s}"
+        rows.append(f"  {'build peak (largest engine)':<58s} {_gib(self.build_peak):>10s}"
                     f"   {'fits' if self.build_peak <= self.device else 'DOES NOT FIT'}")
         if self.available_now is not None:
-            rows.append(f"  {'service allocations vs free now':<46s} {_gib(self.runtime_need):>10s}"
+            rows.append(f"  {'service allocations vs free now':<58s} {_gib(self.runtime_need):>10s}"
                         f" of {_gib(self.available_now)} available now")
         capped = " (the model's position limit)" if self.largest_max_context >= self.context_cap else ""
-        rows.append(f"  largest max_context that fits with k={i.k}: {self.largest_max_context}{capped}")
+        rows.append(f"  largest max_context (KV capacity) that fits with k={i.k}: {self.largest_max_context}{capped}")
         return "\n".join(rows)
 
 
@@ -234,91 +191,52 @@ def _gib(n: int) -> str:
 
 
 def _precision(i: PlanInputs) -> str:
-    q = _quantization(i.graphs)
-    return i.graphs.dtype if q == "fp32" else f"{q} weights / {i.graphs.dtype} activations"
+    q = i.graphs.weights
+    return "fp16" if q == "fp32" else f"{q} weights / fp16 activations"
 
 
-def _quantization(graphs: GraphSection) -> str:
-    if graphs.weights not in QUANTIZATIONS:
-        raise ConfigError(f"graphs.weights={graphs.weights} is an ONNX Runtime form; TensorRT builds "
-                          f"{', '.join(QUANTIZATIONS)}")
-    return graphs.weights
+def runtimes(i: PlanInputs) -> tuple[tuple[str, int, bool], ...]:
+    """(name, max_batch_size, speculative) of each Edge-LLM runtime the node may hold."""
+    b, spec = i.graphs.batch_slots, i.drafter == "eagle3"
+    if b == 1:
+        return (("LLMRuntime" + (" + EAGLE-3" if spec else ""), 1, spec),)
+    if not spec:
+        return ((f"RequestEngine (B={b})", b, False),)
+    return (("LLMRuntime + EAGLE-3", 1, True), (f"RequestEngine (B={b})", b, False))
 
 
 def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], int]:
-    """(lines, build_peak) for one cache length."""
-    g, mem, dtype = i.graphs, i.memory, i.graphs.dtype
-    quant = _quantization(g)
-    t_widths = target_widths(g)
-    copies = 1 if i.layout == "shared" else len(t_widths)
-    target_w = weight_bytes(i.target, dtype, quant, int4_block=g.int4_block)
-    measured = ""
-    if i.measured_target_weights is not None:  # the produced file (scales, minima, pre-scales included)
-        tied = i.target.vocab_size * i.target.hidden_size * DTYPE_BYTES[dtype] if i.target.tie_embeddings else 0
-        target_w, measured = i.measured_target_weights + tied, ", file"
-    lines: list[tuple[str, int]] = [(f"target weights ({copies} engine{'s' if copies > 1 else ''}{measured})",
-                                     target_w * copies)]
-    engines = [target_w]
-    draft_w = draft_kv = 0
-    b = g.batch_slots  # B slots: B cache regions; a width's call runs up to its profile's rows (target_rows)
-    rows = target_rows(g)
-    acts = [max(rows[w][2] * activation_bytes(i.target, max_context, w, dtype) for w in t_widths)]
-    io = max(rows[w][2] * io_bytes(i.target, w, dtype) for w in t_widths)  # one buffer, the largest call
-    if i.drafter == "draft":
-        if i.draft is None:
-            raise ConfigError("speculative.drafter=draft needs model.draft (a model folder or preset)")
-        d_widths = draft_widths(g)
-        d_copies = 1 if i.layout == "shared" else len(d_widths)
-        one = weight_bytes(i.draft, dtype)
-        draft_w = one * d_copies
-        engines.append(one)
-        draft_kv = b * kv_bytes(i.draft, max_context, dtype)
-        acts.append(b * max(activation_bytes(i.draft, max_context, w, dtype) for w in d_widths))
-        io += b * io_bytes(i.draft, max(d_widths), dtype)
-    elif i.drafter == "layerskip":
-        n = g.layer_skip_layers
-        if not 1 <= n < i.target.n_layers:
-            raise ConfigError(f"graphs.layer_skip_layers must be in [1, {i.target.n_layers - 1}], got {n}")
-        one = weight_bytes(i.target, dtype, quant, n_layers=n, int4_block=g.int4_block)
-        draft_w = one
-        engines.append(one)
-        io += b * io_bytes(i.target, 2, dtype, n_layers=n)
-    if i.head is None:  # a head's own lines follow
-        lines.append(("draft weights" if i.drafter != "layerskip"
-                      else f"layer-skip engine weights ({g.layer_skip_layers} layers + head)", draft_w))
-    lines.append((f"target KV ({b} x {max_context} positions)" if b > 1 else f"target KV ({max_context} positions)",
-                  b * kv_bytes(i.target, max_context, dtype)))
-    if i.head is None:
-        lines.append(("draft KV" if i.drafter != "layerskip" else "draft KV (shares target layers)", draft_kv))
-    else:
-        # the target graph takes the embedding as an input (embed_table): its engine holds no copy, one
-        # device table serves target and head
-        dt, h_widths = DTYPE_BYTES[dtype], head_memory.head_widths(g)
-        in_engine = head_memory.embedding_in_engine(i.target, dt)
-        lines[0] = (lines[0][0], lines[0][1] - in_engine * copies)
-        engines[0] -= in_engine
-        engines.append(head_memory.head_weight_bytes(i.head, dt))
-        lines += [("shared embedding table (target + head)", i.target.vocab_size * i.target.hidden_size * dt),
-                  (f"EAGLE-3 head weights (Vd={i.head.draft_vocab_size})", engines[-1]),
-                  (f"EAGLE-3 head KV ({max_context} positions)", head_memory.head_kv_bytes(i.head, max_context, dt)),
-                  (f"target hidden states ({i.hidden_layers} x H: widths + S rows)",
-                   head_memory.hidden_bytes(i.target, i.hidden_layers, t_widths, max_context, dt)),
-                  (f"EAGLE-3 head I/O ({len(h_widths) + 1} profiles)",
-                   head_memory.head_io_bytes(i.head, h_widths + (1,), dt))]
-        acts.append(activation_bytes(i.head.as_model_config(), max_context, max(h_widths), dtype))
-    activation = i.measured_activation if i.measured_activation is not None else max(acts)
-    lines.append(("activations (shared scratch" + (", measured)" if i.measured_activation is not None
-                                                  else ", estimate)"), activation))
-    lines.append(("engine I/O buffers (logits, k_new, v_new)", io))
-    workspace = int(mem.workspace_gb * GIB)
-    lines.append(("TensorRT workspace limit", workspace))
+    """(lines, build_peak) for one KV capacity."""
+    g, mem, m = i.graphs, i.memory, i.target
+    if i.drafter not in ("none", "eagle3"):
+        raise ConfigError(f"speculative.drafter={i.drafter}: TensorRT Edge-LLM runs eagle3 or none")
+    if i.drafter == "eagle3" and i.head is None:
+        raise ConfigError("speculative.drafter=eagle3 needs speculative.eagle3_head")
+    weights = weight_bytes(m, g.weights)
+    engines = [weights]
+    lines: list[tuple[str, int]] = [("embedding table (fp16, outside the engines)", embedding_bytes(m))]
     overhead = int(mem.context_overhead_gb * GIB)
-    lines.append(("TensorRT + CUDA context", overhead))
+    k_max = max(g.k_values)
+    for name, batch, spec in runtimes(i):
+        lines.append((f"{name}: target engine weights ({g.weights if g.weights != 'fp32' else 'fp16'})", weights))
+        kv = batch * kv_bytes(m, max_context)
+        lines.append((f"{name}: paged KV ({batch} x {kv_capacity(max_context)} positions, fp16)", kv))
+        rows = batch * (k_max + 1 if spec else 1)  # the tokens whose logits one call selects
+        act = activation_bytes(m, max_context, rows)
+        if spec:
+            h = i.head
+            engines.append(head_weight_bytes(h))
+            lines.append((f"{name}: EAGLE-3 head weights (Vd={h.draft_vocab_size}, fp16)", engines[-1]))
+            lines.append((f"{name}: EAGLE-3 head paged KV", head_kv_bytes(h, max_context)))
+            hidden = 3 * m.hidden_size * FP16 * max_context  # the 3 hidden states of the widest call
+            lines.append((f"{name}: target hidden states for the head (3 x H)", hidden))
+            act = max(act, activation_bytes(h.as_model_config(), max_context, k_max))
+        lines.append((f"{name}: activations (estimate)", act))
+        lines.append((f"{name}: CUDA + TensorRT context", overhead))
     reserve = int(mem.os_ros_reserve_gb * GIB)
     lines.append(("OS + ROS reserve", reserve))
-    # Building the largest engine holds the parsed ONNX weights (host = device memory on Thor),
-    # the engine being built and its serialized copy, plus the builder workspace.
-    build_peak = 3 * max(engines) + workspace + overhead + reserve
+    # building the largest engine holds its ONNX weights, the engine being built and its serialized copy
+    build_peak = 3 * max(engines) + embedding_bytes(m) + overhead + reserve
     return lines, build_peak
 
 
@@ -327,8 +245,6 @@ def plan(i: PlanInputs, device: DeviceMemory | None = None) -> Plan:
 
     The device budget is memory.device_memory_gb, capped by the measured total when `device` is
     given (on Thor: /proc/meminfo MemTotal of the unified memory)."""
-    if i.layout not in ("shared", "per_graph"):
-        raise ConfigError(f"unknown engine layout {i.layout!r}")
     budget = int(i.memory.device_memory_gb * GIB)
     source = "config"
     if device is not None and device.total < budget:
@@ -342,8 +258,6 @@ def plan(i: PlanInputs, device: DeviceMemory | None = None) -> Plan:
         return sum(n for _, n in ls) <= budget
 
     cap = i.target.max_position_embeddings
-    if i.drafter == "draft" and i.draft is not None:
-        cap = min(cap, i.draft.max_position_embeddings)
     lo, hi = 0, cap // CONTEXT_STEP  # in steps; fits() is monotonic in the cache length
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -364,12 +278,14 @@ def check(p: Plan) -> Plan:
     hints = []
     if p.total > p.device:
         hints.append(f"the plan needs {_gib(p.total)} of {_gib(p.device)}")
-        if p.largest_max_context >= p.inputs.graphs.prefill_chunk:
+        if p.largest_max_context >= 16:
             hints.append(f"set graphs.max_context <= {p.largest_max_context}")
-        if _quantization(p.inputs.graphs) == "fp32":
-            hints.append("or quantize the target (graphs.weights: int4_awq, fp8 or nvfp4)")
+        if p.inputs.graphs.weights == "fp32":
+            hints.append("or quantize the target (graphs.weights: nvfp4, int4_awq or fp8)")
+        if len(runtimes(p.inputs)) > 1:
+            hints.append("or set graphs.batch_slots: 1 or speculative.drafter: none (one runtime instead of two)")
     if p.build_peak > p.device:
-        hints.append(f"building the largest engine needs {_gib(p.build_peak)}: quantize, or lower memory.workspace_gb")
+        hints.append(f"building the largest engine needs {_gib(p.build_peak)}: quantize the target")
     if p.available_now is not None and p.runtime_need > p.available_now:
         hints.append(f"only {_gib(p.available_now)} is free now for {_gib(p.runtime_need)}: stop other "
                      "processes or lower graphs.max_context")

@@ -1,5 +1,5 @@
-"""A profile without its weights: where its yaml is, the architecture of each model it names, the
-engine layout, and the memory plan of the profile (memory.PlanInputs from a Config).
+"""A profile without its weights: where its yaml is, the architecture of each model it names, and the
+memory plan of the profile (memory.PlanInputs from a Config).
 
 Nothing here reads a checkpoint or needs TensorRT: `spec-edge plan` runs on any machine.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_edge.config import HEAD_DRAFTERS, Config, ConfigError, ModelConfig
+from spec_edge.config import Config, ConfigError, ModelConfig
 from spec_edge.device.presets import HEAD_PRESETS, MODEL_PRESETS
 from spec_edge.device import memory
 
@@ -65,49 +65,13 @@ def head_config(source: str, target: ModelConfig):
                       f"({', '.join(HEAD_PRESETS)}): download the head folder first")
 
 
-def engine_layout() -> str:
-    """'shared': one engine per model, one optimization profile per width, over the dynamic-width
-    graph export.export_model(dynamic=True) writes (memory.py explains why). specs.engine_specs()
-    still builds one engine per graph ('per_graph') when it finds only static graphs."""
-    return "shared"
-
-
-def plan_inputs(cfg: Config, layout: str | None = None, measured_activation: int | None = None
-                ) -> memory.PlanInputs:
-    drafter = cfg.speculative.drafter
-    draft = model_config(cfg.model.draft) if drafter == "draft" else None
+def plan_inputs(cfg: Config) -> memory.PlanInputs:
     target = model_config(cfg.model.target)
-    head = head_config(cfg.speculative.eagle3_head, target) if drafter in HEAD_DRAFTERS else None
-    return memory.PlanInputs(target=target, graphs=cfg.graphs, memory=cfg.memory,
-                             drafter=drafter, k=cfg.speculative.k, draft=draft,
-                             layout=layout or engine_layout(), measured_activation=measured_activation,
-                             head=head, hidden_layers=len(head.aux_layers) if head is not None else 0,
-                             measured_target_weights=quantized_weights_bytes(cfg))
+    drafter = cfg.speculative.drafter
+    head = head_config(cfg.speculative.eagle3_head, target) if drafter == "eagle3" else None
+    return memory.PlanInputs(target=target, graphs=cfg.graphs, memory=cfg.memory, drafter=drafter,
+                             k=cfg.speculative.k, head=head)
 
 
-def quantized_weights_bytes(cfg: Config) -> int | None:
-    """The size of the target's Q/DQ weights.bin (codes, scales, minima, pre-scales: all of it) once
-    `spec-edge build` (or --export-only) has written it for this profile's graphs.weights; else None."""
-    import json
-
-    from spec_edge.config import QDQ_WEIGHTS
-    from spec_edge.graphs import export, qdq
-
-    if cfg.graphs.weights not in QDQ_WEIGHTS:
-        return None
-    from spec_edge.graphs import batch_dynamic
-
-    source = export.artifact_dir(cfg, "target") if cfg.graphs.batch_slots == 1 else batch_dynamic.folder(cfg)
-    folder = qdq.folder_for(source, cfg.graphs.weights)
-    manifest = folder / "manifest.json"
-    if not manifest.is_file():
-        return None
-    record = json.loads(manifest.read_text()).get("quantization") or {}
-    if record.get("block_size") != qdq.wanted_record(cfg, cfg.graphs.weights, None).get("block_size"):
-        return None  # made for another block size: the estimate is the better number until rebuilt
-    return (folder / "weights.bin").stat().st_size
-
-
-def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None, layout: str | None = None,
-                    measured_activation: int | None = None) -> memory.Plan:
-    return memory.plan(plan_inputs(cfg, layout, measured_activation), device)
+def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None) -> memory.Plan:
+    return memory.plan(plan_inputs(cfg), device)

@@ -1,0 +1,92 @@
+"""The answers half of the Thor device check (scripts/thor_check.sh): three prompts through the Engine the ROS node
+serves with (spec_edge.runtime.engine.Engine on runtime.backend tensorrt = TensorRT Edge-LLM), greedy, each with
+the profile's drafter (eagle3, k = speculative.k) and with drafter none, and for each prompt: tok/s, acceptance,
+and whether greedy speculative equals greedy plain.
+
+Near-tie rule (as the CPU checks count it, docs/bench.md): equal token for token, or the two part at a token where
+a float32 reference (transformers, the profile's own Hugging Face checkpoint) puts its top-2 logits within 0.05:
+fp16 verify and step calls round differently and may flip a near tie; past that point the texts legitimately
+differ. A part at a larger margin is a real difference and fails the check (exit 1).
+
+Usage: python scripts/thor_check.py PROFILE [--max-new-tokens 128] [--json-out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PROMPTS = ["Move the arm to the left and report the gripper state.",
+           "Write a Python function that returns the n-th Fibonacci number.",
+           "The robot picks up the red box and places it on the shelf. Summarise what happened."]
+NEAR_TIE = 0.05
+
+
+def reference_margin(checkpoint: Path, ids: list[int]) -> float:
+    """top-1 minus top-2 logit of the float32 reference after `ids`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = reference_margin.model = getattr(reference_margin, "model", None) or AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("profile")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+
+    from spec_edge.config import load
+    from spec_edge.device.edgellm_layout import profile_dir, read_manifest
+    from spec_edge.device.profiles import resolve_profile
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.requests import GenerateRequest
+
+    cfg = load(resolve_profile(args.profile))
+    drafter, k = cfg.speculative.drafter, cfg.speculative.k
+    checkpoint = Path(read_manifest(profile_dir(cfg))["stages"]["checkpoint"]["target"])
+    engine = Engine.from_config(cfg, lambda text: print(text, file=sys.stderr, flush=True))
+    rows, failed = [], False
+    for prompt in PROMPTS:
+        runs = {}
+        for name in ([drafter] if drafter != "none" else []) + ["none"]:
+            request = GenerateRequest(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=0.0,
+                                      drafter=name, k=k if name != "none" else None)
+            engine.generate(request)  # warm-up (CUDA graphs, first-call allocations)
+            runs[name] = engine.generate(request)
+        plain = runs["none"]
+        row = {"prompt": prompt, "plain_tok_s": round(plain.stats.tokens_per_s, 1)}
+        if drafter != "none":
+            spec = runs[drafter]
+            row.update(spec_tok_s=round(spec.stats.tokens_per_s, 1),
+                       speedup=round(spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9), 2),
+                       acceptance=round(spec.stats.acceptance_rate, 3),
+                       mean_accepted_length=round(spec.stats.mean_accepted_length, 2))
+            a, b = spec.token_ids, plain.token_ids
+            if a == b:
+                row["greedy"] = "equal"
+            else:
+                at = next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)
+                m = reference_margin(checkpoint, engine.prompt_ids(GenerateRequest(prompt=prompt)) + b[:at])
+                row["greedy"] = (f"near tie at token {at} (float32 margin {m:.3f})" if m < NEAR_TIE
+                                 else f"DIFFERENT at token {at} (float32 margin {m:.3f})")
+                failed |= m >= NEAR_TIE
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    summary = {"profile": cfg.runtime.profile, "drafter": drafter, "k": k, "rows": rows, "ok": not failed}
+    print(f"[thor_check] {cfg.runtime.profile}: " + ("OK" if not failed else "FAILED: speculative != plain beyond "
+                                                      "a near tie"), flush=True)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""`spec-edge build PROFILE`: a profile's TensorRT Edge-LLM engines, stage by stage, with progress and a manifest.
+
+  1 plan       memory.check(the profile's plan): refuse what does not fit before anything runs
+  2 checkpoint the target as a Hugging Face folder (checkpoint.hf_folder; the embedded GGUF converted once, ~20 s)
+               and, with drafter eagle3, the head rewritten in the layout Edge-LLM loads (checkpoint.py)
+  3 quantize   graphs.weights nvfp4 | int4_awq | fp8 on an unquantized checkpoint: tensorrt-edgellm-quantize
+               (ModelOpt calibration; wants a GPU: an 8B model takes minutes there, hours on a CPU). A checkpoint
+               already quantized that way is the fast path and skips it; one quantized another way is refused.
+  4 export     tensorrt-edgellm-export: the target (--eagle-base with a head), the head, and with graphs.batch_slots
+               > 1 and a head the plain target the RequestEngine runs. No GPU: `--export-only` stops here.
+  5 engines    on the device, tensorrt_edgellm's LLMBuilder(onnx_dir, engine_dir, LLMBuilderConfig) with the plan's
+               limits: max_input_len = max_kv_cache_capacity = graphs.max_context, max_batch_size, and with a head
+               max_verify_tree_size = max(k_values) + 1, max_draft_tree_size = max(k_values).
+
+A stage whose inputs (config identity, checkpoint fingerprints, tensorrt-edgellm version) match the manifest's
+record and whose outputs are still there with the recorded digests is skipped ("up to date").
+The Edge-LLM tools run as subprocesses (their own logging, a clean exit status); the native runtime is imported
+only in stage 5.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spec_edge.config import Config, engine_root
+from spec_edge.device import checkpoint, memory
+from spec_edge.device.edgellm_layout import (FORMAT, MANIFEST, edgellm_version, file_digest, folder_digests,
+                                             identity_config, profile_dir, read_manifest, require_known_weights,
+                                             write_manifest)
+from spec_edge.device.profiles import plan_for_config, plan_inputs
+
+Progress = Callable[[str], None]
+
+
+class BuildError(RuntimeError):
+    """A stage failed; the message says which and what to do."""
+
+
+def _tool(name: str) -> list[str]:
+    """A tensorrt-edgellm console script of this interpreter's environment (run as `python -m`, so the venv's
+    own package is used even when its bin/ is not on PATH)."""
+    return [sys.executable, "-m", f"tensorrt_edgellm.scripts.{name}"]
+
+
+def _run(cmd: list[str], stage: str, progress: Progress, log: Path) -> None:
+    """Run an Edge-LLM tool, its output into log (the last lines are shown when it fails)."""
+    progress(f"[{stage}] $ {' '.join(cmd[2:]) if cmd[:2] == [sys.executable, '-m'] else ' '.join(cmd)}")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as fh:
+        result = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if result.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        raise BuildError(f"{stage} failed (exit {result.returncode}); the end of {log}:\n{tail}")
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+class Stages:
+    """The state of one build: the config, the manifest being written, progress with elapsed times."""
+
+    def __init__(self, cfg: Config, profile_yaml: str, progress: Progress, force: bool):
+        self.cfg, self.progress, self.force = cfg, progress, force
+        self.dir = profile_dir(cfg)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        old = read_manifest(self.dir) or {}
+        self.old = old if old.get("format") == FORMAT and old.get("tensorrt_edgellm") == edgellm_version() else {}
+        self.started = time.monotonic()
+        self.manifest: dict[str, Any] = {
+            "format": FORMAT, "tensorrt_edgellm": edgellm_version(), "profile": cfg.runtime.profile,
+            "profile_yaml": profile_yaml, "config": identity_config(cfg), "fingerprints": {}, "stages": {},
+            "builder": None, "edgellm": None}
+
+    def say(self, stage: str, text: str) -> None:
+        self.progress(f"[{stage} +{time.monotonic() - self.started:.0f}s] {text}")
+
+    def reuse(self, stage: str, key: str) -> dict[str, Any] | None:
+        """The old record of a stage when its key matches and its outputs are intact."""
+        record = self.old.get("stages", {}).get(stage)
+        if self.force or not record or record.get("key") != key:
+            return None
+        for rel, digest in record.get("files", {}).items():
+            path = self.dir / rel
+            if not path.is_file() or file_digest(path) != digest:
+                return None
+        return record
+
+    def record(self, stage: str, key: str, outputs: dict[str, str], seconds: float, **extra: Any) -> dict[str, Any]:
+        files: dict[str, str] = {}
+        for rel in outputs.values():
+            if rel is not None and (self.dir / rel).is_dir():
+                files.update(folder_digests(self.dir / rel, self.dir))
+        entry = {"key": key, "outputs": outputs, "files": files, "seconds": round(seconds, 1), **extra}
+        self.manifest["stages"][stage] = entry
+        write_manifest(self.dir, self.manifest)
+        return entry
+
+
+def build(cfg: Config, profile_yaml: str, *, export_only: bool = False, force: bool = False,
+          progress: Progress = print) -> dict[str, Any]:
+    """Run the stages (1-4; 5 unless export_only) and return the manifest."""
+    require_known_weights(cfg)
+    st = Stages(cfg, profile_yaml, progress, force)
+    # 1 plan
+    device = None if export_only else memory.read_device_memory()
+    the_plan = memory.check(plan_for_config(cfg, device))
+    st.say("plan", f"fits: {the_plan.total / memory.GIB:.2f} GiB of {the_plan.device / memory.GIB:.2f} GiB "
+                   f"({the_plan.device_source}); largest max_context {the_plan.largest_max_context}")
+    inputs = plan_inputs(cfg)
+    head = cfg.speculative.drafter == "eagle3"
+    # 2 checkpoint
+    t = time.monotonic()
+    target_src = checkpoint.hf_folder(cfg.model.target, engine_root(cfg) / "checkpoints")
+    st.manifest["stages"]["checkpoint"] = {"target": str(target_src), "seconds": round(time.monotonic() - t, 1)}
+    from spec_edge.graphs import weights
+    from spec_edge.heads.eagle3 import head_fingerprint
+
+    st.manifest["fingerprints"] = {"target": weights.fingerprint(cfg.model.target)}
+    if head:
+        st.manifest["fingerprints"]["eagle3"] = head_fingerprint(cfg.speculative.eagle3_head)
+    base_key = _key(st.manifest["config"], st.manifest["fingerprints"], edgellm_version())
+    head_dir = None
+    if head:
+        t = time.monotonic()
+        head_dir = st.dir / "head"
+        if st.reuse("head", base_key) is None:
+            checkpoint.edgellm_head_folder(cfg.speculative.eagle3_head, inputs.target, head_dir)
+        st.record("head", base_key, {"head": "head"}, time.monotonic() - t)
+    write_manifest(st.dir, st.manifest)
+    st.say("checkpoint", f"target {target_src}" + (f", head {head_dir}" if head_dir else ""))
+    # 3 quantize
+    source = quantize(st, target_src, base_key)
+    # 4 export
+    exports = export(st, source, head_dir, base_key)
+    if export_only:
+        st.say("export", f"export-only: ONNX in {st.dir / 'onnx'}; the engines are built on the device with "
+                         f"`spec-edge build {profile_yaml}`")
+        return st.manifest
+    # 5 engines
+    build_engines(st, exports, base_key)
+    return st.manifest
+
+
+def quantize(st: Stages, source: Path, base_key: str) -> Path:
+    want = st.cfg.graphs.weights
+    have = checkpoint.quantization_of(source)
+    if want == "fp32":
+        if have is not None:
+            raise BuildError(f"model.target {source} is quantized ({have}) but graphs.weights is fp32: set "
+                             f"graphs.weights: {have}")
+        return source
+    if have == want:
+        st.say("quantize", f"skipped: {source} is already {want} (the fast path)")
+        return source
+    if have is not None:
+        raise BuildError(f"model.target {source} is quantized as {have}, graphs.weights asks for {want}: point "
+                         f"model.target at the unquantized checkpoint or set graphs.weights: {have}")
+    out = st.dir / "quantized"
+    if (record := st.reuse("quantize", base_key)) is not None:
+        st.say("quantize", f"up to date ({out}, made in {record['seconds']} s)")
+        st.manifest["stages"]["quantize"] = record
+        write_manifest(st.dir, st.manifest)
+        return out
+    import importlib.util
+
+    if importlib.util.find_spec("modelopt") is None:
+        raise BuildError(f"graphs.weights={want} needs calibration by tensorrt-edgellm-quantize, which imports NVIDIA "
+                         f"ModelOpt (not installed: pip install 'nvidia-modelopt[torch]'). Run it on a GPU machine "
+                         f"(an 8B model: minutes there, hours on a CPU) or set model.target to a checkpoint already "
+                         f"quantized as {want} (the fast path)")
+    import torch
+
+    on = "cuda" if torch.cuda.is_available() else "cpu"
+    if on == "cpu":
+        st.say("quantize", f"no CUDA device: calibrating {want} on the CPU (slow: the 135M model took 140 s for nvfp4, "
+                           f"int4_awq > 25 min; an 8B model takes hours)")
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.monotonic()
+    _run(_tool("quantize") + ["llm", "--model_dir", str(source), "--output_dir", str(out), "--quantization", want,
+                              "--device", on], "quantize", st.progress, st.dir / "logs" / "quantize.log")
+    st.record("quantize", base_key, {"checkpoint": "quantized"}, time.monotonic() - t, device=on)
+    st.say("quantize", f"{want} checkpoint in {out} ({time.monotonic() - t:.0f} s on {on})")
+    return out
+
+
+def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> dict[str, Path]:
+    """role -> exported ONNX folder (the `llm/` folder Edge-LLM writes under each output root)."""
+    jobs: dict[str, list[str]] = {}
+    if head_dir is None:
+        jobs["target"] = [str(source)]
+    else:
+        jobs["target"] = [str(source), "--eagle-base"]
+        jobs["draft"] = [str(head_dir)]
+        if st.cfg.graphs.batch_slots > 1:
+            jobs["batch"] = [str(source)]
+    out: dict[str, Path] = {}
+    for role, args in jobs.items():
+        root = st.dir / "onnx" / role
+        stage = f"export_{role}"
+        key = _key(base_key, args[1:], str(st.manifest["stages"].get("quantize", {}).get("key")))
+        if (record := st.reuse(stage, key)) is not None:
+            st.manifest["stages"][stage] = record
+            st.say("export", f"{role}: up to date ({root}, exported in {record['seconds']} s)")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            t = time.monotonic()
+            _run(_tool("export") + [args[0], str(root)] + args[1:], "export", st.progress,
+                 st.dir / "logs" / f"export_{role}.log")
+            llm = root / "llm"
+            if not (llm / "model.onnx").is_file():
+                raise BuildError(f"tensorrt-edgellm-export wrote no {llm / 'model.onnx'} (see {st.dir / 'logs'})")
+            st.record(stage, key, {"onnx": f"onnx/{role}/llm"}, time.monotonic() - t)
+            st.say("export", f"{role}: {llm} in {time.monotonic() - t:.0f} s")
+        out[role] = root / "llm"
+    write_manifest(st.dir, st.manifest)  # the reused records too: the next run reads them
+    return out
+
+
+def builder_limits(cfg: Config) -> dict[str, dict[str, Any]]:
+    """engine name -> the LLMBuilderConfig fields it is built with (the memory plan's limits)."""
+    g = cfg.graphs
+    k_max = max(g.k_values)
+    common = {"max_input_len": g.max_context, "max_kv_cache_capacity": g.max_context}
+    if cfg.speculative.drafter != "eagle3":
+        return {"target": {**common, "max_batch_size": g.batch_slots}}
+    limits = {"target": {**common, "max_batch_size": 1, "spec_base": True, "max_verify_tree_size": k_max + 1},
+              "draft": {**common, "max_batch_size": 1, "spec_draft": True, "max_draft_tree_size": k_max,
+                        "max_verify_tree_size": k_max + 1}}
+    if g.batch_slots > 1:
+        limits["batch"] = {**common, "max_batch_size": g.batch_slots}
+    return limits
+
+
+ENGINE_DIRS = {"target": "engines/{kind}", "draft": "engines/{kind}", "batch": "engines/batch"}
+
+
+def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BuildError("no CUDA device: TensorRT engines are built on the device that runs them (here: "
+                         "`spec-edge build --export-only`)")
+    try:
+        from tensorrt_edgellm import runtime as edgellm_runtime
+        native = edgellm_runtime.load()
+    except Exception as err:  # the wheel's native payload: NativeRuntimeError and its kinds
+        raise BuildError(f"tensorrt-edgellm's native runtime does not load here ({err}): it ships payloads for "
+                         f"Jetson Thor JetPack 7.x and x86 sm80-sm120 (docs/tensorrt.md)") from err
+    kind = "eagle3" if "draft" in exports else "plain"
+    limits = builder_limits(st.cfg)
+    st.manifest["builder"] = limits
+    dirs: dict[str, str] = {}
+    for role, fields in limits.items():
+        rel = ENGINE_DIRS[role].format(kind=kind)
+        dirs[role] = rel
+        engine_dir = st.dir / rel
+        key = _key(base_key, st.manifest["stages"][f"export_{role}"]["key"], fields)
+        stage = f"engine_{role}"
+        if (record := st.reuse(stage, key)) is not None:
+            st.manifest["stages"][stage] = record
+            st.say("engines", f"{role}: up to date ({engine_dir})")
+            continue
+        config = native.LLMBuilderConfig()
+        for name, value in fields.items():
+            setattr(config, name, value)
+        engine_dir.mkdir(parents=True, exist_ok=True)
+        st.say("engines", f"{role}: building from {exports[role]} into {engine_dir} ({fields})")
+        t = time.monotonic()
+        if not native.LLMBuilder(str(exports[role]), str(engine_dir), config).build():
+            raise BuildError(f"LLMBuilder could not build the {role} engine from {exports[role]} (see TensorRT's "
+                             f"messages above)")
+        st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
+        st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
+    st.manifest["edgellm"] = {"engine_dir": dirs["target"], "draft_engine_dir": dirs.get("draft"),
+                              "batch_engine_dir": dirs.get("batch") or (dirs["target"] if st.cfg.graphs.batch_slots > 1
+                                                                        else None)}
+    st.manifest["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    write_manifest(st.dir, st.manifest)
+    st.say("engines", f"engines for '{st.cfg.runtime.profile}' in {st.dir} ({MANIFEST})")
+
