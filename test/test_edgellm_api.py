@@ -89,10 +89,13 @@ def problems(source: str, table: dict[str, tuple[str, ...]], receivers: dict[str
                         if not any(accepts(o, n, keywords) for o in overloads or []):
                             out.append(f"rt.{head}.{chain[1]}(...) with {n} positional, keywords {sorted(keywords)}:"
                                        f" no overload accepts it")
-            continue
+                continue
         if not isinstance(node, ast.Attribute):
             continue
         receiver = ast.unparse(node.value)
+        if receiver == "self.rt":
+            out.append(f"self.rt.{node.attr}: name the module `rt` (rt = self.rt) so its uses are checked")
+            continue
         if receiver not in receivers:
             continue
         cls = receivers[receiver]
@@ -163,11 +166,13 @@ def serve(rt, engine_dir):
     runtime = rt.LLMRuntime(engine_dir, draft_topk=1)
     call = rt.LLMGenerationRequest()
     call.max_new_tokens = 4
-    chunk = rt.StreamChannel.create().wait_pop()
+    channel = rt.StreamChannel.create()
+    chunk = channel.wait_pop()
     rt.FinishReason.EOS
     rt.LLMGenerator()
     handle = rt.RequestEngine(engine_dir).submit(call)
     handle.result()
+    self.rt.FinishReason.EOS
     chunk.token_ids = []
     return call
 '''
@@ -179,18 +184,20 @@ def test_the_checker_fails_on_wrong_names_and_keywords(live):
     table = {"LLMRuntime": ("__init__",), "LLMGenerationRequest": ("__init__", "max_new_tokens"),
              "StreamChannel": ("create", "wait_pop"), "FinishReason": ("EOS",), "RequestEngine": ("__init__",),
              "RequestHandle": ("result",), "StreamChunk": ("token_ids",)}
-    receivers = {"call": "LLMGenerationRequest", "handle": "RequestHandle", "chunk": "StreamChunk"}
+    receivers = {"call": "LLMGenerationRequest", "handle": "RequestHandle", "chunk": "StreamChunk",
+                 "channel": "StreamChannel"}
     found = "\n".join(problems(WRONG, table, receivers, live))
     assert "rt.LLMRuntime(...) with 1 positional, keywords ['draft_topk']" in found
     assert "call.max_new_tokens (LLMGenerationRequest): not in the binary" in found
-    assert "rt.StreamChannel.wait_pop(...) with 0 positional" in found  # timeout_ms is required
+    assert "channel.wait_pop (StreamChannel)(...) with 0 positional" in found  # timeout_ms is required
     assert "rt.FinishReason.EOS: not in the binary" in found
     assert "rt.LLMGenerator: not in the binary" in found
     assert "handle.result (RequestHandle): not in the binary" in found
     assert "chunk.token_ids (StreamChunk): assigned, but it is not a settable property" in found
     assert "EDGELLM_API['LLMGenerationRequest']: max_new_tokens not in the binary" in found
+    assert "self.rt.FinishReason: name the module `rt`" in found
     # and the same snippet with the real names passes
-    right = (WRONG.replace("draft_topk=1", "context_cache_config=None").replace("call.max_new_tokens", "call.max_generate_length")
+    right = (WRONG.replace("    self.rt.FinishReason.EOS\n", "").replace("draft_topk=1", "context_cache_config=None").replace("call.max_new_tokens", "call.max_generate_length")
              .replace("wait_pop()", "wait_pop(20)").replace("rt.FinishReason.EOS", "rt.FinishReason.END_ID")
              .replace("    rt.LLMGenerator()\n", "").replace("handle.result()", "handle.cancel()")
              .replace("    chunk.token_ids = []\n", ""))

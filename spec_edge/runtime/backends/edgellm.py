@@ -85,7 +85,7 @@ EDGELLM_API: dict[str, tuple[str, ...]] = {
 # expression in this module's source -> the Edge-LLM class of the object it holds
 EDGELLM_RECEIVERS = {"self.runtime": "LLMRuntime", "self.batcher": "RequestEngine", "handle": "RequestHandle",
                      "cache": "ContextCacheConfig", "call": "LLMGenerationRequest", "item": "Request",
-                     "channel": "StreamChannel", "chunk": "StreamChunk", "spec": "SpecDecodeGenerationMetrics",
+                     "channel": "StreamChannel", "chunk": "StreamChunk", "counts": "SpecDecodeGenerationMetrics",
                      "prefill": "LLMPrefillMetrics"}
 POLL_MS = 20  # how long one wait on the stream channel blocks before cancel() is asked again
 PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer agreement check at load
@@ -190,13 +190,13 @@ class EdgeLLMEngine:
         cache = rt.ContextCacheConfig()
         cache.enabled = cfg.serve.reuse_prefix
         self.runtime = self.batcher = None
-        slots, spec = cfg.graphs.batch_slots, cfg.speculative
+        slots, speculative = cfg.graphs.batch_slots, cfg.speculative
         if slots > 1:
             self.batcher = rt.RequestEngine(str(dirs.engine_dir), context_cache_config=cache, max_batch_size=slots,
                                             max_pending_requests=cfg.serve.queue_limit + slots)
-        elif spec.drafter == "eagle3":
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=1, draft_step=spec.k,
-                                         verify_tree_size=spec.k + 1, draft_checkpoint_dir="",
+        elif speculative.drafter == "eagle3":
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=1, draft_step=speculative.k,
+                                         verify_tree_size=speculative.k + 1, draft_checkpoint_dir="",
                                          context_cache_config=cache)
         else:
             self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
@@ -342,9 +342,9 @@ class EdgeLLMEngine:
 
     def _counters(self) -> tuple[tuple[int, int, int], int]:
         """(SpecDecode (iterations, proposed, accepted), prefill reused tokens): cumulative since load."""
-        spec, prefill = self.runtime.get_spec_decode_generation_metrics(), self.runtime.get_prefill_metrics()
-        return ((int(spec.total_iterations), int(spec.total_proposed_draft_tokens),
-                 int(spec.total_accepted_draft_tokens)), int(prefill.reused_tokens))
+        counts, prefill = self.runtime.get_spec_decode_generation_metrics(), self.runtime.get_prefill_metrics()
+        return ((int(counts.total_iterations), int(counts.total_proposed_draft_tokens),
+                 int(counts.total_accepted_draft_tokens)), int(prefill.reused_tokens))
 
     def _run_serial(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
         """LLMRuntime.handle_request in a thread (it releases the GIL), its channel drained here."""
@@ -360,7 +360,8 @@ class EdgeLLMEngine:
         worker = threading.Thread(target=run, name="edgellm-request", daemon=True)
         worker.start()
         try:
-            outcome = self._drain(channel, channel.cancel, decoder, on_text, cancel, stats)
+            outcome = self._drain(channel, channel.cancel, decoder, on_text, cancel, stats,
+                                  producer_done=lambda: not worker.is_alive())
         finally:
             worker.join()
         if failure:
@@ -375,16 +376,16 @@ class EdgeLLMEngine:
             raise RequestError(f"Edge-LLM's request engine is full ({err}): retry later") from None
         return self._drain(handle.stream(), handle.cancel, decoder, on_text, cancel, stats)
 
-    def _drain(self, channel, stop_request, decoder: StreamDecoder, on_text, cancel, stats: Stats
-               ) -> tuple[str, str]:
+    def _drain(self, channel, stop_request, decoder: StreamDecoder, on_text, cancel, stats: Stats,
+               producer_done: Callable[[], bool] = lambda: False) -> tuple[str, str]:
         """Pop the channel until its last chunk: token ids -> decoder -> on_text; cancel() polled between
-        waits. (finish reason, message)."""
-        rt = self.rt
+        waits. producer_done(): the call that fills the channel has returned (a failed call may leave the
+        channel unfinished). (finish reason, message)."""
         started = time.monotonic()
         cancelled = ""
         while True:
             chunk = channel.wait_pop(POLL_MS)
-            if chunk is None and channel.is_finished():
+            if chunk is None and (channel.is_finished() or producer_done()):
                 chunk = channel.try_pop()  # the producer may have finished between the wait and the check
                 if chunk is None:
                     stats.total_time_s = time.monotonic() - started
@@ -408,18 +409,18 @@ class EdgeLLMEngine:
                 stop_request()
 
     def _finish(self, reason, cancelled: str) -> tuple[str, str]:
-        names = self.rt.FinishReason
-        if reason == names.END_ID:
+        rt = self.rt
+        if reason == rt.FinishReason.END_ID:
             return "eos", ""
-        if reason == names.STOP_WORDS:
+        if reason == rt.FinishReason.STOP_WORDS:
             return "stop", ""
-        if reason == names.LENGTH:
+        if reason == rt.FinishReason.LENGTH:
             return "length", ""
-        if reason == names.CANCELLED:
+        if reason == rt.FinishReason.CANCELLED:
             return (cancelled or "cancelled"), ""
-        if reason == names.ERROR:
+        if reason == rt.FinishReason.ERROR:
             return "error", "Edge-LLM reported an error for the request (FinishReason.ERROR)"
-        what = "NOT_FINISHED" if reason == names.NOT_FINISHED else repr(reason)
+        what = "NOT_FINISHED" if reason == rt.FinishReason.NOT_FINISHED else repr(reason)
         return "error", f"Edge-LLM ended the stream with reason {what}"
 
     def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
@@ -444,10 +445,11 @@ class EdgeLLMEngine:
         if n == 0:
             return 0
         call = self._call(self._prefix_text(one[:n]), 1)
-        call.context_cache_lookup_policy = self.rt.ContextCacheLookupPolicy.USE_CACHE
-        call.context_cache_commit_policy = self.rt.ContextCacheCommitPolicy.PREFILL_STATE_ONLY
+        rt = self.rt
+        call.context_cache_lookup_policy = rt.ContextCacheLookupPolicy.USE_CACHE
+        call.context_cache_commit_policy = rt.ContextCacheCommitPolicy.PREFILL_STATE_ONLY
         call.disable_spec_decode = True
-        channel = self.rt.StreamChannel.create()
+        channel = rt.StreamChannel.create()
         call.stream_channels = [channel]
         stats = Stats()
         decoder = StreamDecoder(self.tokenizer)
@@ -477,6 +479,7 @@ class EdgeLLMEngine:
 
     def close(self) -> None:
         """Stop the request engine (cancelling what is queued) and drop the runtime."""
+        rt = self.rt
         if self.batcher is not None:
-            self.batcher.shutdown(self.rt.ShutdownMode.CANCEL)
+            self.batcher.shutdown(rt.ShutdownMode.CANCEL)
         self.runtime = self.batcher = None
