@@ -1,6 +1,6 @@
 """The engine: one target model (and its drafters) behind a request -> result call (ONNX Runtime; on
 runtime.backend tensorrt, Engine.from_config returns backends/edgellm.py's EdgeLLMEngine instead: both are
-a base.RequestBackend).
+a serving.RequestBackend).
 
 This is what the CLI and the ROS node use. It checks a request, renders the chat prompt, runs the
 speculative loop and turns tokens into text (streamed, UTF-8 safe, stop strings honoured). It is
@@ -8,21 +8,21 @@ not re-entrant (one KV cache): callers serialise requests; a lock enforces it.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge import speculation_policy
-from spec_edge.config import DRAFTERS, Config, ConfigError
+from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import export
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.base import RequestBackend, Runner, common_prefix
+from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
 from spec_edge.runtime.drafting import Drafters
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop, check_text
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.serving import RequestBackend, chat_text, resolve_fields
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -36,59 +36,6 @@ def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None] | N
             on_text(delta, len(decoder.ids))
         return decoder.stopped
     return emit
-
-
-def chat_text(tokenizer: Tokenizer, request: GenerateRequest, default_system: str) -> str:
-    """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
-    (the request's, else default_system, else the template's default) first, rendered through the chat
-    template (request.chat) or joined by newlines. RequestError for empty or non-text fields."""
-    if request.messages:
-        messages = list(request.messages)
-        for role, content in messages:
-            check_text(f"message ({role})", content)
-    else:
-        if not request.prompt.strip():
-            raise RequestError("prompt is empty: send the text to answer")
-        check_text("prompt", request.prompt)
-        messages = [("user", request.prompt)]
-    system = request.system_prompt or default_system
-    check_text("system prompt", system)
-    if system and not any(role == "system" for role, _ in messages):
-        messages.insert(0, ("system", system))
-    if not any(content.strip() for _, content in messages):
-        raise RequestError("all messages are empty: send the text to answer")
-    return tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
-
-
-def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int
-                   ) -> tuple[SamplingParams, int, int | None, str, int]:
-    """(sampling, max_new_tokens, seed or None, drafter name, k) of a request with cfg's defaults filled in,
-    for a context of max_context tokens (prompt + answer); RequestError for a value out of range."""
-    defaults = cfg.sampling
-    params = SamplingParams(
-        temperature=defaults.temperature if request.temperature is None else float(request.temperature),
-        top_k=defaults.top_k if request.top_k is None else int(request.top_k),
-        top_p=defaults.top_p if request.top_p is None else float(request.top_p))
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
-    if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
-        raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    limit = max_context - 1
-    # the configured default adapts to a smaller context; an explicit request value must fit
-    max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None else int(request.max_new_tokens)
-    if not 1 <= max_new <= limit:
-        raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds {max_context} tokens), "
-                           f"got {max_new}")
-    seed = defaults.seed if request.seed is None else int(request.seed)
-    drafter = cfg.speculative.drafter if not request.drafter else request.drafter
-    if drafter not in DRAFTERS:
-        raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
-    if not request.speculate:
-        drafter = "none"
-    k = cfg.speculative.k if not request.k else int(request.k)
-    return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
 
 
 class Engine:

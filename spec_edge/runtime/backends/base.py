@@ -16,42 +16,13 @@ sequence when it ended; so a request that failed leaves () behind and the next o
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from spec_edge.config import Config
-    from spec_edge.runtime.requests import GenerateRequest, GenerateResult
 
 
 class BackendError(RuntimeError):
     """A backend cannot load or run its graphs; the message says what to rebuild or change."""
-
-
-class RequestBackend(Protocol):
-    """What the CLI, the ROS node and the tools call: a whole request in, its result out. Two kinds
-    satisfy it: engine.Engine (ONNX Runtime: the speculative loop here, over step-level Runners) and
-    edgellm.EdgeLLMEngine (runtime.backend tensorrt: NVIDIA's Edge-LLM runtime serves the request end to
-    end). generate raises requests.RequestError for a request it refuses (nothing run); on_text(delta,
-    n_tokens) gets each piece of safe-to-show text; cancel() is polled and its non-empty answer becomes the
-    finish reason; queued: requests in the caller's queue as it starts, itself included (the load policy).
-    concurrent: generate may be called from several threads at once (else the caller serialises)."""
-
-    cfg: "Config"
-    concurrent: bool
-
-    def validate(self, request: "GenerateRequest") -> None: ...
-
-    def generate(self, request: "GenerateRequest", on_text: Callable[[str, int], None] | None = None,
-                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> "GenerateResult": ...
-
-    def warm(self, system_prompt: str = "") -> int: ...
-
-    def info(self) -> dict: ...
-
-    def close(self) -> None: ...
 
 
 def common_prefix(held: Sequence[int], ids: Sequence[int], limit: int) -> int:

@@ -1,5 +1,5 @@
 """runtime.backend tensorrt: a whole request served by NVIDIA TensorRT Edge-LLM (`tensorrt-edgellm`, pinned
-EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a base.RequestBackend: the CLI, the
+EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.RequestBackend: the CLI, the
 ROS node and the action call it exactly as they call engine.Engine.
 
 Two Edge-LLM objects, picked by graphs.batch_slots:
@@ -9,7 +9,7 @@ Two Edge-LLM objects, picked by graphs.batch_slots:
          a request that asked for a drafter runs target-only and its result's speculation_off_reason says so.
 
 What maps to what (docs/edgellm_runtime.md):
-  prompt / messages / system prompt -> rendered by OUR chat template (engine.chat_text, the CPU path's) and
+  prompt / messages / system prompt -> rendered by OUR chat template (serving.chat_text, the CPU path's) and
       sent as one pre-formatted text message with apply_chat_template=False (Edge-LLM concatenates the text of
       such messages as it is); at load, count_prompt_tokens of a probe conversation must equal our tokenizer's
       count, else the engine refuses to start (the two tokenizers disagree).
@@ -48,9 +48,9 @@ from types import ModuleType
 from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, engine_root
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.engine import chat_text, resolve_fields, text_emitter
 from spec_edge.runtime.grammar import GrammarError, grammar_spec
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.serving import chat_text, resolve_fields
 from spec_edge.runtime.speculative import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -179,7 +179,7 @@ def guide(rt: ModuleType, kind: str, text: str):
 
 
 class EdgeLLMEngine:
-    """A base.RequestBackend over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
+    """A serving.RequestBackend over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
     batch_slots > 1), the tokenizer of the engine folder (our chat template and stream decoding), the builder
     limits, and a lock serialising LLMRuntime requests."""
 
