@@ -163,6 +163,11 @@ def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, profile_root
         result = engine.generate(GenerateRequest(prompt="a"))
         assert result.finish_reason == finish and result.text.strip() == "ok"
         assert (result.message != "") == (finish == "error")
+    long = tok.encode(" x" * CAPACITY)
+    script.reply = lambda call: Reply(long[:call.max_generate_length], reason="LENGTH")
+    request = GenerateRequest(prompt="a", max_new_tokens=CAPACITY - 1)
+    result = engine.generate(request)  # the prompt leaves less room than max_new_tokens asked for
+    assert result.finish_reason == "context_full" and len(result.token_ids) + result.prompt_tokens == CAPACITY
     script.reply = lambda call: Reply([], fail="CUDA error 700")
     result = engine.generate(GenerateRequest(prompt="a"))
     assert result.finish_reason == "error" and "CUDA error 700" in result.message

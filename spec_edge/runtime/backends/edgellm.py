@@ -290,7 +290,9 @@ class EdgeLLMEngine:
             raise RequestError(str(err)) from None
         check_stop(request.stop)
         text, n_prompt = self._prompt(request)
-        max_new = min(max_new, self.max_context - n_prompt)
+        room = self.max_context - n_prompt  # KV capacity left after the prompt
+        context_bound = max_new > room
+        max_new = min(max_new, room)
         rt = self.rt
         call = self._call(text, max_new)
         item = call.requests[0]
@@ -333,6 +335,8 @@ class EdgeLLMEngine:
         if tail and on_text is not None:
             on_text(tail, len(decoder.ids))
         ids = list(decoder.ids)
+        if finish == "length" and context_bound and len(ids) >= room:
+            finish = "context_full"  # the CPU path's name for running out of context before max_new_tokens
         if finish == "stop":
             ids = self._trim_to_stop(ids, request.stop)
         stats.new_tokens = len(ids)
