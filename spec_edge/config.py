@@ -36,10 +36,9 @@ EDGELLM_WEIGHTS = ("int4_awq", "fp8", "nvfp4")  # graphs.weights TensorRT Edge-L
 WEIGHTS = ("fp32", "q4", "q4_fp32act") + EDGELLM_WEIGHTS  # graphs.weights
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
-# The drafters each backend can run. TensorRT: every drafter whose graphs have an engine spec (device/specs.py):
-# the draft model, the layer-skip graph, the EAGLE-3 head (eagle3, and hybrid = prompt lookup + that head); prompt
-# lookup needs no engine. Medusa and P-EAGLE heads have no TensorRT graphs yet (ONNX Runtime's are static per k).
-BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS, "tensorrt": ("none", "ngram", "draft", "layerskip", "eagle3", "hybrid")}
+# The drafters each backend can run. TensorRT is served by NVIDIA's Edge-LLM runtime (runtime/backends/edgellm.py),
+# which drafts with an EAGLE-3 head as a chain of speculative.k or not at all; the other drafters run on ONNX Runtime.
+BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS, "tensorrt": ("none", "eagle3")}
 
 
 class ConfigError(ValueError):
@@ -126,8 +125,8 @@ class GraphSection:
     head_weights: str = "q8"
     # Static batch slots B: 1 = the single-request graphs; B > 1 serves B requests at once (runtime/batch.py)
     # over one cache region per slot: ONNX Runtime's (m, 1) / (m, k+1) graphs (m rows, each bound to any slot's
-    # region) in onnx/target_b<B>/ (graphs/batch_export.py), TensorRT's one engine over the (n, T) graph of
-    # graphs/batch_dynamic.py, n = 1..B.
+    # region) in onnx/target_b<B>/ (graphs/batch_export.py); on tensorrt Edge-LLM's RequestEngine (in-flight batching
+    # of up to B requests, no speculation: a result says so in speculation_off_reason).
     batch_slots: int = 1
 
 
@@ -363,9 +362,11 @@ def validate(cfg: Config) -> None:
                           f"(ONNX Runtime: fp32, q4 or q4_fp32act)")
     if not 1 <= g.batch_slots <= 64:
         raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
-    if g.batch_slots > 1 and cfg.runtime.backend == "tensorrt" and s.drafter not in ("none", "ngram"):
-        raise ConfigError(f"graphs.batch_slots={g.batch_slots} on tensorrt builds the batched target engine only (per-"
-                          f"slot {s.drafter} engines are not built yet): use drafter none or ngram, or batch_slots: 1")
+    if cfg.runtime.backend == "tensorrt" and s.drafter != "none" and \
+            any(k not in (0, s.k) for k in cfg.serve.speculate_k_by_load):
+        raise ConfigError(f"serve.speculate_k_by_load={list(cfg.serve.speculate_k_by_load)}: Edge-LLM drafts a chain of "
+                          f"speculative.k={s.k} fixed at load, so per request only 0 (target-only) or {s.k} can run: "
+                          f"use those values, or runtime.backend: onnxruntime")
     if g.head_weights not in HEAD_WEIGHTS:
         raise ConfigError(f"graphs.head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {g.head_weights}")
     if g.ort_attention not in ORT_ATTENTION:

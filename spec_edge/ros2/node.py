@@ -162,7 +162,9 @@ def make_node_class():
             try:
                 from spec_edge.runtime.batch_engine import BatchEngine
                 from spec_edge.runtime.engine import Engine
-                engine = BatchEngine if self.cfg.graphs.batch_slots > 1 else Engine  # B > 1: in-flight batching
+                # B > 1: in-flight batching (ONNX Runtime: BatchEngine + BatchWorker; tensorrt: inside Edge-LLM)
+                batched = self.cfg.graphs.batch_slots > 1 and self.cfg.runtime.backend == "onnxruntime"
+                engine = BatchEngine if batched else Engine
                 self.engine = engine.from_config(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
                 if self.cfg.serve.warm_system_prompt:  # the system prompt's rows, for every request to reuse
@@ -172,7 +174,7 @@ def make_node_class():
                 self.engine = None
                 return TransitionCallbackReturn.FAILURE
             from spec_edge.ros2.batch_worker import BatchWorker
-            worker = BatchWorker if self.cfg.graphs.batch_slots > 1 else Worker
+            worker = BatchWorker if batched else Worker
             self.worker = worker(self.engine, self.cfg, self.get_logger())
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)

@@ -1,6 +1,7 @@
 """The engine of graphs.batch_slots > 1: Engine's request handling (validation, chat prompt, sampling
 defaults, streaming text, stop strings) in front of one BatchLoop (runtime/batch.py), over ONNX Runtime's
-BatchRunner or, on runtime.backend tensorrt, the batched engine's TensorRTBatchRunner (trt_batch.py).
+BatchRunner (ONNX Runtime; on runtime.backend tensorrt, Edge-LLM's RequestEngine batches inside
+backends/edgellm.py, which Engine.from_config returns for any graphs.batch_slots).
 
 start() turns a request into a SlotRequest whose on_done hands the caller the same GenerateResult
 Engine.generate returns; the caller (the node's batch worker, or generate() here) adds it to the loop
@@ -9,7 +10,7 @@ takes (runtime/slot_drafting.py): prompt lookup (ngram), the draft model, the EA
 hybrid), P-EAGLE and Medusa heads, each over its slot's own regions of the draft model's / head's
 caches and its slot's target hidden states, so a slot drafts exactly what the request drafts alone
 through the B=1 Engine; layerskip (the target's own first layers over the target's cache) is refused
-with a message. The TensorRT batched engine drafts with none or ngram.
+with a message.
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
 longest prefix of its prompt (runtime/batch.py); warm() prefills the system prompt's chat prefix into
@@ -44,18 +45,15 @@ class BatchEngine(Engine):
 
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> "BatchEngine":
+        if cfg.runtime.backend != "onnxruntime":
+            raise ConfigError(f"BatchEngine runs ONNX Runtime's batch graphs; runtime.backend {cfg.runtime.backend} "
+                              f"batches inside its own runtime: load it with Engine.from_config")
         reason = refusal(cfg.speculative.drafter, cfg.graphs.batch_slots)
         if reason:
             raise RequestError(f"speculative.drafter: {reason}")
         started = time.monotonic()
-        if cfg.runtime.backend == "tensorrt":  # the batched engine `spec-edge build` made (runs on the device)
-            from spec_edge.graphs import batch_dynamic
-            from spec_edge.runtime.backends.trt_batch import TensorRTBatchRunner
-
-            runner, graph_dir = TensorRTBatchRunner(cfg), batch_dynamic.folder(cfg)
-        else:
-            graph_dir = batch_export.batch_graphs(cfg, progress)
-            runner = BatchRunner(graph_dir, cfg.runtime.threads)
+        graph_dir = batch_export.batch_graphs(cfg, progress)
+        runner = BatchRunner(graph_dir, cfg.runtime.threads)
         engine = cls(cfg, runner, Tokenizer(graph_dir), graph_dir, progress)
         engine.slot_drafters = SlotDrafters(cfg, runner, engine.tokenizer, graph_dir, engine.model_cfg, progress)
         k = cfg.speculative.k if cfg.speculative.drafter != "none" else 0

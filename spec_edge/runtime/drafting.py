@@ -21,9 +21,9 @@ from spec_edge.runtime.tokenizer import Tokenizer
 
 
 class Drafters:
-    """drafter(name) for one target. State, loaded on first use: draft_runner, layer_skip (Runners),
-    eagle3_head (ort_heads.OrtEagle3Head, or trt_head.TensorRTEagle3Head on the tensorrt backend),
-    peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads). slots > 1: see above
+    """drafter(name) for one target (ONNX Runtime; runtime.backend tensorrt drafts inside Edge-LLM,
+    backends/edgellm.py). State, loaded on first use: draft_runner, layer_skip (Runners),
+    eagle3_head (ort_heads.OrtEagle3Head), peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads). slots > 1: see above
     (target: slot 0's view, for the checks; draft_runner: an ort_batch.BatchRunner)."""
 
     def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path, model_cfg: ModelConfig,
@@ -86,9 +86,6 @@ class Drafters:
         if self.draft_runner is None:
             if not self.cfg.model.draft:
                 raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
-            if self.cfg.runtime.backend == "tensorrt":
-                raise RequestError("the draft model's engine is loaded only when speculative.drafter is "
-                                   "'draft' in the profile: set it and restart")
             draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
                                             self.progress)
             check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
@@ -106,8 +103,6 @@ class Drafters:
 
     def load_eagle3_head(self, name: str = "eagle3"):
         """The EAGLE-3 head (loaded once); name: the drafter that asked (eagle3 or hybrid)."""
-        if self.eagle3_head is None and self.cfg.runtime.backend == "tensorrt":
-            self.eagle3_head = self._tensorrt_head(name)
         if self.eagle3_head is None:
             from spec_edge.heads import eagle3_export
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
@@ -124,17 +119,6 @@ class Drafters:
         head = self.load_eagle3_head(name)
         return Eagle3Drafter(self.target, head, self.columns(head.cfg.aux_layers))
 
-    def _tensorrt_head(self, name: str):
-        """The EAGLE-3 head engine `spec-edge build` made beside the target's (TensorRT backend)."""
-        from spec_edge.runtime.backends.trt_head import TensorRTEagle3Head
-
-        if not self.cfg.speculative.eagle3_head:
-            raise RequestError(f"drafter {name} needs an EAGLE-3 head: set speculative.eagle3_head to a head "
-                               f"folder (e.g. one made by `spec-edge train-draft`), rebuild with `spec-edge build` "
-                               f"and restart")
-        self.target.hidden_states(0, 0)  # raises when the target engines lack the hidden outputs
-        return TensorRTEagle3Head(self.target, cuda_graphs=self.target.use_cuda_graphs)
-
     def _export_head(self, name: str, kind: str, what: str, export_head, made_by: str = "",
                      fused: bool = False) -> Path:
         """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head): exported
@@ -147,8 +131,6 @@ class Drafters:
             made_by = made_by or f"spec-edge train-draft --kind {kind}"
             raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
                                f"made by `{made_by}`) and restart")
-        if self.cfg.runtime.backend != "onnxruntime":
-            raise RequestError(f"the {name} drafter runs on the onnxruntime backend only so far")
         self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
         head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, kind), self.progress)
         if fused:

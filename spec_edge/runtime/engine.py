@@ -1,4 +1,6 @@
-"""The engine: one target model (and its drafters) behind a request -> result call.
+"""The engine: one target model (and its drafters) behind a request -> result call (ONNX Runtime; on
+runtime.backend tensorrt, Engine.from_config returns backends/edgellm.py's EdgeLLMEngine instead: both are
+a serving.RequestBackend).
 
 This is what the CLI and the ROS node use. It checks a request, renders the chat prompt, runs the
 speculative loop and turns tokens into text (streamed, UTF-8 safe, stop strings honoured). It is
@@ -6,21 +8,21 @@ not re-entrant (one KV cache): callers serialise requests; a lock enforces it.
 """
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge import speculation_policy
-from spec_edge.config import DRAFTERS, Config, ConfigError
+from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import export
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
+from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
 from spec_edge.runtime.drafting import Drafters
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop, check_text
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.serving import RequestBackend, chat_text, resolve_fields
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -37,8 +39,10 @@ def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None] | N
 
 
 class Engine:
+    concurrent = False  # one KV cache: callers serialise requests (a lock enforces it)
+
     def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path,
-                 progress: Callable[[str], None] = print, draft_runner: Runner | None = None):
+                 progress: Callable[[str], None] = print):
         self.cfg = cfg
         self.target = target
         self.tokenizer = tokenizer
@@ -49,31 +53,26 @@ class Engine:
         eos_text_id = tokenizer.token_id(tokenizer.eos_token) if tokenizer.eos_token else None
         if eos_text_id is not None and eos_text_id not in self.eos_ids:
             self.eos_ids += (eos_text_id,)
-        self._drafters = Drafters(cfg, target, tokenizer, graph_dir, self.model_cfg, progress, draft_runner)
+        self._drafters = Drafters(cfg, target, tokenizer, graph_dir, self.model_cfg, progress)
         self.grammars = Grammars(tokenizer, target.vocab_size, self.eos_ids)
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> "Engine":
-        """Load the target (and a configured draft model) once. On ONNX Runtime the graphs are
-        exported first if missing or stale; TensorRT engines come from `spec-edge build`."""
-        started = time.monotonic()
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> RequestBackend:
+        """Load the target (and a configured draft model) once; the graphs are exported first if
+        missing or stale. runtime.backend tensorrt: the Edge-LLM engines `spec-edge build` made, served
+        end to end by backends/edgellm.py (the same request -> result calls as this class)."""
+        if cfg.runtime.backend == "tensorrt":
+            from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
+
+            return EdgeLLMEngine.from_config(cfg, progress)
         graph_dir = export.artifact_dir(cfg, "target")
         progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {graph_dir.parent.parent} "
                  f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
-        draft_runner = None
-        if cfg.runtime.backend == "tensorrt":
-            from spec_edge.runtime.backends import tensorrt
-
-            if not (graph_dir / "model.json").is_file():
-                raise BackendError(f"no TensorRT build for profile '{cfg.runtime.profile}' ({graph_dir} is "
-                                   f"missing): run `spec-edge build <profile>` on the device first")
-            target, draft_runner = tensorrt.load_runners(cfg)
-        else:
-            graph_dir = ort_graphs(cfg, "target", export.export_model(cfg, "target", graph_dir, progress), progress)
-            started = time.monotonic()
-            target = load_runner(cfg, graph_dir)
-        engine = cls(cfg, target, Tokenizer(graph_dir), graph_dir, progress, draft_runner)
+        graph_dir = ort_graphs(cfg, "target", export.export_model(cfg, "target", graph_dir, progress), progress)
+        started = time.monotonic()
+        target = load_runner(cfg, graph_dir)
+        engine = cls(cfg, target, Tokenizer(graph_dir), graph_dir, progress)
         if cfg.speculative.drafter != "none":
             engine.drafter(cfg.speculative.drafter)  # load it now, not on the first request
         progress(f"[engine] {cfg.runtime.backend} ready in {time.monotonic() - started:.1f} s "
@@ -96,22 +95,7 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if request.messages:
-            messages = list(request.messages)
-            for role, content in messages:
-                check_text(f"message ({role})", content)
-        else:
-            if not request.prompt.strip():
-                raise RequestError("prompt is empty: send the text to answer")
-            check_text("prompt", request.prompt)
-            messages = [("user", request.prompt)]
-        system = request.system_prompt or self.cfg.serve.system_prompt
-        check_text("system prompt", system)
-        if system and not any(role == "system" for role, _ in messages):
-            messages.insert(0, ("system", system))
-        if not any(content.strip() for _, content in messages):
-            raise RequestError("all messages are empty: send the text to answer")
-        text = self.tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
+        text = chat_text(self.tokenizer, request, self.cfg.serve.system_prompt)
         ids = self.tokenizer.encode(text)
         limit = self.target.max_context
         if len(ids) >= limit:
@@ -121,36 +105,12 @@ class Engine:
 
     def resolve(self, request: GenerateRequest) -> tuple[SamplingParams, int, int | None, str, int]:
         """(sampling, max_new_tokens, seed, drafter name, k) with config defaults filled in."""
-        defaults = self.cfg.sampling
-        params = SamplingParams(
-            temperature=defaults.temperature if request.temperature is None else float(request.temperature),
-            top_k=defaults.top_k if request.top_k is None else int(request.top_k),
-            top_p=defaults.top_p if request.top_p is None else float(request.top_p))
-        if not (math.isfinite(params.temperature) and params.temperature >= 0):
-            raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
-        if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
-            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-        limit = self.target.max_context - 1
-        # the configured default adapts to a smaller context; an explicit request value must fit
-        max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None \
-            else int(request.max_new_tokens)
-        if not 1 <= max_new <= limit:
-            raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds "
-                               f"{self.target.max_context} tokens), got {max_new}")
-        seed = defaults.seed if request.seed is None else int(request.seed)
-        drafter = self.cfg.speculative.drafter if not request.drafter else request.drafter
-        if drafter not in DRAFTERS:
-            raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
-        if not request.speculate:
-            drafter = "none"
-        k = self.cfg.speculative.k if not request.k else int(request.k)
+        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.target.max_context)
         if drafter != "none" and k + 1 not in self.target.widths:
             built = sorted(w - 1 for w in self.target.widths if w > 1)
             raise RequestError(f"k={k} has no verify graph in this engine (built for k in {built}): "
                                f"use one of those or re-export with graphs.k_values including {k}")
-        return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
+        return params, max_new, seed, drafter, k
 
     def constraint(self, request: GenerateRequest) -> Constraint | None:
         """The request's grammar state (None without json_schema / grammar / regex). The grammar

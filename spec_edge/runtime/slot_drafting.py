@@ -16,7 +16,7 @@ What each drafter runs on, per slot (loaded once, on first use; what a slot's dr
                    target has no per-slot layer-skip graphs
 
 The views of a slot are made once and kept, so a slot's records (prefix reuse of the draft model's and the
-heads' caches) live as long as the slot. ONNX Runtime only: the TensorRT batched node drafts with none or ngram.
+heads' caches) live as long as the slot. ONNX Runtime only (runtime.backend tensorrt batches inside Edge-LLM).
 """
 from __future__ import annotations
 
@@ -61,9 +61,6 @@ class SlotDrafters:
             raise RequestError(reason)
         if name not in SLOT_DRAFTERS:
             raise RequestError(f"unknown drafter '{name}': a batch slot runs one of {', '.join(SLOT_DRAFTERS)}")
-        if name != "ngram" and self.cfg.runtime.backend != "onnxruntime":
-            raise RequestError(f"the batched TensorRT node drafts with none or ngram (per-slot {name} engines are "
-                               f"not built yet): use one of those, or graphs.batch_slots: 1")
         if name == "draft" and not self._draft:
             runner = self.shared.draft_model()
             self._draft = [SlotRunner(runner, b) for b in range(self.batch)]

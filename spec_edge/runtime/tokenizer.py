@@ -17,7 +17,11 @@ class Tokenizer:
         self.bos_token: str = meta.get("bos_token", "")
         self.eos_token: str = meta.get("eos_token", "")
         self.add_bos: bool = meta.get("add_bos", False)
-        self.chat_template: str = meta.get("chat_template", "")
+        # the template: tokenizer_config.json's, else a chat_template.jinja beside it (Edge-LLM's export moves
+        # it there and drops the key)
+        template_file = graph_dir / "chat_template.jinja"
+        self.chat_template: str = meta.get("chat_template") or (
+            template_file.read_text(encoding="utf-8") if template_file.is_file() else "")
         self._template = None
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -238,5 +238,5 @@ def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str],
 
 
 def load_runner(cfg: Config, graph_dir: Path) -> Runner:
-    """An ONNX Runtime runner over exported graphs (TensorRT runners come from load_runners)."""
+    """An ONNX Runtime runner over exported graphs."""
     return OrtRunner(graph_dir, cfg.runtime.threads)

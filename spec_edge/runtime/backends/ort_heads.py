@@ -208,8 +208,7 @@ class OrtEagle3Head:
     def greedy_chain(self, tokens: Sequence[int], hidden: np.ndarray, position: int, k: int,
                      slot: int = 0) -> np.ndarray:
         """Greedy drafts 1..k as target ids (k,) int64: ingest the pairs, then k - 1 steps each fed
-        the previous draft (the reference for trt_head.TensorRTEagle3Head.greedy_chain, which runs
-        the same chain on the device)."""
+        the previous draft."""
         logits, own = self.ingest(tokens, hidden, position, slot)
         ids = [int(self.draft_ids[int(np.argmax(logits))])]
         for i in range(k - 1):

@@ -7,8 +7,8 @@ target's own token, at most k+1 rows; after the prompt: the whole prompt in pref
 its last row gives draft 1. Drafts 2..k are [1, 1] steps on the head's own hidden state. Draft rows
 are overwritten by the next ingest (rolling back is only moving `_ingested`).
 
-Greedy requests take the head's greedy_chain (ingest + k-1 steps, argmax and d2t map; on TensorRT
-all on the device, k ids to the host); sampled picks over the draft vocabulary: drafters/head.py.
+Greedy requests take the head's greedy_chain (ingest + k-1 steps, argmax and d2t map); sampled picks
+over the draft vocabulary: drafters/head.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from spec_edge.runtime.speculative import Draft, Sampler
 
 
 class Eagle3Drafter(CachedHeadDrafter):
-    """head: backends.ort_heads.OrtEagle3Head or backends.trt_head.TensorRTEagle3Head; columns (3Ht,):
+    """head: backends.ort_heads.OrtEagle3Head; columns (3Ht,):
     its layers in the target's hidden rows."""
     name = "eagle3"
 
@@ -27,7 +27,7 @@ class Eagle3Drafter(CachedHeadDrafter):
             return None
         start, self._seq = self._ingested, seq
         chain = getattr(self.head, "greedy_chain", None)  # the real heads have it; test doubles may not
-        if sampler.params.greedy and chain is not None:  # ids only (TensorRT: the chain stays on the device)
+        if sampler.params.greedy and chain is not None:  # ids only
             ids = chain(seq[start + 1:last + 2], self.hidden(start, last + 1), start, k)
             self._ingested = last + 1
             return Draft.from_picks([(int(t), None) for t in ids])

@@ -1,0 +1,489 @@
+"""runtime.backend tensorrt: a whole request served by NVIDIA TensorRT Edge-LLM (`tensorrt-edgellm`, pinned
+EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.RequestBackend: the CLI, the
+ROS node and the action call it exactly as they call engine.Engine.
+
+Two Edge-LLM objects, picked by graphs.batch_slots:
+  1      LLMRuntime: speculative.drafter eagle3 as a chain (draft_top_k=1, draft_step=k, verify_tree_size=k+1)
+         over the target and draft engines, or none (the vanilla constructor). One request at a time (a lock).
+  B > 1  RequestEngine(max_batch_size=B): in-flight batching, requests from any thread. It cannot speculate:
+         a request that asked for a drafter runs target-only and its result's speculation_off_reason says so.
+
+What maps to what (docs/edgellm_runtime.md):
+  prompt / messages / system prompt -> rendered by OUR chat template (serving.chat_text, the CPU path's) and
+      sent as one pre-formatted text message with apply_chat_template=False (Edge-LLM concatenates the text of
+      such messages as it is); at load, count_prompt_tokens of a probe conversation must equal our tokenizer's
+      count, else the engine refuses to start (the two tokenizers disagree).
+  temperature 0 -> top_k=1 (argmax); top_p, top_k, seed (sampling_seed), max_new_tokens (max_generate_length).
+  stop strings -> Request.stop_strings (Edge-LLM stops); the text and ids are cut at the stop string here, as on
+      the CPU path (StreamDecoder), so both answer the same.
+  json_schema / regex -> GuidedDecodingParams(JSON_SCHEMA / REGEX); a GBNF grammar (`::=` rules) -> EBNF (XGrammar
+      reads GBNF-style EBNF); a Lark grammar is refused, naming runtime.backend: onnxruntime.
+  streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
+  cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
+      (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer.
+  finish reasons: END_ID eos, STOP_WORDS stop, LENGTH length, CANCELLED the cancel reason, ERROR error.
+  serve.reuse_prefix -> the runtime's context cache (ContextCacheConfig.enabled; per request USE_CACHE or BYPASS);
+      warm() prefills the system prompt's chat prefix once through it.
+  speculate_k_by_load -> per request only 0 (disable_spec_decode) or speculative.k: config.validate refuses others.
+Stats: what Edge-LLM reports, per request as the difference of its cumulative metrics around the request
+(LLMRuntime is serialised, so the difference is this request's): verify_calls (SpecDecode total_iterations),
+drafted, accepted, prompt_tokens_reused (prefill reused_tokens); time to first token and total time are measured
+here. Acceptance per position, prefill / target / draft times are not reported by Edge-LLM: they stay empty / 0.
+
+Every name this module calls on the native module is in EDGELLM_API (test_edgellm_api.py checks each against the
+real binary, and that this table lists everything the source uses); EDGELLM_RECEIVERS says which Edge-LLM class
+each expression holds. The native module comes from tensorrt_edgellm.runtime.load() (the wheel picks its payload
+by the exact Jetson L4T / GPU); tests pass a stand-in generated from the real signatures.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from spec_edge import speculation_policy
+from spec_edge.config import Config, ConfigError, engine_root
+from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime.grammar import GrammarError, grammar_spec
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.serving import chat_text, resolve_fields
+from spec_edge.runtime.speculative import Stats
+from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
+
+EDGELLM_VERSION = "0.11.0"
+EDGELLM_DRAFTERS = ("none", "eagle3")  # config.BACKEND_DRAFTERS["tensorrt"]
+# Edge-LLM class (or module function) -> the members this module uses on it (enum classes: the values)
+EDGELLM_API: dict[str, tuple[str, ...]] = {
+    "LLMRuntime": ("__init__", "handle_request", "capture_decoding_cuda_graph", "count_prompt_tokens",
+                   "get_spec_decode_generation_metrics", "get_prefill_metrics"),
+    "RequestEngine": ("__init__", "submit", "shutdown", "count_prompt_tokens"),
+    "RequestHandle": ("stream", "cancel"),
+    "ContextCacheConfig": ("__init__", "enabled"),
+    "LLMGenerationRequest": ("__init__", "requests", "apply_chat_template", "add_generation_prompt", "temperature",
+                             "top_p", "top_k", "sampling_seed", "max_generate_length", "disable_spec_decode",
+                             "skip_special_tokens", "stream_channels", "context_cache_lookup_policy",
+                             "context_cache_commit_policy"),
+    "Request": ("__init__", "stop_strings", "guided_decoding"),
+    "GuidedDecodingParams": ("__init__",),
+    "StreamChannel": ("create", "wait_pop", "try_pop", "is_finished", "cancel"),
+    "StreamChunk": ("token_ids", "finished", "reason"),
+    "SpecDecodeGenerationMetrics": ("total_iterations", "total_proposed_draft_tokens", "total_accepted_draft_tokens"),
+    "LLMPrefillMetrics": ("reused_tokens",),
+    "GuideType": ("JSON_SCHEMA", "REGEX", "EBNF"),
+    "FinishReason": ("NOT_FINISHED", "END_ID", "LENGTH", "CANCELLED", "ERROR", "STOP_WORDS"),
+    "ContextCacheLookupPolicy": ("USE_CACHE", "BYPASS"),
+    "ContextCacheCommitPolicy": ("PREFILL_STATE_ONLY",),
+    "ShutdownMode": ("CANCEL",),
+    "SubmitError": (),
+    "create_text_message": (),
+    "validate_guided_decoding_params": (),
+}
+# expression in this module's source -> the Edge-LLM class of the object it holds
+EDGELLM_RECEIVERS = {"self.runtime": "LLMRuntime", "self.batcher": "RequestEngine", "handle": "RequestHandle",
+                     "cache": "ContextCacheConfig", "call": "LLMGenerationRequest", "item": "Request",
+                     "channel": "StreamChannel", "chunk": "StreamChunk", "counts": "SpecDecodeGenerationMetrics",
+                     "prefill": "LLMPrefillMetrics"}
+POLL_MS = 20  # how long one wait on the stream channel blocks before cancel() is asked again
+PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer agreement check at load
+
+
+@dataclass(frozen=True)
+class EdgeLLMDirs:
+    """The folders `spec-edge build` wrote for a profile, from its manifest's "edgellm" record (paths
+    relative to the profile folder): engine_dir (the target engine, its config.json, tokenizer and
+    chat_template.jinja) and draft_engine_dir (the EAGLE-3 draft engine; "" without one)."""
+    engine_dir: Path
+    draft_engine_dir: Path | None
+    max_input_len: int         # longest prompt the engine takes (its config.json builder_config)
+    max_kv_cache_capacity: int  # prompt + answer tokens one sequence holds
+
+
+def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
+    """Read <engine root>/<profile>/manifest.json's "edgellm": {"engine_dir", "draft_engine_dir"} and the
+    target engine's builder limits; BackendError naming the build command when anything is missing."""
+    profile = engine_root(cfg) / cfg.runtime.profile
+    build = f"run `spec-edge build <profile yaml>` for profile '{cfg.runtime.profile}' on the device first"
+    manifest = profile / "manifest.json"
+    try:
+        record = json.loads(manifest.read_text())["edgellm"]
+        engine_dir = profile / record["engine_dir"]
+        draft = record.get("draft_engine_dir") or ""
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BackendError(f"no Edge-LLM build recorded in {manifest} ({type(err).__name__}: {err}): {build}") from None
+    draft_dir = profile / draft if draft else None
+    if cfg.speculative.drafter == "eagle3" and draft_dir is None:
+        raise BackendError(f"speculative.drafter eagle3 needs the EAGLE-3 draft engine, and {manifest} records none "
+                           f"(edgellm.draft_engine_dir): {build} with speculative.eagle3_head set")
+    for folder in (engine_dir, draft_dir):
+        if folder is not None and not folder.is_dir():
+            raise BackendError(f"the Edge-LLM engine folder {folder} (from {manifest}) is missing: {build}")
+    try:
+        limits = json.loads((engine_dir / "config.json").read_text())["builder_config"]
+        max_input, capacity = int(limits["max_input_len"]), int(limits["max_kv_cache_capacity"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BackendError(f"{engine_dir / 'config.json'} has no builder_config max_input_len / max_kv_cache_capacity "
+                           f"({type(err).__name__}: {err}): {build}") from None
+    return EdgeLLMDirs(engine_dir, draft_dir, max_input, capacity)
+
+
+def load_native() -> ModuleType:
+    """The pinned wheel's `_edgellm_runtime` for this device; BackendError saying what to install or why the
+    wheel has no payload here (it ships Jetson Thor JetPack 7.x, DGX Spark, Orin JP 7.2 and x86-64 sm80-120)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("tensorrt-edgellm")
+    except PackageNotFoundError:
+        raise BackendError(f"runtime.backend tensorrt runs on TensorRT Edge-LLM: pip install --no-deps "
+                           f"tensorrt-edgellm=={EDGELLM_VERSION} (scripts/setup.sh does on the device)") from None
+    if found != EDGELLM_VERSION:
+        raise BackendError(f"tensorrt-edgellm {found} is installed; spec_edge is checked against {EDGELLM_VERSION}: "
+                           f"pip install --no-deps tensorrt-edgellm=={EDGELLM_VERSION}")
+    from tensorrt_edgellm import runtime
+
+    try:
+        return runtime.load()
+    except runtime.NativeRuntimeError as err:
+        raise BackendError(f"tensorrt-edgellm cannot load its native runtime on this machine: {err}") from None
+
+
+def guide(rt: ModuleType, kind: str, text: str):
+    """The GuidedDecodingParams of a request's (kind, text) (grammar.grammar_spec); RequestError for a Lark
+    grammar (XGrammar reads EBNF: GBNF converts, Lark does not) and for what Edge-LLM would not enforce."""
+    if not text.strip():
+        raise RequestError(f"{kind} is blank: send the {kind} text or leave the field empty")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise RequestError(f"json_schema is not valid JSON: {err}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"json_schema must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+        params = rt.GuidedDecodingParams(rt.GuideType.JSON_SCHEMA, text)
+    elif kind == "regex":
+        params = rt.GuidedDecodingParams(rt.GuideType.REGEX, text)
+    elif "::=" in text:  # GBNF (llama.cpp): XGrammar's EBNF is GBNF's syntax
+        params = rt.GuidedDecodingParams(rt.GuideType.EBNF, text)
+    else:
+        raise RequestError("a Lark grammar runs on runtime.backend: onnxruntime only (Edge-LLM's XGrammar takes "
+                           "EBNF / GBNF `::=` rules): rewrite it as GBNF, or send it to a node with "
+                           "runtime.backend: onnxruntime")
+    valid, reason = rt.validate_guided_decoding_params(params)
+    if not valid:
+        raise RequestError(f"{kind} is refused by Edge-LLM's guided decoding: {reason}")
+    return params
+
+
+class EdgeLLMEngine:
+    """A serving.RequestBackend over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
+    batch_slots > 1), the tokenizer of the engine folder (our chat template and stream decoding), the builder
+    limits, and a lock serialising LLMRuntime requests."""
+
+    def __init__(self, cfg: Config, rt: ModuleType, dirs: EdgeLLMDirs, progress: Callable[[str], None] = print):
+        self.cfg, self.rt, self.dirs, self.progress = cfg, rt, dirs, progress
+        self.tokenizer = Tokenizer(dirs.engine_dir)
+        self.max_context = dirs.max_kv_cache_capacity
+        cache = rt.ContextCacheConfig()
+        cache.enabled = cfg.serve.reuse_prefix
+        self.runtime = self.batcher = None
+        slots, speculative = cfg.graphs.batch_slots, cfg.speculative
+        if slots > 1:
+            self.batcher = rt.RequestEngine(str(dirs.engine_dir), context_cache_config=cache, max_batch_size=slots,
+                                            max_pending_requests=cfg.serve.queue_limit + slots)
+        elif speculative.drafter == "eagle3":
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=1, draft_step=speculative.k,
+                                         verify_tree_size=speculative.k + 1, draft_checkpoint_dir="",
+                                         context_cache_config=cache)
+        else:
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
+        if self.runtime is not None and not self.runtime.capture_decoding_cuda_graph():
+            progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
+        self.concurrent = self.batcher is not None
+        self._lock = threading.Lock()
+        self._check_tokenizer()
+
+    @classmethod
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print,
+                    native: ModuleType | None = None) -> "EdgeLLMEngine":
+        """Load the engines `spec-edge build` made for cfg's profile. native: the `_edgellm_runtime` module
+        (None = the installed wheel's, load_native())."""
+        started = time.monotonic()
+        dirs = edgellm_dirs(cfg)
+        engine = cls(cfg, native if native is not None else load_native(), dirs, progress)
+        mode = (f"RequestEngine, {cfg.graphs.batch_slots} batch slots" if engine.batcher is not None else
+                f"LLMRuntime, drafter {cfg.speculative.drafter}" +
+                (f" (chain k={cfg.speculative.k})" if cfg.speculative.drafter == "eagle3" else ""))
+        progress(f"[engine] tensorrt (Edge-LLM {EDGELLM_VERSION}, {mode}) ready in {time.monotonic() - started:.1f} s "
+                 f"from {dirs.engine_dir} (max input {dirs.max_input_len}, KV capacity {dirs.max_kv_cache_capacity})")
+        return engine
+
+    # -- the request -------------------------------------------------------------------------------
+    def _check_tokenizer(self) -> None:
+        """Refuse to serve when Edge-LLM's tokenizer counts our rendered probe conversation differently."""
+        text = self.tokenizer.render_chat(list(PROBE))
+        ours = len(self.tokenizer.encode(text))
+        call = self._call(text, 1)
+        theirs = list((self.runtime or self.batcher).count_prompt_tokens(call))
+        if theirs != [ours]:
+            raise BackendError(f"Edge-LLM's tokenizer in {self.dirs.engine_dir} reads our chat prompt as {theirs} "
+                               f"tokens, spec_edge's as {ours}: the engine folder's tokenizer.json differs from the "
+                               f"model's; rebuild it with `spec-edge build`")
+
+    def _call(self, text: str, max_new: int):
+        """An LLMGenerationRequest for one pre-formatted prompt text (our template already applied)."""
+        rt = self.rt
+        item = rt.Request([rt.create_text_message("user", text)])
+        call = rt.LLMGenerationRequest()
+        call.requests = [item]
+        call.apply_chat_template = False
+        call.add_generation_prompt = False
+        call.skip_special_tokens = True
+        call.max_generate_length = max_new
+        return call
+
+    def _prompt(self, request: GenerateRequest) -> tuple[str, int]:
+        text = chat_text(self.tokenizer, request, self.cfg.serve.system_prompt)
+        n = len(self.tokenizer.encode(text))
+        if n > self.dirs.max_input_len or n >= self.max_context:
+            raise RequestError(f"prompt is {n} tokens but the Edge-LLM engine takes at most "
+                               f"{min(self.dirs.max_input_len, self.max_context - 1)}: shorten the prompt or rebuild "
+                               f"with a larger graphs.max_context")
+        return text, n
+
+    def _resolve(self, request: GenerateRequest):
+        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.max_context)
+        if drafter not in EDGELLM_DRAFTERS:
+            raise RequestError(f"drafter {drafter} runs on runtime.backend: onnxruntime only; this Edge-LLM engine "
+                               f"runs {' or '.join(EDGELLM_DRAFTERS)}")
+        if drafter == "eagle3" and self.runtime is not None and self.cfg.speculative.drafter != "eagle3":
+            raise RequestError("this Edge-LLM runtime was started without the EAGLE-3 draft engine "
+                               "(speculative.drafter none): send drafter none, or restart with drafter eagle3")
+        if drafter == "eagle3" and k != self.cfg.speculative.k:
+            raise RequestError(f"the Edge-LLM runtime drafts a chain of k={self.cfg.speculative.k} (speculative.k, "
+                               f"fixed at load): send k=0 or k={self.cfg.speculative.k}")
+        if request.forced_drafts:
+            raise RequestError("forced drafts (a grammar's forced tokens as the draft) run on runtime.backend: "
+                               "onnxruntime only: send forced_drafts unset or false")
+        spec = grammar_spec(request.json_schema, request.grammar, request.regex)
+        return params, max_new, seed, drafter, spec
+
+    def validate(self, request: GenerateRequest) -> None:
+        try:
+            _, _, _, _, spec = self._resolve(request)
+            check_stop(request.stop)
+            self._prompt(request)
+            if spec is not None:
+                guide(self.rt, *spec)
+        except GrammarError as err:
+            raise RequestError(str(err)) from None
+
+    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
+        """Serve one request (see the module docstring for the mapping). RequestError: refused, nothing ran."""
+        try:
+            params, max_new, seed, drafter, spec = self._resolve(request)
+        except GrammarError as err:
+            raise RequestError(str(err)) from None
+        check_stop(request.stop)
+        text, n_prompt = self._prompt(request)
+        room = self.max_context - n_prompt  # KV capacity left after the prompt
+        context_bound = max_new > room
+        max_new = min(max_new, room)
+        rt = self.rt
+        call = self._call(text, max_new)
+        item = call.requests[0]
+        item.stop_strings = [s for s in request.stop if s]
+        if spec is not None:
+            item.guided_decoding = guide(rt, *spec)
+        call.requests = [item]
+        greedy = params.temperature == 0
+        call.temperature = 1.0 if greedy else params.temperature
+        call.top_k = 1 if greedy else params.top_k
+        call.top_p = 1.0 if greedy else params.top_p
+        if seed is not None:
+            call.sampling_seed = seed
+        call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE if self.cfg.serve.reuse_prefix
+                                            else rt.ContextCacheLookupPolicy.BYPASS)
+        asked = self.cfg.speculative.k if drafter == "eagle3" else 0
+        k, off_reason = asked, ""
+        if self.batcher is not None and drafter != "none":
+            k, off_reason = 0, (f"graphs.batch_slots={self.cfg.graphs.batch_slots}: Edge-LLM's RequestEngine (in-flight "
+                                f"batching) does not speculate: ran target-only instead of drafter {drafter}")
+        elif drafter != "none":
+            table = self.cfg.serve.speculate_k_by_load
+            k = speculation_policy.k_at(table, queued, asked)
+            off_reason = speculation_policy.serial_reason(drafter, queued, asked, k, table)
+        call.disable_spec_decode = k == 0
+        channel = rt.StreamChannel.create()
+        call.stream_channels = [channel]
+        decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
+        stats = Stats(drafter=drafter if k else "none", k=k, prompt_tokens=n_prompt)
+        if self.batcher is not None:
+            finish, error = self._run_batched(call, channel, decoder, on_text, cancel, stats)
+        else:
+            with self._lock:
+                spec_before, reused_before = self._counters()
+                finish, error = self._run_serial(call, channel, decoder, on_text, cancel, stats)
+                spec_after, reused_after = self._counters()
+            stats.verify_calls, stats.drafted, stats.accepted = (a - b for a, b in zip(spec_after, spec_before))
+            stats.prompt_tokens_reused = reused_after - reused_before
+        tail = decoder.finish()
+        if tail and on_text is not None:
+            on_text(tail, len(decoder.ids))
+        ids = list(decoder.ids)
+        if finish == "length" and context_bound and len(ids) >= room:
+            finish = "context_full"  # the CPU path's name for running out of context before max_new_tokens
+        if finish == "stop":
+            ids = self._trim_to_stop(ids, request.stop)
+        stats.new_tokens = len(ids)
+        return GenerateResult(text=decoder.text, token_ids=ids, finish_reason=finish, stats=stats,
+                              prompt_tokens=n_prompt, queued_at_start=queued, speculation_off_reason=off_reason,
+                              message=error)
+
+    def _counters(self) -> tuple[tuple[int, int, int], int]:
+        """(SpecDecode (iterations, proposed, accepted), prefill reused tokens): cumulative since load."""
+        counts, prefill = self.runtime.get_spec_decode_generation_metrics(), self.runtime.get_prefill_metrics()
+        return ((int(counts.total_iterations), int(counts.total_proposed_draft_tokens),
+                 int(counts.total_accepted_draft_tokens)), int(prefill.reused_tokens))
+
+    def _run_serial(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
+        """LLMRuntime.handle_request in a thread (it releases the GIL), its channel drained here."""
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.runtime.handle_request(call)
+            except Exception as err:  # the runtime's failure becomes this request's finish_reason error
+                failure.append(err)
+                channel.cancel()
+
+        worker = threading.Thread(target=run, name="edgellm-request", daemon=True)
+        worker.start()
+        try:
+            outcome = self._drain(channel, channel.cancel, decoder, on_text, cancel, stats,
+                                  producer_done=lambda: not worker.is_alive())
+        finally:
+            worker.join()
+        if failure:
+            return "error", f"Edge-LLM failed the request: {failure[0]}"
+        return outcome
+
+    def _run_batched(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
+        rt = self.rt
+        try:
+            handle = self.batcher.submit(call)
+        except rt.SubmitError as err:
+            raise RequestError(f"Edge-LLM's request engine is full ({err}): retry later") from None
+        return self._drain(handle.stream(), handle.cancel, decoder, on_text, cancel, stats)
+
+    def _drain(self, channel, stop_request, decoder: StreamDecoder, on_text, cancel, stats: Stats,
+               producer_done: Callable[[], bool] = lambda: False) -> tuple[str, str]:
+        """Pop the channel until its last chunk: token ids -> decoder -> on_text; cancel() polled between
+        waits. producer_done(): the call that fills the channel has returned (a failed call may leave the
+        channel unfinished). (finish reason, message)."""
+        started = time.monotonic()
+        cancelled = ""
+        while True:
+            chunk = channel.wait_pop(POLL_MS)
+            if chunk is None and (channel.is_finished() or producer_done()):
+                chunk = channel.try_pop()  # the producer may have finished between the wait and the check
+                if chunk is None:
+                    stats.total_time_s = time.monotonic() - started
+                    return (cancelled, "") if cancelled else ("error", "Edge-LLM closed the stream without a "
+                                                                       "finish reason")
+            if chunk is not None:
+                if chunk.token_ids and not decoder.ids:
+                    stats.time_to_first_token_s = time.monotonic() - started
+                if chunk.token_ids:
+                    delta = decoder.push(list(chunk.token_ids))
+                    if delta and on_text is not None:
+                        on_text(delta, len(decoder.ids))
+                if chunk.finished:
+                    stats.total_time_s = time.monotonic() - started
+                    return self._finish(chunk.reason, cancelled)
+            if not cancelled and cancel is not None and (reason := cancel()):
+                cancelled = reason
+                stop_request()
+            if decoder.stopped and not cancelled:  # our stop string showed up: end like the CPU path
+                cancelled = "stop"
+                stop_request()
+
+    def _finish(self, reason, cancelled: str) -> tuple[str, str]:
+        rt = self.rt
+        if reason == rt.FinishReason.END_ID:
+            return "eos", ""
+        if reason == rt.FinishReason.STOP_WORDS:
+            return "stop", ""
+        if reason == rt.FinishReason.LENGTH:
+            return "length", ""
+        if reason == rt.FinishReason.CANCELLED:
+            return (cancelled or "cancelled"), ""
+        if reason == rt.FinishReason.ERROR:
+            return "error", "Edge-LLM reported an error for the request (FinishReason.ERROR)"
+        what = "NOT_FINISHED" if reason == rt.FinishReason.NOT_FINISHED else repr(reason)
+        return "error", f"Edge-LLM ended the stream with reason {what}"
+
+    def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
+        """The shortest prefix of ids whose text contains a stop string (what the CPU path returns)."""
+        for n in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:n])
+            if any(stop and stop in text for stop in stops):
+                return ids[:n]
+        return ids
+
+    # -- serving ------------------------------------------------------------------------------------
+    def warm(self, system_prompt: str = "") -> int:
+        """Put the chat prefix every request with this system prompt shares into the context cache (one
+        prefill, PREFILL_STATE_ONLY), so the next such request reuses it. Its length in tokens."""
+        if not self.cfg.serve.reuse_prefix:
+            raise ConfigError("warming the cache needs serve.reuse_prefix: true")
+        one, two = (self.tokenizer.encode(chat_text(self.tokenizer, GenerateRequest(prompt=p, system_prompt=system_prompt),
+                                                    self.cfg.serve.system_prompt)) for p in ("a", "b"))
+        n = 0
+        while n < min(len(one), len(two)) and one[n] == two[n]:
+            n += 1
+        if n == 0:
+            return 0
+        call = self._call(self._prefix_text(one[:n]), 1)
+        rt = self.rt
+        call.context_cache_lookup_policy = rt.ContextCacheLookupPolicy.USE_CACHE
+        call.context_cache_commit_policy = rt.ContextCacheCommitPolicy.PREFILL_STATE_ONLY
+        call.disable_spec_decode = True
+        channel = rt.StreamChannel.create()
+        call.stream_channels = [channel]
+        stats = Stats()
+        decoder = StreamDecoder(self.tokenizer)
+        if self.batcher is not None:
+            self._run_batched(call, channel, decoder, None, None, stats)
+        else:
+            with self._lock:
+                self._run_serial(call, channel, decoder, None, None, stats)
+        return n
+
+    def _prefix_text(self, ids: list[int]) -> str:
+        """The text whose tokens are ids (special tokens kept: the chat template's markers)."""
+        return self.tokenizer.backend.decode(ids, skip_special_tokens=False)
+
+    def info(self) -> dict:
+        import resource
+
+        return {"backend": self.cfg.runtime.backend, "runtime": f"tensorrt-edgellm {EDGELLM_VERSION}",
+                "mode": "RequestEngine" if self.batcher is not None else "LLMRuntime",
+                "engine_dir": str(self.dirs.engine_dir), "max_context": self.max_context,
+                "max_input_len": self.dirs.max_input_len, "drafter": self.cfg.speculative.drafter,
+                "k": self.cfg.speculative.k, "k_values": [self.cfg.speculative.k],
+                "batch_slots": self.cfg.graphs.batch_slots,
+                "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
+                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
+                "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def close(self) -> None:
+        """Stop the request engine (cancelling what is queued) and drop the runtime."""
+        rt = self.rt
+        if self.batcher is not None:
+            self.batcher.shutdown(rt.ShutdownMode.CANCEL)
+        self.runtime = self.batcher = None

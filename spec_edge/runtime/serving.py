@@ -1,0 +1,90 @@
+"""What every request backend shares: the RequestBackend protocol the CLI, the ROS node and the tools call,
+and the request fields every backend reads the same way (the chat text of a request, its sampling / length /
+drafter fields with the config's defaults filled in)."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+from spec_edge.config import DRAFTERS, Config
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_text
+from spec_edge.runtime.sampling import SamplingParams
+from spec_edge.runtime.tokenizer import Tokenizer
+
+
+class RequestBackend(Protocol):
+    """What the CLI, the ROS node and the tools call: a whole request in, its result out. Two kinds
+    satisfy it: engine.Engine (ONNX Runtime: the speculative loop here, over step-level Runners) and
+    edgellm.EdgeLLMEngine (runtime.backend tensorrt: NVIDIA's Edge-LLM runtime serves the request end to
+    end). generate raises requests.RequestError for a request it refuses (nothing run); on_text(delta,
+    n_tokens) gets each piece of safe-to-show text; cancel() is polled and its non-empty answer becomes the
+    finish reason; queued: requests in the caller's queue as it starts, itself included (the load policy).
+    concurrent: generate may be called from several threads at once (else the caller serialises)."""
+
+    cfg: Config
+    concurrent: bool
+
+    def validate(self, request: GenerateRequest) -> None: ...
+
+    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult: ...
+
+    def warm(self, system_prompt: str = "") -> int: ...
+
+    def info(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def chat_text(tokenizer: Tokenizer, request: GenerateRequest, default_system: str) -> str:
+    """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
+    (the request's, else default_system, else the template's default) first, rendered through the chat
+    template (request.chat) or joined by newlines. RequestError for empty or non-text fields."""
+    if request.messages:
+        messages = list(request.messages)
+        for role, content in messages:
+            check_text(f"message ({role})", content)
+    else:
+        if not request.prompt.strip():
+            raise RequestError("prompt is empty: send the text to answer")
+        check_text("prompt", request.prompt)
+        messages = [("user", request.prompt)]
+    system = request.system_prompt or default_system
+    check_text("system prompt", system)
+    if system and not any(role == "system" for role, _ in messages):
+        messages.insert(0, ("system", system))
+    if not any(content.strip() for _, content in messages):
+        raise RequestError("all messages are empty: send the text to answer")
+    return tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
+
+
+def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int
+                   ) -> tuple[SamplingParams, int, int | None, str, int]:
+    """(sampling, max_new_tokens, seed or None, drafter name, k) of a request with cfg's defaults filled in,
+    for a context of max_context tokens (prompt + answer); RequestError for a value out of range."""
+    defaults = cfg.sampling
+    params = SamplingParams(
+        temperature=defaults.temperature if request.temperature is None else float(request.temperature),
+        top_k=defaults.top_k if request.top_k is None else int(request.top_k),
+        top_p=defaults.top_p if request.top_p is None else float(request.top_p))
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
+    if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
+        raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    limit = max_context - 1
+    # the configured default adapts to a smaller context; an explicit request value must fit
+    max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None else int(request.max_new_tokens)
+    if not 1 <= max_new <= limit:
+        raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds {max_context} tokens), "
+                           f"got {max_new}")
+    seed = defaults.seed if request.seed is None else int(request.seed)
+    drafter = cfg.speculative.drafter if not request.drafter else request.drafter
+    if drafter not in DRAFTERS:
+        raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
+    if not request.speculate:
+        drafter = "none"
+    k = cfg.speculative.k if not request.k else int(request.k)
+    return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k

@@ -1,0 +1,257 @@
+"""runtime.backend tensorrt at the adapter boundary (backends/edgellm.py): the request contract mapped onto
+Edge-LLM's LLMRuntime / RequestEngine, against a stand-in generated from the real binary's signatures
+(edgellm_standin.py: a wrong keyword or a read-only assignment raises as the binding would), with the
+runtime's behaviour scripted per test. The engine folder is laid out as Edge-LLM's export leaves it: the
+tiny model's tokenizer with the chat template moved to chat_template.jinja by tensorrt_edgellm's own
+write_chat_template."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+
+from edgellm_standin import Reply, Script, build
+from spec_edge.config import ConfigError
+from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
+from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.tokenizer import Tokenizer
+
+MAX_INPUT, CAPACITY = 96, 128
+
+
+@pytest.fixture(scope="module")
+def profile_root(tiny_models, tmp_path_factory):
+    """<engines>/edge/: manifest.json's edgellm record, the target engine folder, the draft engine folder."""
+    from tensorrt_edgellm.chat_template import write_chat_template
+
+    root = tmp_path_factory.mktemp("edgellm_engines")
+    profile = root / "edge"
+    target = profile / "edgellm" / "target"
+    target.mkdir(parents=True)
+    (profile / "edgellm" / "draft").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(tiny_models["target"] / name, target / name)
+    write_chat_template(str(tiny_models["target"]), str(target))
+    assert "chat_template" not in json.loads((target / "tokenizer_config.json").read_text())
+    config = json.loads((target / "config.json").read_text())
+    config["builder_config"] = {"max_input_len": MAX_INPUT, "max_kv_cache_capacity": CAPACITY}
+    (target / "config.json").write_text(json.dumps(config))
+    (profile / "manifest.json").write_text(json.dumps(
+        {"edgellm": {"engine_dir": "edgellm/target", "draft_engine_dir": "edgellm/draft"}}))
+    return root
+
+
+@pytest.fixture
+def edge_cfg(tiny_cfg, profile_root):
+    return tiny_cfg.replace(**{"runtime.backend": "tensorrt", "runtime.engine_dir": str(profile_root),
+                               "runtime.profile": "edge", "speculative.drafter": "eagle3",
+                               "speculative.eagle3_head": "head", "model.draft": ""})
+
+
+def _tokenizer(profile_root) -> Tokenizer:
+    return Tokenizer(profile_root / "edge" / "edgellm" / "target")
+
+
+@pytest.fixture
+def script(profile_root):
+    tok = _tokenizer(profile_root)
+    return Script(reply=lambda call: Reply(tok.encode(" hello world")), count=lambda text: len(tok.encode(text)))
+
+
+def _engine(cfg, script, **changes) -> EdgeLLMEngine:
+    return EdgeLLMEngine.from_config(cfg.replace(**changes) if changes else cfg, progress=lambda _m: None,
+                                     native=build(script))
+
+
+def test_chat_prompt_is_the_cpu_paths(tiny_engine, edge_cfg, script):
+    """The conversation is rendered by our template (through the chat_template.jinja Edge-LLM's export writes)
+    and sent pre-formatted: its token ids are the ONNX Runtime engine's for the same request."""
+    engine = _engine(edge_cfg, script)
+    for request in (GenerateRequest(prompt="Where is the dock?"),
+                    GenerateRequest(messages=(("user", "hi"), ("assistant", "hello"), ("user", "go left")),
+                                    system_prompt="You are a robot.")):
+        engine.generate(request)
+        sent = script.calls[-1]
+        assert sent.apply_chat_template is False and sent.add_generation_prompt is False
+        [item] = sent.requests
+        [message] = item.messages
+        assert message.role == "user" and [c.type for c in message.contents] == ["text"]
+        assert engine.tokenizer.encode(message.contents[0].content) == tiny_engine.prompt_ids(request)
+
+
+def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
+    engine = _engine(edge_cfg, script)
+    [runtime] = script.runtimes
+    assert runtime._args[1:] == ("", {})  # the speculative constructor: a chain of k
+    assert runtime._kwargs["draft_top_k"] == 1 and runtime._kwargs["draft_step"] == 4
+    assert runtime._kwargs["verify_tree_size"] == 5 and runtime._kwargs["context_cache_config"].enabled is True
+    engine.generate(GenerateRequest(prompt="a", temperature=0.7, top_p=0.9, top_k=20, seed=7, max_new_tokens=9,
+                                    stop=("END",), regex="[a-z]+"))
+    call = script.calls[-1]
+    assert (call.temperature, call.top_p, call.top_k, call.sampling_seed, call.max_generate_length) == \
+        (0.7, 0.9, 20, 7, 9)
+    assert call.disable_spec_decode is False and call.skip_special_tokens is True
+    assert call.context_cache_lookup_policy.name == "USE_CACHE"
+    [item] = call.requests
+    assert item.stop_strings == ["END"]
+    assert (item.guided_decoding.type.name, item.guided_decoding.guide) == ("REGEX", "[a-z]+")
+    engine.generate(GenerateRequest(prompt="a", speculate=False, json_schema='{"type": "object"}'))
+    call = script.calls[-1]
+    assert (call.temperature, call.top_k, call.top_p) == (1.0, 1, 1.0)  # greedy: argmax through top_k=1
+    assert call.sampling_seed is None and call.disable_spec_decode is True
+    assert call.requests[0].guided_decoding.type.name == "JSON_SCHEMA"
+    engine.generate(GenerateRequest(prompt="a", grammar='root ::= "yes" | "no"'))
+    assert script.calls[-1].requests[0].guided_decoding.type.name == "EBNF"
+    off = _engine(edge_cfg, script, **{"serve.reuse_prefix": False})
+    off.generate(GenerateRequest(prompt="a"))
+    assert script.calls[-1].context_cache_lookup_policy.name == "BYPASS"
+    assert script.runtimes[-1]._kwargs["context_cache_config"].enabled is False
+
+
+def test_refusals_name_what_to_change(edge_cfg, script):
+    engine = _engine(edge_cfg, script)
+    cases = {
+        GenerateRequest(prompt="a", grammar='start: "yes"'): "runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", drafter="ngram"): "runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", k=2): "k=0 or k=4",
+        GenerateRequest(prompt="a", forced_drafts=True): "onnxruntime only",
+        GenerateRequest(prompt="word " * 200): "shorten the prompt",
+        GenerateRequest(prompt="a", max_new_tokens=CAPACITY): f"max_new_tokens must be in [1, {CAPACITY - 1}]",
+        GenerateRequest(prompt="a", json_schema="{not json"): "not valid JSON",
+        GenerateRequest(prompt="a", regex="a", json_schema="{}"): "at most one",
+        GenerateRequest(prompt=""): "prompt is empty",
+    }
+    for request, words in cases.items():
+        for call in (engine.validate, engine.generate):
+            with pytest.raises(RequestError, match=words.replace("[", r"\[").replace("]", r"\]")):
+                call(request)
+    script.validate = lambda params: (False, "the guide is too large")
+    with pytest.raises(RequestError, match="too large"):
+        engine.validate(GenerateRequest(prompt="a", regex="a+"))
+    plain = _engine(edge_cfg, script, **{"speculative.drafter": "none"})
+    assert "draft_top_k" not in script.runtimes[-1]._kwargs  # the vanilla constructor
+    with pytest.raises(RequestError, match="without the EAGLE-3 draft engine"):
+        plain.validate(GenerateRequest(prompt="a", drafter="eagle3"))
+
+
+def test_drafters_other_than_eagle3_and_none_are_refused_at_configure(edge_cfg):
+    for drafter in ("ngram", "draft", "layerskip", "hybrid", "medusa", "peagle"):
+        with pytest.raises(ConfigError, match="runtime.backend: onnxruntime"):
+            edge_cfg.replace(**{"speculative.drafter": drafter, "speculative.medusa_head": "m",
+                                "speculative.peagle_head": "p", "model.draft": "d"})
+    with pytest.raises(ConfigError, match="only 0 .target-only. or 4"):
+        edge_cfg.replace(**{"serve.speculate_k_by_load": [4, 2]})
+    edge_cfg.replace(**{"serve.speculate_k_by_load": [4, 0]})
+
+
+def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, profile_root):
+    tok = _tokenizer(profile_root)
+    engine = _engine(edge_cfg, script)
+    script.reply = lambda call: Reply(tok.encode(" one two END three"), reason="STOP_WORDS")
+    pieces = []
+    result = engine.generate(GenerateRequest(prompt="count", stop=("END",)),
+                             on_text=lambda delta, n: pieces.append((delta, n)))
+    assert result.finish_reason == "stop" and "END" not in result.text and "three" not in result.text
+    assert "".join(d for d, _ in pieces) == result.text and result.text.strip() == "one two"
+    assert "END" in tok.decode(result.token_ids) and "three" not in tok.decode(result.token_ids)
+    assert [n for _, n in pieces] == sorted(n for _, n in pieces)
+    for reason, finish in (("END_ID", "eos"), ("LENGTH", "length"), ("ERROR", "error"), ("NOT_FINISHED", "error")):
+        script.reply = lambda call, reason=reason: Reply(tok.encode(" ok"), reason=reason)
+        result = engine.generate(GenerateRequest(prompt="a"))
+        assert result.finish_reason == finish and result.text.strip() == "ok"
+        assert (result.message != "") == (finish == "error")
+    long = tok.encode(" x" * CAPACITY)
+    script.reply = lambda call: Reply(long[:call.max_generate_length], reason="LENGTH")
+    request = GenerateRequest(prompt="a", max_new_tokens=CAPACITY - 1)
+    result = engine.generate(request)  # the prompt leaves less room than max_new_tokens asked for
+    assert result.finish_reason == "context_full" and len(result.token_ids) + result.prompt_tokens == CAPACITY
+    script.reply = lambda call: Reply([], fail="CUDA error 700")
+    result = engine.generate(GenerateRequest(prompt="a"))
+    assert result.finish_reason == "error" and "CUDA error 700" in result.message
+
+
+def test_cancel_stops_the_request_with_the_callers_reason(edge_cfg, script, profile_root):
+    tok = _tokenizer(profile_root)
+    script.reply = lambda call: Reply(tok.encode(" a b c d e f g h"))
+    script.pause = threading.Event()  # the runtime produces nothing until cancel() has been asked
+    engine = _engine(edge_cfg, script)
+
+    def cancel():
+        script.pause.set()
+        return "timeout"
+    result = engine.generate(GenerateRequest(prompt="a"), cancel=cancel)
+    assert result.finish_reason == "timeout" and script.calls[-1].stream_channels[0].is_cancelled()
+
+
+def test_stats_are_what_the_runtime_reports(edge_cfg, script, profile_root):
+    tok = _tokenizer(profile_root)
+    engine = _engine(edge_cfg, script)
+    ids = tok.encode(" the dock is left")
+    script.reply = lambda call: Reply(ids, spec=(3, 12, 7), reused=5)
+    result = engine.generate(GenerateRequest(prompt="a"))
+    stats = result.stats
+    assert (stats.verify_calls, stats.drafted, stats.accepted, stats.prompt_tokens_reused) == (3, 12, 7, 5)
+    assert (stats.drafter, stats.k, stats.new_tokens) == ("eagle3", 4, len(ids))
+    assert stats.acceptance_per_position == [] and stats.accepted_at == []  # not reported: absent
+    assert stats.prefill_time_s == stats.target_time_s == stats.draft_time_s == 0.0
+    assert stats.total_time_s >= stats.time_to_first_token_s > 0
+    again = engine.generate(GenerateRequest(prompt="a"))  # per request, not cumulative
+    assert (again.stats.verify_calls, again.stats.accepted) == (3, 7)
+    table = _engine(edge_cfg, script, **{"serve.speculate_k_by_load": [4, 0]})
+    busy = table.generate(GenerateRequest(prompt="a"), queued=2)
+    assert script.calls[-1].disable_spec_decode is True and "gives k=0" in busy.speculation_off_reason
+    assert busy.stats.drafter == "none"
+
+
+def test_batch_slots_use_the_request_engine_without_speculation(edge_cfg, script, profile_root):
+    tok = _tokenizer(profile_root)
+    engine = _engine(edge_cfg, script, **{"graphs.batch_slots": 3})
+    [batcher] = script.runtimes
+    assert type(batcher).__name__ == "RequestEngine" and batcher._kwargs["max_batch_size"] == 3
+    assert engine.concurrent is True and engine.info()["mode"] == "RequestEngine"
+    script.reply = lambda call: Reply(tok.encode(" fine"))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(engine.generate(GenerateRequest(prompt="a"))))
+               for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [r.text.strip() for r in results] == ["fine"] * 3
+    assert all("RequestEngine" in r.speculation_off_reason and r.stats.drafter == "none" for r in results)
+    assert all(call.disable_spec_decode is True for call in script.calls)
+    engine.close()
+    assert batcher._shutdown.name == "CANCEL"
+
+
+def test_warm_puts_the_system_prefix_in_the_context_cache(edge_cfg, script):
+    engine = _engine(edge_cfg, script)
+    n = engine.warm("You are a robot.")
+    call = script.calls[-1]
+    assert n > 0 and call.context_cache_commit_policy.name == "PREFILL_STATE_ONLY"
+    sent = call.requests[0].messages[0].contents[0].content
+    full = engine.tokenizer.render_chat([("system", "You are a robot."), ("user", "a")])
+    assert full.startswith(sent) and engine.tokenizer.encode(sent) == engine.tokenizer.encode(full)[:n]
+
+
+def test_load_refuses_a_tokenizer_that_counts_differently(edge_cfg, script):
+    script.count = lambda text: 3
+    with pytest.raises(BackendError, match="reads our chat prompt as"):
+        _engine(edge_cfg, script)
+
+
+def test_missing_build_names_the_command(edge_cfg, script, tmp_path):
+    with pytest.raises(BackendError, match="spec-edge build"):
+        _engine(edge_cfg, script, **{"runtime.engine_dir": str(tmp_path)})
+
+
+def test_engine_from_config_serves_tensorrt_through_edgellm(edge_cfg):
+    """Engine.from_config is the one entry point: on tensorrt it loads the wheel's native runtime, which this
+    machine (no Jetson / GPU) has no payload for: a BackendError that says so, not a TensorRT import."""
+    from spec_edge.runtime.engine import Engine
+
+    with pytest.raises(BackendError, match="cannot load its native runtime|tensorrt-edgellm"):
+        Engine.from_config(edge_cfg, progress=lambda _m: None)
