@@ -14,6 +14,7 @@ import pytest
 
 from edgellm_standin import Reply, Script, build
 from spec_edge.config import ConfigError
+from spec_edge.device import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
@@ -24,14 +25,16 @@ MAX_INPUT, CAPACITY = 96, 128
 
 @pytest.fixture(scope="module")
 def profile_root(tiny_models, tmp_path_factory):
-    """<engines>/edge/: manifest.json's edgellm record, the target engine folder, the draft engine folder."""
+    """<engines>/edge/engines/eagle3/: the engine folder `spec-edge build` records (the target and draft engines
+    side by side, as Edge-LLM's LLMRuntime reads them; the files are empty: the stand-in runtime reads none)."""
     from tensorrt_edgellm.chat_template import write_chat_template
 
     root = tmp_path_factory.mktemp("edgellm_engines")
     profile = root / "edge"
-    target = profile / "edgellm" / "target"
+    target = profile / "engines" / "eagle3"
     target.mkdir(parents=True)
-    (profile / "edgellm" / "draft").mkdir()
+    for name in ("spec_base.engine", "eagle_draft.engine"):
+        (target / name).touch()
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(tiny_models["target"] / name, target / name)
     write_chat_template(str(tiny_models["target"]), str(target))
@@ -39,20 +42,29 @@ def profile_root(tiny_models, tmp_path_factory):
     config = json.loads((target / "config.json").read_text())
     config["builder_config"] = {"max_input_len": MAX_INPUT, "max_kv_cache_capacity": CAPACITY}
     (target / "config.json").write_text(json.dumps(config))
-    (profile / "manifest.json").write_text(json.dumps(
-        {"edgellm": {"engine_dir": "edgellm/target", "draft_engine_dir": "edgellm/draft"}}))
     return root
+
+
+def _write_manifest(cfg) -> None:
+    """The manifest `spec-edge build` writes once the engines are built (device/edgellm_layout.py), for cfg."""
+    folder = "engines/eagle3"
+    layout.write_manifest(layout.profile_dir(cfg), {
+        "format": layout.FORMAT, "tensorrt_edgellm": layout.edgellm_version(), "profile": cfg.runtime.profile,
+        "config": layout.identity_config(cfg), "fingerprints": {},
+        "edgellm": {"engine_dir": folder, "draft_engine_dir": folder if cfg.speculative.drafter == "eagle3" else None,
+                    "batch_engine_dir": folder if cfg.graphs.batch_slots > 1 else None}})
 
 
 @pytest.fixture
 def edge_cfg(tiny_cfg, profile_root):
-    return tiny_cfg.replace(**{"runtime.backend": "tensorrt", "runtime.engine_dir": str(profile_root),
+    return tiny_cfg.replace(**{"runtime.backend": "tensorrt", "graphs.dtype": "float16",
+                               "runtime.engine_dir": str(profile_root),
                                "runtime.profile": "edge", "speculative.drafter": "eagle3",
                                "speculative.eagle3_head": "head", "model.draft": ""})
 
 
 def _tokenizer(profile_root) -> Tokenizer:
-    return Tokenizer(profile_root / "edge" / "edgellm" / "target")
+    return Tokenizer(profile_root / "edge" / "engines" / "eagle3")
 
 
 @pytest.fixture
@@ -62,8 +74,9 @@ def script(profile_root):
 
 
 def _engine(cfg, script, **changes) -> EdgeLLMEngine:
-    return EdgeLLMEngine.from_config(cfg.replace(**changes) if changes else cfg, progress=lambda _m: None,
-                                     native=build(script))
+    cfg = cfg.replace(**changes) if changes else cfg
+    _write_manifest(cfg)
+    return EdgeLLMEngine.from_config(cfg, progress=lambda _m: None, native=build(script))
 
 
 def test_chat_prompt_is_the_cpu_paths(tiny_engine, edge_cfg, script):
@@ -243,9 +256,14 @@ def test_load_refuses_a_tokenizer_that_counts_differently(edge_cfg, script):
         _engine(edge_cfg, script)
 
 
-def test_missing_build_names_the_command(edge_cfg, script, tmp_path):
+def test_missing_or_stale_build_names_the_command(edge_cfg, script, tmp_path):
     with pytest.raises(BackendError, match="spec-edge build"):
-        _engine(edge_cfg, script, **{"runtime.engine_dir": str(tmp_path)})
+        EdgeLLMEngine.from_config(edge_cfg.replace(**{"runtime.engine_dir": str(tmp_path)}), progress=lambda _m: None,
+                                  native=build(script))
+    _write_manifest(edge_cfg)
+    other_k = edge_cfg.replace(**{"graphs.k_values": [2], "speculative.k": 2})  # built for another config
+    with pytest.raises(BackendError, match="different config.*spec-edge build"):
+        EdgeLLMEngine.from_config(other_k, progress=lambda _m: None, native=build(script))
 
 
 def test_engine_from_config_serves_tensorrt_through_edgellm(edge_cfg):
@@ -253,5 +271,6 @@ def test_engine_from_config_serves_tensorrt_through_edgellm(edge_cfg):
     machine (no Jetson / GPU) has no payload for: a BackendError that says so, not a TensorRT import."""
     from spec_edge.runtime.engine import Engine
 
+    _write_manifest(edge_cfg)
     with pytest.raises(BackendError, match="cannot load its native runtime|tensorrt-edgellm"):
         Engine.from_config(edge_cfg, progress=lambda _m: None)

@@ -46,7 +46,8 @@ from pathlib import Path
 from types import ModuleType
 
 from spec_edge import speculation_policy
-from spec_edge.config import Config, ConfigError, engine_root
+from spec_edge.config import Config, ConfigError
+from spec_edge.device import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.grammar import GrammarError, grammar_spec
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
@@ -93,9 +94,9 @@ PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer a
 
 @dataclass(frozen=True)
 class EdgeLLMDirs:
-    """The folders `spec-edge build` wrote for a profile, from its manifest's "edgellm" record (paths
-    relative to the profile folder): engine_dir (the target engine, its config.json, tokenizer and
-    chat_template.jinja) and draft_engine_dir (the EAGLE-3 draft engine; "" without one)."""
+    """The folders `spec-edge build` wrote for a profile (device/edgellm_layout.py): engine_dir (the target engine,
+    its config.json, tokenizer and chat_template.jinja; with an EAGLE-3 head also the draft engine: Edge-LLM's
+    LLMRuntime reads both from one folder) and draft_engine_dir (None without a head)."""
     engine_dir: Path
     draft_engine_dir: Path | None
     max_input_len: int         # longest prompt the engine takes (its config.json builder_config)
@@ -103,24 +104,21 @@ class EdgeLLMDirs:
 
 
 def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
-    """Read <engine root>/<profile>/manifest.json's "edgellm": {"engine_dir", "draft_engine_dir"} and the
-    target engine's builder limits; BackendError naming the build command when anything is missing."""
-    profile = engine_root(cfg) / cfg.runtime.profile
-    build = f"run `spec-edge build <profile yaml>` for profile '{cfg.runtime.profile}' on the device first"
-    manifest = profile / "manifest.json"
+    """The engine folders `spec-edge build` recorded for cfg's profile (device/edgellm_layout.py: a manifest of
+    this tensorrt-edgellm version, profile and config, engines built) and the target engine's builder limits;
+    BackendError naming the build command when anything is missing or stale. graphs.batch_slots > 1 serves the
+    plain engine RequestEngine runs (batch_engine_dir)."""
     try:
-        record = json.loads(manifest.read_text())["edgellm"]
-        engine_dir = profile / record["engine_dir"]
-        draft = record.get("draft_engine_dir") or ""
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise BackendError(f"no Edge-LLM build recorded in {manifest} ({type(err).__name__}: {err}): {build}") from None
-    draft_dir = profile / draft if draft else None
-    if cfg.speculative.drafter == "eagle3" and draft_dir is None:
-        raise BackendError(f"speculative.drafter eagle3 needs the EAGLE-3 draft engine, and {manifest} records none "
-                           f"(edgellm.draft_engine_dir): {build} with speculative.eagle3_head set")
-    for folder in (engine_dir, draft_dir):
-        if folder is not None and not folder.is_dir():
-            raise BackendError(f"the Edge-LLM engine folder {folder} (from {manifest}) is missing: {build}")
+        if cfg.graphs.batch_slots > 1:
+            engine_dir, draft_dir = edgellm_layout.batch_engine_dir(cfg), None
+        else:
+            engine_dir, draft_dir = edgellm_layout.engine_dirs(cfg)
+    except (edgellm_layout.ManifestError, ConfigError) as err:
+        raise BackendError(str(err)) from None
+    build = f"rebuild with `spec-edge build <profile yaml> --force` for profile '{cfg.runtime.profile}' on the device"
+    if cfg.speculative.drafter == "eagle3" and cfg.graphs.batch_slots == 1 and draft_dir is None:
+        raise BackendError(f"speculative.drafter eagle3 needs the EAGLE-3 draft engine and the build of profile "
+                           f"'{cfg.runtime.profile}' has none: {build} with speculative.eagle3_head set")
     try:
         limits = json.loads((engine_dir / "config.json").read_text())["builder_config"]
         max_input, capacity = int(limits["max_input_len"]), int(limits["max_kv_cache_capacity"])
