@@ -8,7 +8,7 @@ Two Edge-LLM objects, picked by graphs.batch_slots:
   B > 1  RequestEngine(max_batch_size=B): in-flight batching, requests from any thread. It cannot speculate:
          a request that asked for a drafter runs target-only and its result's speculation_off_reason says so.
 
-What maps to what (docs/edgellm_runtime.md):
+What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
   prompt / messages / system prompt -> rendered by OUR chat template (serving.chat_text, the CPU path's) and
       sent as one pre-formatted text message with apply_chat_template=False (Edge-LLM concatenates the text of
       such messages as it is); at load, count_prompt_tokens of a probe conversation must equal our tokenizer's
