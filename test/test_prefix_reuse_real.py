@@ -1,14 +1,14 @@
 """Prefix reuse on the embedded default (fused-attention fp32 graphs, the default profile): a dialog
 over two system prompts, each turn answered with the cache the previous turn left (the suffix
 prefilled from another position, so other chunk bounds) and cold, token for token; a difference is
-accepted only at a near-tie of the cold run (test_tensorrt's rule, top-2 margin < 0.05)."""
+accepted only at a near-tie of the cold run (near_ties.py: top-2 margin < 0.05)."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 import pytest
-from test_tensorrt import assert_same_but_near_ties
+from near_ties import assert_same_but_near_ties
 
 from spec_edge.config import Config
 from spec_edge.runtime.engine import Engine
@@ -87,3 +87,25 @@ def test_batched_dialogs_reused_equal_cold(engine, batch_engine):
             finally:
                 engine.target.held = ()  # the rule's reference prefill rewrote the cache
             histories[i] = request.messages + (("assistant", results[i].text),)
+
+
+def test_near_tie_rule_fails_on_a_real_difference():
+    """The rule above must be able to fail: a divergence where the reference is sure."""
+    import numpy as np
+
+    class Sure:
+        def prefill(self, tokens, position):
+            row = np.zeros(8, np.float32)
+            row[3] = 5.0  # margin 5
+            return row
+
+    class Tied(Sure):
+        def prefill(self, tokens, position):
+            row = super().prefill(tokens, position)
+            row[4] = 4.99  # margin 0.01
+            return row
+
+    assert_same_but_near_ties([1, 2, 3], [1, 2, 3], Sure(), [0])
+    assert_same_but_near_ties([1, 2, 4, 7], [1, 2, 3, 3], Tied(), [0])
+    with pytest.raises(AssertionError, match="token 2 .* margin is 5.000"):
+        assert_same_but_near_ties([1, 2, 4], [1, 2, 3], Sure(), [0])
