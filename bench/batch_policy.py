@@ -1,5 +1,5 @@
 """The load policy in the batched loop, side by side in one process: plain, always speculative.k and a
-serve.speculate_k_by_load table, for N requests joining at once (runtime/batch.py, no ROS).
+serve.speculate_k_by_load table, for N requests joining at once (runtime/speculative.py, no ROS).
 
     PYTHONPATH=$PWD .venv/bin/python bench/batch_policy.py --config bench/results/tuned_k_by_load_b8.yaml \\
         [--clients 1 2 4 8] [--max-new-tokens 48] [--rounds 2] [--out bench/results/batch_policy.json]
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from spec_edge import config as cfgmod
 from spec_edge.graphs import batch_export
-from spec_edge.runtime import batch
+from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.engine import Engine
@@ -55,11 +55,11 @@ def main() -> None:
             outputs = {}
             for name in names[r % 3:] + names[:r % 3]:
                 loop_k, loop_table = policies[name]
-                requests = [batch.SlotRequest(prompt_ids=prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens,
+                requests = [speculative.SlotRequest(prompt_ids=prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens,
                                               eos_ids=engine.eos_ids, drafter=NgramDrafter() if loop_k else None)
                             for i in range(n)]
                 t0 = time.perf_counter()
-                out = batch.generate_all(runner, requests, loop_k, k_by_load=loop_table)
+                out = speculative.generate_all(runner, requests, loop_k, k_by_load=loop_table)
                 rates[str(n)][name].append(sum(len(ids) for ids, _, _ in out) / (time.perf_counter() - t0))
                 outputs[name] = [ids for ids, _, _ in out]
                 counts = [stats.verify_calls_by_k for _, _, stats in out] if loop_k else []

@@ -123,7 +123,7 @@ class GraphSection:
     # spec_edge/graphs/quantize.py): a head step reads a quarter of the bytes (0.9 -> 0.2 ms measured
     # alone). Only the drafts can change, never the output: the target verifies every draft.
     head_weights: str = "q8"
-    # Static batch slots B: 1 = the single-request graphs; B > 1 serves B requests at once (runtime/batch.py)
+    # Static batch slots B: 1 = the single-request graphs; B > 1 serves B requests at once (runtime/speculative.py)
     # over one cache region per slot: ONNX Runtime's (m, 1) / (m, k+1) graphs (m rows, each bound to any slot's
     # region) in onnx/target_b<B>/ (graphs/batch_export.py); on tensorrt Edge-LLM's RequestEngine (in-flight batching
     # of up to B requests, no speculation: a result says so in speculation_off_reason).

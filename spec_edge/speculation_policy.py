@@ -5,7 +5,7 @@
 Entry n-1 is the k at load n, 0 = no speculation (plain steps); a load past the table's end keeps
 its last entry, and [] (the default) is speculative.k at every load. The load is
 
-  - graphs.batch_slots > 1 (runtime/batch.py): the occupied slots at that iteration, looked up at
+  - graphs.batch_slots > 1 (runtime/speculative.py): the occupied slots at that iteration, looked up at
     every iteration, so one request's verify calls can carry different k as others join and leave;
   - graphs.batch_slots = 1 (runtime/engine.py): the requests in the node's queue as a request starts,
     itself included (1 = alone), looked up once: the whole request runs at that k.

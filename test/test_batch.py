@@ -12,7 +12,7 @@ import torch
 
 from spec_edge.config import ConfigError
 from spec_edge.graphs import batch_export, io_names, model as model_mod
-from spec_edge.runtime import batch, speculative
+from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
@@ -115,7 +115,7 @@ def test_subset_calls_equal_b1_rows_and_leave_other_slots_alone(batch_runner, ti
 
 def solo(runner, engine, request_args, k):
     """The request alone in the batched loop."""
-    return batch.generate_all(runner, [batch.SlotRequest(**request_args())], k)[0]
+    return speculative.generate_all(runner, [speculative.SlotRequest(**request_args())], k)[0]
 
 
 def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None):
@@ -138,14 +138,14 @@ def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingPara
     return factories
 
 
-@pytest.mark.parametrize("mixed", batch.MIXED)
+@pytest.mark.parametrize("mixed", speculative.MIXED)
 def test_each_output_equals_its_solo_output(batch_runner, tiny_engine, mixed):
     """Five requests (mixed drafters and lengths) over four slots, two joining mid-stream and one
     reusing a freed slot, so calls run 1 to 4 rows: each == the same request alone, and greedy == B=1
     target-only."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "draft", None, "ngram", None], [40, 12, 30, 25, 20])
     calls = dict(batch_runner.calls)
-    together = batch.generate_all(batch_runner, [batch.SlotRequest(**f()) for f in factories], K,
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K,
                                   join_at=[0, 0, 5, 0, 3], mixed=mixed)
     used = {key for key, count in batch_runner.calls.items() if count > calls.get(key, 0)}
     assert {rows for _, rows in used} == {1, 2, 3, 4}, used
@@ -162,20 +162,73 @@ def test_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
     """With sampling each request's tokens depend on its seed only, not on what shares the batch."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     factories = make_requests(tiny_engine, batch_runner, ["ngram", None, "draft"], [20, 20, 20], sampling, [11, 12, 13])
-    together = batch.generate_all(batch_runner, [batch.SlotRequest(**f()) for f in factories], K, join_at=[0, 2, 0])
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K, join_at=[0, 2, 0])
     for f, (ids, _, _) in zip(factories, together):
         assert ids == solo(batch_runner, tiny_engine, f, K)[0]
     other_seed = make_requests(tiny_engine, batch_runner, ["ngram"], [20], sampling, [99])[0]
     assert solo(batch_runner, tiny_engine, other_seed, K)[0] != together[0][0]
 
 
+GUIDED = [("regex", r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."),
+          ("json_schema", '{"type": "object", "additionalProperties": false, "required": ["speed"], '
+                          '"properties": {"speed": {"type": "integer", "minimum": 0, "maximum": 99}}}')]
+
+
+def guided_requests(engine, sampling=SamplingParams(), seeds=None):
+    """Factories of five requests, each with a fresh grammar state (one matcher per request) where it has
+    one: ngram + regex with forced drafts, the draft model + schema, forced drafts alone (no drafter),
+    ngram unconstrained, target-only + schema."""
+    plan = [("ngram", GUIDED[0], True), ("draft", GUIDED[1], False), (None, GUIDED[0], True),
+            ("ngram", None, False), (None, GUIDED[1], False)]
+    base = make_requests(engine, None, [name for name, _, _ in plan], [40, 30, 40, 25, 30], sampling, seeds)
+
+    def with_grammar(factory, grammar, forced):
+        def args():
+            out = factory()
+            if grammar is not None:
+                out.update(constraint=engine.grammars.constraint(*grammar), forced_drafts=forced)
+            return out
+        return args
+    return [with_grammar(f, grammar, forced) for f, (_, grammar, forced) in zip(base, plan)]
+
+
+@pytest.mark.parametrize("mixed", speculative.MIXED)
+def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine, mixed):
+    """Guided decoding per slot: five requests (grammars, forced drafts, drafters mixed) over four slots,
+    joining mid-stream: each greedy output == the same request through the B=1 loop (speculative.generate)
+    token for token, and the grammar-forced and cut drafts were in play."""
+    factories = guided_requests(tiny_engine)
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K,
+                                  join_at=[0, 0, 3, 0, 6], mixed=mixed)
+    for f, (ids, finish, stats) in zip(factories, together):
+        args = f()
+        alone = speculative.generate(tiny_engine.target, args["prompt_ids"], max_new_tokens=args["max_new_tokens"],
+                                     eos_ids=tiny_engine.eos_ids, drafter=args["drafter"], k=K,
+                                     constraint=args.get("constraint"), forced_drafts=args.get("forced_drafts", False))
+        assert (ids, finish) == alone[:2]
+        assert (stats.forced, stats.cut, stats.verify_calls) == (alone[2].forced, alone[2].cut, alone[2].verify_calls)
+    grammar_ends = [finish for f, (_, finish, _) in zip(factories, together) if "constraint" in f()]
+    assert grammar_ends == ["eos"] * 4  # every guided output completed its grammar
+    assert sum(stats.forced for _, _, stats in together) > 0
+
+
+def test_guided_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
+    """Seeded sampling under grammars: each request's tokens in a busy batch == the same request alone."""
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    factories = guided_requests(tiny_engine, sampling, [21, 22, 23, 24, 25])
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K,
+                                  join_at=[0, 2, 0, 4, 1])
+    for f, (ids, finish, _) in zip(factories, together):
+        assert (ids, finish) == solo(batch_runner, tiny_engine, f, K)[:2]
+
+
 def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     """A cancelled request leaves at the next iteration boundary and its slot is reused; with a load
     policy of no drafts at two occupied slots no draft is verified, and greedy output stays the same."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "ngram", "ngram"], [40, 40, 40])
-    loop = batch.BatchLoop(batch_runner, K, k_by_load=[K, 0])
+    loop = speculative.BatchLoop(batch_runner, K, k_by_load=[K, 0])
     done = {}
-    requests = [batch.SlotRequest(**f()) for f in factories]
+    requests = [speculative.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
         request.on_done = lambda ids, finish, stats, i=i: done.setdefault(i, (ids, finish, stats))
     requests[0].cancel = lambda: "cancelled" if loop.iterations > 4 else None
@@ -239,7 +292,7 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
         filled(batched, tiny_engine, PROMPTS[:SLOTS])
     batched.row_counts = exported
     factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
-    together = batch.generate_all(batched, [batch.SlotRequest(**f()) for f in factories], K, join_at=[0, 0, 3, 0, 6])
+    together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories], K, join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
         plain = speculative.generate(single, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
                                      eos_ids=tiny_engine.eos_ids)
@@ -253,16 +306,16 @@ def policy_runner(tiny_cfg):
     return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
 
 
-@pytest.mark.parametrize("mixed", batch.MIXED)
+@pytest.mark.parametrize("mixed", speculative.MIXED)
 def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine, mixed):
     """serve.speculate_k_by_load in the loop: k=3 alone, 2 with two slots occupied, none with three; the
     drafts are cut to that k and verified in its graph; every greedy output == its solo output == the
     B=1 target-only output, whatever k its iterations ran at; the stats count the verify calls by k."""
     table = [K, 2, 0]
-    loop = batch.BatchLoop(policy_runner, K, k_by_load=table)
+    loop = speculative.BatchLoop(policy_runner, K, k_by_load=table)
     assert loop.k_now() == K  # empty: the table's first entry
     factories = make_requests(tiny_engine, policy_runner, ["draft", "ngram", "draft", "draft"], [40, 12, 30, 25])
-    together = batch.generate_all(policy_runner, [batch.SlotRequest(**f()) for f in factories], K,
+    together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories], K,
                                   join_at=[0, 4, 8, 12], mixed=mixed, k_by_load=table)
     by_k = [0] * K
     for f, (ids, finish, stats) in zip(factories, together):
@@ -284,11 +337,11 @@ def test_load_policy_needs_the_graphs(batch_runner, policy_runner, tiny_engine):
     from spec_edge.runtime.backends.base import BackendError
 
     with pytest.raises(BackendError, match="k=2"):
-        batch.BatchLoop(batch_runner, K, k_by_load=[K, 2])  # exported for k = 3 only
-    loop = batch.BatchLoop(policy_runner, 2, k_by_load=[K, 1, 0])  # entries above the loop's k are capped
+        speculative.BatchLoop(batch_runner, K, k_by_load=[K, 2])  # exported for k = 3 only
+    loop = speculative.BatchLoop(policy_runner, 2, k_by_load=[K, 1, 0])  # entries above the loop's k are capped
     ks = []
     for request in make_requests(tiny_engine, policy_runner, ["ngram"] * SLOTS, [4] * SLOTS):
-        loop.add(batch.SlotRequest(**request()))
+        loop.add(speculative.SlotRequest(**request()))
         ks.append(loop.k_now())
     assert ks == [2, 1] + [0] * (SLOTS - 2)  # the last entry holds for larger loads
 

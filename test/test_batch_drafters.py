@@ -148,7 +148,7 @@ def test_slot_records_are_reused_on_the_same_slot(engines):
     """With prefix reuse each slot's drafter records what its draft-model / head cache region holds as the
     request leaves; the next request with that prompt takes the same slot, starts from the record and
     still answers the B=1 Engine's greedy answer."""
-    from spec_edge.runtime.batch import BatchLoop
+    from spec_edge.runtime.speculative import BatchLoop
 
     batched, alone = engines
     loop = BatchLoop(batched.loop.runner, K, reuse=True)

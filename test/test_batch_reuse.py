@@ -9,7 +9,7 @@ import pytest
 from test_batch import K, SLOTS, batch_cfg
 
 from spec_edge.graphs import batch_export
-from spec_edge.runtime import batch
+from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
@@ -37,13 +37,13 @@ def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:
     return engine.prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
 
 
-def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> batch.SlotRequest:
-    return batch.SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=eos_ids, drafter=NgramDrafter(), **fields)
+def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> speculative.SlotRequest:
+    return speculative.SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=eos_ids, drafter=NgramDrafter(), **fields)
 
 
 def cold_answer(cold, ids, max_new: int = 16, eos_ids: tuple[int, ...] = ()) -> list[int]:
     cold.held = [()] * SLOTS
-    ids_out, _, stats = batch.generate_all(cold, [request(ids, max_new, eos_ids)], K)[0]
+    ids_out, _, stats = speculative.generate_all(cold, [request(ids, max_new, eos_ids)], K)[0]
     assert stats.prompt_tokens_reused == 0
     return ids_out
 
@@ -53,7 +53,7 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     record shares most of its prompt (ties: the least recently taken), prefills only from there, and equals
     its cold answer; reuse=False (serve.reuse_prefix off) makes every request cold, lowest free slot."""
     runner = engine.loop.runner
-    loop = batch.BatchLoop(runner, K, reuse=True)
+    loop = speculative.BatchLoop(runner, K, reuse=True)
     loop.clear()  # every record empty
     p = [ids_of(engine, turn) for turn in TURNS]
     answers: dict = {}
@@ -80,11 +80,11 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     loop.run()
     for key, ids in (("a", p[0]), ("b", p[1]), ("c", p[2]), ("c2", p[2]), ("b2", p[1]), ("d", p[3]), ("tie", tie)):
         assert answers[key][0] == cold_answer(cold, ids), key
-    off = batch.BatchLoop(runner, K, reuse=False)
+    off = speculative.BatchLoop(runner, K, reuse=False)
     assert off.add(request(p[2])) == 0  # slot 1 holds p[2], but reuse is off
     off.run()
     assert runner.held[0][:len(p[2])] == tuple(p[2])
-    cold_run = batch.generate_all(runner, [request(p[2])], K)[0]  # reuse=False
+    cold_run = speculative.generate_all(runner, [request(p[2])], K)[0]  # reuse=False
     assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"][0]
 
 
@@ -93,14 +93,14 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     cold); an exception inside an iteration (here: the client's stream callback) empties every
     record, so the next requests run cold."""
     runner = engine.loop.runner
-    loop = batch.BatchLoop(runner, K, reuse=True)
+    loop = speculative.BatchLoop(runner, K, reuse=True)
     loop.clear()
     ids = ids_of(engine, TURNS[0])
     cut = request(ids, 40, cancel=lambda: "cancelled" if loop.iterations > 5 else None)
     slot = loop.add(cut)
     loop.run()
     assert len(runner.held[slot]) > len(ids)  # prompt + the tokens fed before the cancel
-    after = batch.generate_all(runner, [request(ids)], K, reuse=True)[0]
+    after = speculative.generate_all(runner, [request(ids)], K, reuse=True)[0]
     assert after[2].prompt_tokens_reused == len(ids) - 1 and after[0] == cold_answer(cold, ids)
 
     def fail(tokens):
@@ -112,7 +112,7 @@ def test_after_cancel_and_after_a_failure(engine, cold):
         loop.run()
     assert runner.held == [()] * SLOTS
     loop.clear()
-    again = batch.generate_all(runner, [request(ids)], K, reuse=True)[0]
+    again = speculative.generate_all(runner, [request(ids)], K, reuse=True)[0]
     assert again[2].prompt_tokens_reused == 0 and again[0] == cold_answer(cold, ids)
 
 

@@ -72,6 +72,15 @@ class Scripted:
     def observe(self, n_proposed, n_accepted):
         self.observed.append((n_proposed, n_accepted))
 
+    def check_k(self, k):
+        pass
+
+    def forget(self):
+        pass
+
+    def finish(self):
+        pass
+
 
 class Gap(Scripted):
     """EAGLE-3 drafts first (nothing here on call 1), then `steps` lookup drafts, then nothing again.

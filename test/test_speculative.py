@@ -51,6 +51,15 @@ class WrongDrafter:
     def observe(self, n_proposed, n_accepted):
         pass
 
+    def check_k(self, k):
+        pass
+
+    def forget(self):
+        self.inner.forget()
+
+    def finish(self):
+        self.inner.finish()
+
 
 @pytest.fixture(scope="module")
 def self_runner(tiny_engine):

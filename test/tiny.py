@@ -150,6 +150,15 @@ def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
         def observe(self, a, b):
             pass
 
+        def check_k(self, k):
+            drafter.check_k(k)
+
+        def forget(self):
+            drafter.forget()
+
+        def finish(self):
+            drafter.finish()
+
     ids = engine.tokenizer.encode("Move the arm")
     out, _, _ = speculative.generate(engine.target, ids, max_new_tokens=30, eos_ids=(),
                                      sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,

@@ -70,7 +70,7 @@ def batch_plan(cfg: Config, rows: tuple[int, ...] | None = None) -> dict[str, di
     for m in rows or row_counts(g.batch_slots):
         plan[rows_stem(m, "step", 1)] = {"kind": "step", "width": 1, "batch": m}
         # the two-row step of graphs.weights q4 (int8 activations: a one-row call's numerics differ, as
-        # for B=1, graphs/two_rows.py): the pending token twice, row 0 read (runtime/batch.py)
+        # for B=1, graphs/two_rows.py): the pending token twice, row 0 read (runtime/speculative.py)
         plan[rows_stem(m, "step", 2)] = {"kind": "step", "width": 2, "batch": m}
         for k in sorted(set(g.k_values) - {1}):
             plan[rows_stem(m, "verify", k + 1)] = {"kind": "verify", "width": k + 1, "batch": m}

@@ -1,5 +1,5 @@
 """The engine of graphs.batch_slots > 1: Engine's request handling (validation, chat prompt, sampling
-defaults, streaming text, stop strings) in front of one BatchLoop (runtime/batch.py), over ONNX Runtime's
+defaults, streaming text, stop strings) in front of one BatchLoop (runtime/speculative.py), over ONNX Runtime's
 BatchRunner (ONNX Runtime; on runtime.backend tensorrt, Edge-LLM's RequestEngine batches inside
 backends/edgellm.py, which Engine.from_config returns for any graphs.batch_slots).
 
@@ -13,7 +13,7 @@ through the B=1 Engine; layerskip (the target's own first layers over the target
 with a message.
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
-longest prefix of its prompt (runtime/batch.py); warm() prefills the system prompt's chat prefix into
+longest prefix of its prompt (runtime/speculative.py); warm() prefills the system prompt's chat prefix into
 every slot.
 
 The speculation policy by occupancy: serve.speculate_k_by_load, the k of each iteration by the
@@ -31,8 +31,8 @@ from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import batch_export
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.ort_batch import BatchRunner
-from spec_edge.runtime.batch import BatchLoop, SlotRequest
-from spec_edge.runtime.engine import Engine, text_emitter
+from spec_edge.runtime.speculative import BatchLoop, SlotRequest
+from spec_edge.runtime.engine import Engine, incomplete_message, text_emitter
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
 from spec_edge.runtime.slot_drafting import SLOT_DRAFTERS, SlotDrafters, refusal
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -74,9 +74,12 @@ class BatchEngine(Engine):
         if drafter_name != "none" and k != self.loop.k:
             raise RequestError(f"the batched node verifies k={self.loop.k} drafts per call (speculative.k); "
                                f"send k=0 or k={self.loop.k}")
-        self._check_unguided(request)
         check_stop(request.stop)
         prompt_ids = self.prompt_ids(request)
+        constraint = self.constraint(request)
+        forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
+        # forced drafts are speculation too: off with speculate=false (the load policy sets each iteration's k)
+        forced = constraint is not None and forced and request.speculate and self.loop.k > 0
         drafting = drafter_name != "none" and self.loop.k > 0
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self.slot_drafters.load(drafter_name)
@@ -94,7 +97,8 @@ class BatchEngine(Engine):
             off = speculation_policy.batch_reason(stats, self.loop.k_by_load, self.loop.k) if drafting else ""
             result = GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                                     prompt_tokens=len(prompt_ids), queued_at_start=slot_request.occupancy,
-                                    speculation_off_reason=off)
+                                    speculation_off_reason=off,
+                                    message=incomplete_message(constraint, finish, max_new))
             if on_result is not None:
                 on_result(result)
 
@@ -103,14 +107,9 @@ class BatchEngine(Engine):
 
         slot_request = SlotRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids,
                                    sampling=params, seed=seed, make_drafter=make_drafter if drafting else None,
-                                   emit=emit, cancel=cancel, on_done=done)
+                                   emit=emit, cancel=cancel, constraint=constraint, forced_drafts=forced,
+                                   on_done=done)
         return slot_request
-
-    def _check_unguided(self, request: GenerateRequest) -> None:
-        if request.json_schema or request.grammar or request.regex:
-            raise RequestError("guided decoding (json_schema / grammar / regex) is not built for the batched node "
-                               f"yet (graphs.batch_slots={self.loop.runner.batch}): send the request to a node "
-                               "with graphs.batch_slots: 1")
 
     def _check_drafter(self, drafter_name: str) -> None:
         reason = refusal(drafter_name, self.loop.runner.batch)
@@ -118,7 +117,6 @@ class BatchEngine(Engine):
             raise RequestError(reason)
 
     def validate(self, request: GenerateRequest) -> None:
-        self._check_unguided(request)  # before Engine.validate compiles the grammar
         super().validate(request)
         self._check_drafter(self.resolve(request)[3])
 

@@ -49,7 +49,7 @@ class Drafters:
     def forget(self) -> None:
         """Mark every resident cache (target, draft model, heads) as holding nothing valid: the next
         request prefills from position 0 (serve.reuse_prefix off, or a request that failed). B=1 only:
-        the batched node's records are per slot (each slot's drafter's forget(), runtime/batch.py)."""
+        the batched node's records are per slot (each slot's drafter's forget(), runtime/speculative.py)."""
         for owner in (self.target, self.draft_runner, self.eagle3_head, self.peagle_head):
             if owner is not None:
                 owner.held = ()

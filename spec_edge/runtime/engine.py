@@ -38,6 +38,14 @@ def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None] | N
     return emit
 
 
+def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
+    """The result's message when a guided output ended before it parses ("" otherwise)."""
+    if constraint is None or finish == "eos" or constraint.complete:
+        return ""
+    return (f"finish_reason {finish}: the output is not complete under the {constraint.kind} (it does not parse yet"
+            + (f"; raise max_new_tokens above {max_new})" if finish == "length" else ")"))
+
+
 class Engine:
     concurrent = False  # one KV cache: callers serialise requests (a lock enforces it)
 
@@ -153,7 +161,7 @@ class Engine:
             and k + 1 in self.target.widths
         with self._lock:
             drafter = None if drafter_name == "none" else self._drafters.drafter(drafter_name)
-            if drafter is not None and hasattr(drafter, "check_k"):  # heads built for at most some k
+            if drafter is not None:  # heads built for at most some k
                 try:
                     drafter.check_k(k)
                 except ConfigError as err:
@@ -174,14 +182,9 @@ class Engine:
             on_text(tail, len(decoder.ids))
         if finish == "stop":
             new_ids = self._trim_to_stop(new_ids, request.stop)
-        message = ""
-        if constraint is not None and finish != "eos" and not constraint.complete:
-            message = (f"finish_reason {finish}: the output is not complete under the {constraint.kind} "
-                       f"(it does not parse yet" + (f"; raise max_new_tokens above {max_new})" if finish == "length"
-                                                    else ")"))
         return GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                               prompt_tokens=len(prompt_ids), queued_at_start=queued,
-                              speculation_off_reason=off_reason, message=message)
+                              speculation_off_reason=off_reason, message=incomplete_message(constraint, finish, max_new))
 
     def warm(self, system_prompt: str = "") -> int:
         """Prefill the chat prefix every request with this system prompt ("" = serve.system_prompt,

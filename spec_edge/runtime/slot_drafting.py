@@ -77,12 +77,11 @@ class SlotDrafters:
         """RequestError unless drafter name has graphs / heads for every k in ks (Medusa: head count,
         P-EAGLE: draft graphs) as Engine.generate checks the one k of a B=1 request."""
         probe = self.drafter(name, 0)  # a drafter object has no side effect until start()
-        if hasattr(probe, "check_k"):
-            try:
-                for k in ks:
-                    probe.check_k(k)
-            except ConfigError as err:
-                raise RequestError(str(err)) from None
+        try:
+            for k in ks:
+                probe.check_k(k)
+        except ConfigError as err:
+            raise RequestError(str(err)) from None
 
     def drafter(self, name: str, slot: int):
         """A new drafter `name` for the request taking slot `slot`, over that slot's views."""

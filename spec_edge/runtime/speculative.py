@@ -1,31 +1,74 @@
-"""The speculative loop: draft k, verify k+1 in one target call, accept, correct. Fixed k.
+"""The speculative loop, over slots: up to B requests decode together, one request alone is one
+occupied slot (generate() on a B=1 target: backends/slot_views.OneSlot; the batched graphs' static
+slots: backends/ort_batch.BatchRunner). Per slot: draft k, verify k+1 in one target call, accept,
+correct.
 
-Invariant: the target's cache holds seq[:pos] and seq[pos] (= seq[-1]) is the pending token, the
-last one chosen and not yet fed. One iteration feeds [pending, d1..dk] at positions pos..pos+k,
-accepts n drafts, appends d1..dn and the target's own next token, and moves pos by n + 1. Rows
-written for rejected drafts stay in the cache, masked by position until they are overwritten:
-rolling back is only moving pos.
+Invariant, per slot: its cache region holds seq[:pos] and seq[pos] (= seq[-1]) is the pending token,
+the last one chosen and not yet fed. A verify feeds [pending, d1..dm] (m <= k) at positions
+pos..pos+m, accepts n drafts, appends d1..dn and the target's own next token, and moves pos by n + 1.
+Rows written for rejected drafts stay in the cache, masked by position until they are overwritten:
+rolling back is only moving pos. Without a draft (no drafter, nothing worth verifying, the load policy's
+k = 0, or no room for the verify window) a slot's iteration is a plain step. Target-only decoding is this
+same loop with no drafter, so greedy speculative output equals it token for token.
 
-Without a drafter (or when the drafter has nothing worth verifying, or the verify window no longer
-fits the cache) an iteration is a plain [1, 1] step. Target-only decoding is this same loop with
-no drafter, so greedy speculative output equals it token for token.
+Each slot is one request with its own sampler (its own seed), drafter, grammar state, position and
+stats, so a request's output depends only on its own logits. One iteration of BatchLoop:
 
-Prefix reuse (reuse=True): the cache keeps what the last request left in it (`target.held`, the
-ids of rows 0..pos-1 as it ended). A prompt sharing a prefix with those ids prefills only the rest,
-from the first differing position; at least the last prompt token is prefilled (its logits choose
-the first token). Drafters with a cache of their own do the same in start() and record theirs in
-finish().
+  1. at most one prefill chunk (C tokens, the B=1 prefill graph bound to that slot's region) of the
+     earliest joined slot still prefilling: a joining prompt is fed between the others' decode calls,
+     so running streams never wait for a whole prompt;
+  2. the decode call(s) of the decoding slots, over exactly those slots (runner.forward(slots, ...):
+     idle and prefilling slots are never in a call and cost nothing): one step call (width 1, or
+     q4's two-row step) when no slot has a draft, one (k+1) verify call when all have one. When some
+     do and some do not, mixed="group" (the default) runs the stepping slots and the verifying slots
+     as two calls over those two subsets (each row computed exactly as when its request is alone:
+     measured batch-invariant, bench/batch_invariance.py); mixed="pad" runs them along in the
+     (k+1) call as [pending, pending, ...], reading only row 0 (one call, but that row is a
+     width-(k+1) row: 3.6e-5 from the step's logits on the embedded default, fp32).
+Greedy calls ask the runner for argmax ids only (runner.argmax); a call with a sampling slot takes logits.
+
+A slot joins (add) at an iteration boundary and leaves when its request finishes (eos, stop,
+length, context_full, cancel's reason: cancel() is asked before each decode call); its slot is free
+for the next add.
+
+Drafters: a request brings its drafter (SlotRequest.drafter, e.g. prompt lookup) or has it made for
+the slot it takes (SlotRequest.make_drafter(slot): a drafter over that slot's own regions of the draft
+model's / head's caches, runtime/slot_drafting.py). Its life: start(prompt)
+once the prompt is in (forget() first without prefix reuse), propose / observe per iteration,
+finish() when the request leaves (recording what its cache holds for the slot's next request).
+
+Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
+slot b's region holds (as Runner.held for B=1). add() puts a request into the free slot whose
+record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
+index) and prefills only from min(common prefix, len(prompt) - 1) on; the record is () while the
+request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
+empties every record.
+
+k_by_load (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always k): the k of an
+iteration is k_now(), the table's entry at the occupied slots (capped at k), 0 = no drafts: each
+draft is cut to that k and verified in the (B, k'+1) graph; a slot's stats count its verify calls by
+k and the steps the policy took (greedy output is the same; `spec-edge tune` measures the table).
+
+Guided decoding per slot (SlotRequest.constraint, runtime/grammar.py: one matcher per request): every
+logits row a slot chooses from is masked by its grammar state along the
+path, a draft is cut at its first forbidden token, grammar-forced tokens are the draft where
+forced_drafts (up to the iteration's k), and the slot ends with eos once the grammar admits only EOS.
+A call with a constrained slot takes logits. A verify call runs the smallest graph that holds the
+longest window of its rows; a shorter window is padded with its last token (rows past it are read by
+nobody, like rejected drafts).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from spec_edge.runtime.backends.base import Runner, common_prefix
+from spec_edge import speculation_policy
+from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
+from spec_edge.runtime.backends.slot_views import OneSlot
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
 from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, sample, speculative_accept
 
@@ -58,16 +101,19 @@ class Sampler:
 
 
 class Drafter(Protocol):
+    """What the loops call on a drafter (every drafter and test double implements all of it; a method
+    with nothing to do for a drafter is a no-op there)."""
     name: str
+
+    def check_k(self, k: int) -> None: ...  # ConfigError unless it can propose k tokens (heads built for some k)
+
+    def forget(self) -> None: ...  # before start(): ignore its cache's record, start cold (reuse=False)
 
     def start(self, prompt_ids: list[int]) -> None: ...
 
     def propose(self, seq: list[int], k: int, sampler: Sampler) -> Draft | None: ...
 
     def observe(self, n_proposed: int, n_accepted: int) -> None: ...
-
-    # optional (test doubles may lack them); drafters with a cache of their own keep a record of it:
-    def forget(self) -> None: ...  # before start(): ignore the record, start cold (reuse=False)
 
     def finish(self) -> None: ...  # the request ended normally: record what the drafter's cache holds
 
@@ -139,7 +185,7 @@ Cancel = Callable[[], "str | None"]
 
 def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int) -> tuple[list[int], str | None]:
     """Append chosen tokens to new_tokens up to the first EOS (not kept) or max_new_tokens; returns
-    (the part appended, "eos" | "length" | None). Shared by this loop and runtime/batch.py's slots."""
+    (the part appended, "eos" | "length" | None)."""
     reason = None
     for i, token in enumerate(chunk):
         if token in eos:
@@ -151,112 +197,275 @@ def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int
     return chunk, reason
 
 
-def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: tuple[int, ...],
-             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-             drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
-             cancel: Cancel | None = None, constraint: Constraint | None = None,
-             forced_drafts: bool = False, reuse: bool = False) -> tuple[list[int], str, Stats]:
-    """Decode up to max_new_tokens after prompt_ids. Returns (new token ids without EOS,
-    finish_reason in eos | stop | length | context_full | <cancel's reason>, stats).
-    reuse: keep the cache rows the last request left that match a prefix of prompt_ids.
+MIXED = ("pad", "group")  # how an iteration runs slots that step beside slots that verify
 
-    constraint (guided decoding, runtime/grammar.py): every logits row the choice is made from is
-    masked by the grammar state along the path (the verify rows by the state after the window's
-    first i tokens); a draft is cut at its first token the grammar forbids (the q rows of a sampled
-    draft are masked and renormalised alike, so speculative sampling still follows the constrained
-    target); the loop ends with eos once the grammar admits nothing but EOS. forced_drafts: where
-    the grammar forces the next tokens they are the draft (up to k; with or without a drafter):
-    the masked target must choose them."""
-    speculating = drafter is not None or (constraint is not None and forced_drafts)
-    if speculating:
-        target.check_width(k + 1)
-    stats = Stats(drafter=drafter.name if drafter else "none", k=k if speculating else 0,
-                  prompt_tokens=len(prompt_ids), accepted_at=[0] * (k if speculating else 0),
-                  verify_calls_by_k=[0] * (k if speculating else 0))
-    sampler = Sampler(sampling, seed)
-    eos = set(eos_ids)
-    started = time.perf_counter()
-    reused = common_prefix(target.held, prompt_ids, len(prompt_ids) - 1) if reuse else 0
-    target.held = ()  # until this request ends normally: a failure leaves the next one cold
-    stats.prompt_tokens_reused = reused
-    logits = target.prefill(prompt_ids[reused:], reused)
-    if constraint is not None:
-        logits = mask_logits(logits[None], constraint.masks([]))[0]
-    stats.prefill_time_s = time.perf_counter() - started
-    first, _ = sampler.pick(logits)
-    seq = list(prompt_ids) + [first]
-    pos = len(prompt_ids)
-    new_tokens: list[int] = []
 
-    def accept(chunk: list[int]) -> str | None:
-        """Append a chunk of chosen tokens to the output; returns a finish reason or None."""
-        chunk, reason = take_chunk(new_tokens, chunk, eos, max_new_tokens)
-        if constraint is not None:
-            constraint.consume(chunk)
-            if reason is None and constraint.done:  # only EOS may follow: the masked target's choice
-                reason = "eos"
-        if chunk and emit is not None and emit(chunk):
-            reason = "stop"
-        return reason
+@dataclass
+class SlotRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None
+    drafter: Drafter | None = None  # this request's own (a drafter keeps per-request state)
+    # or: made by BatchLoop.add for the slot the request takes (a drafter over that slot's caches)
+    make_drafter: Callable[[int], Drafter] | None = None
+    emit: Emit | None = None
+    cancel: Cancel | None = None
+    constraint: Constraint | None = None  # guided decoding: this request's grammar state
+    forced_drafts: bool = False           # with a constraint: the tokens the grammar forces are the draft
+    # on_done(token_ids, finish_reason, stats): called once, from the loop's thread, when it leaves
+    on_done: Callable[[list[int], str, Stats], None] | None = None
+    occupancy: int = 0  # set by BatchLoop.add: occupied slots as it joined, itself included (1 = alone)
 
-    finish = accept([first])
-    stats.time_to_first_token_s = time.perf_counter() - started
-    drafting = drafter is not None and finish is None
-    if drafting:
+
+@dataclass
+class _Slot:
+    request: SlotRequest
+    sampler: Sampler
+    stats: Stats
+    started: float
+    prefilled: int = 0                  # prompt tokens in the cache so far
+    seq: list[int] = field(default_factory=list)
+    pos: int = 0                        # the cache holds seq[:pos]; seq[pos] is pending
+    new_tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+    draft: Draft | None = None          # this iteration's proposal
+    proposed: bool = False              # the draft is the drafter's (not grammar-forced): it hears the outcome
+    drafting: bool = False              # the drafter was started (finish() it as the slot leaves)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt_ids) and self.finish is None
+
+
+class BatchLoop:
+    """B slots over one BatchRunner; the caller adds requests and calls iterate() until idle."""
+
+    def __init__(self, runner, k: int = 0, *, mixed: str = "group", k_by_load: Sequence[int] = (),
+                 reuse: bool = False):
+        if mixed not in MIXED:
+            raise ValueError(f"mixed must be one of {MIXED}, got {mixed!r}")
+        for used in sorted({k, *(min(k, entry) for entry in k_by_load)} - {0}):
+            runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
+        self.step_width = runner.step_width  # 2: q4's two-row step (ort_batch.py)
+        runner.check_width(self.step_width)
+        self.runner, self.k, self.mixed = runner, k, mixed
+        self.k_by_load = tuple(k_by_load)
+        self.reuse = reuse  # prefix reuse per slot (runner.held)
+        self._taken = [0] * runner.batch  # (B,) the order slots were last taken in (higher = later; 0 = never)
+        self.slots: list[_Slot | None] = [None] * runner.batch
+        self.iterations = 0
+        self.calls = {"prefill": 0, "step": 0, "verify": 0}
+
+    @property
+    def occupied(self) -> int:
+        return sum(slot is not None for slot in self.slots)
+
+    @property
+    def free(self) -> int:
+        return self.runner.batch - self.occupied
+
+    def k_now(self) -> int:
+        """The drafts per verify call at this iteration: the load policy's entry at the occupancy."""
+        return speculation_policy.k_at(self.k_by_load, self.occupied, self.k)
+
+    def add(self, request: SlotRequest) -> int:
+        """Put request into a free slot (it starts prefilling at the next iteration); returns the slot."""
+        if not request.prompt_ids:
+            raise BackendError("a request needs at least one prompt token")
+        if len(request.prompt_ids) >= self.runner.max_context:
+            raise BackendError(f"the prompt ({len(request.prompt_ids)} tokens) leaves no room in the "
+                               f"{self.runner.max_context}-token cache")
+        free = [i for i, slot in enumerate(self.slots) if slot is None]
+        if not free:
+            raise BackendError(f"all {self.runner.batch} batch slots are busy")
+        prompt = request.prompt_ids
+        held = self.runner.held
+        # the free slot holding the longest prefix of the prompt (ties: the one taken least recently, so
+        # the records other clients may come back to are kept longest; then the lowest index); at least
+        # the last prompt token is prefilled (its logits choose the first token)
+        shared = {i: common_prefix(held[i], prompt, len(prompt) - 1) if self.reuse else 0 for i in free}
+        index = max(free, key=lambda i: (shared[i], -self._taken[i], -i))
+        if request.drafter is None and request.make_drafter is not None:
+            request.drafter = request.make_drafter(index)  # before the slot is taken: it may refuse
+        self._taken[index] = max(self._taken) + 1
+        held[index] = ()  # until the request leaves: a failure leaves the slot cold
+        drafter = request.drafter
+        k = self.k if drafter is not None or (request.constraint is not None and request.forced_drafts) else 0
+        stats = Stats(drafter=drafter.name if drafter else "none", k=k, prompt_tokens=len(prompt),
+                      prompt_tokens_reused=shared[index], accepted_at=[0] * k, verify_calls_by_k=[0] * k)
+        self.slots[index] = _Slot(request, Sampler(request.sampling, request.seed), stats, time.perf_counter(),
+                                  prefilled=shared[index])
+        request.occupancy = self.occupied
+        return index
+
+    def iterate(self) -> None:
+        """One iteration: a prefill chunk of one joining slot, then the decode call(s) of the decoding slots.
+        An exception (a failed call, an emit that raised) empties every slot's prefix record."""
+        self.iterations += 1
+        try:
+            joining = [slot for slot in self.slots if slot is not None and slot.finish is None and not slot.decoding]
+            if joining:
+                self._prefill_chunk(min(joining, key=lambda slot: slot.started))
+            self._decode()
+            for i, slot in enumerate(self.slots):
+                if slot is not None and slot.finish is not None:
+                    self._leave(i)
+        except BaseException:
+            self.runner.held = [()] * self.runner.batch  # whatever the regions hold now, nothing is trusted
+            raise
+
+    def clear(self) -> None:
+        """Empty every slot without answering (after a failed call: the caller answers its requests)."""
+        self.slots = [None] * self.runner.batch
+        self.runner.held = [()] * self.runner.batch
+
+    def run(self) -> None:
+        """iterate() until every slot has left."""
+        while self.occupied:
+            self.iterate()
+
+    # -- one slot's prefill ----------------------------------------------------------------------
+
+    def _prefill_chunk(self, slot: _Slot) -> None:
+        index = next(i for i, other in enumerate(self.slots) if other is slot)
+        prompt, chunk = slot.request.prompt_ids, self.runner.prefill_chunk
         t0 = time.perf_counter()
-        if not reuse and (forget := getattr(drafter, "forget", None)) is not None:
-            forget()
-        drafter.start(list(prompt_ids))
-        stats.draft_time_s += time.perf_counter() - t0
-    while finish is None:
-        if cancel is not None and (reason := cancel()):
-            finish = reason
-            break
-        if pos >= target.max_context:
-            finish = "context_full"
-            break
-        draft, proposer = None, None
-        room = pos + k + 1 <= target.max_context
-        if constraint is not None and forced_drafts and room and (forced := constraint.forced()[:k]):
-            draft = Draft(tokens=forced, q_draft=None)
+        logits = self.runner.prefill_chunk_at(index, prompt[slot.prefilled:slot.prefilled + chunk], slot.prefilled)
+        self.calls["prefill"] += 1
+        slot.prefilled = min(len(prompt), slot.prefilled + chunk)
+        slot.stats.prefill_time_s += time.perf_counter() - t0
+        if slot.prefilled < len(prompt):
+            return
+        if slot.request.constraint is not None:
+            logits = mask_logits(logits[None], slot.request.constraint.masks([]))[0]
+        first, _ = slot.sampler.pick(logits)
+        slot.seq = list(prompt) + [first]
+        slot.pos = len(prompt)
+        slot.finish = self._accept(slot, [first])
+        slot.stats.time_to_first_token_s = time.perf_counter() - slot.started
+        drafter = slot.request.drafter
+        if drafter is not None and slot.finish is None:
+            t0 = time.perf_counter()
+            if not self.reuse:
+                drafter.forget()  # its cache's record is ignored: cold
+            drafter.start(list(prompt))
+            slot.drafting = True
+            slot.stats.draft_time_s += time.perf_counter() - t0
+
+    # -- the decode call -------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        runner, k = self.runner, self.k_now()
+        decoding = [i for i, slot in enumerate(self.slots) if slot is not None and slot.decoding]
+        for i in list(decoding):
+            slot = self.slots[i]
+            if slot.request.cancel is not None and (reason := slot.request.cancel()):  # before each decode call
+                slot.finish = reason
+                decoding.remove(i)
+            elif slot.pos >= runner.max_context:
+                slot.finish = "context_full"
+                decoding.remove(i)
+        if not decoding:
+            return
+        for i in decoding:
+            self._propose(self.slots[i], k)
+        verifying = [i for i in decoding if self.slots[i].draft is not None]
+        stepping = [i for i in decoding if self.slots[i].draft is None]
+        # the smallest verify graph holding the longest window (cut or forced drafts can be shorter than k)
+        width = min((w for w in runner.widths
+                     if w >= max((len(self.slots[i].draft.tokens) + 1 for i in verifying), default=0)), default=k + 1)
+        cramped = any(self.slots[i].pos + width > runner.max_context for i in stepping)  # no room for padding
+        if verifying and stepping and (self.mixed == "group" or cramped):
+            self._call(stepping, self.step_width, k)
+            self._call(verifying, width, k)
+        elif verifying:
+            self._call(decoding, width, k)
+        else:
+            self._call(decoding, self.step_width, k)
+
+    def _propose(self, slot: _Slot, k: int) -> None:
+        """slot.draft for this iteration (None: a plain step): grammar-forced tokens, else the drafter's
+        proposal cut at its first token the grammar forbids."""
+        request, stats = slot.request, slot.stats
+        constraint, drafter = request.constraint, request.drafter
+        slot.draft, slot.proposed = None, False
+        room = slot.pos + k + 1 <= self.runner.max_context
+        if (drafter is not None or (constraint is not None and request.forced_drafts)) and not k:
+            stats.policy_off_steps += 1
+        elif constraint is not None and request.forced_drafts and room and (forced := constraint.forced()[:k]):
+            slot.draft = Draft(tokens=forced, q_draft=None)
             stats.forced += len(forced)
         elif drafter is not None and room:
             t0 = time.perf_counter()
-            draft, proposer = drafter.propose(seq, k, sampler), drafter
+            slot.draft, slot.proposed = drafter.propose(slot.seq, k, slot.sampler), True
             stats.draft_time_s += time.perf_counter() - t0
-            if draft is not None and constraint is not None:
-                draft = cut_draft(draft, constraint, stats, drafter)
+            if slot.draft is not None and constraint is not None:
+                slot.draft = cut_draft(slot.draft, constraint, stats, drafter)
+
+    def _call(self, rows: list[int], width: int, k: int) -> None:
+        """One call over exactly the slots rows (ascending): each slot's pending token and its draft,
+        padded to width with its last token (a slot without a draft: its pending token repeated, row 0
+        read). k: the iteration's k (what a verify call could carry, for the stats)."""
+        runner, slots = self.runner, [self.slots[i] for i in rows]
+        windows = [[slot.seq[-1]] + (slot.draft.tokens if slot.draft is not None else []) for slot in slots]
+        tokens = np.array([window + [window[-1]] * (width - len(window)) for window in windows], np.int64)  # (n, T)
+        positions = [slot.pos for slot in slots]
+        greedy = all(slot.request.sampling.greedy and slot.request.constraint is None for slot in slots)
         t0 = time.perf_counter()
-        if draft is None:
-            logits = target.forward([seq[-1]], pos)
-            if constraint is not None:
-                logits = mask_logits(logits[:1], constraint.masks([]))
-            chunk = [sampler.pick(logits[0])[0]]
-            stats.step_calls += 1
-            pos += 1
-        else:
-            window = [seq[-1]] + draft.tokens
-            if constraint is None and sampling.greedy:
-                n_accepted, next_token = greedy_accept(target.argmax(window, pos), draft.tokens)
-            elif constraint is None:
-                p_target = probabilities(target.forward(window, pos), sampling)
-                n_accepted, next_token = speculative_accept(p_target, draft.q_draft, draft.tokens, sampler.rng)
+        out = (runner.argmax if greedy else runner.forward)(rows, tokens, positions)  # (n, T) ids or (n, T, V)
+        self.calls["verify" if any(slot.draft is not None for slot in slots) else "step"] += 1
+        spent = time.perf_counter() - t0
+        for j, (slot, window) in enumerate(zip(slots, windows)):
+            slot.stats.target_time_s += spent
+            draft, sampling, constraint = slot.draft, slot.request.sampling, slot.request.constraint
+            if draft is None:
+                if greedy:
+                    chunk = [int(out[j, 0])]
+                else:
+                    logits = out[j, :1] if constraint is None else mask_logits(out[j, :1], constraint.masks([]))
+                    chunk = [slot.sampler.pick(logits[0])[0]]
+                slot.stats.step_calls += 1
+                slot.pos += 1
             else:
-                n_accepted, next_token = constrained_accept(target, window, pos, draft, constraint, sampler)
-            if proposer is not None:
-                proposer.observe(len(draft.tokens), n_accepted)
-            stats.verified(k, len(draft.tokens), n_accepted)
-            chunk = draft.tokens[:n_accepted] + [next_token]
-            pos += n_accepted + 1
-        stats.target_time_s += time.perf_counter() - t0
-        seq.extend(chunk)
-        finish = accept(chunk)
-    target.held = tuple(seq[:pos])  # seq[pos], the pending token, was never fed
-    if drafting and (done := getattr(drafter, "finish", None)) is not None:  # test doubles may lack it
-        done()
-    stats.new_tokens = len(new_tokens)
-    stats.total_time_s = time.perf_counter() - started
-    return new_tokens, finish, stats
+                if greedy:
+                    n_accepted, next_token = greedy_accept(out[j, :len(window)], draft.tokens)
+                else:
+                    n_accepted, next_token = accept_rows(out[j, :len(window)], draft, constraint, slot.sampler)
+                if slot.proposed:
+                    slot.request.drafter.observe(len(draft.tokens), n_accepted)
+                slot.stats.verified(k, len(draft.tokens), n_accepted)
+                chunk = draft.tokens[:n_accepted] + [next_token]
+                slot.pos += n_accepted + 1
+            slot.seq.extend(chunk)
+            slot.finish = self._accept(slot, chunk)
+
+    # -- a slot's output -------------------------------------------------------------------------
+
+    @staticmethod
+    def _accept(slot: _Slot, chunk: list[int]) -> str | None:
+        """Append a chunk of chosen tokens to the slot's output; a finish reason or None."""
+        request = slot.request
+        chunk, reason = take_chunk(slot.new_tokens, chunk, request.eos_ids, request.max_new_tokens)
+        if request.constraint is not None:
+            request.constraint.consume(chunk)
+            if reason is None and request.constraint.done:  # only EOS may follow: the masked target's choice
+                reason = "eos"
+        if chunk and request.emit is not None and request.emit(chunk):
+            reason = "stop"
+        return reason
+
+    def _leave(self, index: int) -> None:
+        slot = self.slots[index]
+        self.slots[index] = None
+        self.runner.held[index] = tuple(slot.seq[:slot.pos])  # seq[pos], the pending token, was never fed
+        if slot.drafting:
+            slot.request.drafter.finish()  # the drafter's cache record
+        slot.stats.new_tokens = len(slot.new_tokens)
+        slot.stats.total_time_s = time.perf_counter() - slot.started
+        if slot.request.on_done is not None:
+            slot.request.on_done(slot.new_tokens, slot.finish, slot.stats)
 
 
 def cut_draft(draft: Draft, constraint: Constraint, stats: Stats, drafter: Drafter) -> Draft | None:
@@ -272,16 +481,60 @@ def cut_draft(draft: Draft, constraint: Constraint, stats: Stats, drafter: Draft
     return Draft(tokens=draft.tokens[:n], q_draft=None if draft.q_draft is None else draft.q_draft[:n])
 
 
-def constrained_accept(target: Runner, window: list[int], pos: int, draft: Draft, constraint: Constraint,
-                       sampler: Sampler) -> tuple[int, int]:
-    """(n_accepted, next_token) of a verify call under a grammar: row i of the target's logits is
-    masked by the grammar state after window[:i + 1]. A window cut shorter than k + 1 runs in the
-    smallest verify graph it fits, padded (rows past the window are ignored, like rejected drafts)."""
-    width = min(w for w in target.widths if w >= len(window))
-    logits = target.forward(window + [window[-1]] * (width - len(window)), pos)[:len(window)]  # (m+1, V)
-    allowed = constraint.masks(draft.tokens)  # (m+1, V)
-    logits = mask_logits(logits, allowed)
-    if sampler.params.greedy:
+def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None, sampler: Sampler
+                ) -> tuple[int, int]:
+    """(n_accepted, next_token) of one slot's verify rows, logits (m+1, V) for the window [pending, d1..dm]
+    (m <= k): speculative sampling, or under a grammar row i masked by the state after the window's first
+    i tokens (the q rows of a sampled draft masked and renormalised alike), greedy or sampled."""
+    q = draft.q_draft
+    if constraint is not None:
+        allowed = constraint.masks(draft.tokens)  # (m+1, V)
+        logits = mask_logits(logits, allowed)
+        if sampler.params.greedy:
+            return greedy_accept(np.argmax(logits, axis=-1), draft.tokens)
+        q = None if q is None else mask_probs(q, allowed[:-1])
+    elif sampler.params.greedy:
         return greedy_accept(np.argmax(logits, axis=-1), draft.tokens)
-    q = None if draft.q_draft is None else mask_probs(draft.q_draft, allowed[:-1])
     return speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng)
+
+
+def generate_all(runner, requests: list[SlotRequest], k: int = 0, *, join_at: list[int] | None = None,
+                 mixed: str = "group", k_by_load: Sequence[int] = (),
+                 reuse: bool = False) -> list[tuple[list[int], str, Stats]]:
+    """Run requests through one BatchLoop, request i joining at iteration join_at[i] (default 0) or
+    as soon as a slot is free after it; returns (token ids, finish reason, stats) per request."""
+    join_at = join_at or [0] * len(requests)
+    results: list = [None] * len(requests)
+    loop = BatchLoop(runner, k, mixed=mixed, k_by_load=k_by_load, reuse=reuse)
+    waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
+    for i in waiting:
+        previous = requests[i].on_done
+
+        def done(ids, finish, stats, i=i, previous=previous):
+            results[i] = (ids, finish, stats)
+            if previous is not None:
+                previous(ids, finish, stats)
+        requests[i].on_done = done
+    while waiting or loop.occupied:
+        while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
+            loop.add(requests[waiting.pop(0)])
+        loop.iterate()
+    return results
+
+
+def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: tuple[int, ...],
+             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
+             drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
+             cancel: Cancel | None = None, constraint: Constraint | None = None,
+             forced_drafts: bool = False, reuse: bool = False) -> tuple[list[int], str, Stats]:
+    """Decode up to max_new_tokens after prompt_ids on a B=1 target: the request as the one occupied
+    slot of the loop (backends/slot_views.OneSlot). Returns (new token ids
+    without EOS, finish_reason in eos | stop | length | context_full | <cancel's reason>, stats).
+    reuse: keep the cache rows the last request left that match a prefix of prompt_ids. constraint /
+    forced_drafts: guided decoding (runtime/grammar.py), as this module's docstring says."""
+    speculating = drafter is not None or (constraint is not None and forced_drafts)
+    request = SlotRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
+                          sampling=sampling, seed=seed, drafter=drafter, emit=emit, cancel=cancel,
+                          constraint=constraint, forced_drafts=forced_drafts)
+    (result,) = generate_all(OneSlot(target), [request], k if speculating else 0, reuse=reuse)
+    return result

@@ -1,6 +1,6 @@
 """`spec-edge tune` for graphs.batch_slots > 1: the k of every occupancy (serve.speculate_k_by_load).
 
-With n of the B slots occupied, one iteration of runtime/batch.py (mixed="group") is one call for the
+With n of the B slots occupied, one iteration of runtime/speculative.py (mixed="group") is one call for the
 slots that draft (j rows of width k+1) and one for the slots that only step (n - j rows of the step
 width: 1, or 2 for q4's two-row step). Measured here, calls interleaved round by round:
 

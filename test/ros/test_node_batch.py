@@ -63,17 +63,19 @@ def test_eight_clients_each_get_their_solo_answer(server_factory, batch_params, 
     assert status["values"]["batch_slots"] == "4" and int(status["values"]["served"]) == len(PROMPTS)
 
 
-def test_batched_engine_refuses_guided_requests(batch_params, solo):
-    """Guided decoding runs on the B=1 loop only: the batched engine refuses it before it takes a slot
-    (the node answers success=false with this message), and serves the next plain request."""
+def test_batched_engine_serves_guided_requests(batch_params, solo):
+    """Guided decoding runs in the slot loop (one grammar state per slot): a regex request completes its
+    grammar, and the next plain request is still its solo answer."""
+    import re
+
     from spec_edge import config as cfgmod
     from spec_edge.runtime.batch_engine import BatchEngine
-    from spec_edge.runtime.requests import RequestError
 
+    action = r"(pick|place|move) the (red|blue|green) (box|cup|arm)\."
     engine = BatchEngine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
     try:
-        with pytest.raises(RequestError, match=r"guided decoding .* with graphs\.batch_slots: 1"):
-            engine.validate(engine_request(prompt=PROMPTS[0], json_schema='{"type": "object"}'))
+        guided = engine.generate(engine_request(prompt=PROMPTS[0], regex=action, max_new_tokens=40))
+        assert guided.finish_reason == "eos" and re.fullmatch(action, guided.text), guided
         assert engine.generate(engine_request(prompt=PROMPTS[0], max_new_tokens=MAX_NEW[0])).token_ids == \
             solo[0].token_ids
     finally:

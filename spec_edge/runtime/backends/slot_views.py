@@ -12,6 +12,11 @@ run unchanged, each over its slot's regions only:
   SlotHead(head, b)       an OrtEagle3Head(slots=B) as one head of slot b: ingest / step /
                           greedy_chain / draft on b's cache region; held is the slot's own record
                           (kept on the view, which the slot keeps across requests)
+
+And the other way round, for the one loop (runtime/speculative.py) over a B=1 target:
+
+  OneSlot(runner)         a B=1 Runner as a batch runner of one slot (speculative.generate: one
+                          request is one occupied slot)
 """
 from __future__ import annotations
 
@@ -83,3 +88,67 @@ class SlotHead:
 
     def draft(self, token: int, hidden: np.ndarray, position: int, k: int) -> np.ndarray:
         return self.head.draft(token, hidden, position, k, self.slot)
+
+
+class _OneHeld:
+    """The one-slot held list of a OneSlot: item 0 is the wrapped Runner's held."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, slot: int) -> tuple[int, ...]:
+        _check_slot(slot)
+        return self.runner.held
+
+    def __setitem__(self, slot: int, ids: tuple[int, ...]) -> None:
+        _check_slot(slot)
+        self.runner.held = tuple(ids)
+
+
+def _check_slot(slot: int) -> None:
+    if slot != 0:
+        raise BackendError(f"a one-slot runner has slot 0 only, got {slot}")
+
+
+class OneSlot:
+    """A B=1 Runner as a batch runner of one slot (the interface runtime/speculative.py's loop drives): a
+    call names slot 0, every call is the Runner's own call at that width; held[0] is runner.held."""
+
+    batch = 1
+    step_width = 1  # the Runner's width-1 step (q4's B=1 step graph computes its two rows itself)
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.max_context = runner.max_context
+        self.vocab_size = runner.vocab_size
+        self.prefill_chunk = runner.prefill_chunk
+        self.widths = runner.widths
+
+    @property
+    def held(self) -> _OneHeld:
+        return _OneHeld(self.runner)
+
+    @held.setter
+    def held(self, records: Sequence[tuple[int, ...]]) -> None:
+        (self.runner.held,) = records
+
+    def check_width(self, width: int) -> None:
+        self.runner.check_width(width)
+
+    def forward(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        """Logits (1, T, V) of the Runner's call over tokens (1, T) at positions[0]."""
+        (slot,), (position,) = slots, positions
+        _check_slot(slot)
+        return self.runner.forward([int(t) for t in tokens[0]], int(position))[None]
+
+    def argmax(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
+        (slot,), (position,) = slots, positions
+        _check_slot(slot)
+        return np.asarray(self.runner.argmax([int(t) for t in tokens[0]], int(position)))[None]
+
+    def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray:
+        _check_slot(slot)
+        return self.runner.prefill(list(part), position)

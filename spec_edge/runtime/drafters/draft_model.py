@@ -29,6 +29,9 @@ class ModelDrafter:
             self.runner.prefill(prompt_ids[kept:], kept)
         self._fed = list(prompt_ids)
 
+    def check_k(self, k: int) -> None:  # any k: the draft model proposes token by token
+        pass
+
     def forget(self) -> None:
         self.runner.held = ()
 

@@ -28,6 +28,12 @@ class HeadDrafter:
     def start(self, prompt_ids: list[int]) -> None:
         self._ingested = 0
 
+    def check_k(self, k: int) -> None:  # any k (heads built for some k only override this)
+        pass
+
+    def forget(self) -> None:  # no cache of its own (heads with one override this)
+        pass
+
     def observe(self, n_proposed: int, n_accepted: int) -> None:
         pass
 

@@ -48,7 +48,12 @@ class HybridDrafter:
         if self._last is not None:
             self._last.observe(n_proposed, n_accepted)
 
+    def check_k(self, k: int) -> None:
+        self.ngram.check_k(k)
+        self.head.check_k(k)
+
     def forget(self) -> None:
+        self.ngram.forget()
         self.head.forget()
 
     def finish(self) -> None:

@@ -18,6 +18,12 @@ class LayerSkipDrafter:
         self.n_layers = n_layers
         self.name = f"layerskip{n_layers}"
 
+    def check_k(self, k: int) -> None:  # any k: it proposes token by token
+        pass
+
+    def forget(self) -> None:  # its cache is the target's, which the loop records
+        pass
+
     def start(self, prompt_ids: list[int]) -> None:
         pass
 

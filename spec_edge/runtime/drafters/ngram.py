@@ -51,7 +51,13 @@ class NgramDrafter:
             return Draft(tokens=tokens, q_draft=None)
         return None
 
-    def finish(self) -> None:  # nothing cached: the index is rebuilt from each prompt
+    def check_k(self, k: int) -> None:  # any k: a short match is padded
+        pass
+
+    def forget(self) -> None:  # nothing cached: the index is rebuilt from each prompt
+        pass
+
+    def finish(self) -> None:
         pass
 
     def observe(self, n_proposed: int, n_accepted: int) -> None:
