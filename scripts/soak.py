@@ -37,7 +37,7 @@ SCHEMA = json.dumps({"type": "object", "properties": {"room": {"type": "string",
 BAD = [{"prompt": ""}, {"prompt": "hi", "top_p": 2.0}, {"messages": [["robot", "hi"]]},
        {"prompt": "hi", "max_new_tokens": 100000}, {"prompt": "hi", "drafter": "telepathy"}]
 KINDS = ("greedy", "long", "guided", "cancel", "timeout", "bad")
-WEIGHTS = (5, 2, 2, 2, 1, 2)
+WEIGHTS = (6, 2, 2, 3, 1, 3)
 
 
 def rss_mb(pid: int) -> float:
@@ -61,7 +61,7 @@ def request_for(kind: str, rng: random.Random) -> dict:
         prompt, n = rng.choice(GREEDY)
         return {"prompt": prompt, "max_new_tokens": n, "temperature": 0.0}
     if kind == "long":
-        return {"prompt": LONG, "max_new_tokens": rng.choice([96, 160]), "temperature": 0.7, "top_p": 0.9}
+        return {"prompt": LONG, "max_new_tokens": rng.choice([64, 128]), "temperature": 0.7, "top_p": 0.9}
     if kind == "guided":
         return {"prompt": "Where is the robot? Answer in JSON.", "max_new_tokens": 48,
                 "guided": {"json_schema": SCHEMA}}
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--params", default=str(REPO / "config" / "default.yaml"), help="the node's profile")
-    parser.add_argument("--request-timeout", type=float, default=30.0,
+    parser.add_argument("--request-timeout", type=float, default=20.0,
                         help="serve.request_timeout_s of the node (the 900-token requests run past it)")
     parser.add_argument("--log", default="soak_node.log", help="the node's log")
     parser.add_argument("--json", help="write the summary here too")
