@@ -177,11 +177,13 @@ def make_node_class():
                     f"{', '.join(ours)}: the node is {self.state_name()}; spec_edge's parameters are "
                     f"{parameters.APPLIES} (ros2 lifecycle set {self.get_fully_qualified_name()} ...)"))
             merged = self._current_params()
-            merged.update({p.name: _param_value(p.value, merged.get(p.name)) for p in params})
+            merged.update({p.name: _param_value(p.value, merged[p.name]) for p in params if p.name in merged})
             try:
                 cfgmod.from_params(merged)
             except cfgmod.ConfigError as err:
                 return SetParametersResult(successful=False, reason=str(err))
+            for p in params:  # a value of the right type replaces a params file's wrong one
+                self._override_errors.pop(p.name, None)
             return SetParametersResult(successful=True)  # used from the next configure on
 
         # -- lifecycle --------------------------------------------------------------------------

@@ -75,7 +75,10 @@ def exit_process(status: int) -> NoReturn:
     ONNX Runtime objects, which takes a second or more with torch loaded. Skipping it keeps the
     exit within the 2 s a robot's launch system allows after SIGINT/SIGTERM.
     """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed pipe (the launch process that read it is gone): exit all the same
+        pass
     os._exit(status)
