@@ -250,10 +250,10 @@ def make_node_class():
 
         def on_shutdown(self, state):
             self._active = False
-            self._unload()
+            self._unload(release=False)  # the process ends next: no heap to hand back
             return TransitionCallbackReturn.SUCCESS
 
-        def _unload(self, timeout: float = 1.0):
+        def _unload(self, timeout: float = 1.0, release: bool = True):
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
@@ -264,8 +264,9 @@ def make_node_class():
                 self.engine.close()
                 self.engine = None
                 self._info = {}
-                memory.release_freed_heap()
-                self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
+                if release:
+                    memory.release_freed_heap()
+                    self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
 
         def destroy_node(self) -> None:
             """Everything holding the rcl node, so it is finalized and its DDS participant leaves the
