@@ -136,21 +136,25 @@ def make_node_class():
             type is converted where that is lossless (120 for a double), else kept out and reported at
             configure; an empty-list default is declared as an empty array of its element type."""
             kind = Parameter.Type(descriptor.type)
+            set_empty = False  # an empty array has no type of its own: declared, then set as a typed []
             override = self._parameter_overrides.get(name)
             if override is not None and override.type_ != kind:
                 value = parameters.coerce(override.value, descriptor.type, ParameterType)
                 if value is None:
                     self._override_errors[name] = (f"{name} must be {parameters.type_name(descriptor.type, ParameterType)}"
                                                    f", got {override.value!r}")
+                if value is None or value == []:
                     del self._parameter_overrides[name]
+                    set_empty = value == []
                 else:
                     self._parameter_overrides[name] = Parameter(name, kind, value)
             if isinstance(default, list) and not default:
                 self.declare_parameter(name, kind, descriptor)   # typed, unset unless overridden
-                if name not in self._parameter_overrides:
-                    self.set_parameters([Parameter(name, kind, [])])
+                set_empty = set_empty or name not in self._parameter_overrides
             else:
                 self.declare_parameter(name, default, descriptor)
+            if set_empty:
+                self.set_parameters([Parameter(name, kind, [])])
 
         def _coerce_parameters(self, params: list) -> list:
             """Before a set: values of another type that convert losslessly (ros2cli sends `[]` as a

@@ -86,7 +86,8 @@ def descriptors(descriptor_cls: Any, types: Any) -> dict[str, tuple[Any, Any]]:
 def coerce(value: Any, type_id: int, types: Any) -> Any:
     """A value as set from the command line or a params file -> the declared type where that is
     lossless: an integer for a double (`request_timeout_s: 120`), an empty array of any element
-    type for a typed array (ros2cli sends `[]` as a bool array). None: no lossless conversion."""
+    type for a typed array (ros2cli sends `[]` as a bool array; a params file's `[]` arrives unset,
+    None). None: no lossless conversion."""
     if type_id == types.PARAMETER_DOUBLE and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type_id == types.PARAMETER_DOUBLE_ARRAY and isinstance(value, (list, tuple)) \
@@ -94,7 +95,7 @@ def coerce(value: Any, type_id: int, types: Any) -> Any:
         return [float(v) for v in value]
     array_types = (types.PARAMETER_INTEGER_ARRAY, types.PARAMETER_DOUBLE_ARRAY,
                    types.PARAMETER_STRING_ARRAY, types.PARAMETER_BOOL_ARRAY)
-    if type_id in array_types and isinstance(value, (list, tuple)) and len(value) == 0:
+    if type_id in array_types and (value is None or isinstance(value, (list, tuple)) and len(value) == 0):
         return []
     return None
 
