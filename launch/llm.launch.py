@@ -5,7 +5,7 @@ params_file defaults to the installed share/spec_edge/config/default.yaml.
 
 - managed:=false (the default): the node (a lifecycle node) configures and activates itself at start.
 - managed:=true: the node starts unconfigured as a launch LifecycleNode; with autostart:=true (the
-  default) launch drives it through configure and activate, with autostart:=false it waits for a
+  default) launch drives it through configure and activate once at start, with autostart:=false it waits for a
   lifecycle manager (e.g. nav2_lifecycle_manager with node_names: [spec_edge]).
 """
 import os
@@ -51,9 +51,10 @@ def generate_launch_description():
                               description="with managed:=true, launch configures and activates the node"),
         node,
         lifecycle_node,
-        # configured -> activate (only after configure: a manager's later deactivate stays deactivated)
+        # configured -> activate, once: only after the configure emitted below (a manager's later
+        # deactivate stays deactivated, its cleanup -> configure -> activate is its own)
         RegisterEventHandler(OnStateTransition(
             target_lifecycle_node=lifecycle_node, start_state="configuring", goal_state="inactive",
-            entities=[transition(Transition.TRANSITION_ACTIVATE)]), condition=launch_drives),
+            entities=[transition(Transition.TRANSITION_ACTIVATE)], handle_once=True), condition=launch_drives),
         transition(Transition.TRANSITION_CONFIGURE, condition=launch_drives),
     ])

@@ -178,8 +178,10 @@ def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, profile_root
         assert (result.message != "") == (finish == "error")
     long = tok.encode(" x" * CAPACITY)
     script.reply = lambda call: Reply(long[:call.max_generate_length], reason="LENGTH")
-    request = GenerateRequest(prompt="a", max_new_tokens=CAPACITY - 1)
-    result = engine.generate(request)  # the prompt leaves less room than max_new_tokens asked for
+    with pytest.raises(RequestError, match="exceed the context of 128 tokens: ask for at most"):
+        engine.generate(GenerateRequest(prompt="a", max_new_tokens=CAPACITY - 1))  # as the CPU path refuses it
+    short = engine.cfg.replace(**{"sampling.max_new_tokens": CAPACITY - 1})
+    result = _engine(short, script).generate(GenerateRequest(prompt="a"))  # the default adapts: context_full
     assert result.finish_reason == "context_full" and len(result.token_ids) + result.prompt_tokens == CAPACITY
     script.reply = lambda call: Reply([], fail="CUDA error 700")
     result = engine.generate(GenerateRequest(prompt="a"))

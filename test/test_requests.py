@@ -27,6 +27,10 @@ BAD = [
     (dict(prompt="bad \x07 bell"), "control character U\\+0007"),
     (dict(prompt="bad \udcff byte"), "not valid UTF-8"),
     (dict(prompt="hi", stop=("\x00",)), "stop string contains control character"),
+    (dict(messages=(("robot", "hi"),)), "messages\\[0\\] has role 'robot': use one of system, user, assistant"),
+    (dict(messages=(("user", "hi"), ("User", "again"))), "messages\\[1\\] has role 'User'"),
+    (dict(prompt="hi", max_new_tokens=127), r"prompt \(\d+ tokens\) \+ max_new_tokens \(127\) = \d+ exceed the "
+                                            r"context of 128 tokens: ask for at most \d+ new tokens"),
 ]
 
 

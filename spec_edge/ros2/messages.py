@@ -1,6 +1,6 @@
-"""Translation between the Generate messages and the engine: a service request or action goal ->
-GenerateRequest (refusing broken UTF-8), an engine result -> Outcome -> response / action result,
-a response -> plain dict (`spec-edge ask --json`).
+"""Translation between the Generate / Tokenize messages and the engine: a service request or action
+goal -> GenerateRequest (refusing broken UTF-8), an engine result -> Outcome -> response / action result,
+a Tokenize request -> ids or text, a response -> plain dict (`spec-edge ask --json`).
 
 No rclpy here: the functions take the message objects they are handed.
 """
@@ -68,6 +68,7 @@ class Outcome:
     message: str = ""
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str = REFUSED
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -89,6 +90,7 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
     resp.message = outcome.message
     resp.text = outcome.text
     resp.num_tokens = outcome.num_tokens
+    resp.token_ids = [int(t) for t in outcome.token_ids]
     resp.finish_reason = outcome.finish_reason
     for name, kind in resp.stats.get_fields_and_field_types().items():
         if name in outcome.stats and outcome.stats[name] is not None:
@@ -108,6 +110,25 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
     return resp
 
 
+def tokenize(engine: Any, msg: Any) -> tuple[list[int], str]:
+    """A Tokenize request -> (ids, text) with the engine's tokenizer: ids of msg.text (through the
+    chat template as a Generate prompt would be, with msg.chat), or the text of msg.ids.
+    RequestError with what to change."""
+    from spec_edge.runtime.requests import GenerateRequest, RequestError
+    check_decoded("text", msg.text)
+    if bool(msg.text) == bool(len(msg.ids)):
+        raise RequestError("give text (to tokenize) or ids (to detokenize), not both and not neither")
+    if msg.text:
+        if msg.chat:
+            return engine.prompt_ids(GenerateRequest(prompt=msg.text)), ""
+        return engine.tokenizer.encode(msg.text), ""
+    vocab = engine.target.vocab_size
+    bad = [int(t) for t in msg.ids if not 0 <= int(t) < vocab]
+    if bad:
+        raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}): send ids of this model")
+    return [], engine.tokenizer.decode([int(t) for t in msg.ids])
+
+
 def _plain(value: Any) -> Any:
     """A message field's value as JSON takes it (an array field arrives as array.array or numpy)."""
     return value if isinstance(value, (str, int, float, bool)) else [v.item() if hasattr(v, "item") else v
@@ -116,6 +137,6 @@ def _plain(value: Any) -> Any:
 
 def response_to_dict(resp: Any) -> dict[str, Any]:
     """A Generate response / action result -> plain dict (the `spec-edge ask --json` object)."""
-    out = {name: getattr(resp, name) for name in resp.get_fields_and_field_types() if name != "stats"}
+    out = {name: _plain(getattr(resp, name)) for name in resp.get_fields_and_field_types() if name != "stats"}
     out["stats"] = {name: _plain(getattr(resp.stats, name)) for name in resp.stats.get_fields_and_field_types()}
     return out

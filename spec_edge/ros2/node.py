@@ -4,14 +4,17 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 
 - configure: parameters (declared from spec_edge.config's defaults, one per key) -> Config ->
   Engine.from_config (graphs load/export once); cleanup frees the engine again.
-- activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate) and the
-  `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback)
-  serve, or refuse with a message. Both feed one FIFO queue served by one worker thread; a request arriving while
+- activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate), the
+  `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback) and
+  `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread; a request arriving while
   serve.queue_limit requests wait is answered "busy" at once; a request older than
   serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
   load (requests queued as one starts, itself included; batched: occupied slots), 0 = target-only:
   stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
-- `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s.
+- parameters (spec_edge.ros2.parameters): one typed, described ROS parameter per config key; all are
+  read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
+- `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s: memory_bytes is
+  the RSS now (memory_peak_bytes the peak); cleanup gives the engine's memory back to the OS.
 
 Everything the node knows about generation comes from the Engine; it only translates
 (spec_edge.ros2.messages) and queues (spec_edge.ros2.worker).
@@ -28,13 +31,15 @@ import time
 from typing import Any
 
 from spec_edge import config as cfgmod
-from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request
-from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, unless_stopped
+from spec_edge.ros2 import memory, parameters
+from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request, tokenize
+from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, leave_graph, start_watchdog, unless_stopped
 from spec_edge.ros2.worker import Job, Worker
 
 NODE_NAME = "spec_edge"
 SERVICE_NAME = "generate"   # relative: /generate, or /<namespace>/generate
 ACTION_NAME = "generate"
+TOKENIZE_NAME = "~/tokenize"  # private: /spec_edge/tokenize, or /<namespace>/spec_edge/tokenize
 # History depth of the generate endpoints (service requests/responses, action services, feedback).
 # ROS's default of 10 drops requests when more than 10 arrive at once (they are taken only as
 # executor threads free up) and drops feedback deltas a slow client has not read yet.
@@ -83,13 +88,15 @@ def _param_value(value: Any, default: Any) -> Any:
 
 def make_node_class():
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-    from rcl_interfaces.msg import ParameterDescriptor, SetParametersResult
+    from rcl_interfaces.msg import ParameterDescriptor, ParameterType, SetParametersResult
     from rclpy.action import ActionServer, CancelResponse, GoalResponse
     from rclpy.callback_groups import ReentrantCallbackGroup
     from rclpy.lifecycle import LifecycleNode, TransitionCallbackReturn
+    from rclpy.parameter import Parameter
 
     from spec_edge_interfaces.action import Generate as GenerateAction
     from spec_edge_interfaces.srv import Generate as GenerateSrv
+    from spec_edge_interfaces.srv import Tokenize as TokenizeSrv
 
     class GenerateNode(LifecycleNode):
         """spec_edge's lifecycle node; see the module docstring."""
@@ -104,15 +111,18 @@ def make_node_class():
             self._active = False
             self._diag_timer = None
             self.configuring = False  # on_configure is running (a first start's export can take minutes)
-            dynamic = ParameterDescriptor(dynamic_typing=True)
-            for name, default in cfgmod.to_params(cfgmod.Config()).items():
-                self.declare_parameter(name, default, dynamic)
+            self._override_errors: dict[str, str] = {}  # params-file values of the wrong type
+            for name, (default, descriptor) in parameters.descriptors(ParameterDescriptor, ParameterType).items():
+                self._declare(name, default, descriptor)
+            self.add_pre_set_parameters_callback(self._coerce_parameters)
             self.add_on_set_parameters_callback(self._check_parameters)
             self._diag_pub = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
             # The endpoints live as long as the node and refuse requests unless it is active:
             # destroying an action server while a multi-threaded executor waits on it crashes rclpy.
             self._service = self.create_service(GenerateSrv, SERVICE_NAME, self._on_service,
                                                 qos_profile=endpoint_qos(), callback_group=self._group)
+            self._tokenize = self.create_service(TokenizeSrv, TOKENIZE_NAME, self._on_tokenize,
+                                                 qos_profile=endpoint_qos(), callback_group=self._group)
             self._action = ActionServer(
                 self, GenerateAction, ACTION_NAME, execute_callback=self._on_goal_execute,
                 goal_callback=lambda goal: GoalResponse.ACCEPT,
@@ -121,17 +131,63 @@ def make_node_class():
 
         # -- parameters -------------------------------------------------------------------------
 
+        def _declare(self, name: str, default: Any, descriptor: Any) -> None:
+            """Declare one parameter with its own descriptor and static type. An override of another
+            type is converted where that is lossless (120 for a double), else kept out and reported at
+            configure; an empty-list default is declared as an empty array of its element type."""
+            kind = Parameter.Type(descriptor.type)
+            set_empty = False  # an empty array has no type of its own: declared, then set as a typed []
+            override = self._parameter_overrides.get(name)
+            if override is not None and override.type_ != kind:
+                value = parameters.coerce(override.value, descriptor.type, ParameterType)
+                if value is None:
+                    self._override_errors[name] = (f"{name} must be {parameters.type_name(descriptor.type, ParameterType)}"
+                                                   f", got {override.value!r}")
+                if value is None or value == []:
+                    del self._parameter_overrides[name]
+                    set_empty = value == []
+                else:
+                    self._parameter_overrides[name] = Parameter(name, kind, value)
+            if isinstance(default, list) and not default:
+                self.declare_parameter(name, kind, descriptor)   # typed, unset unless overridden
+                set_empty = set_empty or name not in self._parameter_overrides
+            else:
+                self.declare_parameter(name, default, descriptor)
+            if set_empty:
+                self.set_parameters([Parameter(name, kind, [])])
+
+        def _coerce_parameters(self, params: list) -> list:
+            """Before a set: values of another type that convert losslessly (ros2cli sends `[]` as a
+            bool array, `120` as an integer) take the declared type; the rest fail its type check."""
+            out = []
+            for p in params:
+                if self.has_parameter(p.name):
+                    want = self.describe_parameter(p.name).type
+                    value = parameters.coerce(p.value, want, ParameterType)
+                    if value is not None and p.type_.value != want:
+                        p = Parameter(p.name, Parameter.Type(want), value)
+                out.append(p)
+            return out
+
         def _current_params(self) -> dict[str, Any]:
             defaults = cfgmod.to_params(cfgmod.Config())
             return {name: _param_value(self.get_parameter(name).value, default) for name, default in defaults.items()}
 
         def _check_parameters(self, params: list) -> Any:
+            ours = [p.name for p in params if p.name in self._override_errors or self.has_parameter(p.name)
+                    and not p.name.startswith(ROS_PARAMETER_PREFIXES)]
+            if ours and (self.engine is not None or self.configuring):
+                return SetParametersResult(successful=False, reason=(
+                    f"{', '.join(ours)}: the node is {self.state_name()}; spec_edge's parameters are "
+                    f"{parameters.APPLIES} (ros2 lifecycle set {self.get_fully_qualified_name()} ...)"))
             merged = self._current_params()
-            merged.update({p.name: _param_value(p.value, merged.get(p.name)) for p in params})
+            merged.update({p.name: _param_value(p.value, merged[p.name]) for p in params if p.name in merged})
             try:
                 cfgmod.from_params(merged)
             except cfgmod.ConfigError as err:
                 return SetParametersResult(successful=False, reason=str(err))
+            for p in params:  # a value of the right type replaces a params file's wrong one
+                self._override_errors.pop(p.name, None)
             return SetParametersResult(successful=True)  # used from the next configure on
 
         # -- lifecycle --------------------------------------------------------------------------
@@ -151,6 +207,9 @@ def make_node_class():
                 self.configuring = False
 
         def _configure(self):
+            if self._override_errors:
+                self.get_logger().error(f"configure: {'; '.join(self._override_errors.values())}")
+                return TransitionCallbackReturn.FAILURE
             try:
                 self.cfg = cfgmod.from_params({**self._current_params(), **self._unknown_overrides()})
             except cfgmod.ConfigError as err:
@@ -178,7 +237,8 @@ def make_node_class():
             self.worker = worker(self.engine, self.cfg, self.get_logger())
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)
-            self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info}")
+            self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info} "
+                                   f"(RSS {memory.rss_bytes() / 1e6:.0f} MB)")
             return TransitionCallbackReturn.SUCCESS
 
         def on_activate(self, state):
@@ -196,10 +256,10 @@ def make_node_class():
 
         def on_shutdown(self, state):
             self._active = False
-            self._unload()
+            self._unload(release=False)  # the process ends next: no heap to hand back
             return TransitionCallbackReturn.SUCCESS
 
-        def _unload(self, timeout: float = 1.0):
+        def _unload(self, timeout: float = 1.0, release: bool = True):
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
@@ -209,7 +269,17 @@ def make_node_class():
             if self.engine is not None:
                 self.engine.close()
                 self.engine = None
-                self.get_logger().info("engine freed")
+                self._info = {}
+                if release:
+                    memory.release_freed_heap()
+                    self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
+
+        def destroy_node(self) -> None:
+            """Everything holding the rcl node, so it is finalized and its DDS participant leaves the
+            graph: rclpy's destroy_node leaves the action server and the lifecycle state machine."""
+            self._action.destroy()
+            super().destroy_node()
+            self._state_machine.destroy_when_not_in_use()  # rclpy has no public call for it
 
         def state_name(self) -> str:
             return self._state_machine.current_state[1]  # rclpy has no public getter
@@ -242,6 +312,22 @@ def make_node_class():
                                    message="the engine did not return; the node needs a restart")
             return job.outcome
 
+        def _on_tokenize(self, request, response):
+            engine = self.engine
+            if not self._active or engine is None:
+                response.success, response.message = False, (
+                    f"the node is {self.state_name()}, not active: it serves once a lifecycle manager "
+                    "configures and activates it")
+                return response
+            from spec_edge.runtime.requests import RequestError
+            try:
+                ids, text = tokenize(engine, request)
+            except RequestError as err:
+                response.success, response.message = False, str(err)
+                return response
+            response.success, response.ids, response.text = True, [int(t) for t in ids], text
+            return response
+
         def _on_service(self, request, response):
             return fill_response(response, self._run_job(request))
 
@@ -272,6 +358,7 @@ def make_node_class():
             else:
                 depth = worker.queue_depth
                 values.update(self._info)
+                values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
                               refused_busy=worker.refused_busy, speculation_off=worker.speculation_off)
@@ -315,6 +402,8 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
     stop = threading.Event()
 
     def on_signal(signum, frame):
+        if not stop.is_set():
+            start_watchdog()
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -353,8 +442,7 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
             node.trigger_shutdown()
         except Exception as err:  # already finalized or in an error state: nothing left to free
             node.get_logger().warning(f"lifecycle shutdown: {err}")
-        node.destroy_node()
-        rclpy.try_shutdown()
+        leave_graph(node)
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0

@@ -143,7 +143,8 @@ class Worker:
         if job.timed_out:
             return self._timeout_outcome(job, result)
         outcome = Outcome(success=True, message=getattr(result, "message", ""), text=result.text,
-                          num_tokens=len(result.token_ids), finish_reason=result.finish_reason, stats=stats)
+                          num_tokens=len(result.token_ids), token_ids=list(result.token_ids),
+                          finish_reason=result.finish_reason, stats=stats)
         if self._stopping and result.finish_reason == "cancelled":
             outcome.success = False
             outcome.message = "the node shut down during the generation; retry on its successor"
@@ -156,4 +157,5 @@ class Worker:
             message=(f"timed out: the request was not finished within serve.request_timeout_s={limit} s "
                      "(queue wait included); ask for fewer max_new_tokens or raise the timeout"),
             text=result.text if result else "", num_tokens=len(result.token_ids) if result else 0,
+            token_ids=list(result.token_ids) if result else [],
             stats=result_stats(result) if result else {})

@@ -21,7 +21,7 @@ from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
 from spec_edge.runtime.drafting import Drafters
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
 from spec_edge.runtime.serving import RequestBackend, chat_text, resolve_fields
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -109,6 +109,8 @@ class Engine:
         if len(ids) >= limit:
             raise RequestError(f"prompt is {len(ids)} tokens but the context holds {limit} (prompt + answer): "
                                f"shorten the prompt or export with a larger graphs.max_context")
+        if request.max_new_tokens is not None:  # as asked; the configured default adapts (context_full)
+            check_fits(len(ids), int(request.max_new_tokens), limit)
         return ids
 
     def resolve(self, request: GenerateRequest) -> tuple[SamplingParams, int, int | None, str, int]:
@@ -212,14 +214,11 @@ class Engine:
         return ids
 
     def info(self) -> dict:
-        import resource
-
         return {"backend": self.cfg.runtime.backend, "model": self.model_cfg.name,
                 "max_context": self.target.max_context, "k_values": sorted(w - 1 for w in self.target.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
                 "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
-                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
-                "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load)}
 
     def close(self) -> None:
         """Drop the runners (and with them the sessions and caches)."""

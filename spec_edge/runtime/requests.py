@@ -1,5 +1,5 @@
 """A request and its result, as the CLI, the ROS node and the tools hand them to the engine; the
-checks on a request's own fields (text, stop strings) that need no model. (The load policy that
+checks on a request's own fields (text, stop strings, chat roles, the context's room) that need no model. (The load policy that
 speculates less under a queue: spec_edge/speculation_policy.py.)"""
 from __future__ import annotations
 
@@ -70,3 +70,28 @@ def check_text(name: str, text: str) -> None:
 def check_stop(stop: tuple[str, ...]) -> None:
     for item in stop:
         check_text("stop string", item)
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_roles(template: str) -> tuple[str, ...]:
+    """The roles a conversation may hold: system, user, assistant, and tool where the model's chat
+    template handles tool turns (it names the role; SmolLM2's ChatML template does not)."""
+    return CHAT_ROLES + (("tool",) if "tool" in template else ())
+
+
+def check_roles(messages: tuple[tuple[str, str], ...], roles: tuple[str, ...]) -> None:
+    for i, (role, _) in enumerate(messages):
+        if role not in roles:
+            raise RequestError(f"messages[{i}] has role '{role}': use one of {', '.join(roles)} "
+                               "(the roles this model's chat template knows)")
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, max_context: int) -> None:
+    """prompt + max_new_tokens must fit the context (graphs.max_context) as the request asked."""
+    if prompt_tokens + max_new_tokens > max_context:
+        raise RequestError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
+                           f"{prompt_tokens + max_new_tokens} exceed the context of {max_context} tokens: "
+                           f"ask for at most {max_context - prompt_tokens} new tokens, shorten the prompt, "
+                           "or export with a larger graphs.max_context")

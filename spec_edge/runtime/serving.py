@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from spec_edge.config import DRAFTERS, Config
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_text
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, chat_roles, check_roles, check_text
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import Tokenizer
 
@@ -40,8 +40,10 @@ class RequestBackend(Protocol):
 def chat_text(tokenizer: Tokenizer, request: GenerateRequest, default_system: str) -> str:
     """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
     (the request's, else default_system, else the template's default) first, rendered through the chat
-    template (request.chat) or joined by newlines. RequestError for empty or non-text fields."""
+    template (request.chat) or joined by newlines. RequestError for empty or non-text fields and for roles the
+    template does not know."""
     if request.messages:
+        check_roles(request.messages, chat_roles(tokenizer.chat_template))
         messages = list(request.messages)
         for role, content in messages:
             check_text(f"message ({role})", content)

@@ -6,7 +6,15 @@ Jobs:
   {"mode": "stream", "request": {...}, "cancel_after": N|null}  the action; cancel after N feedbacks
   {"mode": "diagnostics"}                                       the first DiagnosticArray seen
   {"mode": "lifecycle", "node": "/spec_edge", "transitions": [...], "request": {...}}
-                                 drive the node's lifecycle; call the service once active and at the end
+                                 drive the node's lifecycle; call the service once active and at the end;
+                                 a transition {"set": {name: value}} sets parameters instead (the answers
+                                 under "set", in order)
+  {"mode": "params", "node": "/spec_edge", "describe": [names], "set": {name: value}}
+                                 the node's describe_parameters / get_parameters answers, then a set
+  {"mode": "tokenize", "requests": [{text, chat, ids}, ...]}  ~/tokenize calls (node /spec_edge)
+  {"mode": "graph", "node": "spec_edge"}
+                                 wait for the node in the ROS graph ("seen" on stderr), then report
+                                 time.time() when it is gone from it
 Optional: "namespace", "wait" (seconds for the server to appear), "start_at" (time.time() to send at).
 """
 import json
@@ -19,13 +27,31 @@ from spec_edge.ros2.client import GenerateClient, fill_request
 from spec_edge.ros2.messages import response_to_dict
 
 
+def spin(node, future, timeout: float = 60.0):
+    rclpy.spin_until_future_complete(node, future, timeout_sec=timeout)
+    assert future.done(), "no answer"
+    return future.result()
+
+
+def set_parameters(node, target: str, values: dict) -> list:
+    """[{"successful", "reason"}] of setting values on target (none: [])."""
+    if not values:
+        return []
+    from rclpy.parameter import Parameter
+    from rclpy.parameter_client import AsyncParameterClient
+    params = AsyncParameterClient(node, target)
+    assert params.wait_for_services(timeout_sec=60), "no parameter services"
+    results = spin(node, params.set_parameters([Parameter(k, value=v) for k, v in values.items()])).results
+    return [{"successful": r.successful, "reason": r.reason} for r in results]
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     rclpy.init(args=[])
     client = GenerateClient(namespace=job.get("namespace", ""))
     try:
         mode = job["mode"]
-        if mode != "lifecycle":
+        if mode not in ("lifecycle", "params", "graph"):
             client.wait(job.get("wait", 60.0))
         if job.get("start_at"):  # several client processes sending at the same moment (time.time())
             time.sleep(max(0.0, job["start_at"] - time.time()))
@@ -61,8 +87,11 @@ def main() -> None:
                    "deactivate": Transition.TRANSITION_DEACTIVATE, "cleanup": Transition.TRANSITION_CLEANUP}
             change = client.node.create_client(ChangeState, job["node"] + "/change_state")
             assert change.wait_for_service(timeout_sec=30), "no change_state service"
-            out = {}
+            out = {"set": []}
             for label in job["transitions"]:
+                if isinstance(label, dict):
+                    out["set"].append(set_parameters(client.node, job["node"], label["set"]))
+                    continue
                 future = change.call_async(ChangeState.Request(transition=Transition(id=ids[label])))
                 rclpy.spin_until_future_complete(client.node, future, timeout_sec=300)
                 assert future.done(), f"no answer to {label}"
@@ -70,6 +99,36 @@ def main() -> None:
                 if label == "activate":
                     out["served"] = response_to_dict(client.call(timeout=300, **job["request"]))
             out["after"] = response_to_dict(client.call(timeout=60, **job["request"]))
+        elif mode == "params":
+            from rclpy.parameter_client import AsyncParameterClient
+            params = AsyncParameterClient(client.node, job["node"])
+            assert params.wait_for_services(timeout_sec=60), "no parameter services"
+            described = spin(client.node, params.describe_parameters(job["describe"])).descriptors
+            values = spin(client.node, params.get_parameters(job["describe"])).values
+            out = {"describe": [{"name": d.name, "type": d.type, "description": d.description,
+                                 "read_only": d.read_only, "additional_constraints": d.additional_constraints}
+                                for d in described],
+                   "values": [{"type": v.type, "integer_array": list(v.integer_array_value)} for v in values],
+                   "set": set_parameters(client.node, job["node"], job.get("set", {}))}
+        elif mode == "tokenize":
+            from spec_edge_interfaces.srv import Tokenize
+            tokenize = client.node.create_client(Tokenize, "/spec_edge/tokenize")
+            assert tokenize.wait_for_service(timeout_sec=60), "no /spec_edge/tokenize"
+            out = []
+            for fields in job["requests"]:
+                answer = spin(client.node, tokenize.call_async(Tokenize.Request(**fields)))
+                out.append({"success": answer.success, "message": answer.message, "ids": list(answer.ids),
+                            "text": answer.text})
+        elif mode == "graph":
+            deadline = time.monotonic() + 120
+            names = lambda: [n for n, _ in client.node.get_node_names_and_namespaces()]  # noqa: E731
+            while job["node"] not in names() and time.monotonic() < deadline:
+                rclpy.spin_once(client.node, timeout_sec=0.05)
+            assert job["node"] in names(), f"{job['node']} never appeared"
+            print(json.dumps({"event": "seen"}), file=sys.stderr, flush=True)
+            while job["node"] in names() and time.monotonic() < deadline:
+                rclpy.spin_once(client.node, timeout_sec=0.02)
+            out = {"gone_at": time.time()}
         elif mode == "diagnostics":
             from diagnostic_msgs.msg import DiagnosticArray
             got = []

@@ -43,6 +43,7 @@ def test_ask_json_equals_core(server, module_env, reference_engine):
     assert answer["success"] is True, answer["message"]
     assert answer["text"] == want.text
     assert answer["num_tokens"] == len(want.token_ids)
+    assert answer["token_ids"] == want.token_ids
     assert answer["finish_reason"] == want.finish_reason
     assert_stats_filled(answer["stats"], answer["num_tokens"])
     assert answer["stats"]["drafter"] == want.stats.drafter
@@ -78,7 +79,8 @@ def test_stream_feedback_concatenates_to_result(server, module_env, reference_en
     assert result["success"], result["message"]
     assert len(out["deltas"]) > 1
     assert "".join(out["deltas"]) == result["text"]
-    assert result["text"] == expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24).text
+    want = expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24)
+    assert result["text"] == want.text and result["token_ids"] == want.token_ids
     assert out["num_tokens"] == sorted(out["num_tokens"]) and out["num_tokens"][-1] <= result["num_tokens"]
     assert_stats_filled(result["stats"], result["num_tokens"])
 
@@ -109,6 +111,8 @@ BAD_REQUESTS = [
     # invalid UTF-8 arrives as U+FFFD: rclpy decodes strings with errors="replace"
     ("non-UTF-8 bytes", {"prompt": "hello \ufffd\ufffd world"}, "UTF-8"),
     ("control characters", {"prompt": "hello \x07\x1b[31m world"}, "control"),
+    ("unknown role", {"messages": [["robot", "Say hi."]]}, "role 'robot'"),
+    ("prompt + max_new_tokens over the context", {"prompt": PROMPT, "max_new_tokens": 1020}, "exceed the context"),
 ]
 
 
@@ -139,6 +143,24 @@ def test_diagnostics(server, module_env):
     for key in ("backend", "memory_bytes", "queue_depth", "last_acceptance_rate", "last_tokens_per_s"):
         assert key in values, f"/diagnostics lacks {key}: {sorted(values)}"
     assert statuses[0]["message"] in ("ready", "queue full")
+    # memory_bytes: the RSS now (it can go down again); the peak is its own value
+    assert 0 < int(values["memory_bytes"]) <= int(values["memory_peak_bytes"])
+
+
+def test_tokenize_service(server, module_env, reference_engine):
+    from spec_edge.runtime.requests import GenerateRequest
+    text = "Which way is the kitchen?"
+    raw = reference_engine.tokenizer.encode(text)
+    chat = reference_engine.prompt_ids(GenerateRequest(prompt=text))
+    vocab = reference_engine.target.vocab_size
+    answers = run_client(module_env, {"mode": "tokenize", "requests": [
+        {"text": text}, {"text": text, "chat": True}, {"ids": raw},
+        {"text": text, "ids": raw}, {}, {"ids": [1, vocab]}]})
+    assert [a["success"] for a in answers] == [True, True, True, False, False, False], answers
+    assert answers[0]["ids"] == raw and len(chat) > len(raw) and answers[1]["ids"] == chat
+    assert answers[2]["text"] == text
+    assert "not both" in answers[3]["message"] and "not both" in answers[4]["message"]
+    assert f"[{vocab}]" in answers[5]["message"] and "outside the vocabulary" in answers[5]["message"]
 
 
 def test_load_eight_clients(server, module_env):

@@ -50,12 +50,27 @@ def test_sigint_exits_within_2s(server_factory):
     assert took < 2.0, f"exit took {took:.2f} s"
 
 
+def test_exit_leaves_the_ros_graph_within_2s(server_factory, module_env):
+    """Other nodes see the node gone at once (not after a DDS lease of 15-20 s)."""
+    server = server_factory(test_params(), name="graph")
+    watcher = start_client(module_env, {"mode": "graph", "node": "spec_edge"})
+    for line in watcher.stderr:
+        if "seen" in line:
+            break
+    signalled = time.time()
+    took = server.stop(signal.SIGTERM)
+    assert server.proc.returncode == 0 and took < 2.0, (took, server.log()[-2000:])
+    gone = finish_client(watcher, timeout=60)["gone_at"] - signalled
+    assert gone < 2.0, f"still in the graph {gone:.1f} s after SIGTERM"
+
+
 def test_launch_file_describes_the_node():
     launch_ros = pytest.importorskip(
         "launch_ros", reason="launch_ros is not installable from PyPI here; on a ROS 2 machine "
                              "`ros2 launch spec_edge llm.launch.py` runs this file")
     import importlib.util
 
+    import launch
     from launch import LaunchDescription
     spec = importlib.util.spec_from_file_location("llm_launch", REPO / "launch" / "llm.launch.py")
     module = importlib.util.module_from_spec(spec)
@@ -70,6 +85,10 @@ def test_launch_file_describes_the_node():
     # one node per managed:=false|true: the self-configuring node, or a launch LifecycleNode
     nodes = [e for e in description.entities if isinstance(e, launch_ros.actions.Node)]
     assert len(nodes) == 2 and sum(isinstance(n, launch_ros.actions.LifecycleNode) for n in nodes) == 1
+    # managed:=true emits configure/activate once at start: a lifecycle manager's later cleanup ->
+    # configure -> activate must not meet a second, launch-made activate
+    handlers = [e.event_handler for e in description.entities if isinstance(e, launch.actions.RegisterEventHandler)]
+    assert handlers and all(h.handle_once for h in handlers)
 
 
 def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path):

@@ -50,7 +50,7 @@ from spec_edge.config import Config, ConfigError
 from spec_edge.device import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.grammar import GrammarError, grammar_spec
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_stop
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
 from spec_edge.runtime.serving import chat_text, resolve_fields
 from spec_edge.runtime.speculative import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -250,6 +250,8 @@ class EdgeLLMEngine:
             raise RequestError(f"prompt is {n} tokens but the Edge-LLM engine takes at most "
                                f"{min(self.dirs.max_input_len, self.max_context - 1)}: shorten the prompt or rebuild "
                                f"with a larger graphs.max_context")
+        if request.max_new_tokens is not None:  # as asked; the configured default adapts (context_full)
+            check_fits(n, int(request.max_new_tokens), self.max_context)
         return text, n
 
     def _resolve(self, request: GenerateRequest):

@@ -1,0 +1,238 @@
+"""Soak the ROS 2 node: N client processes over loopback for a given time against one node.
+
+    ROS_DOMAIN_ID=64 .venv/bin/python scripts/soak.py [--duration 600] [--clients 8] [--params FILE]
+
+Starts the node (`spec-edge serve --params FILE`, default config/default.yaml with
+serve.request_timeout_s=--request-timeout), then N client processes that each, until the duration
+is over, send a random mix: short greedy requests (a fixed set of prompts: every answer to one must be
+the same text), long sampled requests, guided JSON requests, action goals cancelled after a random
+number of feedbacks, requests that run past the timeout, and bad requests. Every request is counted
+as answered, refused (bad or busy), cancelled, timed out, failed (the engine reported an error) or
+lost (no answer within request_timeout + 60 s: there must be none). Prints the counts, whether the
+repeated greedy answers were identical, p50/p99 time to first token (client side: goal sent ->
+first feedback, queue wait included; and the node's stats.time_to_first_token_s) and the node's RSS
+at start and end, as lines and one JSON object (--json FILE). Exit status 1 on a lost request or
+differing greedy answers. docs/ros.md has the figures of a 10-minute run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = [("Name three tools a robot arm can hold.", 24), ("Which way is the kitchen?", 16),
+          ("Say hello to the visitor.", 12), ("List two colours of the rainbow.", 16)]
+LONG = "Write a long story about a robot that learns to paint, with many details about colours."
+SCHEMA = json.dumps({"type": "object", "properties": {"room": {"type": "string", "maxLength": 12},
+                                                      "floor": {"type": "integer"}},
+                     "required": ["room", "floor"]})
+BAD = [{"prompt": ""}, {"prompt": "hi", "top_p": 2.0}, {"messages": [["robot", "hi"]]},
+       {"prompt": "hi", "max_new_tokens": 100000}, {"prompt": "hi", "drafter": "telepathy"}]
+KINDS = ("greedy", "long", "guided", "cancel", "timeout", "bad")
+WEIGHTS = (6, 2, 2, 3, 1, 3)
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---------------------------------------------------------------------------------------------
+# One client process
+
+
+def request_for(kind: str, rng: random.Random) -> dict:
+    if kind == "greedy":
+        prompt, n = rng.choice(GREEDY)
+        return {"prompt": prompt, "max_new_tokens": n, "temperature": 0.0}
+    if kind == "long":
+        return {"prompt": LONG, "max_new_tokens": rng.choice([64, 128]), "temperature": 0.7, "top_p": 0.9}
+    if kind == "guided":
+        return {"prompt": "Where is the robot? Answer in JSON.", "max_new_tokens": 48,
+                "guided": {"json_schema": SCHEMA}}
+    if kind == "cancel":
+        return {"prompt": LONG, "max_new_tokens": 200}
+    if kind == "timeout":
+        return {"prompt": LONG, "max_new_tokens": 900, "temperature": 0.0}
+    return dict(rng.choice(BAD))
+
+
+def classify(answer) -> str:
+    if answer.success:
+        return "cancelled" if answer.finish_reason == "cancelled" else "answered"
+    if answer.finish_reason == "":
+        return "refused"
+    if answer.finish_reason == "cancelled":
+        return "cancelled"
+    return "timed_out" if answer.message.startswith("timed out") else "failed"
+
+
+def client_main(index: int, deadline: float, patience: float, out_path: str) -> None:
+    import rclpy
+
+    from spec_edge.ros2.client import GenerateClient
+    rng = random.Random(index)
+    counts = {k: 0 for k in ("sent", "answered", "refused", "cancelled", "timed_out", "failed", "lost")}
+    greedy: dict[str, list[str]] = {}
+    ttft_client: list[float] = []
+    ttft_server: list[float] = []
+    problems: list[str] = []
+    rclpy.init(args=[])
+    client = GenerateClient(node_name=f"soak_client_{index}")
+    client.wait(120.0)
+    while time.time() < deadline:
+        kind = rng.choices(KINDS, WEIGHTS)[0]
+        fields = request_for(kind, rng)
+        if "guided" in fields:
+            from spec_edge_interfaces.msg import Guided
+            fields["guided"] = Guided(**fields["guided"])
+        counts["sent"] += 1
+        try:
+            if kind in ("cancel", "long"):
+                sent = time.monotonic()
+                cancel_after = rng.randint(1, 12) if kind == "cancel" else None
+                seen = []
+
+                def on_feedback(fb, seen=seen, sent=sent, cancel_after=cancel_after):
+                    if not seen:
+                        ttft_client.append(time.monotonic() - sent)
+                    seen.append(fb.delta)
+                    return cancel_after is not None and len(seen) >= cancel_after
+
+                answer, _status = client.stream(on_feedback, timeout=patience, **fields)
+            else:
+                answer = client.call(timeout=patience, **fields)
+        except TimeoutError as err:
+            counts["lost"] += 1
+            problems.append(f"{kind}: {err}")
+            continue
+        outcome = classify(answer)
+        counts[outcome] += 1
+        if kind == "bad" and outcome != "refused":
+            problems.append(f"bad request {fields} was not refused: {outcome} {answer.message}")
+        if outcome == "failed":
+            problems.append(f"{kind}: {answer.message}")
+        if outcome == "answered" and answer.stats.time_to_first_token_s > 0:
+            ttft_server.append(answer.stats.time_to_first_token_s)
+        if kind == "greedy" and outcome == "answered":
+            greedy.setdefault(f"{fields['prompt']}|{fields['max_new_tokens']}", []).append(answer.text)
+    client.close()
+    rclpy.try_shutdown()
+    Path(out_path).write_text(json.dumps({"counts": counts, "greedy": greedy, "ttft_client": ttft_client,
+                                          "ttft_server": ttft_server, "problems": problems}))
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def soak(duration: float, clients: int, params: str, request_timeout: float, log_path: Path) -> dict:
+    import yaml
+    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    tmp = Path(tempfile.mkdtemp(prefix="spec_edge_soak_"))
+    tree = yaml.safe_load(Path(params).read_text())
+    tree["/**"]["ros__parameters"].setdefault("serve", {})["request_timeout_s"] = float(request_timeout)
+    node_params = tmp / "params.yaml"
+    node_params.write_text(yaml.safe_dump(tree))
+    log = log_path.open("w")
+    node = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(node_params)],
+                            env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while "serving" not in log_path.read_text(errors="replace"):
+            if node.poll() is not None:
+                raise SystemExit(f"the node exited with {node.returncode}:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.5)
+        rss_start = rss_mb(node.pid)
+        deadline = time.time() + duration
+        patience = request_timeout + 60.0
+        outs = [tmp / f"client{i}.json" for i in range(clients)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--client", str(i), "--deadline", str(deadline),
+                                   "--patience", str(patience), "--out", str(out)], env=env, cwd=REPO)
+                 for i, out in enumerate(outs)]
+        codes = [p.wait() for p in procs]
+        rss_end = rss_mb(node.pid)
+    finally:
+        node.send_signal(signal.SIGTERM)
+        node.wait(30)
+        log.close()
+    results = [json.loads(out.read_text()) if out.exists() else None for out in outs]
+    counts = {k: 0 for k in ("sent", "answered", "refused", "cancelled", "timed_out", "failed", "lost")}
+    greedy: dict[str, set[str]] = {}
+    ttft_client, ttft_server, problems = [], [], []
+    for i, (code, result) in enumerate(zip(codes, results)):
+        if result is None:
+            problems.append(f"client {i} exited with {code} without a result")
+            continue
+        for k, v in result["counts"].items():
+            counts[k] += v
+        for key, texts in result["greedy"].items():
+            greedy.setdefault(key, set()).update(texts)
+        ttft_client += result["ttft_client"]
+        ttft_server += result["ttft_server"]
+        problems += [f"client {i}: {p}" for p in result["problems"]]
+    return {"duration_s": duration, "clients": clients, "params": params, "request_timeout_s": request_timeout,
+            "counts": counts, "greedy_identical": all(len(t) == 1 for t in greedy.values()),
+            "greedy_prompts_answered": {k: len(t) for k, t in greedy.items()},
+            "ttft_client_s": {"p50": percentile(ttft_client, 0.5), "p99": percentile(ttft_client, 0.99),
+                              "n": len(ttft_client)},
+            "ttft_server_s": {"p50": percentile(ttft_server, 0.5), "p99": percentile(ttft_server, 0.99),
+                              "n": len(ttft_server)},
+            "rss_mb": {"start": round(rss_start, 1), "end": round(rss_end, 1)},
+            "node_exit": node.returncode, "problems": problems[:20], "clients_ok": all(c == 0 for c in codes)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--params", default=str(REPO / "config" / "default.yaml"), help="the node's profile")
+    parser.add_argument("--request-timeout", type=float, default=20.0,
+                        help="serve.request_timeout_s of the node (the 900-token requests run past it)")
+    parser.add_argument("--log", default="soak_node.log", help="the node's log")
+    parser.add_argument("--json", help="write the summary here too")
+    parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--patience", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.client is not None:
+        client_main(args.client, args.deadline, args.patience, args.out)
+        return 0
+    os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
+    summary = soak(args.duration, args.clients, args.params, args.request_timeout, Path(args.log))
+    c = summary["counts"]
+    print(f"requests sent {c['sent']}: answered {c['answered']}, refused {c['refused']}, cancelled "
+          f"{c['cancelled']}, timed out {c['timed_out']}, failed {c['failed']}, lost {c['lost']}")
+    print(f"repeated greedy answers identical: {summary['greedy_identical']} "
+          f"({sum(summary['greedy_prompts_answered'].values())} distinct texts over {len(GREEDY)} prompts)")
+    for side in ("client", "server"):
+        t = summary[f"ttft_{side}_s"]
+        print(f"time to first token ({side}): p50 {t['p50']:.3f} s, p99 {t['p99']:.3f} s over {t['n']}")
+    print(f"node RSS: {summary['rss_mb']['start']} MB at start, {summary['rss_mb']['end']} MB at end")
+    for problem in summary["problems"]:
+        print("problem:", problem)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    ok = c["lost"] == 0 and summary["greedy_identical"] and summary["clients_ok"] and c["failed"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
