@@ -55,6 +55,8 @@ def _init_thread_pool(threads: int) -> int:
 
 
 def _session_options(threads: int):
+    """The options of every session of the process: once the global pool exists, ONNX Runtime refuses
+    sessions with pools of their own."""
     import onnxruntime as ort
 
     _init_thread_pool(threads)
@@ -66,10 +68,9 @@ def _session_options(threads: int):
 
 
 def cpu_session(model: str | bytes, threads: int = 0):
-    """An InferenceSession on the shared global thread pool. Every session of the process must be
-    made here: once the global pool exists, ONNX Runtime refuses sessions with pools of their own.
-    A graph of an exported folder loads through graph_session (its weights shared with the folder's
-    other sessions); this one holds its own copy of the model's pre-packed weights."""
+    """An InferenceSession on the shared global thread pool, holding its own copy of the model's
+    pre-packed weights. A graph of an exported folder loads through graph_session instead (its weights
+    shared with the folder's other sessions)."""
     import onnxruntime as ort
 
     return ort.InferenceSession(model, _session_options(threads), providers=["CPUExecutionProvider"])
