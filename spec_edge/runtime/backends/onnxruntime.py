@@ -13,9 +13,19 @@ cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding
 All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
 their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
 on 2 cores).
+
+Weights once: a session's kernels keep their own pre-packed (MLAS-transformed) copy of every
+weight, so N sessions over one folder (a graph per width, per row count, the layer-skip graph) would
+hold the weights N times. Sessions of a graph folder therefore load its packed copy (packed_dir):
+each graph as ONNX Runtime optimized it on this machine, with the pre-packed weights its kernels
+made, and every distinct blob (weight or pre-packed weight) of all the folder's graphs stored once
+in one weights.bin, which ONNX Runtime memory-maps. The pages of one blob are one physical copy
+whatever the number of sessions that map it (a session maps each of its blobs itself, so VmRSS
+counts a page once per mapping; the process's Pss counts it once).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -44,9 +54,9 @@ def _init_thread_pool(threads: int) -> int:
     return _POOL_THREADS
 
 
-def cpu_session(model: str | bytes, threads: int = 0):
-    """An InferenceSession on the shared global thread pool. Every session of the process must be
-    made here: once the global pool exists, ONNX Runtime refuses sessions with pools of their own."""
+def _session_options(threads: int):
+    """The options of every session of the process: once the global pool exists, ONNX Runtime refuses
+    sessions with pools of their own."""
     import onnxruntime as ort
 
     _init_thread_pool(threads)
@@ -54,7 +64,135 @@ def cpu_session(model: str | bytes, threads: int = 0):
     options.use_per_session_threads = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return options
+
+
+def cpu_session(model: str | bytes, threads: int = 0):
+    """An InferenceSession on the shared global thread pool, holding its own copy of the model's
+    pre-packed weights. A graph of an exported folder loads through graph_session instead (its weights
+    shared with the folder's other sessions)."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model, _session_options(threads), providers=["CPUExecutionProvider"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights once: the packed copy of a graph folder
+
+PACKED_FORMAT = 1  # bumped when the packed copy's layout changes
+PACKED_DATA = "weights.bin"
+_PREPACKED = "prepacked"  # external-data keys "prepacked_<n>": "<kernel key>|offset;length;checksum[|...]"
+
+
+def packed_dir(graph_dir: Path) -> Path:
+    return graph_dir.parent / f"{graph_dir.name}_packed"
+
+
+@functools.cache
+def machine_stamp() -> str:
+    """What the pre-packed layout depends on: the onnxruntime version and this CPU (its architecture and
+    instruction-set flags; MLAS picks its kernels, and so the packed layout, by them)."""
+    import hashlib
+    import platform
+
+    import onnxruntime as ort
+
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip().lower() in ("flags", "features"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{ort.__version__}|{platform.machine()}|{flags}".encode()).hexdigest()[:16]
+
+
+def ensure_packed(graph_dir: Path, threads: int = 0, progress: Callable[[str], None] = print) -> Path:
+    """The packed copy of graph_dir (see the module docstring): made once, under a lock, beside it
+    (<name>_packed/), and made again when the folder, onnxruntime or the CPU changes. threads: as
+    cpu_session (the process's pool is made by its first session, this one's if it packs first)."""
+    from spec_edge.graphs.export import ensure_derived, source_stamp
+
+    graph_dir = Path(graph_dir)
+    wanted = {"packed_source_stamp": source_stamp(graph_dir), "packed_machine": machine_stamp(),
+              "packed_format": PACKED_FORMAT}
+    return ensure_derived(packed_dir(graph_dir), wanted, lambda tmp: _pack(graph_dir, tmp, wanted, threads, progress))
+
+
+def _pack(src: Path, dst: Path, wanted: dict, threads: int, progress: Callable[[str], None]) -> None:
+    """Write dst: each graph of src optimized by ONNX Runtime with its pre-packed weights saved
+    (session.save_external_prepacked_constant_initializers), all blobs moved into one weights.bin by content."""
+    import time
+
+    import onnx
+    import onnxruntime as ort
+
+    from spec_edge.graphs.export import WeightStore
+
+    started = time.monotonic()
+    stems = list(json.loads((src / "manifest.json").read_text())["graphs"])
+    progress(f"[packed] {src.name}: pre-packing the weights of {len(stems)} graphs once ({dst.name}) ...")
+    dst.mkdir(parents=True)
+    store = WeightStore(dst / PACKED_DATA)
+    for stem in stems:
+        optimized, data = dst / f"{stem}.optimized.onnx", dst / f"{stem}.optimized.data"
+        options = _session_options(threads)
+        options.optimized_model_filepath = str(optimized)
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", data.name)
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "4096")
+        options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+        try:
+            ort.InferenceSession(str(src / f"{stem}.onnx"), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
+            raise BackendError(f"ONNX Runtime cannot load {src / stem}.onnx: {err}; re-run `spec-edge export`") from err
+        model = onnx.load(str(optimized), load_external_data=False)
+        with data.open("rb") as blobs:
+            def move(offset: int, length: int) -> int:
+                blobs.seek(offset)
+                return store.put(blobs.read(length))[0]
+
+            for tensor in model.graph.initializer:  # (the graphs have no subgraphs)
+                if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                    continue
+                for entry in tensor.external_data:
+                    if entry.key == "location":
+                        entry.value = PACKED_DATA
+                    elif entry.key == "offset":
+                        length = int(next(e.value for e in tensor.external_data if e.key == "length"))
+                        entry.value = str(move(int(entry.value), length))
+                    elif entry.key.startswith(_PREPACKED):
+                        kernel, *parts = entry.value.split("|")
+                        moved = []
+                        for part in parts:
+                            offset, length, checksum = part.split(";")
+                            moved.append(f"{move(int(offset), int(length))};{length};{checksum}")
+                        entry.value = "|".join([kernel, *moved])
+        store.fh.flush()
+        onnx.save_model(model, str(dst / f"{stem}.onnx"))
+        optimized.unlink()
+        data.unlink()
+    store.close()
+    manifest = dict(wanted, graphs=stems, weights_bytes=store.size,
+                    packed_seconds=round(time.monotonic() - started, 1))
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    progress(f"[packed] ready: {PACKED_DATA} {store.size / 1e6:.0f} MB (weights and pre-packed weights, each once) "
+             f"in {manifest['packed_seconds']} s")
+
+
+def graph_session(graph_dir: Path, stem: str, threads: int = 0, progress: Callable[[str], None] = print):
+    """The session of graph <stem> of an exported folder, loaded from the folder's packed copy, so all
+    sessions over the folder share one copy of its weights and pre-packed weights (module docstring)."""
+    graph_dir = Path(graph_dir)
+    path = graph_dir / f"{stem}.onnx"
+    if not path.is_file():
+        raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
+    packed = ensure_packed(graph_dir, threads, progress) / f"{stem}.onnx"
+    try:
+        return cpu_session(str(packed), threads)
+    except Exception as err:  # onnxruntime raises several unrelated types for a bad file
+        raise BackendError(f"ONNX Runtime cannot load {packed}: {err}; delete {packed.parent} to pack "
+                           f"{graph_dir.name} again") from err
 
 
 @dataclass
@@ -127,12 +265,7 @@ class OrtRunner(Runner):
     def _load(self, stem: str, spec: dict) -> _Graph:
         ort = self._ort
         path = self.graph_dir / f"{stem}.onnx"
-        if not path.is_file():
-            raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
-        try:
-            session = cpu_session(str(path), self.threads)
-        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
-            raise BackendError(f"ONNX Runtime cannot load {path}: {err}; re-run `spec-edge export`") from err
+        session = graph_session(self.graph_dir, stem, self.threads)
         width = spec["width"]
         cfg = self.model_cfg
         prefill = spec["kind"] == "prefill"
@@ -234,6 +367,7 @@ def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str],
     graph_dir = ort_attention.for_config(cfg, exported, progress)
     if role == "target" and cfg.graphs.weights != "fp32":
         graph_dir = quantize.for_config(cfg, graph_dir, progress)
+    ensure_packed(graph_dir, cfg.runtime.threads, progress)  # what its sessions load (graph_session), made now
     return graph_dir
 
 

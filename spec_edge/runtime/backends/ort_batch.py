@@ -33,7 +33,7 @@ were decoding; on this CPU a call costs about in proportion to its rows (2 rows:
 running only the named slots pays at every occupancy below B, and padding to a coarser row count
 would waste what its padding rows cost (hence every count up to 8). The cost of the design: a
 per-row attention node in the width-1 step too (at 8 of 8 slots 30.7 vs 29.3 ms fp32, +5%; q4 0%),
-one session per (width, row count) (memory: fp32 0.54 GB each), and 3-7 ms to make the binding
+one session per (width, row count) (their weights are held once: onnxruntime.graph_session), and 3-7 ms to make the binding
 of an 8-row subset the first time it is seen (a call: 20-220 ms).
 
 Prefill is the B=1 prefill graph bound to one slot's region: a joining request's chunk runs alone
@@ -52,7 +52,7 @@ import numpy as np
 from spec_edge.graphs import io_names
 from spec_edge.graphs.export import read_model_config
 from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks, resident_zeros
-from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, cpu_session
+from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, graph_session
 
 BINDINGS = 512  # IO bindings kept per runner (least recently used dropped): every subset of 8 slots x 2 widths
 
@@ -149,12 +149,7 @@ class BatchRunner:
     def _graph(self, stem: str, tokens: tuple[int, ...], logits: tuple[int, ...], prefill: bool = False,
                out_rows: int | None = None) -> _Graph:
         path = self.graph_dir / f"{stem}.onnx"
-        if not path.is_file():
-            raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
-        try:
-            session = cpu_session(str(path), self.threads)
-        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
-            raise BackendError(f"ONNX Runtime cannot load {path}: {err}; re-run `spec-edge export`") from err
+        session = graph_session(self.graph_dir, stem, self.threads)  # the folder's weights, shared by its sessions
         hidden = None
         if self.hidden is not None:  # the graph's own declared (static) shape of its hidden output
             (declared,) = [out.shape for out in session.get_outputs() if out.name == io_names.HIDDEN] or [None]

@@ -27,7 +27,7 @@ import numpy as np
 from spec_edge.graphs import io_names
 from spec_edge.heads.eagle3_export import read_head_config
 from spec_edge.runtime.backends.base import BackendError, resident_zeros
-from spec_edge.runtime.backends.onnxruntime import cpu_session
+from spec_edge.runtime.backends.onnxruntime import graph_session
 
 
 @dataclass
@@ -116,11 +116,7 @@ class OrtEagle3Head:
 
     def _load(self, stem: str, spec: dict) -> _HeadGraph:
         ort = self._ort
-        path = self.head_dir / f"{stem}.onnx"
-        try:
-            session = cpu_session(str(path), self.threads)
-        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
-            raise BackendError(f"ONNX Runtime cannot load {path}: {err}; delete {self.head_dir} to re-export") from err
+        session = graph_session(self.head_dir, stem, self.threads)
         c, width, kind = self.cfg, spec["width"], spec["kind"]
         hidden_in = c.hidden_size if kind == "step" else 3 * c.target_hidden_size
         new_shape = (1, c.n_kv_heads, width, c.head_dim)
@@ -248,11 +244,7 @@ class OrtMedusaHeads:
         self.n_heads = self.cfg.n_heads
         self.draft_ids = np.load(self.head_dir / "draft_ids.npy")  # (Vd,) draft id -> target id
         (stem,) = self.manifest["graphs"]
-        path = self.head_dir / f"{stem}.onnx"
-        try:
-            self.session = cpu_session(str(path), threads)
-        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
-            raise BackendError(f"ONNX Runtime cannot load {path}: {err}; delete {self.head_dir} to re-export") from err
+        self.session = graph_session(self.head_dir, stem, threads)
         import onnxruntime as ort
 
         self.hidden = np.zeros((1, self.cfg.hidden_size), np.float32)                    # (1, H)
