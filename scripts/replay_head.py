@@ -4,7 +4,7 @@ The target (transformers, fp32) answers the held-out prompts greedily; each head
 those answers teacher-forced (train_forward, as in training) and the live greedy loop is replayed on
 its chain predictions (fit.replay_chain): draft k from the last verified pair, keep the
 agreeing prefix and the target's own token, move on. On the 12 free-form eval prompts this matched
-the live runs of scripts/measure_drafters.py within 0.01-0.02 at k=2..5 (heads/README.md). Also
+the live runs (heads/README.md) within 0.01-0.02 at k=2..5 (heads/README.md). Also
 printed: top-1 agreement per draft position over all answer positions (what training reports).
 
     .venv/bin/python scripts/replay_head.py heads/smollm2-135m-eagle3 [other head folders ...]

@@ -81,10 +81,6 @@ class ModelConfig:
         embed = self.vocab_size * hidden * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + embed + hidden
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K and V bytes one position occupies in a cache of all layers."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * dtype_bytes
-
 
 # ---------------------------------------------------------------------------------------------
 # YAML sections

@@ -105,8 +105,10 @@ def test_parse_meminfo():
 
 
 @pytest.mark.parametrize("params, message", [
-    ({"runtime.backend": "tensorrt", "graphs.dtype": "bfloat16"}, "Edge-LLM runs fp16 activations"),
-    ({"runtime.backend": "tensorrt", "graphs.dtype": "float32"}, "Edge-LLM runs fp16 activations"),
+    ({"runtime.backend": "tensorrt", "speculative.drafter": "none", "graphs.dtype": "bfloat16"},
+     "Edge-LLM runs fp16 activations"),
+    ({"runtime.backend": "tensorrt", "speculative.drafter": "none", "graphs.dtype": "float32"},
+     "Edge-LLM runs fp16 activations"),
     ({"graphs.weights": "nvfp4"}, "is a TensorRT Edge-LLM form"),
     ({"graphs.weights": "int4_gguf"}, "int4_gguf is gone"),
     ({"graphs.int4_block": 128}, "graphs.int4_block is gone"),

@@ -12,8 +12,8 @@ com.microsoft GroupQueryAttention node per row j, over that row's T tokens, with
 
 The caller binds row j's cache input and output to the region of whichever slot row j serves
 (runtime/backends/ort_batch.py; padding rows: a scratch region), so one graph runs any subset of
-the slots. Each node is exactly the B=1 graph's node for that slot (bench/batch_invariance.py:
-max |diff| 0.0). One node per row is also what ONNX Runtime's CPU kernel asks for T > 1 ("batch_size
+the slots. Each node is exactly the B=1 graph's node for that slot (test/test_batch.py:
+bit for bit). One node per row is also what ONNX Runtime's CPU kernel asks for T > 1 ("batch_size
 must be 1 when sequence_length > 1 and past context is given"); for T = 1 one node over all rows
 would need the rows' caches contiguous, i.e. always all B slots (the cost of the extra nodes per
 row: docs/bench.md, "Calls over a subset of the slots").

@@ -75,7 +75,7 @@ def batch_plan(cfg: Config, rows: tuple[int, ...] | None = None) -> dict[str, di
         for k in sorted(set(g.k_values) - {1}):
             plan[rows_stem(m, "verify", k + 1)] = {"kind": "verify", "width": k + 1, "batch": m}
     # the B=1 step and verify graphs (the same as export.py's), bound to one slot: one occupied slot
-    # runs at the single-request speed, its rows equal to the batched graphs' (bench/batch_invariance.py)
+    # runs at the single-request speed, its rows equal to the batched graphs' (test/test_batch.py)
     plan[SINGLE + io_names.graph_file("step", 1)] = {"kind": "step", "width": 1}
     for k in sorted(set(g.k_values)):
         plan[SINGLE + io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1}

@@ -99,13 +99,18 @@ def summarize(systems, runs, prompts, prompt_ids, engines, costs, temperatures) 
             drafted = sum(r.drafted for r in mine)
             accepted = sum(r.accepted for r in mine)
             verifies = sum(r.verify_calls for r in mine)
+            calls = verifies + sum(r.step_calls for r in mine)
+            decoded = sum(max(len(r.token_ids) - 1, 0) for r in mine)  # the first token comes from the prefill
             rows.append({
                 "system": s.name, "family": s.family, "weights": s.weights, "drafter": s.drafter, "k": s.k,
                 "temperature": temp, "runs": len(mine), "tokens_per_s": tps,
                 "ttft_ms": 1000 * med([r.ttft_s for r in mine]),
                 "acceptance": accepted / drafted if drafted else None,
                 "mean_accepted_length": (accepted + verifies) / verifies if verifies else None,
-                "verify_share": verifies / max(1, verifies + sum(r.step_calls for r in mine)) if s.family == "spec_edge" else None,
+                "verify_share": verifies / max(1, calls) if s.family == "spec_edge" else None,
+                "tokens_per_target_call": decoded / calls if calls and s.family == "spec_edge" else None,
+                "draft_ms_per_token": (1000 * sum(r.draft_s for r in mine) / decoded
+                                       if decoded and s.family == "spec_edge" and s.drafter != "none" else None),
                 "ratio_to_own_plain": med(ratio_own), "ratio_to_spec_edge_fp32_plain": med(ratio_spec),
                 "ratio_by_kind": {kind: med(v) for kind, v in sorted(per_kind.items())},
                 "tokens_per_s_by_kind": {kind: med([r.tokens_per_s for r in mine if r.kind == kind])
@@ -131,14 +136,15 @@ def format_report(report: dict) -> str:
         lines.append(f"  spec_edge[{w}]: step[1] {c['step_ms']:.1f} ms; " + ", ".join(
             f"verify[{int(k) + 1}] {v:.1f} ms ({c['verify_over_step'][k]:.2f} steps)" for k, v in c["verify_ms"].items()))
     header = (f"{'system':44s} {'T':>4s} {'tok/s':>6s} {'ttft ms':>7s} {'accept':>6s} {'len':>5s} "
-              f"{'x own':>6s} {'x se32':>6s} {'=own':>6s} {'=se32':>6s} {'MB':>5s}")
+              f"{'tok/call':>8s} {'dr ms':>5s} {'x own':>6s} {'x se32':>6s} {'=own':>6s} {'=se32':>6s} {'MB':>5s}")
     lines.append(header)
     lines.append("-" * len(header))
     for row in report["rows"]:
         lines.append(
             f"{row['system'][:44]:44s} {row['temperature']:4.1f} {_fmt(row['tokens_per_s'], '6.1f'):>6s} "
             f"{_fmt(row['ttft_ms'], '7.0f'):>7s} {_fmt(row['acceptance'], '6.2f'):>6s} "
-            f"{_fmt(row['mean_accepted_length'], '5.2f'):>5s} {_fmt(row['ratio_to_own_plain'], '6.2f'):>6s} "
+            f"{_fmt(row['mean_accepted_length'], '5.2f'):>5s} {_fmt(row['tokens_per_target_call'], '8.2f'):>8s} "
+            f"{_fmt(row['draft_ms_per_token'], '5.1f'):>5s} {_fmt(row['ratio_to_own_plain'], '6.2f'):>6s} "
             f"{_fmt(row['ratio_to_spec_edge_fp32_plain'], '6.2f'):>6s} {row['greedy_equal_own_plain'] or '-':>6s} "
             f"{row['greedy_equal_spec_edge_fp32'] or '-':>6s} {row['memory_mb']:5d}")
     kinds = sorted({k for row in report["rows"] for k in row["ratio_by_kind"]})
@@ -148,7 +154,8 @@ def format_report(report: dict) -> str:
         if row["temperature"] == 0.0 and row["drafter"] != "none":
             lines.append(f"  {row['system'][:44]:44s} " + " ".join(
                 f"{_fmt(row['ratio_by_kind'].get(k), '13.2f'):>13s}" for k in kinds))
-    lines.append("columns: x own = tok/s over the same family's plain decode (same round); x se32 = over spec_edge "
+    lines.append("columns: tok/call = tokens per target call (verify or step); dr ms = drafting ms per token; "
+                 "x own = tok/s over the same family's plain decode (same round); x se32 = over spec_edge "
                  "fp32 target-only; =own / =se32 = greedy runs whose tokens equal that baseline's")
     lines += verdict(report["rows"])
     for m in report["mismatches_spec"]:

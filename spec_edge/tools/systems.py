@@ -34,6 +34,7 @@ class Run:
     acceptance: float | None = None
     mean_accepted_length: float | None = None
     finish: str = ""
+    draft_s: float = 0.0      # time spent drafting (spec_edge's drafters)
 
 
 @dataclass
@@ -109,7 +110,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
                            accepted=s.accepted, verify_calls=s.verify_calls, step_calls=s.step_calls,
                            acceptance=s.acceptance_rate if drafter != "none" else None,
                            mean_accepted_length=s.mean_accepted_length if drafter != "none" else None,
-                           finish=result.finish_reason)
+                           finish=result.finish_reason, draft_s=s.draft_time_s)
             return run
 
         systems.append(System(plain_name, "spec_edge", w, "none", 0, plain_name, make()))
