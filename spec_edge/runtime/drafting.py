@@ -38,14 +38,6 @@ class Drafters:
         self.peagle_head = None   # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
         self.hidden_layers = hidden.returned_hidden_layers(graph_dir)  # what the target's graphs return
 
-    def with_config(self, cfg: Config) -> "Drafters":
-        """The drafters for another config of the same target (graphs.head_weights changed, say): the
-        draft model and layer-skip runners are kept, the heads are loaded again on first use."""
-        other = Drafters(cfg, self.target, self.tokenizer, self.graph_dir, self.model_cfg, self.progress,
-                         self.draft_runner, self.slots)
-        other.layer_skip = self.layer_skip
-        return other
-
     def forget(self) -> None:
         """Mark every resident cache (target, draft model, heads) as holding nothing valid: the next
         request prefills from position 0 (serve.reuse_prefix off, or a request that failed). B=1 only:

@@ -93,14 +93,6 @@ class Engine:
         runs on (a draft model, the layer-skip graphs, a head) is loaded on first use and kept."""
         return self._drafters.drafter(name)
 
-    def use_head_weights(self, weights: str) -> None:
-        """Run the draft heads from their graphs.head_weights = weights copy (q8 or fp32) from now
-        on: heads loaded so far are dropped and loaded again on first use (the draft model and
-        layer-skip runners are kept). For measuring both side by side in one process."""
-        self.cfg = self.cfg.replace(**{"graphs.head_weights": weights})
-        with self._lock:
-            self._drafters = self._drafters.with_config(self.cfg)
-
     # -- requests -------------------------------------------------------------------------
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         text = chat_text(self.tokenizer, request, self.cfg.serve.system_prompt)
