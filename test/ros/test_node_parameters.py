@@ -8,7 +8,7 @@ import pytest
 
 from rosutil import Server, run_client, test_params, write_params
 
-NAMES = ["serve.speculate_k_by_load", "model.draft", "memory.workspace_gb", "graphs.max_context",
+NAMES = ["serve.speculate_k_by_load", "model.draft", "memory.os_ros_reserve_gb", "graphs.max_context",
          "speculative.forced_drafts", "graphs.k_values"]
 
 
