@@ -89,13 +89,14 @@ def cmd_export(args) -> int:
 
 def request_from_args(args):
     from spec_edge.runtime.grammar import text_or_file
-    from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest, distribution_fields
 
     return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            stop=tuple(args.stop or ()), drafter=args.drafter, k=args.k, chat=not args.raw,
                            json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
-                           regex=text_or_file(args.regex), forced_drafts=False if args.no_forced_drafts else None)
+                           regex=text_or_file(args.regex), forced_drafts=False if args.no_forced_drafts else None,
+                           **distribution_fields(args))
 
 
 def add_guided_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,6 +158,7 @@ def forward(module: str, function: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from spec_edge.graphs.quantize import ORT_WEIGHTS
+    from spec_edge.runtime.requests import add_distribution_arguments
 
     parser = argparse.ArgumentParser(prog="spec-edge", description="speculative decoding for robots")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -181,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    add_distribution_arguments(p)
     add_guided_arguments(p)
     p.add_argument("--no-forced-drafts", action="store_true",
                    help="guided: do not propose the grammar's forced tokens as drafts (speculative.forced_drafts)")

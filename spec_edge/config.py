@@ -145,6 +145,12 @@ class SamplingSection:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0            # 0 = off
+    min_p: float = 0.0        # drop ids below min_p x the top probability (after temperature); 0 = off
+    # penalties (runtime/sampling.py): repetition over the prompt and the output, presence and frequency
+    # over the output only
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int = -1            # -1 = nondeterministic
 
 
@@ -387,6 +393,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
     if p.top_k < 0:
         raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")
+    if not (math.isfinite(p.min_p) and 0 <= p.min_p <= 1):
+        raise ConfigError(f"sampling.min_p must be in [0, 1], got {p.min_p}")
+    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
+        raise ConfigError(f"sampling.repetition_penalty must be a finite number > 0 (1 = off), got {p.repetition_penalty}")
+    if not (math.isfinite(p.presence_penalty) and math.isfinite(p.frequency_penalty)):
+        raise ConfigError(f"sampling.presence_penalty and frequency_penalty must be finite numbers, got "
+                          f"{p.presence_penalty}, {p.frequency_penalty}")
+    if cfg.runtime.backend == "tensorrt" and (p.min_p, p.repetition_penalty, p.presence_penalty,
+                                              p.frequency_penalty) != (0.0, 1.0, 0.0, 0.0):
+        raise ConfigError("sampling.min_p / repetition_penalty / presence_penalty / frequency_penalty: Edge-LLM's "
+                          "runtime has no such option: leave them at 0 / 1 / 0 / 0, or runtime.backend: onnxruntime")
     if p.max_new_tokens < 1:
         raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {p.max_new_tokens}")
     if cfg.serve.warm_system_prompt and not cfg.serve.reuse_prefix:

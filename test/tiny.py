@@ -304,27 +304,33 @@ def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3) -> None:
+def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
+                                   params=None) -> None:
     """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution
-    of the first three tokens (27 cells at top_k=3, from the target's own graphs) vs n seeded runs
-    through the real loop, chi-square below its 0.999 quantile (seeds fixed)."""
+    of the first three tokens (27 cells at the default top_k=3, from the target's own graphs, each row
+    processed with its history: sampling.processed_logits) vs n seeded runs through the real loop,
+    chi-square below its 0.999 quantile (seeds fixed)."""
     import numpy as np
 
     from spec_edge.runtime import speculative
     from spec_edge.runtime.backends.onnxruntime import OrtRunner
     from spec_edge.runtime.requests import GenerateRequest
-    from spec_edge.runtime.sampling import SamplingParams, probabilities
+    from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits
 
-    params = SamplingParams(temperature=1.0, top_k=3)
+    params = params or SamplingParams(temperature=1.0, top_k=3)
     runner = OrtRunner(engine.graph_dir)
     prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     pos = len(prompt_ids)
-    p1 = probabilities(runner.prefill(prompt_ids, 0)[None], params)[0]
+
+    def p(logits, generated):
+        return probabilities(processed_logits(logits, params, prompt_ids, generated), params)[0]
+
+    p1 = p(runner.prefill(prompt_ids, 0)[None], [])
     exact = {}
     for t1 in np.flatnonzero(p1):
-        p2 = probabilities(runner.forward([int(t1)], pos), params)[0]
+        p2 = p(runner.forward([int(t1)], pos), [int(t1)])
         for t2 in np.flatnonzero(p2):
-            p3 = probabilities(runner.forward([int(t2)], pos + 1), params)[0]
+            p3 = p(runner.forward([int(t2)], pos + 1), [int(t1), int(t2)])
             for t3 in np.flatnonzero(p3):
                 exact[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
     assert abs(sum(exact.values()) - 1) < 1e-6

@@ -14,16 +14,21 @@ import sys
 import time
 from typing import Any, Callable
 
-OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k")
+OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty")
 GUIDED_FIELDS = ("json_schema", "grammar", "regex")  # msg/Guided.msg, the request's `guided` field
 
 
 def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fields: Any) -> Any:
-    """Set a Generate request / goal from plain values; None leaves a field at the node default."""
-    from spec_edge_interfaces.msg import ChatMessage
+    """Set a Generate request / goal from plain values (logit_bias: (token id, bias) pairs); None leaves a
+    field at the node default."""
+    from spec_edge_interfaces.msg import ChatMessage, LogitBias
     for name, value in fields.items():
         if name in GUIDED_FIELDS:
             setattr(msg.guided, name, value or "")
+            continue
+        if name == "logit_bias":
+            msg.logit_bias = [LogitBias(token_id=int(t), bias=float(b)) for t, b in value]
             continue
         if name not in msg.get_fields_and_field_types():
             raise TypeError(f"Generate has no field '{name}'")
@@ -132,6 +137,7 @@ class GenerateClient:
 
 def ask_main(argv: list[str] | None = None) -> int:
     """`spec-edge ask --prompt P [--json]`: one call of /generate, printed."""
+    from spec_edge.runtime.requests import add_distribution_arguments
     parser = argparse.ArgumentParser(prog="spec-edge ask", description="Call the spec_edge node's generate service.")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--system-prompt", default="")
@@ -149,6 +155,7 @@ def ask_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the node to appear")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every response field")
+    add_distribution_arguments(parser)
     for flag, what in (("--json-schema", "JSON Schema the output must be valid against"),
                        ("--grammar", "grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)"),
                        ("--regex", "regular expression the whole output must match")):
@@ -156,6 +163,7 @@ def ask_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from spec_edge.runtime.grammar import text_or_file
+    from spec_edge.runtime.requests import distribution_fields
 
     import rclpy
 
@@ -168,7 +176,7 @@ def ask_main(argv: list[str] | None = None) -> int:
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k,
                   json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
-                  regex=text_or_file(args.regex))
+                  regex=text_or_file(args.regex), **distribution_fields(args))
     rclpy.init(args=[])
     try:
         with GenerateClient(namespace=args.namespace) as client:

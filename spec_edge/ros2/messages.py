@@ -40,16 +40,25 @@ def to_engine_request(msg: Any):
         check_decoded(f"stop[{i}]", stop)
     for name in ("json_schema", "grammar", "regex"):
         check_decoded(f"guided.{name}", getattr(msg.guided, name))
-    temperature = _optional(msg.temperature)
-    top_p = _optional(msg.top_p)
+    def number(values: Any) -> float | None:
+        value = _optional(values)
+        return None if value is None else float(value)
+
     return GenerateRequest(
         prompt=msg.prompt,
         messages=tuple((m.role, m.content) for m in msg.messages),
         system_prompt=msg.system_prompt,
         max_new_tokens=_optional(msg.max_new_tokens),
-        temperature=None if temperature is None else float(temperature),
-        top_p=None if top_p is None else float(top_p),
+        temperature=number(msg.temperature),
+        top_p=number(msg.top_p),
         top_k=_optional(msg.top_k),
+        min_p=number(msg.min_p),
+        repetition_penalty=number(msg.repetition_penalty),
+        presence_penalty=number(msg.presence_penalty),
+        frequency_penalty=number(msg.frequency_penalty),
+        logit_bias=tuple((int(b.token_id), float(b.bias)) for b in msg.logit_bias),
+        ignore_eos=bool(msg.ignore_eos),
+        logprobs=int(msg.logprobs),
         seed=_optional(msg.seed),
         stop=tuple(msg.stop),
         speculate=bool(msg.speculate),
@@ -69,6 +78,7 @@ class Outcome:
     text: str = ""
     num_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # sampling.TokenLogprobs per token (when asked)
     finish_reason: str = REFUSED
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -91,6 +101,10 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
     resp.text = outcome.text
     resp.num_tokens = outcome.num_tokens
     resp.token_ids = [int(t) for t in outcome.token_ids]
+    if outcome.logprobs:
+        from spec_edge_interfaces.msg import TokenLogprobs
+        resp.logprobs = [TokenLogprobs(token_id=e.token_id, logprob=e.logprob, top_ids=list(e.top_ids),
+                                       top_logprobs=list(e.top_logprobs)) for e in outcome.logprobs]
     resp.finish_reason = outcome.finish_reason
     for name, kind in resp.stats.get_fields_and_field_types().items():
         if name in outcome.stats and outcome.stats[name] is not None:
@@ -130,13 +144,19 @@ def tokenize(engine: Any, msg: Any) -> tuple[list[int], str]:
 
 
 def _plain(value: Any) -> Any:
-    """A message field's value as JSON takes it (an array field arrives as array.array or numpy)."""
-    return value if isinstance(value, (str, int, float, bool)) else [v.item() if hasattr(v, "item") else v
-                                                                       for v in value]
+    """A message field's value as JSON takes it (an array field arrives as array.array or numpy, a message
+    as an object with fields)."""
+    if isinstance(value, (str, int, float, bool)):
+        return value
+    if hasattr(value, "get_fields_and_field_types"):
+        return {name: _plain(getattr(value, name)) for name in value.get_fields_and_field_types()}
+    return [_plain(v.item() if hasattr(v, "item") else v) for v in value]
 
 
 def response_to_dict(resp: Any) -> dict[str, Any]:
-    """A Generate response / action result -> plain dict (the `spec-edge ask --json` object)."""
-    out = {name: _plain(getattr(resp, name)) for name in resp.get_fields_and_field_types() if name != "stats"}
-    out["stats"] = {name: _plain(getattr(resp.stats, name)) for name in resp.stats.get_fields_and_field_types()}
+    """A Generate response / action result -> plain dict (the `spec-edge ask --json` object; logprobs only
+    when the request asked for them, as `spec-edge generate --json`)."""
+    out = {name: _plain(getattr(resp, name)) for name in resp.get_fields_and_field_types()}
+    if not out["logprobs"]:
+        del out["logprobs"]
     return out

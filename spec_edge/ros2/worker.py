@@ -144,7 +144,7 @@ class Worker:
             return self._timeout_outcome(job, result)
         outcome = Outcome(success=True, message=getattr(result, "message", ""), text=result.text,
                           num_tokens=len(result.token_ids), token_ids=list(result.token_ids),
-                          finish_reason=result.finish_reason, stats=stats)
+                          logprobs=list(result.logprobs), finish_reason=result.finish_reason, stats=stats)
         if self._stopping and result.finish_reason == "cancelled":
             outcome.success = False
             outcome.message = "the node shut down during the generation; retry on its successor"

@@ -107,7 +107,8 @@ class Engine:
 
     def resolve(self, request: GenerateRequest) -> tuple[SamplingParams, int, int | None, str, int]:
         """(sampling, max_new_tokens, seed, drafter name, k) with config defaults filled in."""
-        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.target.max_context)
+        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.target.max_context,
+                                                           self.target.vocab_size, self.eos_ids)
         if drafter != "none" and k + 1 not in self.target.widths:
             built = sorted(w - 1 for w in self.target.widths if w > 1)
             raise RequestError(f"k={k} has no verify graph in this engine (built for k in {built}): "

@@ -8,9 +8,22 @@ probability min(1, p_target(x) / q_draft(x)); on rejection the replacement is dr
 normalised residual max(0, p_target - q_draft). The emitted tokens then follow p_target exactly.
 A deterministic drafter (n-gram lookup) is a one-hot q_draft: accept with p_target(x), resample
 from p_target with x removed.
+
+The target's distribution at a position is that of its processed logits (processed_logits): the raw
+logits with, in this order, the repetition penalty (every token id in the prompt or the generated
+history: a positive logit divided by it, a negative one multiplied, as CTRL / llama.cpp / vLLM), the
+frequency and presence penalties (generated history only, as OpenAI / vLLM: logit -= frequency * count +
+presence * [count > 0]), the logit bias (added) and the suppressed ids (ignore_eos: the EOS ids at -inf,
+as llama.cpp); then probabilities() applies temperature, top-k, top-p and min-p (ids below min_p times
+the top probability dropped, after temperature). The history of a row is the prompt, the tokens emitted
+before it and, in a verify window [pending, d1..dm], the drafts d1..di before row i: exactly what
+target-only decoding has seen at that position. Greedy is the argmax of the processed logits (min_p,
+top-k and top-p never drop the argmax). Log-probabilities (token_logprobs) are the log-softmax of the
+processed logits, before temperature / top-k / top-p / min-p.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,10 +34,51 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0            # 0 = off
     top_p: float = 1.0        # 1 = off
+    min_p: float = 0.0        # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    suppressed: tuple[int, ...] = ()  # ids whose logits are -inf (ignore_eos: the EOS ids)
+    logprobs: int = 0         # report each emitted token's log-probability and its row's top N (0 = none)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes(self) -> bool:
+        """Whether processed_logits changes the logits (penalties, bias, suppressed ids)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or bool(self.suppressed))
+
+
+def processed_logits(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int],
+                     window: Sequence[int] = ()) -> np.ndarray:
+    """(N, V) logits rows -> (N, V) processed logits (the module docstring's order); row i's history is the
+    prompt, generated and window[:i] (N <= len(window) + 1). The input itself when nothing is processed."""
+    if not params.processes:
+        return logits
+    out = np.array(logits, dtype=np.float64)  # (N, V), a copy
+    vocab = out.shape[-1]
+    counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=vocab).astype(np.float64)  # (V,)
+    in_prompt = np.zeros(vocab, dtype=bool)
+    in_prompt[np.asarray(prompt, dtype=np.int64)] = True
+    bias = np.zeros(vocab)
+    for token, value in params.logit_bias:
+        bias[token] += value
+    for i in range(out.shape[0]):
+        if i:
+            counts[window[i - 1]] += 1.0
+        row = out[i]
+        if params.repetition_penalty != 1.0:
+            seen = in_prompt | (counts > 0)
+            row[seen] = np.where(row[seen] > 0, row[seen] / params.repetition_penalty,
+                                 row[seen] * params.repetition_penalty)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+        row += bias
+        row[list(params.suppressed)] = -np.inf
+    return out
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -46,7 +100,36 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
         probs /= probs.sum(axis=-1, keepdims=True)
+    if params.min_p > 0.0:  # always keeps the top token
+        probs = np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One emitted token's log-probability and the top-N of its row (log-softmax of the processed logits)."""
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+    def as_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top_ids": list(self.top_ids),
+                "top_logprobs": list(self.top_logprobs)}
+
+
+def token_logprobs(processed: np.ndarray, tokens: Sequence[int], n: int) -> list[TokenLogprobs]:
+    """tokens[i] chosen from processed row i ((len(tokens), V) processed logits): its log-probability and
+    the n most likely ids of the row (highest first, ties: lower id first)."""
+    out = []
+    for row, token in zip(np.asarray(processed, dtype=np.float64), tokens):
+        top = row.max()
+        logp = row - (top + np.log(np.exp(row - top).sum()))  # (V,)
+        ids = np.argsort(-logp, kind="stable")[:n]
+        out.append(TokenLogprobs(int(token), float(logp[token]), tuple(int(i) for i in ids),
+                                 tuple(float(logp[i]) for i in ids)))
+    return out
 
 
 def sample(probs_row: np.ndarray, rng: np.random.Generator) -> int:

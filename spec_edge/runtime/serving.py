@@ -61,21 +61,57 @@ def chat_text(tokenizer: Tokenizer, request: GenerateRequest, default_system: st
     return tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
 
 
-def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int
-                   ) -> tuple[SamplingParams, int, int | None, str, int]:
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask per token
+
+
+def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int, vocab_size: int,
+                   eos_ids: tuple[int, ...]) -> tuple[SamplingParams, int, int | None, str, int]:
     """(sampling, max_new_tokens, seed or None, drafter name, k) of a request with cfg's defaults filled in,
-    for a context of max_context tokens (prompt + answer); RequestError for a value out of range."""
+    for a context of max_context tokens (prompt + answer) and a vocabulary of vocab_size ids (ignore_eos
+    suppresses eos_ids); RequestError for a value out of range."""
     defaults = cfg.sampling
+
+    def pick(value, default):
+        return default if value is None else float(value)
+
+    bias: dict[int, float] = {}
+    for token, value in request.logit_bias:
+        if not 0 <= int(token) < vocab_size:
+            raise RequestError(f"logit_bias names token id {token}, outside the vocabulary [0, {vocab_size}): "
+                               "use ids from the tokenize service")
+        if not math.isfinite(float(value)):
+            raise RequestError(f"logit_bias for token {token} must be a finite number, got {value} (to forbid a "
+                               "token send a large negative bias such as -100)")
+        bias[int(token)] = bias.get(int(token), 0.0) + float(value)
+    if request.ignore_eos and (request.json_schema or request.grammar or request.regex):
+        raise RequestError("ignore_eos cannot be combined with json_schema / grammar / regex (a guided output ends "
+                           "with EOS once it parses): drop one of them")
+    logprobs = int(request.logprobs)
+    if not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}] (0 = none), got {logprobs}")
     params = SamplingParams(
         temperature=defaults.temperature if request.temperature is None else float(request.temperature),
         top_k=defaults.top_k if request.top_k is None else int(request.top_k),
-        top_p=defaults.top_p if request.top_p is None else float(request.top_p))
+        top_p=defaults.top_p if request.top_p is None else float(request.top_p),
+        min_p=pick(request.min_p, defaults.min_p),
+        repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty),
+        presence_penalty=pick(request.presence_penalty, defaults.presence_penalty),
+        frequency_penalty=pick(request.frequency_penalty, defaults.frequency_penalty),
+        logit_bias=tuple(sorted(bias.items())), suppressed=tuple(eos_ids) if request.ignore_eos else (),
+        logprobs=logprobs)
     if not (math.isfinite(params.temperature) and params.temperature >= 0):
         raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
     if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
         raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if not (math.isfinite(params.min_p) and 0 <= params.min_p <= 1):
+        raise RequestError(f"min_p must be in [0, 1] (0 = off), got {params.min_p}")
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise RequestError(f"{name} must be a finite number (0 = off), got {getattr(params, name)}")
     limit = max_context - 1
     # the configured default adapts to a smaller context; an explicit request value must fit
     max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None else int(request.max_new_tokens)

@@ -25,7 +25,15 @@ stats, so a request's output depends only on its own logits. One iteration of Ba
      measured batch-invariant, bench/batch_invariance.py); mixed="pad" runs them along in the
      (k+1) call as [pending, pending, ...], reading only row 0 (one call, but that row is a
      width-(k+1) row: 3.6e-5 from the step's logits on the embedded default, fp32).
-Greedy calls ask the runner for argmax ids only (runner.argmax); a call with a sampling slot takes logits.
+Greedy calls ask the runner for argmax ids only (runner.argmax); a call with a slot that samples, processes
+its logits (penalties, logit bias, ignore_eos) or reports logprobs takes logits.
+
+Every logits row a slot chooses from (prefill's last row, a step's row, a verify window's rows) is processed
+with that row's own history (sampling.processed_logits: the prompt, the tokens emitted before it and, in a
+window [pending, d1..dm], d1..di before row i), as target-only decoding processes it at that position; a
+drafter's q rows are its own (the acceptance rule keeps the processed target distribution). With
+sampling.logprobs = N each emitted token's log-probability and its row's top N (sampling.token_logprobs) go to
+its stats.logprobs, one per token of the output.
 
 A slot joins (add) at an iteration boundary and leaves when its request finishes (eos, stop,
 length, context_full, cancel's reason: cancel() is asked before each decode call); its slot is free
@@ -70,7 +78,8 @@ from spec_edge import speculation_policy
 from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
 from spec_edge.runtime.backends.slot_views import OneSlot
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
-from spec_edge.runtime.sampling import SamplingParams, greedy_accept, probabilities, sample, speculative_accept
+from spec_edge.runtime.sampling import (SamplingParams, TokenLogprobs, greedy_accept, probabilities, processed_logits,
+                                        sample, speculative_accept, token_logprobs)
 
 
 @dataclass(frozen=True)
@@ -86,14 +95,22 @@ class Draft:
 
 
 class Sampler:
-    """Chooses tokens from logits with the request's sampling parameters and random stream."""
+    """Chooses tokens from logits with the request's sampling parameters and random stream; prompt: the
+    request's prompt ids (the repetition penalty's history)."""
 
-    def __init__(self, params: SamplingParams, seed: int | None = None):
+    def __init__(self, params: SamplingParams, seed: int | None = None, prompt: Sequence[int] = ()):
         self.params = params
         self.rng = np.random.default_rng(seed)
+        self.prompt = tuple(prompt)
+
+    def process(self, logits: np.ndarray, generated: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
+        """(N, V) target logits rows -> the processed rows the request chooses from (sampling.processed_logits:
+        row i's history is the prompt, generated and window[:i])."""
+        return processed_logits(logits, self.params, self.prompt, generated, window)
 
     def pick(self, logits_row: np.ndarray) -> tuple[int, np.ndarray | None]:
-        """(token, probabilities row or None when greedy) for a (V,) logits row."""
+        """(token, probabilities row or None when greedy) for a (V,) logits row (already processed: a
+        drafter's own rows are picked as they are)."""
         if self.params.greedy:
             return int(np.argmax(logits_row)), None
         probs = probabilities(logits_row[None, :], self.params)[0]
@@ -140,6 +157,8 @@ class Stats:
     draft_time_s: float = 0.0
     total_time_s: float = 0.0
     time_to_first_token_s: float = 0.0
+    # per emitted token (sampling.logprobs > 0): its log-probability and its row's top N; not in as_dict
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -172,7 +191,7 @@ class Stats:
             self.accepted_at[i] += 1
 
     def as_dict(self) -> dict:
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "logprobs"}
         for name in ("acceptance_rate", "mean_accepted_length", "tokens_per_s", "acceptance_per_position"):
             out[name] = getattr(self, name)
         return out
@@ -218,6 +237,12 @@ class SlotRequest:
     on_done: Callable[[list[int], str, Stats], None] | None = None
     occupancy: int = 0  # set by BatchLoop.add: occupied slots as it joined, itself included (1 = alone)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Its calls may ask the runner for argmax ids: greedy, logits unprocessed, no grammar, no logprobs."""
+        return (self.sampling.greedy and not self.sampling.processes and self.constraint is None
+                and not self.sampling.logprobs)
+
 
 @dataclass
 class _Slot:
@@ -237,6 +262,11 @@ class _Slot:
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.request.prompt_ids) and self.finish is None
+
+    @property
+    def generated(self) -> list[int]:
+        """The tokens chosen after the prompt (the pending one included)."""
+        return self.seq[len(self.request.prompt_ids):]
 
 
 class BatchLoop:
@@ -295,7 +325,7 @@ class BatchLoop:
         k = self.k if drafter is not None or (request.constraint is not None and request.forced_drafts) else 0
         stats = Stats(drafter=drafter.name if drafter else "none", k=k, prompt_tokens=len(prompt),
                       prompt_tokens_reused=shared[index], accepted_at=[0] * k, verify_calls_by_k=[0] * k)
-        self.slots[index] = _Slot(request, Sampler(request.sampling, request.seed), stats, time.perf_counter(),
+        self.slots[index] = _Slot(request, Sampler(request.sampling, request.seed, prompt), stats, time.perf_counter(),
                                   prefilled=shared[index])
         request.occupancy = self.occupied
         return index
@@ -338,12 +368,14 @@ class BatchLoop:
         slot.stats.prefill_time_s += time.perf_counter() - t0
         if slot.prefilled < len(prompt):
             return
+        rows = logits[None]  # (1, V)
         if slot.request.constraint is not None:
-            logits = mask_logits(logits[None], slot.request.constraint.masks([]))[0]
-        first, _ = slot.sampler.pick(logits)
+            rows = mask_logits(rows, slot.request.constraint.masks([]))
+        rows = slot.sampler.process(rows, [])
+        first, _ = slot.sampler.pick(rows[0])
         slot.seq = list(prompt) + [first]
         slot.pos = len(prompt)
-        slot.finish = self._accept(slot, [first])
+        slot.finish = self._accept(slot, [first], rows)
         slot.stats.time_to_first_token_s = time.perf_counter() - slot.started
         drafter = slot.request.drafter
         if drafter is not None and slot.finish is None:
@@ -412,42 +444,49 @@ class BatchLoop:
         windows = [[slot.seq[-1]] + (slot.draft.tokens if slot.draft is not None else []) for slot in slots]
         tokens = np.array([window + [window[-1]] * (width - len(window)) for window in windows], np.int64)  # (n, T)
         positions = [slot.pos for slot in slots]
-        greedy = all(slot.request.sampling.greedy and slot.request.constraint is None for slot in slots)
+        greedy = all(slot.request.argmax_only for slot in slots)
         t0 = time.perf_counter()
         out = (runner.argmax if greedy else runner.forward)(rows, tokens, positions)  # (n, T) ids or (n, T, V)
         self.calls["verify" if any(slot.draft is not None for slot in slots) else "step"] += 1
         spent = time.perf_counter() - t0
         for j, (slot, window) in enumerate(zip(slots, windows)):
             slot.stats.target_time_s += spent
-            draft, sampling, constraint = slot.draft, slot.request.sampling, slot.request.constraint
+            draft, constraint = slot.draft, slot.request.constraint
+            rows = None  # (len(chunk).., V) the processed rows the chunk's tokens were chosen from
             if draft is None:
                 if greedy:
                     chunk = [int(out[j, 0])]
                 else:
                     logits = out[j, :1] if constraint is None else mask_logits(out[j, :1], constraint.masks([]))
-                    chunk = [slot.sampler.pick(logits[0])[0]]
+                    rows = slot.sampler.process(logits, slot.generated)
+                    chunk = [slot.sampler.pick(rows[0])[0]]
                 slot.stats.step_calls += 1
                 slot.pos += 1
             else:
                 if greedy:
                     n_accepted, next_token = greedy_accept(out[j, :len(window)], draft.tokens)
                 else:
-                    n_accepted, next_token = accept_rows(out[j, :len(window)], draft, constraint, slot.sampler)
+                    n_accepted, next_token, rows = accept_rows(out[j, :len(window)], draft, constraint,
+                                                               slot.sampler, slot.generated)
                 if slot.proposed:
                     slot.request.drafter.observe(len(draft.tokens), n_accepted)
                 slot.stats.verified(k, len(draft.tokens), n_accepted)
                 chunk = draft.tokens[:n_accepted] + [next_token]
                 slot.pos += n_accepted + 1
             slot.seq.extend(chunk)
-            slot.finish = self._accept(slot, chunk)
+            slot.finish = self._accept(slot, chunk, rows)
 
     # -- a slot's output -------------------------------------------------------------------------
 
     @staticmethod
-    def _accept(slot: _Slot, chunk: list[int]) -> str | None:
-        """Append a chunk of chosen tokens to the slot's output; a finish reason or None."""
+    def _accept(slot: _Slot, chunk: list[int], rows: np.ndarray | None = None) -> str | None:
+        """Append a chunk of chosen tokens to the slot's output (and, with sampling.logprobs, their
+        log-probabilities from rows: (>= len(chunk), V) the processed rows they were chosen from); a
+        finish reason or None."""
         request = slot.request
         chunk, reason = take_chunk(slot.new_tokens, chunk, request.eos_ids, request.max_new_tokens)
+        if request.sampling.logprobs and chunk:
+            slot.stats.logprobs += token_logprobs(rows[:len(chunk)], chunk, request.sampling.logprobs)
         if request.constraint is not None:
             request.constraint.consume(chunk)
             if reason is None and request.constraint.done:  # only EOS may follow: the masked target's choice
@@ -481,21 +520,23 @@ def cut_draft(draft: Draft, constraint: Constraint, stats: Stats, drafter: Draft
     return Draft(tokens=draft.tokens[:n], q_draft=None if draft.q_draft is None else draft.q_draft[:n])
 
 
-def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None, sampler: Sampler
-                ) -> tuple[int, int]:
-    """(n_accepted, next_token) of one slot's verify rows, logits (m+1, V) for the window [pending, d1..dm]
-    (m <= k): speculative sampling, or under a grammar row i masked by the state after the window's first
-    i tokens (the q rows of a sampled draft masked and renormalised alike), greedy or sampled."""
+def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None, sampler: Sampler,
+                generated: Sequence[int] = ()) -> tuple[int, int, np.ndarray]:
+    """(n_accepted, next_token, the processed rows (m+1, V)) of one slot's verify rows, logits (m+1, V) for
+    the window [pending, d1..dm] (m <= k), generated: the tokens chosen before d1 (pending included). Row i
+    is processed with the history prompt + generated + d1..di (Sampler.process) and, under a grammar,
+    masked by the state after the window's first i tokens (the q rows of a sampled draft masked and
+    renormalised alike); then greedy or speculative sampling."""
     q = draft.q_draft
     if constraint is not None:
         allowed = constraint.masks(draft.tokens)  # (m+1, V)
         logits = mask_logits(logits, allowed)
-        if sampler.params.greedy:
-            return greedy_accept(np.argmax(logits, axis=-1), draft.tokens)
-        q = None if q is None else mask_probs(q, allowed[:-1])
-    elif sampler.params.greedy:
-        return greedy_accept(np.argmax(logits, axis=-1), draft.tokens)
-    return speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng)
+        if not sampler.params.greedy and q is not None:
+            q = mask_probs(q, allowed[:-1])
+    logits = sampler.process(logits, generated, draft.tokens)
+    if sampler.params.greedy:
+        return (*greedy_accept(np.argmax(logits, axis=-1), draft.tokens), logits)
+    return (*speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng), logits)
 
 
 def generate_all(runner, requests: list[SlotRequest], k: int = 0, *, join_at: list[int] | None = None,

@@ -14,6 +14,9 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       such messages as it is); at load, count_prompt_tokens of a probe conversation must equal our tokenizer's
       count, else the engine refuses to start (the two tokenizers disagree).
   temperature 0 -> top_k=1 (argmax); top_p, top_k, seed (sampling_seed), max_new_tokens (max_generate_length).
+  logit_bias -> Request.logit_bias (id -> bias). min_p, the repetition / presence / frequency penalties,
+      ignore_eos and logprobs are refused, naming runtime.backend: onnxruntime (Edge-LLM's request has no
+      such sampling option; its num_logprobs is not mapped: its numbers are not checked against ours).
   stop strings -> Request.stop_strings (Edge-LLM stops); the text and ids are cut at the stop string here, as on
       the CPU path (StreamDecoder), so both answer the same.
   json_schema / regex -> GuidedDecodingParams(JSON_SCHEMA / REGEX); a GBNF grammar (`::=` rules) -> EBNF (XGrammar
@@ -68,7 +71,7 @@ EDGELLM_API: dict[str, tuple[str, ...]] = {
                              "top_p", "top_k", "sampling_seed", "max_generate_length", "disable_spec_decode",
                              "skip_special_tokens", "stream_channels", "context_cache_lookup_policy",
                              "context_cache_commit_policy"),
-    "Request": ("__init__", "stop_strings", "guided_decoding"),
+    "Request": ("__init__", "stop_strings", "guided_decoding", "logit_bias"),
     "GuidedDecodingParams": ("__init__",),
     "StreamChannel": ("create", "wait_pop", "try_pop", "is_finished", "cancel"),
     "StreamChunk": ("token_ids", "finished", "reason"),
@@ -255,7 +258,16 @@ class EdgeLLMEngine:
         return text, n
 
     def _resolve(self, request: GenerateRequest):
-        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.max_context)
+        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.max_context,
+                                                           len(self.tokenizer.vocab), ())
+        unsupported = [name for name, asked in (
+            ("min_p", params.min_p != 0.0), ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("presence_penalty", params.presence_penalty != 0.0),
+            ("frequency_penalty", params.frequency_penalty != 0.0),
+            ("ignore_eos", request.ignore_eos), ("logprobs", params.logprobs > 0)) if asked]
+        if unsupported:
+            raise RequestError(f"{', '.join(unsupported)}: Edge-LLM's runtime has no such option; they run on "
+                               "runtime.backend: onnxruntime (leave them unset here: sampling.* at their defaults)")
         if drafter not in EDGELLM_DRAFTERS:
             raise RequestError(f"drafter {drafter} runs on runtime.backend: onnxruntime only; this Edge-LLM engine "
                                f"runs {' or '.join(EDGELLM_DRAFTERS)}")
@@ -297,6 +309,8 @@ class EdgeLLMEngine:
         call = self._call(text, max_new)
         item = call.requests[0]
         item.stop_strings = [s for s in request.stop if s]
+        if params.logit_bias:
+            item.logit_bias = dict(params.logit_bias)
         if spec is not None:
             item.guided_decoding = guide(rt, *spec)
         call.requests = [item]

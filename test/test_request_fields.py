@@ -1,0 +1,206 @@
+"""The request fields that change the target's distribution (min_p, repetition / presence / frequency
+penalties, logit_bias, ignore_eos) and logprobs, on tiny random-weight models through real ONNX Runtime
+graphs: each row is processed with its own history (sampling.processed_logits), so greedy speculative ==
+greedy target-only token for token with each option on (prompt lookup and the draft model, B=1 and in a
+busy batch), logprobs are the same numbers with speculation on or off, out-of-range values are refused
+with what to change, and the CLI carries the flags and `logprobs` in --json."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from spec_edge import cli, config as cfgmod
+from spec_edge.runtime import speculative
+from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.drafters.draft_model import ModelDrafter
+from spec_edge.runtime.drafters.ngram import NgramDrafter
+from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits, token_logprobs
+
+PROMPTS = ["The robot picks up the red box and places it on the shelf. The robot picks up the",
+           "Move the arm to the left, move the arm to the right, move the arm",
+           "def add(a, b):", "Navigate to the kitchen and report the battery level."]
+MAX_NEW = 40
+
+
+def test_each_row_sees_its_own_history():
+    """Row i of a window counts the drafts before it; the repetition penalty counts the prompt, presence and
+    frequency only the output; the bias is added; suppressed ids are -inf."""
+    logits = np.tile(np.array([2.0, -1.0, 0.5, 1.0, 3.0]), (3, 1))  # (3, V=5)
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25,
+                            logit_bias=((3, 1.5),), suppressed=(4,))
+    out = processed_logits(logits, params, prompt=[0], generated=[1, 1], window=[2, 2])
+    # id 0: prompt only -> 2.0 / 2; id 1: output twice -> -1 * 2 - 0.5 - 0.5; id 2: 0, 1, 2 times in rows 0, 1, 2
+    np.testing.assert_allclose(out[:, 0], [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(out[:, 1], [-3.0, -3.0, -3.0])
+    np.testing.assert_allclose(out[:, 2], [0.5, 0.25 - 0.75, 0.25 - 1.0])
+    np.testing.assert_allclose(out[:, 3], [2.5, 2.5, 2.5])
+    assert np.all(out[:, 4] == -np.inf)
+    assert processed_logits(logits, SamplingParams(), [0], [1]) is logits  # nothing asked: untouched
+
+
+def test_min_p_keeps_ids_near_the_top():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    probs = probabilities(logits, SamplingParams(temperature=1.0, min_p=0.5))  # keeps p >= 0.25
+    np.testing.assert_allclose(probs[0], [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
+    assert np.count_nonzero(probabilities(logits, SamplingParams(temperature=1.0, min_p=1.0))) == 1
+
+
+def ids_of(engine, text):
+    return engine.tokenizer.encode(text)
+
+
+def run(engine, prompt_ids, params, drafter=None, k=0, eos_ids=None):
+    return speculative.generate(engine.target, prompt_ids, max_new_tokens=MAX_NEW,
+                                eos_ids=engine.eos_ids if eos_ids is None else eos_ids, sampling=params,
+                                drafter=drafter, k=k)
+
+
+def option_params(engine, name):
+    """(params, eos_ids) of one option, chosen so that it changes the greedy output of PROMPTS[0]."""
+    plain = run(engine, ids_of(engine, PROMPTS[0]), SamplingParams())[0]
+    if name == "penalties":  # a favoured token repeats until the penalties outweigh its bias: prompt lookup
+        # drafts the repeats, and the row where the output moves on must count the drafts before it
+        return PENALTIES(plain[0]), engine.eos_ids
+    if name == "logit_bias":  # forbid the plain output's 3rd token, favour its 6th
+        return SamplingParams(logit_bias=((plain[2], -100.0), (plain[5], 2.0))), engine.eos_ids
+    if name == "ignore_eos":  # a token the plain output emits plays EOS: ignored, it is never chosen
+        return SamplingParams(suppressed=(plain[4],)), (plain[4],)
+    raise ValueError(name)
+
+
+OPTIONS = ("penalties", "logit_bias", "ignore_eos")
+
+
+def PENALTIES(favoured: int, logprobs: int = 0) -> SamplingParams:
+    return SamplingParams(logit_bias=((favoured, 300.0),), repetition_penalty=1.5, presence_penalty=10.0,
+                          frequency_penalty=30.0, logprobs=logprobs)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_greedy_speculative_equals_target_only_with_each_option(tiny_engine, option):
+    params, eos_ids = option_params(tiny_engine, option)
+    changed = False
+    verified = 0
+    for text in PROMPTS:
+        prompt_ids = ids_of(tiny_engine, text)
+        target_only, finish, _ = run(tiny_engine, prompt_ids, params, eos_ids=eos_ids)
+        changed |= target_only != run(tiny_engine, prompt_ids, SamplingParams(), eos_ids=tiny_engine.eos_ids)[0]
+        if option == "ignore_eos":
+            assert finish == "length" and eos_ids[0] not in target_only
+        for drafter in (NgramDrafter(), tiny_engine.drafter("draft")):
+            spec, spec_finish, stats = run(tiny_engine, prompt_ids, params, drafter, 4, eos_ids)
+            assert (spec, spec_finish) == (target_only, finish), (option, drafter.name, text)
+            verified += stats.verify_calls
+            if option == "penalties" and drafter.name == "ngram":  # repeats drafted, the move-on rejected
+                assert 0 < stats.accepted < stats.drafted, stats
+    assert changed  # the option really changes the output (the test can fail)
+    assert verified > 0
+
+
+def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
+    """Four slots, requests with the options (and plain ones) joining mid-stream beside each other, ngram
+    and draft-model drafters: each == its B=1 target-only output, logprobs allclose."""
+    from spec_edge.graphs import batch_export
+    from spec_edge.runtime.backends.ort_batch import BatchRunner
+    from test_batch import K, batch_cfg
+
+    runner = BatchRunner(batch_export.batch_graphs(batch_cfg(tiny_cfg), progress=lambda message: None))
+    draft_dir = tiny_engine.drafter("draft").runner.graph_dir
+    penalties, _ = option_params(tiny_engine, "penalties")
+    bias, _ = option_params(tiny_engine, "logit_bias")
+    ignore, eos = option_params(tiny_engine, "ignore_eos")
+    favoured = penalties.logit_bias[0][0]
+    cases = [(PROMPTS[0], penalties, tiny_engine.eos_ids, "ngram"), (PROMPTS[1], bias, tiny_engine.eos_ids, "draft"),
+             (PROMPTS[2], SamplingParams(), tiny_engine.eos_ids, None), (PROMPTS[3], ignore, eos, "ngram"),
+             (PROMPTS[1], PENALTIES(favoured, logprobs=3), tiny_engine.eos_ids, "ngram"),
+             (PROMPTS[0], SamplingParams(repetition_penalty=1.3, logprobs=3), tiny_engine.eos_ids, "draft")]
+    requests = [speculative.SlotRequest(
+        prompt_ids=ids_of(tiny_engine, text), max_new_tokens=MAX_NEW, eos_ids=eos_ids, sampling=params,
+        drafter={"ngram": NgramDrafter(), "draft": ModelDrafter(OrtRunner(draft_dir), name="draft"),
+                 None: None}[name]) for text, params, eos_ids, name in cases]
+    together = speculative.generate_all(runner, requests, K, join_at=[0, 0, 2, 0, 4, 6])
+    for (text, params, eos_ids, _), (ids, finish, stats) in zip(cases, together):
+        alone, alone_finish, alone_stats = run(tiny_engine, ids_of(tiny_engine, text), params, eos_ids=eos_ids)
+        assert (ids, finish) == (alone, alone_finish), text
+        assert len(stats.logprobs) == (len(ids) if params.logprobs else 0)
+        for got, want in zip(stats.logprobs, alone_stats.logprobs):
+            assert got.token_id == want.token_id and got.top_ids == want.top_ids
+            np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, atol=1e-4)
+    assert sum(stats.verify_calls for _, _, stats in together) > 0
+
+
+def test_logprobs_equal_with_speculation_on_or_off(tiny_engine):
+    """The same numbers from target-only, prompt lookup and the draft model (atol 1e-4: the verify graph's
+    rows vs the step graph's), and they are the log-softmax of the processed logits."""
+    favoured = option_params(tiny_engine, "penalties")[0].logit_bias[0][0]
+    params = PENALTIES(favoured)
+    base = dict(prompt=PROMPTS[0], max_new_tokens=24, logprobs=4, chat=False, logit_bias=params.logit_bias,
+                repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty)
+    plain = tiny_engine.generate(GenerateRequest(**base, speculate=False))
+    assert len(plain.logprobs) == len(plain.token_ids) == 24
+    for entry in plain.logprobs:  # greedy: the chosen token is the row's most likely one
+        assert entry.top_ids[0] == entry.token_id and entry.logprob == entry.top_logprobs[0]
+        assert len(entry.top_ids) == 4 and list(entry.top_logprobs) == sorted(entry.top_logprobs, reverse=True)
+    for drafter in ("ngram", "draft"):
+        spec = tiny_engine.generate(GenerateRequest(**base, drafter=drafter, k=4))
+        assert spec.token_ids == plain.token_ids and spec.stats.verify_calls > 0
+        for got, want in zip(spec.logprobs, plain.logprobs):
+            assert (got.token_id, got.top_ids) == (want.token_id, want.top_ids)
+            np.testing.assert_allclose([got.logprob, *got.top_logprobs], [want.logprob, *want.top_logprobs],
+                                       atol=1e-4)
+    # the first token's numbers, computed here from the prefill logits
+    prompt_ids = tiny_engine.tokenizer.encode(PROMPTS[0])
+    logits = OrtRunner(tiny_engine.graph_dir).prefill(prompt_ids, 0)[None]
+    (first,) = token_logprobs(processed_logits(logits, params, prompt_ids, []), [plain.token_ids[0]], 4)
+    np.testing.assert_allclose(first.top_logprobs, plain.logprobs[0].top_logprobs, atol=1e-5)
+    assert "logprobs" in plain.as_dict() and "logprobs" not in tiny_engine.generate(
+        GenerateRequest(prompt="hi", max_new_tokens=2)).as_dict()
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(min_p=1.5), "min_p must be in [0, 1]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty must be a finite number"),
+    (dict(logprobs=21), "logprobs must be in [0, 20]"),
+    (dict(logit_bias=((10 ** 6, 1.0),)), "outside the vocabulary"),
+    (dict(logit_bias=((3, float("inf")),)), "logit_bias for token 3 must be a finite number"),
+    (dict(ignore_eos=True, regex="(yes|no)"), "ignore_eos cannot be combined with json_schema / grammar / regex"),
+])
+def test_out_of_range_values_are_refused(tiny_engine, fields, message):
+    with pytest.raises(RequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        tiny_engine.validate(GenerateRequest(prompt="Move the arm", **fields))
+
+
+def test_config_refuses_out_of_range_defaults(tiny_cfg):
+    with pytest.raises(cfgmod.ConfigError, match="sampling.min_p"):
+        cfgmod.validate(tiny_cfg.replace(**{"sampling.min_p": 2.0}))
+    with pytest.raises(cfgmod.ConfigError, match="sampling.repetition_penalty"):
+        cfgmod.validate(tiny_cfg.replace(**{"sampling.repetition_penalty": -1.0}))
+
+
+def test_cli_generate_flags_and_json(tiny_cfg, tiny_engine, tmp_path, capsys):
+    """The flags reach the request: --ignore-eos runs to the length, --logprobs fills --json's logprobs, and
+    the answer equals the same request through the engine."""
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(cfgmod.dump(tiny_cfg))
+    argv = ["generate", "--config", str(profile), "--prompt", PROMPTS[1], "--raw", "--max-new-tokens", "12",
+            "--drafter", "ngram", "--k", "4", "--repetition-penalty", "1.2", "--presence-penalty", "0.3",
+            "--frequency-penalty", "0.1", "--logit-bias", "5:-100", "--logit-bias", "7:1.5", "--min-p", "0.05",
+            "--ignore-eos", "--logprobs", "2", "--json"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    want = tiny_engine.generate(GenerateRequest(
+        prompt=PROMPTS[1], chat=False, max_new_tokens=12, drafter="ngram", k=4, repetition_penalty=1.2,
+        presence_penalty=0.3, frequency_penalty=0.1, logit_bias=((5, -100.0), (7, 1.5)), min_p=0.05,
+        ignore_eos=True, logprobs=2))
+    assert result["token_ids"] == want.token_ids and result["finish_reason"] == "length"
+    assert [entry["token_id"] for entry in result["logprobs"]] == want.token_ids
+    assert all(len(entry["top_ids"]) == 2 for entry in result["logprobs"]) and 5 not in result["token_ids"]
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi", "--logit-bias", "five:1"])
+    assert "--logit-bias takes TOKEN_ID:BIAS" in capsys.readouterr().err
