@@ -84,6 +84,20 @@ def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
     assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft")
 
 
+@pytest.mark.parametrize("drafter_name", ["draft", "greedy-self"])
+def test_processed_distribution_is_kept(tiny_engine, drafter_name):
+    """With min_p, the three penalties and a logit bias on, the first three sampled tokens follow the processed
+    target distribution (each row processed with its own history, drafts included) exactly."""
+    third = int(np.argsort(-OrtRunner(tiny_engine.graph_dir).prefill(
+        tiny_engine.prompt_ids(GenerateRequest(prompt="Move the arm")), 0))[2])
+    # 33 cells (14 expected >= 5 times): min_p cuts some of top_k's 5, the bias lifts the third
+    params = SamplingParams(temperature=2.0, top_k=5, min_p=0.06, repetition_penalty=1.1, presence_penalty=0.5,
+                            frequency_penalty=0.7, logit_bias=((third, 1.0),))
+    drafter = {"draft": lambda: tiny_engine.drafter("draft"),
+               "greedy-self": lambda: GreedySelfDrafter(OrtRunner(tiny_engine.graph_dir))}[drafter_name]()
+    assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft", n=800, params=params)
+
+
 def test_seed_makes_sampling_reproducible(tiny_engine):
     request = GenerateRequest(prompt="Move the arm", temperature=0.8, top_p=0.9, seed=7, max_new_tokens=20)
     first = tiny_engine.generate(request)
