@@ -221,3 +221,30 @@ def test_guided_json_schema_service_and_action(server, module_env, reference_eng
     assert out["status"] == "SUCCEEDED" and out["result"]["text"] == want.text
     out = run_client(module_env, {"mode": "stream", "request": {"prompt": ALARM_PROMPT, "regex": "a(b"}})
     assert out["status"] == "ABORTED" and "regex is invalid" in out["result"]["message"]
+
+
+def test_distribution_fields_service_and_action(server, module_env, reference_engine):
+    """Penalties, logit_bias, min_p, ignore_eos and logprobs through the service and the action: the node's
+    answer is the core's (token for token, logprobs allclose); a bad value is refused naming the field."""
+    fields = {"prompt": COPY_PROMPT, "max_new_tokens": 16, "repetition_penalty": 1.3, "presence_penalty": 0.2,
+              "frequency_penalty": 0.2, "min_p": 0.05, "logit_bias": [[13, -100.0], [28, 1.0]],
+              "ignore_eos": True, "logprobs": 3}
+    want = expected(reference_engine, **dict(fields, logit_bias=((13, -100.0), (28, 1.0))))
+    assert want.finish_reason == "length" and len(want.logprobs) == 16
+    answers = run_client(module_env, {"mode": "call", "requests": [
+        fields, {"prompt": PROMPT, "logprobs": 21}, {"prompt": PROMPT, "logit_bias": [[10 ** 8, 1.0]]}]})
+    good, many, outside = answers
+    stream = run_client(module_env, {"mode": "stream", "request": fields})
+    assert stream["status"] == "SUCCEEDED"
+    for answer in (good, stream["result"]):
+        assert answer["success"], answer["message"]
+        assert (answer["token_ids"], answer["finish_reason"]) == (want.token_ids, "length")
+        assert [e["token_id"] for e in answer["logprobs"]] == want.token_ids
+        for got, entry in zip(answer["logprobs"], want.logprobs):
+            assert got["top_ids"] == list(entry.top_ids)
+            assert abs(got["logprob"] - entry.logprob) < 1e-4
+            assert max(abs(a - b) for a, b in zip(got["top_logprobs"], entry.top_logprobs)) < 1e-4
+    assert not many["success"] and "logprobs must be in [0, 20]" in many["message"]
+    assert not outside["success"] and "outside the vocabulary" in outside["message"]
+    assert "logprobs" not in run_client(module_env, {"mode": "call", "requests": [
+        {"prompt": PROMPT, "max_new_tokens": 2}]})[0]

@@ -34,3 +34,22 @@ def test_response_round_trip():
     assert out["stats"]["drafted"] == 4 and out["stats"]["drafter"] == "ngram"
     assert out["stats"]["verify_calls_by_k"] == [0, 2, 0, 5]  # a uint32[] field, as a JSON list
     assert out["stats"]["tokens_per_s"] == 0.0  # not finite -> 0
+
+
+def test_distribution_fields_round_trip():
+    """The request's logit_bias pairs and flags reach the engine request; the result's logprobs the response."""
+    from spec_edge.ros2.client import fill_request
+    from spec_edge.ros2.messages import to_engine_request
+    from spec_edge.runtime.sampling import TokenLogprobs
+    from spec_edge_interfaces.srv import Generate
+    msg = fill_request(Generate.Request(), prompt="hi", min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
+                       frequency_penalty=0.25, logit_bias=[(7, -100.0), (9, 2.5)], ignore_eos=True, logprobs=3)
+    request = to_engine_request(msg)
+    assert request.logit_bias == ((7, -100.0), (9, 2.5)) and request.ignore_eos and request.logprobs == 3
+    assert (request.presence_penalty, request.frequency_penalty) == (0.5, 0.25)  # float32 fields
+    assert abs(request.repetition_penalty - 1.2) < 1e-6 and abs(request.min_p - 0.1) < 1e-6
+    assert to_engine_request(Generate.Request(prompt="hi")).min_p is None  # empty: the node's default
+    entry = TokenLogprobs(5, -0.5, (5, 8), (-0.5, -1.25))
+    out = response_to_dict(fill_response(Generate.Response(), Outcome(success=True, token_ids=[5], logprobs=[entry])))
+    assert out["logprobs"] == [{"token_id": 5, "logprob": -0.5, "top_ids": [5, 8], "top_logprobs": [-0.5, -1.25]}]
+    assert "logprobs" not in response_to_dict(fill_response(Generate.Response(), Outcome(success=True)))
