@@ -111,6 +111,8 @@ def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
     [item] = call.requests
     assert item.stop_strings == ["END"]
     assert (item.guided_decoding.type.name, item.guided_decoding.guide) == ("REGEX", "[a-z]+")
+    engine.generate(GenerateRequest(prompt="a", logit_bias=((5, -100.0), (9, 2.5), (5, 1.0))))
+    assert script.calls[-1].requests[0].logit_bias == {5: -99.0, 9: 2.5}  # one bias per id, summed
     engine.generate(GenerateRequest(prompt="a", speculate=False, json_schema='{"type": "object"}'))
     call = script.calls[-1]
     assert (call.temperature, call.top_k, call.top_p) == (1.0, 1, 1.0)  # greedy: argmax through top_k=1
@@ -136,6 +138,12 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", json_schema="{not json"): "not valid JSON",
         GenerateRequest(prompt="a", regex="a", json_schema="{}"): "at most one",
         GenerateRequest(prompt=""): "prompt is empty",
+        GenerateRequest(prompt="a", min_p=0.1): "min_p: Edge-LLM's runtime has no such option",
+        GenerateRequest(prompt="a", repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5):
+            "repetition_penalty, presence_penalty, frequency_penalty: .* runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", ignore_eos=True): "ignore_eos: .* runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", logprobs=2): "logprobs: .* runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", logit_bias=((10 ** 7, 1.0),)): "outside the vocabulary",
     }
     for request, words in cases.items():
         for call in (engine.validate, engine.generate):
@@ -158,6 +166,8 @@ def test_drafters_other_than_eagle3_and_none_are_refused_at_configure(edge_cfg):
     with pytest.raises(ConfigError, match="only 0 .target-only. or 4"):
         edge_cfg.replace(**{"serve.speculate_k_by_load": [4, 2]})
     edge_cfg.replace(**{"serve.speculate_k_by_load": [4, 0]})
+    with pytest.raises(ConfigError, match="Edge-LLM's runtime has no such option"):
+        edge_cfg.replace(**{"sampling.repetition_penalty": 1.2})
 
 
 def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, profile_root):

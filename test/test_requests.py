@@ -31,6 +31,14 @@ BAD = [
     (dict(messages=(("user", "hi"), ("User", "again"))), "messages\\[1\\] has role 'User'"),
     (dict(prompt="hi", max_new_tokens=127), r"prompt \(\d+ tokens\) \+ max_new_tokens \(127\) = \d+ exceed the "
                                             r"context of 128 tokens: ask for at most \d+ new tokens"),
+    (dict(prompt="hi", min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(prompt="hi", repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (dict(prompt="hi", presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+    (dict(prompt="hi", frequency_penalty=float("inf")), "frequency_penalty must be a finite number"),
+    (dict(prompt="hi", logprobs=21), r"logprobs must be in \[0, 20\]"),
+    (dict(prompt="hi", logit_bias=((10 ** 6, 1.0),)), r"token id 1000000, outside the vocabulary \[0, 320\)"),
+    (dict(prompt="hi", logit_bias=((3, float("inf")),)), "logit_bias for token 3 must be a finite number"),
+    (dict(prompt="hi", ignore_eos=True, regex="(yes|no)"), "ignore_eos cannot be combined with json_schema"),
 ]
 
 

@@ -187,6 +187,7 @@ class EdgeLLMEngine:
     def __init__(self, cfg: Config, rt: ModuleType, dirs: EdgeLLMDirs, progress: Callable[[str], None] = print):
         self.cfg, self.rt, self.dirs, self.progress = cfg, rt, dirs, progress
         self.tokenizer = Tokenizer(dirs.engine_dir)
+        self.vocab_size = len(self.tokenizer.vocab())  # the ids a request's logit_bias may name
         self.max_context = dirs.max_kv_cache_capacity
         cache = rt.ContextCacheConfig()
         cache.enabled = cfg.serve.reuse_prefix
@@ -259,7 +260,7 @@ class EdgeLLMEngine:
 
     def _resolve(self, request: GenerateRequest):
         params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.max_context,
-                                                           len(self.tokenizer.vocab), ())
+                                                           self.vocab_size, ())
         unsupported = [name for name, asked in (
             ("min_p", params.min_p != 0.0), ("repetition_penalty", params.repetition_penalty != 1.0),
             ("presence_penalty", params.presence_penalty != 0.0),
