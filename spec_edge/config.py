@@ -146,11 +146,10 @@ class SamplingSection:
     top_p: float = 1.0
     top_k: int = 0            # 0 = off
     min_p: float = 0.0        # drop ids below min_p x the top probability (after temperature); 0 = off
-    # penalties (runtime/sampling.py): repetition over the prompt and the output, presence and frequency
-    # over the output only
-    repetition_penalty: float = 1.0  # > 0; 1 = off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # penalties (runtime/sampling.py): > 0, 1 = off; over the ids of the prompt and the output
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0    # subtracted from the logit of every id the output holds; 0 = off
+    frequency_penalty: float = 0.0   # subtracted once per occurrence in the output; 0 = off
     seed: int = -1            # -1 = nondeterministic
 
 
