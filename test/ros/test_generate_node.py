@@ -245,6 +245,15 @@ def test_distribution_fields_service_and_action(server, module_env, reference_en
             assert abs(got["logprob"] - entry.logprob) < 1e-4
             assert max(abs(a - b) for a, b in zip(got["top_logprobs"], entry.top_logprobs)) < 1e-4
     assert not many["success"] and "logprobs must be in [0, 20]" in many["message"]
+    proc = subprocess.run(  # `spec-edge ask` with the same fields as flags
+        [sys.executable, "-m", "spec_edge.cli", "ask", "--prompt", COPY_PROMPT, "--max-new-tokens", "16",
+         "--repetition-penalty", "1.3", "--presence-penalty", "0.2", "--frequency-penalty", "0.2", "--min-p", "0.05",
+         "--logit-bias", "13:-100", "--logit-bias", "28:1", "--ignore-eos", "--logprobs", "3", "--json"],
+        env=module_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    asked = json.loads(proc.stdout)
+    assert asked["token_ids"] == want.token_ids and [e["top_ids"] for e in asked["logprobs"]] == \
+        [list(e.top_ids) for e in want.logprobs]
     assert not outside["success"] and "outside the vocabulary" in outside["message"]
     assert "logprobs" not in run_client(module_env, {"mode": "call", "requests": [
         {"prompt": PROMPT, "max_new_tokens": 2}]})[0]
