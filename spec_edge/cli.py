@@ -110,6 +110,8 @@ def add_guided_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args) -> int:
     from spec_edge.runtime.engine import Engine
 
+    if args.logprobs and not args.json:
+        raise ConfigError("--logprobs is reported in --json's `logprobs` key: add --json")
     cfg = config_from_args(args)
     engine = Engine.from_config(cfg, progress)
     request = request_from_args(args)

@@ -161,6 +161,8 @@ def ask_main(argv: list[str] | None = None) -> int:
                        ("--regex", "regular expression the whole output must match")):
         parser.add_argument(flag, help=f"guided decoding (at most one): {what}; the text or a file path")
     args = parser.parse_args(argv)
+    if args.logprobs and not args.json:
+        parser.error("--logprobs is reported in --json's `logprobs` key: add --json")
 
     from spec_edge.runtime.grammar import text_or_file
     from spec_edge.runtime.requests import distribution_fields

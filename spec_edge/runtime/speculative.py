@@ -521,7 +521,7 @@ def cut_draft(draft: Draft, constraint: Constraint, stats: Stats, drafter: Draft
 
 
 def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None, sampler: Sampler,
-                generated: Sequence[int] = ()) -> tuple[int, int, np.ndarray]:
+                generated: Sequence[int]) -> tuple[int, int, np.ndarray]:
     """(n_accepted, next_token, the processed rows (m+1, V)) of one slot's verify rows, logits (m+1, V) for
     the window [pending, d1..dm] (m <= k), generated: the tokens chosen before d1 (pending included). Row i
     is processed with the history prompt + generated + d1..di (Sampler.process) and, under a grammar,
