@@ -2,14 +2,16 @@
 checked against the same request alone, the node's memory. One or more nodes side by side in one run.
 
     ROS_DOMAIN_ID=74 PYTHONPATH=$PWD .venv/bin/python bench/concurrency.py [--clients 1 2 4 8]
-        [--params config/default.yaml ...] [--code DIR ...] [--set graphs.batch_slots=4 ...]
-        [--drafters profile none ngram] [--max-new-tokens 64] [--rounds 1] [--out bench/results/concurrency.json]
+        [--code DIR ...] [--params config/default.yaml config/default.yaml,graphs.batch_slots=4 ...]
+        [--set graphs.weights=q4 ...] [--drafters profile none ngram] [--max-new-tokens 64] [--rounds 1]
+        [--out bench/results/concurrency.json]
 
 Nodes: every --code checkout (default: this one) x every --params profile (a path relative to that
-checkout: each serves its own file), started one at a time as `python -m spec_edge.cli serve` from the
-checkout (PYTHONPATH = the checkout, this venv, so the ROS interfaces built into it must match). --set
-edits the profile's YAML as text (dotted key = YAML value), so an older checkout reads it with its own
-config code; serve.queue_limit is raised to max(--clients) + 1 where lower.
+checkout: each serves its own file; PATH,KEY=VALUE,... edits that profile alone), started one at a
+time as `python -m spec_edge.cli serve` from the checkout (PYTHONPATH = the checkout, this venv, so
+the ROS interfaces built into it must match). --set edits every profile; edits go into the YAML as
+text (dotted key = YAML value), so an older checkout reads it with its own config code;
+serve.queue_limit is raised to max(--clients) + 1 where lower.
 
 Drafters: `profile` sends no drafter field (the profile's own drafter and policy), `none` sends
 speculate=false, any other name drafter=<name>. Per node and drafter, after a warm-up burst:
@@ -166,8 +168,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--code", nargs="+", default=[str(ROOT)], help="checkouts to run the node from, in order")
     parser.add_argument("--params", nargs="+", default=["config/default.yaml"],
-                        help="profiles, each relative to every --code checkout")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="profile edits, e.g. graphs.batch_slots=4")
+                        help="profiles, each relative to every --code checkout; PATH,KEY=VALUE,... edits that one")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="edits of every profile, e.g. graphs.batch_slots=4")
     parser.add_argument("--drafters", nargs="+", default=["profile"],
                         help="profile (no drafter field), none (speculate=false) or a drafter name")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -176,8 +179,9 @@ def main() -> int:
     args = parser.parse_args()
     if sorted(set(args.clients)) != args.clients or args.clients[0] != 1:
         parser.error("--clients: increasing, starting at 1 (the solo runs are the N=1 row)")
-    if any("=" not in s or "." not in s.partition("=")[0] for s in args.set):
-        parser.error("--set takes section.key=value")
+    edits = args.set + [e for profile in args.params for e in profile.split(",")[1:]]
+    if any("=" not in e or "." not in e.partition("=")[0] for e in edits):
+        parser.error("--set and PATH,... take section.key=value")
 
     from spec_edge.tools import tune
     from spec_edge.tools.prompts import load_prompts
@@ -190,10 +194,11 @@ def main() -> int:
     nodes = []
     for c, checkout in enumerate(args.code):
         code = Path(checkout).resolve()
-        for p, profile in enumerate(args.params):
+        for p, spec in enumerate(args.params):
+            profile, *own = spec.split(",")
             params = tmp / f"node{c}_{p}.yaml"
-            params.write_text(profile_text(code / profile, args.set, max(args.clients)))
-            label = f"{code.name}:{Path(profile).stem}"
+            params.write_text(profile_text(code / profile, args.set + own, max(args.clients)))
+            label = f"{code.name}:{Path(profile).stem}" + "".join(f",{e}" for e in own)
             print(f"[concurrency] starting {label} (ROS_DOMAIN_ID {os.environ['ROS_DOMAIN_ID']}) ...", file=sys.stderr,
                   flush=True)
             nodes.append(dict(run_node(code, params, args.drafters, args.clients, prompts, args, tmp, label),
@@ -208,7 +213,8 @@ def main() -> int:
                 f"{rows[n]['equal_to_solo']:2d}/{rows[n]['answers']:<2d}" for n in args.clients))
     first = nodes[0]
     for node in nodes:
-        lines.append(f"{node['label']}: VmRSS {node['memory']['vmrss_mb']:.0f} MB, Pss {node['memory']['pss_mb']:.0f} MB")
+        memory = node["memory"]
+        lines.append(f"{node['label']}: VmRSS {memory['vmrss_mb']:.0f} MB, Pss {memory['pss_mb']:.0f} MB")
         for drafter, rows in node["rows"].items():
             solo = rows[1]["total_tok_s"]
             ratios = ", ".join(f"{n} clients {rows[n]['total_tok_s'] / solo:.2f}x" for n in args.clients if n > 1)

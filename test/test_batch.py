@@ -301,8 +301,10 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
 
 @pytest.fixture(scope="module")
 def policy_runner(tiny_cfg):
-    """Batched graphs with verify widths for k = 1, 2, 3: the load policy can pick any of them."""
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K})
+    """Batched graphs with verify widths for k = 1, 2, 3: the load policy can pick any of them (a profile
+    folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
+    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
+                              "runtime.profile": "tiny-policy"})
     return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
 
 

@@ -9,7 +9,7 @@ interleaved round by round so load changes on the machine hit every shape alike:
     c_draft   one draft call (ms): 0 for n-gram lookup and the heads, a step of the draft / layer-skip runner
     P_i       share of verify calls whose draft i was accepted (i = 1..k_max), from decoding the prompt file
               once at k_max (acceptance is a prefix property: the first i positions of a k_max run are what
-              a k = i run accepts); E(k) = 1 + P_1 + ... + P_k tokens per verify (tools/acceptance.py)
+              a k = i run accepts); E(k) = 1 + P_1 + ... + P_k tokens per verify (expected_tokens)
     v         share of a slot's iterations at which its drafter proposed (silent n-gram: plain steps)
 
 With n slots occupied, one iteration is one call for the slots that draft (j rows of width k+1) and one
@@ -41,13 +41,27 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import DRAFTERS
-from spec_edge.tools.acceptance import expected_tokens
 
 Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
 Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
+
+
+def expected_tokens(p_accept: Sequence[float], k: int) -> float:
+    """1 + P_1 + ... + P_k from measured per-position acceptance (P_i: share of verifies whose first i
+    drafts were accepted). Beyond the measured positions the last conditional rate P_n / P_{n-1}
+    continues geometrically (one rate at every position: device/projection.expected_tokens)."""
+    p = [min(max(float(x), 0.0), 1.0) for x in p_accept]
+    total = 1.0
+    for i in range(k):
+        if i < len(p):
+            total += p[i]
+        elif p:
+            ratio = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else p[-1]
+            total += p[-1] * ratio ** (i - len(p) + 1)
+    return total
 
 
 def verify_cost(costs: dict[int, float], k: int) -> float:

@@ -23,7 +23,7 @@ def batch_params(tiny_models):
             "runtime.engine_dir": str(tiny_models["root"] / "engines_batch"), "runtime.profile": "tiny",
             "speculative.drafter": "ngram", "speculative.k": 4, "serve.queue_limit": 8,
             "serve.warm_system_prompt": True,
-            # written into the params file as bench/batch_concurrency.py writes it: rclpy reads an empty
+            # written into the params file as a benchmark's config.dump writes it: rclpy reads an empty
             # list as an unset parameter (None), which the node must take as the empty table
             "serve.speculate_k_by_load": []}
 
