@@ -1,4 +1,4 @@
-"""One client process of bench/batch_concurrency.py: waits for the node, sleeps until start_at
+"""One client process of bench/concurrency.py: waits for the node, sleeps until start_at
 (time.time()), streams one request through the action and prints one JSON line: ttft_s (first
 feedback), latency_s, num_tokens, success, text, stats. argv[1]: {"start_at": t, "request": {...}}."""
 import json

@@ -1,15 +1,32 @@
-"""Concurrency trade-off through the ROS service: 1, 2, 4, 8 clients at once, with and without speculation.
+"""N robot nodes calling one spec_edge node at once, through the ROS service: total tok/s, every answer
+checked against the same request alone, the node's memory. One or more nodes side by side in one run.
 
-    .venv/bin/python bench/concurrency.py [--clients 1 2 4 8] [--rounds 2] [--max-new-tokens 64]
-                                          [--params config/default.yaml] [--out bench/results/concurrency.json]
+    ROS_DOMAIN_ID=74 PYTHONPATH=$PWD .venv/bin/python bench/concurrency.py [--clients 1 2 4 8]
+        [--code DIR ...] [--params config/default.yaml config/default.yaml,graphs.batch_slots=4 ...]
+        [--set graphs.weights=q4 ...] [--drafters profile none ngram] [--max-new-tokens 64] [--rounds 1]
+        [--out bench/results/concurrency.json]
 
-Starts `spec-edge serve` (its own ROS_DOMAIN_ID, discovery on localhost), then for every number of
-clients N and every round sends N service calls at once, once with speculate=true and once with
-speculate=false (order alternating by round), and records per request the wall latency (queue wait
-included) and the tokens it got. Per N it reports: total tokens/s (all tokens / time until the last
-answer), tokens/s per client (tokens / own latency, mean) and the engine's own decode tok/s; then the
-per-load table (k where speculation paid, else 0) that `spec-edge tune --concurrency-json` writes into
-serve.speculate_k_by_load. Writes JSON and a PNG.
+Nodes: every --code checkout (default: this one) x every --params profile (a path relative to that
+checkout: each serves its own file; PATH,KEY=VALUE,... edits that profile alone), started one at a
+time as `python -m spec_edge.cli serve` from the checkout (PYTHONPATH = the checkout, this venv, so
+the ROS interfaces built into it must match). --set edits every profile; edits go into the YAML as
+text (dotted key = YAML value), so an older checkout reads it with its own config code;
+serve.queue_limit is raised to max(--clients) + 1 where lower.
+
+Drafters: `profile` sends no drafter field (the profile's own drafter and policy), `none` sends
+speculate=false, any other name drafter=<name>. Per node and drafter, after a warm-up burst:
+
+- solo: every prompt a burst uses, alone (one client); these runs are the N=1 row and the reference;
+- N > 1: --rounds bursts of N client processes (bench/_stream_client.py, the action, streamed) that
+  start at one instant, burst r on the prompts from r * N on (the prompts of bench/prompts.jsonl, greedy).
+
+Per N: total tok/s (all tokens / time until the burst's last answer), tok/s per client (tokens / own
+latency, queue wait included), TTFT, and how many answers equal the same request's solo answer token
+for token (exactness at any occupancy: a difference fails the run, exit code 1). Per node: VmRSS and
+Pss (/proc/<pid>/smaps_rollup, the node process) after each burst, the largest kept; ratios of each
+node's N=1 total to the first node's, and of its N-client total to its own N=1 total. Writes JSON, a
+table (.txt) and a plot (.png). `spec-edge tune --concurrency-json` reads the first node's rows (its
+`none` and one speculative drafter).
 """
 from __future__ import annotations
 
@@ -25,139 +42,231 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+CLIENT = Path(__file__).with_name("_stream_client.py")
+
+
+def profile_text(path: Path, settings: list[str], clients: int) -> str:
+    """The profile's YAML with --set applied (dotted keys, YAML values) and queue_limit >= clients + 1."""
+    doc = yaml.safe_load(path.read_text()) or {}
+    body = doc["/**"]["ros__parameters"] if "/**" in doc else doc
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        section, name = key.split(".", 1)
+        body.setdefault(section, {})[name] = yaml.safe_load(value)
+    serve = body.setdefault("serve", {})
+    serve["queue_limit"] = max(int(serve.get("queue_limit", 0)), clients + 1)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def serve(code: Path, params: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(code))
+    server = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(params)], cwd=code,
+                              env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 1800  # a fresh checkout exports its graphs first
+    while "serving" not in log.read_text(errors="replace"):
+        if server.poll() is not None or time.monotonic() > deadline:
+            stop(server)
+            raise RuntimeError(f"{code}: the node did not start:\n{log.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.5)
+    return server
+
+
+def stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """VmRSS and Pss of a process, MB."""
+    out = {}
+    for name, key in (("status", "VmRSS:"), ("smaps_rollup", "Pss:")):
+        for line in Path(f"/proc/{pid}/{name}").read_text().splitlines():
+            if line.startswith(key):
+                out[key.rstrip(":").lower() + "_mb"] = int(line.split()[1]) / 1024
+                break
+    return out
+
+
+def fields_for(drafter: str) -> dict:
+    return {} if drafter == "profile" else {"speculate": False} if drafter == "none" else {"drafter": drafter}
+
+
+def burst(prompts: list[str], indices: list[int], fields: dict, max_new: int) -> list[dict]:
+    """One client process per prompt index, all starting at one instant: their answers, in order."""
+    start_at = time.time() + 5 + 1.5 * len(indices)  # every process imported rclpy and found the node
+    procs = [subprocess.Popen([sys.executable, str(CLIENT), json.dumps(
+        {"index": j, "start_at": start_at,
+         "request": dict(prompt=prompts[i % len(prompts)], max_new_tokens=max_new, temperature=0.0, **fields)})],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for j, i in enumerate(indices)]
+    answers = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"client failed: {err[-2000:]}")
+        answers.append(json.loads(out.strip().splitlines()[-1]))
+    bad = [a for a in answers if not a["success"]]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(indices)} requests failed: {bad[0]}")
+    return answers
+
+
+def row(n: int, bursts: list[list[dict]], solo: dict[int, dict], indices: list[list[int]]) -> dict:
+    every = [a for answers in bursts for a in answers]
+    tokens = [a["num_tokens"] for a in every]
+    makespan = sum(max(a["latency_s"] for a in answers) for answers in bursts)
+    equal = sum(a["text"] == solo[i]["text"] for answers, idx in zip(bursts, indices) for a, i in zip(answers, idx))
+    return {"clients": n, "bursts": len(bursts), "total_tok_s": sum(tokens) / makespan,
+            "per_client_tok_s": statistics.mean(a["num_tokens"] / a["latency_s"] for a in every),
+            "ttft_s": statistics.mean(a["ttft_s"] for a in every), "makespan_s": makespan,
+            "equal_to_solo": equal, "answers": len(every), "k": [a["stats"]["k"] for a in every],
+            "acceptance": [a["stats"]["acceptance_rate"] for a in every], "texts": [a["text"] for a in every],
+            "loadavg": os.getloadavg()[0]}
+
+
+def run_node(code: Path, params: Path, drafters: list[str], clients: list[int], prompts: list[str], args,
+             tmp: Path, label: str) -> dict:
+    server = serve(code, params, tmp / f"{label.replace('/', '_')}.log")
+    memory = {"vmrss_mb": 0.0, "pss_mb": 0.0}
+    rows: dict[str, dict[int, dict]] = {}
+
+    def sample() -> None:
+        for key, value in memory_mb(server.pid).items():
+            memory[key] = max(memory[key], value)
+    try:
+        for drafter in drafters:
+            fields = fields_for(drafter)
+            burst(prompts, list(range(max(clients))), fields, 16)  # warm-up: the first runs of each call shape
+            plan = {n: [list(range(r * n, (r + 1) * n)) for r in range(args.rounds)] for n in clients if n > 1}
+            used = sorted({i for bursts in plan.values() for idx in bursts for i in idx} | set(range(args.rounds)))
+            solo = {i: burst(prompts, [i], fields, args.max_new_tokens)[0] for i in used}
+            sample()
+            rows[drafter] = {1: row(1, [[solo[i]] for i in used], solo, [[i] for i in used])}
+            for n, indices in plan.items():
+                rows[drafter][n] = row(n, [burst(prompts, idx, fields, args.max_new_tokens) for idx in indices],
+                                       solo, indices)
+                sample()
+            for n, r in sorted(rows[drafter].items()):
+                print(f"[concurrency] {label} {drafter:8s} N={n}: total {r['total_tok_s']:6.1f} tok/s, per client "
+                      f"{r['per_client_tok_s']:6.1f}, TTFT {r['ttft_s']:.2f} s, equal to solo {r['equal_to_solo']}/"
+                      f"{r['answers']}, load {r['loadavg']:.2f}", file=sys.stderr, flush=True)
+    finally:
+        stop(server)
+    return {"code": str(code), "params": str(params), "memory": memory, "rows": rows}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--code", nargs="+", default=[str(ROOT)], help="checkouts to run the node from, in order")
+    parser.add_argument("--params", nargs="+", default=["config/default.yaml"],
+                        help="profiles, each relative to every --code checkout; PATH,KEY=VALUE,... edits that one")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="edits of every profile, e.g. graphs.batch_slots=4")
+    parser.add_argument("--drafters", nargs="+", default=["profile"],
+                        help="profile (no drafter field), none (speculate=false) or a drafter name")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--params", default=str(ROOT / "config" / "default.yaml"))
-    parser.add_argument("--kinds", nargs="+", default=["edit", "free-form"], help="prompt kinds the clients cycle through")
+    parser.add_argument("--rounds", type=int, default=1, help="bursts per N > 1, each on the next prompts")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "concurrency.json"))
-    parser.add_argument("--domain-id", type=int, default=random.randint(100, 200))
     args = parser.parse_args()
+    if sorted(set(args.clients)) != args.clients or args.clients[0] != 1:
+        parser.error("--clients: increasing, starting at 1 (the solo runs are the N=1 row)")
+    edits = args.set + [e for profile in args.params for e in profile.split(",")[1:]]
+    if any("=" not in e or "." not in e.partition("=")[0] for e in edits):
+        parser.error("--set and PATH,... take section.key=value")
 
-    from spec_edge import config as cfgmod
     from spec_edge.tools import tune
     from spec_edge.tools.prompts import load_prompts
 
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-    os.environ["ROS_DOMAIN_ID"] = str(args.domain_id)
-    cfg = cfgmod.load(args.params)
-    cfg = cfg.replace(**{"serve.queue_limit": max(cfg.serve.queue_limit, max(args.clients) + 1),
-                         "serve.request_timeout_s": 600.0, "serve.speculate_k_by_load": []})
-    prompts = load_prompts(kinds=args.kinds, quick=False)
-    tmp = Path(tempfile.mkdtemp(prefix="spec_edge_conc_"))
-    params = tmp / "serve.yaml"
-    params.write_text(cfgmod.dump(cfg))
+    os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(100, 200)))
+    prompts = [p["prompt"] for p in load_prompts()]
+    tmp = Path(tempfile.mkdtemp(prefix="spec_edge_concurrency_"))
     load_start = tune.machine_load()
-    print(f"[concurrency] load {load_start}; drafter {cfg.speculative.drafter} k={cfg.speculative.k}; "
-          f"clients {args.clients}; ROS_DOMAIN_ID {args.domain_id}", file=sys.stderr)
-    server = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(params)],
-                              cwd=ROOT, stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    import rclpy
-
-    from spec_edge.ros2.client import GenerateClient, fill_request
-    from spec_edge.ros2.messages import response_to_dict
-
-    rclpy.init(args=[])
-    client = GenerateClient(node_name="spec_edge_concurrency")
-    rows = []
-    raw = []
-    try:
-        client.wait(300.0)
-        # warm-up (first request loads lazily-built state)
-        client.call(timeout=300, prompt=prompts[0]["prompt"], max_new_tokens=8)
-
-        def burst(n: int, speculate: bool) -> dict:
-            requests = [dict(prompt=prompts[i % len(prompts)]["prompt"], max_new_tokens=args.max_new_tokens,
-                             temperature=0.0, speculate=speculate) for i in range(n)]
-            started = time.monotonic()
-            futures = [client.service.call_async(fill_request(client.srv_type.Request(), **r)) for r in requests]
-            done_at = [None] * n
-            while not all(done_at) and time.monotonic() - started < 900:
-                rclpy.spin_once(client.node, timeout_sec=0.02)
-                for i, f in enumerate(futures):
-                    if done_at[i] is None and f.done():
-                        done_at[i] = time.monotonic() - started
-            answers = [response_to_dict(f.result()) for f in futures]
-            bad = [a["message"] for a in answers if not a["success"]]
-            if bad:
-                raise RuntimeError(f"requests failed: {bad[:2]}")
-            tokens = [a["num_tokens"] for a in answers]
-            return {"clients": n, "speculate": speculate, "makespan_s": max(done_at), "latency_s": done_at,
-                    "tokens": tokens, "engine_tok_s": [a["stats"]["tokens_per_s"] for a in answers],
-                    "total_tok_s": sum(tokens) / max(done_at),
-                    "per_client_tok_s": statistics.mean(t / l for t, l in zip(tokens, done_at)),
-                    "loadavg": os.getloadavg()[0]}
-
-        for n in args.clients:
-            results = {True: [], False: []}
-            for r in range(args.rounds):
-                for speculate in ((True, False) if r % 2 == 0 else (False, True)):
-                    res = burst(n, speculate)
-                    raw.append(res)
-                    results[speculate].append(res)
-                    print(f"[concurrency] N={n} speculate={speculate} total {res['total_tok_s']:.1f} tok/s, per client "
-                          f"{res['per_client_tok_s']:.1f}, load {res['loadavg']:.2f}", file=sys.stderr)
-            med = lambda rs, key: statistics.median(x[key] for x in rs)  # noqa: E731
-            rows.append({"clients": n,
-                         "plain_total_tok_s": med(results[False], "total_tok_s"),
-                         "spec_total_tok_s": med(results[True], "total_tok_s"),
-                         "plain_per_client_tok_s": med(results[False], "per_client_tok_s"),
-                         "spec_per_client_tok_s": med(results[True], "per_client_tok_s"),
-                         "plain_engine_tok_s": statistics.median(x for r in results[False] for x in r["engine_tok_s"]),
-                         "spec_engine_tok_s": statistics.median(x for r in results[True] for x in r["engine_tok_s"])})
-    finally:
-        client.close()
-        rclpy.try_shutdown()
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-    per_depth = {row["clients"]: (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in rows}
-    table = tune.table_from_totals(per_depth, cfg.speculative.k, max(per_depth))
-    report = {"rows": rows, "raw": raw, "speculate_k_by_load": table, "load_start": load_start,
-              "load_end": tune.machine_load(), "drafter": cfg.speculative.drafter, "k": cfg.speculative.k,
-              "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "command": " ".join(sys.argv)}
-    print(f"{'clients':>7s} {'plain total':>11s} {'spec total':>10s} {'plain/client':>12s} {'spec/client':>11s} "
-          f"{'plain engine':>12s} {'spec engine':>11s}")
-    for row in rows:
-        print(f"{row['clients']:7d} {row['plain_total_tok_s']:11.1f} {row['spec_total_tok_s']:10.1f} "
-              f"{row['plain_per_client_tok_s']:12.1f} {row['spec_per_client_tok_s']:11.1f} "
-              f"{row['plain_engine_tok_s']:12.1f} {row['spec_engine_tok_s']:11.1f}")
-    print(f"speculate_k_by_load = {table} (k where speculation paid at that many clients, else 0)")
+    nodes = []
+    for c, checkout in enumerate(args.code):
+        code = Path(checkout).resolve()
+        for p, spec in enumerate(args.params):
+            profile, *own = spec.split(",")
+            params = tmp / f"node{c}_{p}.yaml"
+            params.write_text(profile_text(code / profile, args.set + own, max(args.clients)))
+            label = f"{code.name}:{Path(profile).stem}" + "".join(f",{e}" for e in own)
+            print(f"[concurrency] starting {label} (ROS_DOMAIN_ID {os.environ['ROS_DOMAIN_ID']}) ...", file=sys.stderr,
+                  flush=True)
+            nodes.append(dict(run_node(code, params, args.drafters, args.clients, prompts, args, tmp, label),
+                              label=label))
+    lines = [f"total tok/s | per-client tok/s | TTFT s | answers equal to solo; {args.max_new_tokens} new tokens, "
+             f"greedy, load {load_start['loadavg_1m']} -> {tune.machine_load()['loadavg_1m']}",
+             f"{'node':28s} {'drafter':8s}" + "".join(f"{'N=' + str(n):>26s}" for n in args.clients)]
+    for node in nodes:
+        for drafter, rows in node["rows"].items():
+            lines.append(f"{node['label']:28s} {drafter:8s}" + "".join(
+                f"{rows[n]['total_tok_s']:8.1f} {rows[n]['per_client_tok_s']:6.1f} {rows[n]['ttft_s']:5.2f} "
+                f"{rows[n]['equal_to_solo']:2d}/{rows[n]['answers']:<2d}" for n in args.clients))
+    first = nodes[0]
+    for node in nodes:
+        memory = node["memory"]
+        lines.append(f"{node['label']}: VmRSS {memory['vmrss_mb']:.0f} MB, Pss {memory['pss_mb']:.0f} MB")
+        for drafter, rows in node["rows"].items():
+            solo = rows[1]["total_tok_s"]
+            ratios = ", ".join(f"{n} clients {rows[n]['total_tok_s'] / solo:.2f}x" for n in args.clients if n > 1)
+            base = first["rows"][drafter][1]["total_tok_s"]
+            lines.append(f"  {drafter}: 1 client {solo / base:.3f}x of {first['label']}; of its own 1 client: {ratios}")
+    text = "\n".join(lines)
+    print(text)
+    report = {"nodes": nodes, "clients": args.clients, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
+              "load_start": load_start, "load_end": tune.machine_load(), "command": " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    spec = [d for d in first["rows"] if d != "none"]
+    if "none" in first["rows"] and len(spec) == 1:  # what `spec-edge tune --concurrency-json` reads
+        plain, fast = first["rows"]["none"], first["rows"][spec[0]]
+        report["k"] = max(k for n in args.clients for k in fast[n]["k"])
+        report["rows"] = [{"clients": n, "plain_total_tok_s": plain[n]["total_tok_s"],
+                           "spec_total_tok_s": fast[n]["total_tok_s"]} for n in args.clients]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
+    out.with_suffix(".txt").write_text(text + "\n")
+    plot(nodes, args.clients, out.with_suffix(".png"))
+    print(f"[concurrency] wrote {out} (.txt, .png)", file=sys.stderr)
+    unequal = sum(r["answers"] - r["equal_to_solo"] for node in nodes for rows in node["rows"].values()
+                  for r in rows.values())
+    if unequal:
+        print(f"[concurrency] {unequal} answers differ from the same request alone", file=sys.stderr)
+    return 1 if unequal else 0
+
+
+def plot(nodes: list[dict], clients: list[int], path: Path) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-        xs = [r["clients"] for r in rows]
-        for ax, key, title in ((axes[0], "total_tok_s", "total tokens/s"), (axes[1], "per_client_tok_s",
-                                                                             "tokens/s per client (queue wait included)")):
-            ax.plot(xs, [r[f"spec_{key}"] for r in rows], marker="o", label="speculation")
-            ax.plot(xs, [r[f"plain_{key}"] for r in rows], marker="s", label="plain")
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs)
-            ax.set_xticklabels(xs)
-            ax.set_xlabel("concurrent clients")
-            ax.set_title(title, fontsize=10)
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=100)
-        print(f"[concurrency] wrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     except ImportError:
-        print(f"[concurrency] wrote {out} (no matplotlib: no plot)", file=sys.stderr)
-    return 0
+        print("[concurrency] matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for node in nodes:
+        for drafter, rows in node["rows"].items():
+            for ax, metric in zip(axes, ("total_tok_s", "per_client_tok_s", "ttft_s")):
+                ax.plot(clients, [rows[n][metric] for n in clients], marker="o", label=f"{node['label']} {drafter}")
+    for ax, title in zip(axes, ("total tok/s", "tok/s per client (queue wait incl.)", "TTFT s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients)
+        ax.set_xticklabels(clients)
+        ax.set_xlabel("client processes")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

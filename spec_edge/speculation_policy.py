@@ -13,8 +13,7 @@ its last entry, and [] (the default) is speculative.k at every load. The load is
 An entry is a cap on the request's own k (a request asking k=2 never verifies more than 2 drafts),
 so a value the table chooses is always one of graphs.k_values. Greedy output is the same token for
 token whatever k runs; with sampling each k is a different draw from the same distribution.
-`spec-edge tune` writes the table from measured call costs and acceptance (tools/tune.py,
-tools/tune_batch.py). It replaced serve.speculate_max_queue (an on/off threshold): m is [k] * m + [0].
+`spec-edge tune` writes the table from measured call costs and acceptance (tools/tune.py). It replaced serve.speculate_max_queue (an on/off threshold): m is [k] * m + [0].
 
 Pure functions of the table and the config, shared by config.validate, the engines, tune and the node.
 """

@@ -301,8 +301,10 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
 
 @pytest.fixture(scope="module")
 def policy_runner(tiny_cfg):
-    """Batched graphs with verify widths for k = 1, 2, 3: the load policy can pick any of them."""
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K})
+    """Batched graphs with verify widths for k = 1, 2, 3: the load policy can pick any of them (a profile
+    folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
+    cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
+                              "runtime.profile": "tiny-policy"})
     return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
 
 
@@ -349,11 +351,11 @@ def test_load_policy_needs_the_graphs(batch_runner, policy_runner, tiny_engine):
 def test_tune_occupancy_costs(policy_runner):
     """`spec-edge tune` for the batched node: the ms of calls with 1..B rows of every width, measured
     through a call(rows, width) on the runner."""
-    from spec_edge.tools import tune_batch
+    from spec_edge.tools import tune
 
-    call = tune_batch.forward_call(policy_runner, position=20)
-    costs = tune_batch.occupancy_costs(call, range(1, SLOTS + 1), [1, 3, K + 1], rounds=2)
+    call = tune.forward_call(policy_runner, position=20)
+    costs, _ = tune.occupancy_costs(call, range(1, SLOTS + 1), [1, 3, K + 1], rounds=2)
     assert sorted(costs) == [(n, w) for n in range(1, SLOTS + 1) for w in (1, 3, K + 1)]
     assert all(ms > 0 for ms in costs.values())
-    table, rates = tune_batch.k_table(costs, range(1, SLOTS + 1), [2, K], 1, [0.5, 0.25, 0.125], 0.75)
+    table, rates = tune.k_table(costs, range(1, SLOTS + 1), [2, K], 1, [0.5, 0.25, 0.125], 0.75)
     assert len(table) == SLOTS and all(k in (0, 2, K) for k in table) and sorted(rates[1]) == [0, 2, K]

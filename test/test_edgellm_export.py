@@ -1,7 +1,9 @@
 """`spec-edge build --export-only` of the embedded default through TensorRT Edge-LLM (issue 26, 4a): the real
-GGUF -> Hugging Face conversion and the real tensorrt-edgellm-export of config/smollm2_trt.yaml (no head) and
-config/smollm2_trt_eagle3.yaml (the committed EAGLE-3 head): the files, the 30 AttentionPlugin nodes, the configs
-Edge-LLM's builder reads, the manifest, its reuse and the refusals of engine_dirs()."""
+GGUF -> Hugging Face conversion and the real tensorrt-edgellm-export of config/smollm2_trt_eagle3.yaml (the
+committed EAGLE-3 head): the files, the 30 AttentionPlugin nodes, the configs Edge-LLM's builder reads, the
+manifest, its reuse and the refusals of engine_dirs(). The profile without a head (config/smollm2_trt.yaml)
+runs the same stages less the head's; its target export (engine role llm, spec_decode_type none) is checked on
+a stand-in in test_edgellm_profiles.py (thor_llama31_8b_batch4), which saves a second export of the real model."""
 import json
 import shutil
 from pathlib import Path
@@ -13,24 +15,19 @@ from spec_edge.config import load
 from spec_edge.device import edgellm_build, edgellm_layout
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = {"plain": "config/smollm2_trt.yaml", "eagle3": "config/smollm2_trt_eagle3.yaml"}
+PROFILE = "config/smollm2_trt_eagle3.yaml"
 LLM_FILES = {"config.json", "model.onnx", "model.onnx.data", "embedding.safetensors", "tokenizer.json",
              "tokenizer_config.json", "chat_template.jinja"}
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, monkeypatch_module):
-    """name -> (cfg, manifest, log lines) of both profiles exported once into one engine dir (the GGUF
-    conversion is shared through <engine_dir>/checkpoints)."""
+    """(cfg, manifest, log lines) of the profile exported once."""
     monkeypatch_module.chdir(ROOT)  # the head path in the profile is relative to the repository root
-    engine_dir = tmp_path_factory.mktemp("edgellm")
-    out = {}
-    for name, yaml in PROFILES.items():
-        cfg = load(ROOT / yaml).replace(**{"runtime.engine_dir": str(engine_dir)})
-        lines: list[str] = []
-        manifest = edgellm_build.build(cfg, yaml, export_only=True, progress=lines.append)
-        out[name] = (cfg, manifest, lines)
-    return out
+    cfg = load(ROOT / PROFILE).replace(**{"runtime.engine_dir": str(tmp_path_factory.mktemp("edgellm"))})
+    lines: list[str] = []
+    manifest = edgellm_build.build(cfg, PROFILE, export_only=True, progress=lines.append)
+    return cfg, manifest, lines
 
 
 @pytest.fixture(scope="module")
@@ -44,24 +41,22 @@ def attention_plugins(path: Path) -> int:
     return sum(node.op_type == "AttentionPlugin" for node in model.graph.node)
 
 
-def test_plain_export_files_and_config(exported):
-    cfg, manifest, lines = exported["plain"]
+def test_export_target_files_and_config(exported):
+    cfg, manifest, lines = exported
     llm = edgellm_layout.profile_dir(cfg) / "onnx" / "target" / "llm"
     assert LLM_FILES <= {p.name for p in llm.iterdir()}
     assert attention_plugins(llm / "model.onnx") == 30
     config = json.loads((llm / "config.json").read_text())
-    assert (config["spec_decode_type"], config["engine_role"], config["num_hidden_layers"]) == ("none", "llm", 30)
+    assert (config["spec_decode_type"], config["engine_role"], config["num_hidden_layers"]) == ("eagle3", "base", 30)
     assert config["edgellm_version"] == manifest["tensorrt_edgellm"] == edgellm_layout.edgellm_version()
     assert config["kv_cache_dtype"] == "fp16"
-    assert set(manifest["stages"]) == {"checkpoint", "export_target"}
     assert any(line.startswith("[export +") and "target:" in line for line in lines)
 
 
 def test_eagle3_export_target_and_head(exported):
-    cfg, manifest, _ = exported["eagle3"]
+    cfg, manifest, _ = exported
     onnx_dir = edgellm_layout.profile_dir(cfg) / "onnx"
     base = json.loads((onnx_dir / "target" / "llm" / "config.json").read_text())
-    assert (base["spec_decode_type"], base["engine_role"]) == ("eagle3", "base")
     assert base["eagle_hidden_state_layers"] == [2, 15, 27]  # = the outputs of layers 1, 14, 26 the head reads
     assert attention_plugins(onnx_dir / "target" / "llm" / "model.onnx") == 30
     draft = json.loads((onnx_dir / "draft" / "llm" / "config.json").read_text())
@@ -72,18 +67,18 @@ def test_eagle3_export_target_and_head(exported):
     assert set(manifest["stages"]) == {"checkpoint", "head", "export_target", "export_draft"}
     files = manifest["stages"]["export_draft"]["files"]
     assert files["onnx/draft/llm/model.onnx"] == edgellm_layout.file_digest(onnx_dir / "draft" / "llm" / "model.onnx")
-    assert manifest["edgellm"] is None and manifest["profile_yaml"] == PROFILES["eagle3"]
+    assert manifest["edgellm"] is None and manifest["profile_yaml"] == PROFILE
     assert manifest["config"]["speculative.eagle3_head"] == "heads/smollm2-135m-eagle3"
 
 
 def test_second_run_reuses_and_a_changed_output_is_stale(exported):
-    cfg, manifest, _ = exported["plain"]
+    cfg, manifest, _ = exported
     lines: list[str] = []
     for _ in range(2):  # a reused stage keeps its record: the run after it reuses it again
         lines.clear()
-        edgellm_build.build(cfg, PROFILES["plain"], export_only=True, progress=lines.append)
+        edgellm_build.build(cfg, PROFILE, export_only=True, progress=lines.append)
         assert any("target: up to date" in line for line in lines)
-    stages = edgellm_build.Stages(cfg, PROFILES["plain"], lines.append, force=False)
+    stages = edgellm_build.Stages(cfg, PROFILE, lines.append, force=False)
     key = manifest["stages"]["export_target"]["key"]
     assert stages.reuse("export_target", key) is not None
     assert stages.reuse("export_target", "another key") is None
@@ -97,7 +92,7 @@ def test_second_run_reuses_and_a_changed_output_is_stale(exported):
 
 
 def test_engine_dirs_refuse_export_only_and_other_versions(exported):
-    cfg, manifest, _ = exported["eagle3"]
+    cfg, manifest, _ = exported
     with pytest.raises(edgellm_layout.ManifestError, match="engines are not built.*spec-edge build "
                                                            "config/smollm2_trt_eagle3.yaml"):
         edgellm_layout.engine_dirs(cfg)

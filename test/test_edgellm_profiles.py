@@ -93,6 +93,9 @@ def test_thor_profile_export_only_on_stand_ins(path, stand_ins):
         assert config["kv_cache_dtype"] == "fp16"
         assert config["engine_role"] == {"target": "base" if "draft" in roles else "llm", "draft": "draft",
                                          "batch": "llm"}[role]
+    target = json.loads((onnx_dir / "target" / "llm" / "config.json").read_text())
+    assert target["spec_decode_type"] == ("eagle3" if "draft" in roles else "none")  # the head-less path
+    assert ("head" in manifest["stages"]) == ("export_draft" in manifest["stages"]) == ("draft" in roles)
     limits = edgellm_build.builder_limits(cfg)
     assert limits["target"]["max_input_len"] == cfg.graphs.max_context
     if "draft" in roles:

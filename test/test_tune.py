@@ -1,4 +1,4 @@
-"""The k choice: expected tokens per verify, the cost model, the picked k, the queue-depth rule."""
+"""The k choice: expected tokens per verify, the cost model per occupancy, the picked k, the k per load."""
 from __future__ import annotations
 
 import pytest
@@ -66,28 +66,43 @@ def test_table_from_totals():
     assert tune.table_from_totals({2: (30, 35)}, 2, 2) == [2, 2]  # below every depth: the shallowest
 
 
-def test_batched_rate_model():
-    from spec_edge.tools import tune_batch
-
+def test_rate_model_per_occupancy():
     # c(j, w) = 10 ms + 2 ms per row and token: a fixed part (the weights) and a part per row
     costs = {(j, w): 10.0 + 2.0 * j * w for j in range(1, 9) for w in (1, 3, 5)}
     p = [0.8, 0.6, 0.45, 0.3]
     # every slot drafts (v = 1): one verify call of n rows
     e4 = tune.expected_tokens(p, 4)
-    assert tune_batch.rate(costs, 4, 4, 1, p, 1.0) == pytest.approx(1000 * 4 * e4 / costs[(4, 5)])
-    assert tune_batch.rate(costs, 4, 0, 1, p, 0.3) == pytest.approx(1000 * 4 / costs[(4, 1)])
+    assert tune.rate(costs, 4, 4, 1, p, 1.0) == pytest.approx(1000 * 4 * e4 / costs[(4, 5)])
+    assert tune.rate(costs, 4, 0, 1, p, 0.3) == pytest.approx(1000 * 4 / costs[(4, 1)])
     # no slot drafts (v = 0): plain steps only, whatever k
-    assert tune_batch.rate(costs, 3, 4, 1, p, 0.0) == pytest.approx(tune_batch.rate(costs, 3, 0, 1, p, 0.0))
+    assert tune.rate(costs, 3, 4, 1, p, 0.0) == pytest.approx(tune.rate(costs, 3, 0, 1, p, 0.0))
     # one slot, half its iterations draft: (E + 1) / 2 tokens per (c_v + c_s) / 2 ms
-    assert tune_batch.rate(costs, 1, 2, 1, p, 0.5) == pytest.approx(
+    assert tune.rate(costs, 1, 2, 1, p, 0.5) == pytest.approx(
         1000 * (tune.expected_tokens(p, 2) + 1) / (costs[(1, 3)] + costs[(1, 1)]))
+    # a draft call of 3 ms: every drafting slot pays k of them
+    assert tune.rate(costs, 2, 2, 1, p, 1.0, draft_ms=3.0) == pytest.approx(
+        1000 * 2 * tune.expected_tokens(p, 2) / (costs[(2, 3)] + 2 * 2 * 3.0))
     # rows get dearer with the width: k steps back as the slots fill, to none
-    table, rates = tune_batch.k_table(costs, range(1, 9), [2, 4], 1, p, 0.9)
+    table, rates = tune.k_table(costs, range(1, 9), [2, 4], 1, p, 0.9)
     assert table == [4, 2, 2, 2, 2, 2, 0, 0]
     assert all(rates[n][table[n - 1]] == max(rates[n].values()) for n in range(1, 9))
 
 
-def _tune(tiny_cfg, tmp_path, *extra):
+def test_one_request_curve_is_the_one_slot_rate():
+    verify = {k: 31.0 + 3.0 * k for k in (2, 4)}
+    p = [0.8, 0.6, 0.45, 0.3]
+    curve = tune.k_curve(25.0, verify, p, [2, 3, 4], draft_ms=1.5, n_verify=30, n_step=10)
+    costs = {(1, 1): 25.0, (1, 3): 37.0, (1, 4): 40.0, (1, 5): 43.0}  # verify[4]: the line through k = 2, 4
+    assert curve.tokens_per_s == pytest.approx([tune.rate(costs, 1, k, 1, p, 0.75, 1.5) for k in (0, 2, 3, 4)])
+
+
+def test_load_n_runs_min_n_slots():
+    assert tune.table_for_loads([4, 2, 0], 6) == [4, 2, 0, 0, 0, 0]
+    assert tune.table_for_loads([3], 8) == [3] * 8  # one slot: the queue changes neither rate
+    assert tune.table_for_loads([4, 2, 2, 0], 2) == [4, 2]
+
+
+def _tune(tiny_cfg, tmp_path, *extra, ks=("1", "3")):
     import argparse
 
     from spec_edge import config as cfgmod
@@ -97,21 +112,21 @@ def _tune(tiny_cfg, tmp_path, *extra):
     parser = argparse.ArgumentParser()
     tune.add_args(parser)
     out = tmp_path / "tuned.yaml"
-    args = parser.parse_args(["--prompts", str(prompts), "--drafter", "ngram", "--ks", "1", "3",
+    args = parser.parse_args(["--prompts", str(prompts), "--drafter", "ngram", "--ks", *ks,
                               "--max-new-tokens", "8", "--rounds", "2", "--out", str(out),
                               "--plot", str(tmp_path / "curve.png"), *extra])
     assert tune.main(tiny_cfg, args, progress=lambda message: None) == 0
     return cfgmod.load(out), out.read_text()
 
 
-def test_tune_writes_the_serial_table(tiny_cfg, tmp_path, capsys):
-    # the serial node serves one request at a time: every load takes the one-request curve's best k
+def test_tune_writes_the_one_slot_table(tiny_cfg, tmp_path, capsys):
+    # one slot serves one request at a time: every load takes the one-request curve's best k
     tuned, text = _tune(tiny_cfg, tmp_path)
     printed = capsys.readouterr().out
     best = tuned.speculative.k if tuned.speculative.drafter != "none" else 0
     want = [best] * tiny_cfg.serve.queue_limit
     assert list(tuned.serve.speculate_k_by_load) == want
-    assert f"serve.speculate_k_by_load = {want}" in printed and "one request at a time" in printed
+    assert f"serve.speculate_k_by_load = {want}" in printed and "load n runs min(n, 1) occupied slot(s)" in printed
     assert f"#| serve.speculate_k_by_load = {want}" in text
 
 
@@ -128,19 +143,14 @@ def test_tune_takes_the_table_from_concurrency_results(tiny_cfg, tmp_path, capsy
 
 
 def test_tune_writes_the_batched_table(tiny_cfg, tmp_path, capsys):
-    # graphs.batch_slots = 3: one entry per occupancy 1..3 from the measured (n rows, width) costs
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": 3, "speculative.drafter": "ngram"})
-    tuned, text = _tune(cfg, tmp_path)
+    # 4 slots (test_batch's folder: exported once per session): one entry per occupancy 1..4 from the
+    # measured (j rows, width) costs
+    from test_batch import batch_cfg
+
+    tuned, text = _tune(batch_cfg(tiny_cfg), tmp_path, ks=("3",))
     table = list(tuned.serve.speculate_k_by_load)
-    assert len(table) == 3 and all(k in (0, 1, 3) for k in table)
+    assert len(table) == 4 and all(k in (0, 3) for k in table)
     assert tuned.speculative.k == max(table) or tuned.speculative.drafter == "none"
     printed = capsys.readouterr().out
-    assert "per occupied batch slots (graphs.batch_slots=3)" in printed and "chosen k" in printed
-    assert "#|   load   step ms" in text
-
-
-def test_tune_refuses_a_batched_drafter_without_slots(tiny_cfg, tmp_path):
-    from spec_edge.config import ConfigError
-
-    with pytest.raises(ConfigError, match="tune it with --drafter ngram"):
-        _tune(tiny_cfg.replace(**{"graphs.batch_slots": 3}), tmp_path, "--drafter", "draft")
+    assert "per occupied batch slots (graphs.batch_slots=4)" in printed and "chosen k" in printed
+    assert "#|   slots   step ms" in text

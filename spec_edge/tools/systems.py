@@ -89,7 +89,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
     for weights_name, attention in ((w, a) for w in weights for a in attentions):
         before = rss_mb()
         # serve.reuse_prefix off: every run is a cold request (the same prompt runs once per system, so
-        # reuse would prefill one token for all but the first); bench/prefix_reuse.py measures reuse
+        # reuse would prefill one token for all but the first)
         engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
                                                    "speculative.drafter": "none", "serve.reuse_prefix": False}),
                                     progress)

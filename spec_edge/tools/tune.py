@@ -1,46 +1,67 @@
-"""`spec-edge tune`: choose k from measured costs and measured acceptance, write it into a profile.
+"""`spec-edge tune`: choose the k per load from measured call costs and measured acceptance, write it
+into a profile (serve.speculate_k_by_load, spec_edge/speculation_policy.py; speculative.k its largest).
 
-    c_step        one target step [1, 1] (ms)                        measured here, interleaved
-    c_verify(k)   one target verify [1, k+1] (ms), every exported k    measured here, interleaved
-    c_draft       one draft call (ms): 0 for n-gram lookup, a step of the draft / layer-skip runner
-    P_i           fraction of verify calls whose draft i was accepted (i = 1..k_max), measured by
-                  decoding the user's prompt file once with k_max (acceptance is a prefix property, so
-                  the first i positions of a k_max run are what a k = i run would accept)
+One model for every graphs.batch_slots B (a request alone is one occupied slot). Measured here, calls
+interleaved round by round so load changes on the machine hit every shape alike:
 
-A verify call at k emits E(k) = 1 + P_1 + ... + P_k tokens (with one acceptance rate a for every
-position: (1 - a^(k+1)) / (1 - a)) and costs c_verify(k) + k * c_draft. Drafters that stay silent
-(n-gram without a match) leave a share of plain steps, measured in the same run; the expected rate is
+    c(j, w)   ms of one target call with j rows of width w, j = 1..B, w = the step width (1, or 2 for
+              q4's two-row step) and every k+1 (B = 1: the B=1 graphs' step and verify[k+1])
+    c_draft   one draft call (ms): 0 for n-gram lookup and the heads, a step of the draft / layer-skip runner
+    P_i       share of verify calls whose draft i was accepted (i = 1..k_max), from decoding the prompt file
+              once at k_max (acceptance is a prefix property: the first i positions of a k_max run are what
+              a k = i run accepts); E(k) = 1 + P_1 + ... + P_k tokens per verify (expected_tokens)
+    v         share of a slot's iterations at which its drafter proposed (silent n-gram: plain steps)
 
-    tokens/s(k) = (n_verify * E(k) + n_step) / (n_verify * (c_verify(k) + k * c_draft) + n_step * c_step)
+With n slots occupied, one iteration is one call for the slots that draft (j rows of width k+1) and one
+for those that only step (n - j rows of the step width); with the slots independent:
 
-and the tuner picks the k with the highest value (k = 0: no speculation, 1 / c_step).
+    tokens(n, k) = n * (v * E(k) + 1 - v)
+    ms(n, k)     = sum_j Binom(j; n, v) * (c(j, k+1) + c(n-j, step)) + n * v * k * c_draft     c(0, .) = 0
+    rate(n, k)   = 1000 * tokens(n, k) / ms(n, k)          rate(n, 0) = 1000 * n / c(n, step)
 
-It also writes serve.speculate_k_by_load, the k per load (spec_edge/speculation_policy.py), one entry
-per load n = 1..L: the k (0 = no speculation) with the highest expected total tokens/s at that load.
-The serial node (graphs.batch_slots = 1, L = serve.queue_limit): its one worker serves its FIFO queue
-one request at a time, so the queue changes neither the plain nor the speculative rate of a request:
-from this run every entry is the curve's best k. With --concurrency-json the totals measured through
-the ROS service per number of clients decide instead (the k they were measured at where speculation
-was at least as fast as plain, else 0). The batched node (L = graphs.batch_slots): the costs of calls
-with n rows of every width and the expected rates per occupancy, tools/tune_batch.py.
+(a width without a graph, B = 1: c(1, k+1) from a least-squares line through the measured widths). The
+load n of a request (speculation_policy.max_load: requests in the node, itself included) runs
+min(n, B) occupied slots, the rest wait: entry n of the table is the k (0 = no speculation) with the
+highest rate at that occupancy. With --concurrency-json the totals measured through the ROS service
+per number of clients (bench/concurrency.py) decide instead: the k they were measured at where
+speculation was at least as fast as plain, else 0.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from spec_edge.config import DRAFTERS
-from spec_edge.tools.acceptance import expected_tokens
+
+Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
+Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
+
+
+def expected_tokens(p_accept: Sequence[float], k: int) -> float:
+    """1 + P_1 + ... + P_k from measured per-position acceptance (P_i: share of verifies whose first i
+    drafts were accepted). Beyond the measured positions the last conditional rate P_n / P_{n-1}
+    continues geometrically (one rate at every position: device/projection.expected_tokens)."""
+    p = [min(max(float(x), 0.0), 1.0) for x in p_accept]
+    total = 1.0
+    for i in range(k):
+        if i < len(p):
+            total += p[i]
+        elif p:
+            ratio = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else p[-1]
+            total += p[-1] * ratio ** (i - len(p) + 1)
+    return total
 
 
 def verify_cost(costs: dict[int, float], k: int) -> float:
@@ -54,6 +75,33 @@ def verify_cost(costs: dict[int, float], k: int) -> float:
     return float(intercept + slope * k)
 
 
+def rate(costs: Costs, n: int, k: int, step_width: int, p_accept: Sequence[float], verify_share: float,
+         draft_ms: float = 0.0) -> float:
+    """Expected total tokens/s of n occupied slots at k (0: plain steps)."""
+    if k == 0:
+        return 1000.0 * n / costs[(n, step_width)]
+    v = min(max(verify_share, 0.0), 1.0)
+    tokens = n * (v * expected_tokens(list(p_accept), k) + 1.0 - v)
+    ms = n * v * k * draft_ms
+    for j in range(n + 1):
+        share = math.comb(n, j) * v ** j * (1.0 - v) ** (n - j)
+        ms += share * ((costs[(j, k + 1)] if j else 0.0) + (costs[(n - j, step_width)] if n - j else 0.0))
+    return 1000.0 * tokens / ms
+
+
+def k_table(costs: Costs, occupancies: Sequence[int], ks: Sequence[int], step_width: int, p_accept: Sequence[float],
+            verify_share: float, draft_ms: float = 0.0) -> tuple[list[int], dict[int, dict[int, float]]]:
+    """(the best k per occupancy, in order; occupancy -> {k: expected tokens/s}, k = 0 included)."""
+    rates = {n: {k: rate(costs, n, k, step_width, p_accept, verify_share, draft_ms) for k in [0, *sorted(ks)]}
+             for n in occupancies}
+    return [max(rates[n], key=lambda k: (rates[n][k], -k)) for n in occupancies], rates
+
+
+def table_for_loads(best_by_occupancy: Sequence[int], loads: int) -> list[int]:
+    """serve.speculate_k_by_load: load n runs min(n, B) occupied slots (B = len(best_by_occupancy))."""
+    return [best_by_occupancy[min(n, len(best_by_occupancy)) - 1] for n in range(1, loads + 1)]
+
+
 @dataclass
 class Curve:
     ks: list[int]
@@ -62,26 +110,40 @@ class Curve:
     best_k: int
 
 
+def curve_of(rates: dict[int, float]) -> Curve:
+    """The curve of one occupancy's rates {k: tokens/s}."""
+    ks = sorted(rates)
+    values = [rates[k] for k in ks]
+    best = max(ks, key=lambda k: (rates[k], -k))
+    return Curve(ks=ks, tokens_per_s=values, speedup=[r / rates[0] for r in values], best_k=best)
+
+
 def k_curve(step_ms: float, verify_ms: dict[int, float], p_accept: list[float], ks: list[int],
             draft_ms: float = 0.0, n_verify: float = 1.0, n_step: float = 0.0) -> Curve:
-    """Expected tokens/s for each k in ks (plus k = 0, plain), and the best k."""
-    plain = 1000.0 / step_ms
-    out_ks, rates = [0], [plain]
-    for k in sorted(ks):
-        tokens = n_verify * expected_tokens(p_accept, k) + n_step
-        ms = n_verify * (verify_cost(verify_ms, k) + k * draft_ms) + n_step * step_ms
-        out_ks.append(k)
-        rates.append(1000.0 * tokens / ms if ms > 0 else 0.0)
-    best = out_ks[int(np.argmax(rates))]
-    return Curve(ks=out_ks, tokens_per_s=rates, speedup=[r / plain for r in rates], best_k=best)
+    """One request alone (one slot): expected tokens/s for each k in ks plus k = 0, from its step cost, the
+    verify costs measured per k and counts of verify calls and plain steps."""
+    costs = {(1, 1): step_ms} | {(1, k + 1): verify_cost(verify_ms, k) for k in ks}
+    return curve_of(k_table(costs, [1], ks, 1, p_accept, n_verify / (n_verify + n_step), draft_ms)[1][1])
 
 
 def curve_text(curve: Curve, title: str = "") -> str:
     lines = [title] if title else []
     lines.append("    k   expected tok/s   speed-up")
-    for k, rate, speed in zip(curve.ks, curve.tokens_per_s, curve.speedup):
+    for k, value, speed in zip(curve.ks, curve.tokens_per_s, curve.speedup):
         mark = "  <- best" if k == curve.best_k else ""
-        lines.append(f"  {k:3d}   {rate:14.1f}   {speed:7.2f}x{mark}")
+        lines.append(f"  {k:3d}   {value:14.1f}   {speed:7.2f}x{mark}")
+    return "\n".join(lines)
+
+
+def table_text(costs: Costs, rates: dict[int, dict[int, float]], best: list[int], step_width: int) -> str:
+    """The per-occupancy costs, rates and choices, as printed and written into the profile's header."""
+    ks = sorted(next(iter(rates.values())))
+    lines = ["  slots   step ms  " + "".join(f" verify[{k + 1}] ms" for k in ks if k)
+             + "".join(f"   k={k} tok/s" for k in ks) + "   chosen k"]
+    for n, chosen in zip(sorted(rates), best):
+        lines.append(f"  {n:5d}  {costs[(n, step_width)]:8.1f}  "
+                     + "".join(f" {costs[(n, k + 1)]:12.1f}" for k in ks if k)
+                     + "".join(f" {rates[n][k]:11.1f}" for k in ks) + f"   {chosen:7d}")
     return "\n".join(lines)
 
 
@@ -107,31 +169,61 @@ def depth_text(per_depth: dict[int, tuple[float, float]]) -> str:
 # Measurements
 
 
-def measure_costs(runner, ks: list[int], position: int = 256, rounds: int = 30,
-                  extra: dict | None = None) -> dict:
-    """Median ms of step[1] and each verify[k+1] on runner, calls interleaved round by round so load
-    changes hit every width alike. extra: name -> callable timed the same way (a draft step)."""
-    position = min(position, runner.max_context - max(ks, default=1) - 2)
-    widths = [1] + [k + 1 for k in sorted(ks) if k + 1 in runner.widths]
-    timings: dict[str, list[float]] = {f"w{w}": [] for w in widths}
-    for name in (extra or {}):
-        timings[name] = []
-    calls = {f"w{w}": (lambda w=w: runner.forward(list(range(10, 10 + w)), position)) for w in widths}
-    calls.update(extra or {})
-    for call in calls.values():  # warm-up
-        call()
+def call_costs(calls: dict, rounds: int) -> dict:
+    """key -> median ms of calls[key](), every call warmed up once, then called round by round in a
+    rotating order so load changes hit every call alike."""
+    keys = list(calls)
+    times: dict = {key: [] for key in keys}
+    for key in keys:  # warm-up
+        calls[key]()
     for r in range(rounds):
-        order = list(calls)
-        order = order[r % len(order):] + order[:r % len(order)]
-        for name in order:
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
             t0 = time.perf_counter()
-            calls[name]()
-            timings[name].append((time.perf_counter() - t0) * 1000)
-    med = {name: statistics.median(values) for name, values in timings.items()}
-    step = med.pop("w1")
-    verify = {w - 1: med.pop(f"w{w}") for w in widths if w > 1}
+            calls[key]()
+            times[key].append((time.perf_counter() - t0) * 1000)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def occupancy_costs(call: Call, occupancies: Sequence[int], widths: Sequence[int], rounds: int = 10,
+                    extra: dict | None = None) -> tuple[Costs, dict[str, float]]:
+    """((rows j, width w) -> median ms of call(j, w) for every j and w; name -> median ms of extra[name]())."""
+    calls: dict = {(j, w): (lambda j=j, w=w: call(j, w)) for j in occupancies for w in sorted(set(widths))}
+    med = call_costs({**calls, **(extra or {})}, rounds)
+    return {key: med[key] for key in calls}, {name: med[name] for name in (extra or {})}
+
+
+def one_row_call(runner, position: int = 256) -> Call:
+    """call(1, width) on a B=1 Runner: width tokens at position (the cache rows below it as they are)."""
+    position = min(position, runner.max_context - max(runner.widths) - 2)
+
+    def call(rows: int, width: int):
+        assert rows == 1, "a B=1 runner runs one row"
+        return runner.forward(list(range(10, 10 + width)), position)
+    return call
+
+
+def forward_call(runner, position: int = 128) -> Call:
+    """call(j, width) on a BatchRunner: greedy ids of slots 0..j-1, every slot's cache prefilled to position."""
+    batch = runner.batch
+    position = min(position, runner.max_context - max(runner.widths) - 1)
+    runner.held = [()] * batch  # the calls below rewrite every region
+    for slot in range(batch):
+        runner.prefill(slot, list(range(10, 10 + position)), 0)
+    tokens = {width: np.full((batch, width), 11, np.int64) for width in runner.widths}
+
+    def call(rows: int, width: int):
+        return runner.argmax(list(range(rows)), tokens[width][:rows], [position] * rows)
+    return call
+
+
+def measure_costs(runner, ks: list[int], position: int = 256, rounds: int = 30) -> dict:
+    """Median ms of step[1] and each exported verify[k+1] on a B=1 runner (spec-edge bench's cost table)."""
+    widths = [1] + [k + 1 for k in sorted(ks) if k + 1 in runner.widths]
+    costs, _ = occupancy_costs(one_row_call(runner, position), [1], widths, rounds)
+    step = costs[(1, 1)]
+    verify = {w - 1: costs[(1, w)] for w in widths if w > 1}
     return {"step_ms": step, "verify_ms": verify, "verify_over_step": {k: v / step for k, v in verify.items()},
-            "extra_ms": med, "position": position, "rounds": rounds}
+            "position": position, "rounds": rounds}
 
 
 def machine_load() -> dict:
@@ -155,40 +247,43 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=30, help="timing rounds per call shape")
     p.add_argument("--out", help="profile to write (default: config/tuned.yaml)")
     p.add_argument("--plot", help="PNG of the curve (default: <out>.png)")
-    p.add_argument("--concurrency-json", help="results of bench/concurrency.py (total tok/s through the ROS service "
-                                              "per number of clients): serve.speculate_k_by_load of the serial "
-                                              "node from those instead of from this run's one-request curve")
+    p.add_argument("--concurrency-json", help="results of bench/concurrency.py --drafters none <drafter> (total tok/s "
+                                              "through the ROS service per number of clients): the table from "
+                                              "those instead of from this run's costs")
 
 
 def main(cfg, args, progress) -> int:
     from spec_edge import config as cfgmod
+    from spec_edge import speculation_policy
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.tools.prompts import load_prompts
 
     drafter = args.drafter or (cfg.speculative.drafter if cfg.speculative.drafter != "none" else "ngram")
     ks = sorted(set(args.ks or cfg.graphs.k_values))
-    batched = cfg.graphs.batch_slots > 1
-    if batched and drafter != "ngram":  # tune_batch prices the target's calls per occupancy, not a slot's drafting
-        raise cfgmod.ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots}: spec-edge tune prices the batched "
-                                 f"node's target calls per occupancy, not drafter {drafter}'s own per-slot cost; "
-                                 f"tune it with --drafter ngram")
+    slots = cfg.graphs.batch_slots
     # measured with the policy off: the acceptance run verifies k_max drafts whatever table the profile has
     cfg = cfg.replace(**{"graphs.k_values": sorted(set(cfg.graphs.k_values) | set(ks)), "serve.speculate_k_by_load": [],
                          "speculative.drafter": drafter, "speculative.k": max(ks)})
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     load = machine_load()
-    progress(f"[tune] drafter {drafter}, k candidates {ks}, {len(prompts)} prompts; load {load}")
+    progress(f"[tune] drafter {drafter}, k candidates {ks}, {slots} slot(s), {len(prompts)} prompts; load {load}")
     engine = Engine.from_config(cfg, progress)
+    if slots > 1:
+        from spec_edge.graphs.batch_export import batch_graphs
+        from spec_edge.runtime.backends.ort_batch import BatchRunner
+
+        runner = BatchRunner(batch_graphs(cfg, progress), cfg.runtime.threads)
+        call, step_width = forward_call(runner), runner.step_width
+    else:
+        call, step_width = one_row_call(engine.target), 1
     extra = {}
     if drafter in ("layerskip", "draft"):
-        runner = engine.drafter(drafter).runner
-        extra["draft"] = lambda: runner.forward([11], 100)
-    costs = measure_costs(engine.target, ks, rounds=args.rounds, extra=extra)
-    draft_ms = costs["extra_ms"].get("draft", 0.0)
-    progress(f"[tune] step[1] {costs['step_ms']:.1f} ms; " + ", ".join(
-        f"verify[{k + 1}] {v:.1f} ms ({v / costs['step_ms']:.2f}x)" for k, v in costs["verify_ms"].items())
-        + (f"; draft step {draft_ms:.1f} ms" if extra else ""))
+        draft_runner = engine.drafter(drafter).runner
+        extra["draft"] = lambda: draft_runner.forward([11], 100)
+    costs, extra_ms = occupancy_costs(call, range(1, slots + 1), [step_width] + [k + 1 for k in ks],
+                                      rounds=args.rounds, extra=extra)
+    draft_ms = extra_ms.get("draft", 0.0)
     kmax = max(ks)
     accepted_at = [0] * kmax
     n_verify = n_step = 0
@@ -200,30 +295,16 @@ def main(cfg, args, progress) -> int:
         n_step += s.step_calls
         accepted_at = [a + b for a, b in zip(accepted_at, s.accepted_at)]
     p_accept = [a / n_verify for a in accepted_at] if n_verify else [0.0] * kmax
+    verify_share = n_verify / max(n_verify + n_step, 1)
     progress(f"[tune] {n_verify} verify calls, {n_step} plain steps; acceptance per position "
-             + " ".join(f"{p:.2f}" for p in p_accept))
-    curve = k_curve(costs["step_ms"], costs["verify_ms"], p_accept, ks, draft_ms,
-                    n_verify=n_verify or 1, n_step=n_step)
-    text = curve_text(curve, f"k curve ({drafter}, {cfg.runtime.backend}, weights {cfg.graphs.weights})")
+             + " ".join(f"{p:.2f}" for p in p_accept) + (f"; draft step {draft_ms:.1f} ms" if extra else ""))
+    best, rates = k_table(costs, range(1, slots + 1), ks, step_width, p_accept, verify_share, draft_ms)
+    curve = curve_of(rates[1])
+    text = (curve_text(curve, f"k curve, one request ({drafter}, {cfg.runtime.backend}, weights {cfg.graphs.weights})")
+            + "\n" + table_text(costs, rates, best, step_width))
     print(text)
-    from spec_edge import speculation_policy
-
     loads, what, bound = speculation_policy.max_load(cfg)
-    if batched:  # the batched node: measured costs of calls with n rows per occupancy
-        from spec_edge.graphs.batch_export import batch_graphs
-        from spec_edge.runtime.backends.ort_batch import BatchRunner
-        from spec_edge.tools import tune_batch
-
-        runner = BatchRunner(batch_graphs(cfg, progress), cfg.runtime.threads)
-        call = tune_batch.forward_call(runner)
-        occupancy = tune_batch.occupancy_costs(call, range(1, loads + 1), [runner.step_width] + [k + 1 for k in ks],
-                                               rounds=max(3, args.rounds // 3))
-        table, rates = tune_batch.k_table(occupancy, range(1, loads + 1), ks, runner.step_width, p_accept,
-                                          n_verify / max(n_verify + n_step, 1))
-        why = (f"per {what} ({bound}): the k with the highest expected total tok/s from the measured costs of "
-               f"calls with n rows (runner.forward, mixed=group) and this run's acceptance\n"
-               + tune_batch.table_text(occupancy, rates, table, runner.step_width))
-    elif args.concurrency_json:
+    if args.concurrency_json:
         data = json.loads(Path(args.concurrency_json).read_text())
         per_depth = {int(row["clients"]): (row["plain_total_tok_s"], row["spec_total_tok_s"]) for row in data["rows"]}
         measured_k = int(data.get("k") or curve.best_k or kmax)
@@ -232,14 +313,14 @@ def main(cfg, args, progress) -> int:
         table = table_from_totals(per_depth, measured_k, loads)
         why = (f"per {what} ({bound}): k={measured_k} where speculation was at least as fast as plain through "
                f"the ROS service, else 0 ({depth_text(per_depth)}; {args.concurrency_json})")
-    else:  # the serial node serves one request at a time: every load gets the one-request curve's best k
-        table = [curve.best_k] * loads
-        why = (f"per {what} ({bound}): the node's one worker serves its queue one request at a time, so a "
-               f"deeper queue changes neither rate: every load takes the curve's best k")
-    best = max(table)
-    updates = {"speculative.drafter": drafter if best else "none", "serve.speculate_k_by_load": table}
-    if best:
-        updates["speculative.k"] = best
+    else:
+        table = table_for_loads(best, loads)
+        why = (f"per {what} ({bound}): load n runs min(n, {slots}) occupied slot(s); the k with the highest expected "
+               f"total tok/s at that occupancy from the measured costs of calls with j rows and this run's acceptance")
+    top = max(table)
+    updates = {"speculative.drafter": drafter if top else "none", "serve.speculate_k_by_load": table}
+    if top:
+        updates["speculative.k"] = top
     decision = f"serve.speculate_k_by_load = {table} ({speculation_policy.describe(table)}): {why}"
     print(decision)
     tuned = cfg.replace(**updates)
@@ -248,7 +329,7 @@ def main(cfg, args, progress) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# written by `spec-edge tune` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); "
                    f"machine load {load['loadavg_1m']} on {load['cpus']} cores\n"
-                   f"# step[1] {costs['step_ms']:.1f} ms; acceptance per position "
+                   f"# one slot: step {costs[(1, step_width)]:.1f} ms; acceptance per position "
                    f"{' '.join(f'{p:.2f}' for p in p_accept)}\n{header}\n" + cfgmod.dump(tuned))
     progress(f"[tune] wrote {out} (speculative.k = {tuned.speculative.k}, serve.speculate_k_by_load = {table})")
     plot = Path(args.plot) if args.plot else out.with_suffix(".png")

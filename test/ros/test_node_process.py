@@ -111,16 +111,16 @@ def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path)
         server.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_signal_during_first_start_export_exits_within_2s(module_env, tmp_path, sig):
+def test_signal_during_first_start_export_exits_within_2s(module_env, tmp_path):
     """A first start exports the graphs for minutes inside configure; a signal must still end it in 2 s,
-    and what it was writing must not be taken for a finished export."""
+    and what it was writing must not be taken for a finished export. SIGINT (what ros2 launch sends
+    first); SIGTERM goes to the same handler (ros2/node.py run), tested while generating above."""
     engines = tmp_path / "engines"
     params = write_params(tmp_path / "fresh.yaml", test_params(**{"runtime.engine_dir": str(engines)}))
     server = Server(module_env, params, tmp_path / "fresh.log", argv=[
         sys.executable, "-m", "spec_edge.ros2.node", "--ros-args", "--params-file", str(params)])
     server.start(ready="[export] target: graph 1/")  # exporting, well past the model load
-    took = server.stop(sig)
+    took = server.stop(signal.SIGINT)
     assert server.proc.returncode == 0, server.log()[-2000:]
     assert took < 2.0, f"exit took {took:.2f} s:\n{server.log()[-2000:]}"
     assert "stopped while configuring" in server.log()
