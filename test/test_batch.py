@@ -152,8 +152,9 @@ def test_each_output_equals_its_solo_output(batch_runner, tiny_engine, mixed):
     for f, (ids, finish, stats) in zip(factories, together):
         alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f, K)
         assert (ids, finish) == (alone_ids, alone_finish)
-        plain, plain_finish, _ = speculative.generate(tiny_engine.target, f()["prompt_ids"],
-                                                      max_new_tokens=f()["max_new_tokens"], eos_ids=tiny_engine.eos_ids)
+        plain, plain_finish, _ = speculative.generate(tiny_engine.target, speculative.SlotRequest(prompt_ids=f()["prompt_ids"],
+                                                                                                  max_new_tokens=f()["max_new_tokens"],
+                                                                                                  eos_ids=tiny_engine.eos_ids))
         assert (ids, finish) == (plain, plain_finish)
     assert sum(stats.verify_calls for _, _, stats in together) > 0  # the drafters did speculate
 
@@ -202,9 +203,12 @@ def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine, mixed):
                                   join_at=[0, 0, 3, 0, 6], mixed=mixed)
     for f, (ids, finish, stats) in zip(factories, together):
         args = f()
-        alone = speculative.generate(tiny_engine.target, args["prompt_ids"], max_new_tokens=args["max_new_tokens"],
-                                     eos_ids=tiny_engine.eos_ids, drafter=args["drafter"], k=K,
-                                     constraint=args.get("constraint"), forced_drafts=args.get("forced_drafts", False))
+        alone = speculative.generate(tiny_engine.target, speculative.SlotRequest(prompt_ids=args["prompt_ids"],
+                                                                                 max_new_tokens=args["max_new_tokens"],
+                                                                                 eos_ids=tiny_engine.eos_ids,
+                                                                                 drafter=args["drafter"], k=K,
+                                                                                 constraint=args.get("constraint"),
+                                                                                 forced_drafts=args.get("forced_drafts", False)))
         assert (ids, finish) == alone[:2]
         assert (stats.forced, stats.cut, stats.verify_calls) == (alone[2].forced, alone[2].cut, alone[2].verify_calls)
     grammar_ends = [finish for f, (_, finish, _) in zip(factories, together) if "constraint" in f()]
@@ -294,8 +298,9 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
     factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
     together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories], K, join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
-        plain = speculative.generate(single, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
-                                     eos_ids=tiny_engine.eos_ids)
+        plain = speculative.generate(single, speculative.SlotRequest(prompt_ids=f()["prompt_ids"],
+                                                                     max_new_tokens=f()["max_new_tokens"],
+                                                                     eos_ids=tiny_engine.eos_ids))
         assert (ids, finish) == plain[:2]
 
 
@@ -319,8 +324,9 @@ def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engi
                                   join_at=[0, 4, 8, 12], mixed=mixed, k_by_load=table)
     by_k = [0] * K
     for f, (ids, finish, stats) in zip(factories, together):
-        plain = speculative.generate(tiny_engine.target, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
-                                     eos_ids=tiny_engine.eos_ids)
+        plain = speculative.generate(tiny_engine.target, speculative.SlotRequest(prompt_ids=f()["prompt_ids"],
+                                                                                 max_new_tokens=f()["max_new_tokens"],
+                                                                                 eos_ids=tiny_engine.eos_ids))
         assert (ids, finish) == plain[:2]
         if stats.k:
             assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
