@@ -20,13 +20,10 @@ import time
 from pathlib import Path
 
 from spec_edge import config as cfgmod
-from spec_edge.graphs import batch_export
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
-from spec_edge.runtime.tokenizer import Tokenizer
 from spec_edge.tools.prompts import load_prompts
 
 
@@ -40,9 +37,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg = cfgmod.load(args.config)
     table, k = list(cfg.serve.speculate_k_by_load), cfg.speculative.k
-    graph_dir = batch_export.batch_graphs(cfg, print)
-    runner = BatchRunner(graph_dir, cfg.runtime.threads)
-    engine = Engine(cfg, runner, Tokenizer(graph_dir), graph_dir, progress=lambda m: None)
+    engine = Engine.from_config(cfg, print)
+    runner = engine.runner
     prompts = [engine.prompt_ids(GenerateRequest(prompt=p["prompt"]))
                for p in load_prompts(kinds=["edit", "free-form"])]
     policies = {"plain": (0, []), f"k={k}": (k, []), "table": (k, table)}  # table: serve.speculate_k_by_load
@@ -56,10 +52,11 @@ def main() -> None:
             for name in names[r % 3:] + names[:r % 3]:
                 loop_k, loop_table = policies[name]
                 requests = [speculative.SlotRequest(prompt_ids=prompts[i % len(prompts)], max_new_tokens=args.max_new_tokens,
-                                              eos_ids=engine.eos_ids, drafter=NgramDrafter() if loop_k else None)
+                                              eos_ids=engine.eos_ids, k=loop_k,
+                                              drafter=NgramDrafter() if loop_k else None)
                             for i in range(n)]
                 t0 = time.perf_counter()
-                out = speculative.generate_all(runner, requests, loop_k, k_by_load=loop_table)
+                out = speculative.generate_all(runner, requests, k_by_load=loop_table)
                 rates[str(n)][name].append(sum(len(ids) for ids, _, _ in out) / (time.perf_counter() - t0))
                 outputs[name] = [ids for ids, _, _ in out]
                 counts = [stats.verify_calls_by_k for _, _, stats in out] if loop_k else []

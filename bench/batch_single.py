@@ -9,7 +9,6 @@ import argparse
 import statistics
 
 from spec_edge.config import Config
-from spec_edge.runtime.batch_engine import BatchEngine
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.tools.prompts import load_prompts
@@ -24,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = Config()
     engines = {"serial": Engine.from_config(cfg, print),
-               "batched": BatchEngine.from_config(cfg.replace(**{"graphs.batch_slots": args.slots}), print)}
+               "batched": Engine.from_config(cfg.replace(**{"graphs.batch_slots": args.slots}), print)}
     prompts = [p["prompt"] for p in load_prompts(kinds=["edit", "free-form"])][:args.prompts]
     for drafter in ("none", "ngram"):
         rates = {name: [] for name in engines}

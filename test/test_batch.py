@@ -373,6 +373,26 @@ def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
             assert stats.verify_calls_by_k[k - 1] == stats.verify_calls > 0
 
 
+def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_engine):
+    """A k=1 request running into the end of its cache beside a k=3 one: its window is never padded past
+    the cache (it gets a call of its own there), and both answers == the B=1 target-only output."""
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+
+    def draft():
+        return ModelDrafter(OrtRunner(tiny_engine.drafter("draft").runner.graph_dir), name="draft")
+
+    long = prompt_ids(tiny_engine, " ".join([PROMPTS[3]] * 6))[:policy_runner.max_context - 12]
+    short = prompt_ids(tiny_engine, PROMPTS[0])
+    requests = [speculative.SlotRequest(prompt_ids=ids, max_new_tokens=40, eos_ids=(), drafter=draft(), k=k)
+                for ids, k in ((long, 1), (short, K))]
+    together = speculative.generate_all(policy_runner, requests)
+    assert together[0][1] == "context_full"
+    for request, (ids, finish, _) in zip(requests, together):
+        plain = speculative.generate(tiny_engine.target, speculative.SlotRequest(
+            prompt_ids=request.prompt_ids, max_new_tokens=40, eos_ids=()))
+        assert (ids, finish) == plain[:2]
+
+
 def test_tune_occupancy_costs(policy_runner):
     """`spec-edge tune` for the batched node: the ms of calls with 1..B rows of every width, measured
     through a call(rows, width) on the runner."""

@@ -112,7 +112,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     below its position are still the verified ones for the reference."""
     k = 3
     eagle = head_engine.drafter("eagle3")
-    head = eagle.head
+    head = eagle.head.head  # the head under slot 0's view (greedy_chain calls its ingest)
     ingested, seen = [], []  # (rows, position) per ingest call; (seq, draft) per EAGLE-3 draft
     real_ingest, real_propose = head.ingest, eagle.propose
 
@@ -144,7 +144,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     rows, position = ingested[-1]  # the catch-up: every pair from the first draft's pending token on
     assert position == len(first_seq) - 1 and rows == len(seq) - len(first_seq)
     assert rows > max(head.ingest_widths), (rows, head.ingest_widths)
-    fresh = Eagle3Drafter(head_engine.target, head, eagle.columns)
+    fresh = Eagle3Drafter(head_engine.target, eagle.head, eagle.columns)
     fresh.forget()  # from scratch, not from the pairs the run left in the head's cache
     fresh.start(ids)
     reference = fresh.propose(seq, k, Sampler(SamplingParams()))

@@ -131,7 +131,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted (len k)
     # [i]: verify calls that could carry i+1 drafts (the k the load policy chose for the call; len k)
     verify_calls_by_k: list[int] = field(default_factory=list)
-    policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (batched node; in step_calls)
+    policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (in step_calls)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0     # verify + step calls (prefill excluded)
     draft_time_s: float = 0.0
@@ -385,8 +385,18 @@ class BatchLoop:
         if stepping:
             self._call(stepping, self.step_width)
         if verifying:
-            longest = max(len(self.slots[i].draft.tokens) + 1 for i in verifying)
-            self._call(verifying, min(w for w in runner.widths if w >= longest))
+            width = self._width(verifying)
+            # a slot near the end of its cache whose window a wider slot's would push past it: a call of its own
+            cramped = [i for i in verifying if self.slots[i].pos + width > runner.max_context]
+            if len(cramped) < len(verifying):
+                self._call([i for i in verifying if i not in cramped], width)
+            for i in cramped:
+                self._call([i], self._width([i]))
+
+    def _width(self, rows: list[int]) -> int:
+        """The smallest verify graph holding the longest window [pending, drafts] of the slots rows."""
+        longest = max(len(self.slots[i].draft.tokens) + 1 for i in rows)
+        return min(w for w in self.runner.widths if w >= longest)
 
     def _propose(self, slot: _Slot) -> None:
         """slot.draft for this iteration (None: a plain step): grammar-forced tokens, else the drafter's

@@ -216,9 +216,10 @@ def main(cfg, args, progress) -> int:
 
         runner = BatchRunner(batch_graphs(cfg, progress), cfg.runtime.threads)
         call = tune_batch.forward_call(runner)
-        occupancy = tune_batch.occupancy_costs(call, range(1, loads + 1), [runner.step_width] + [k + 1 for k in ks],
+        slots = range(1, runner.batch + 1)  # a load past B (requests queued) keeps the table's last entry
+        occupancy = tune_batch.occupancy_costs(call, slots, [runner.step_width] + [k + 1 for k in ks],
                                                rounds=max(3, args.rounds // 3))
-        table, rates = tune_batch.k_table(occupancy, range(1, loads + 1), ks, runner.step_width, p_accept,
+        table, rates = tune_batch.k_table(occupancy, slots, ks, runner.step_width, p_accept,
                                           n_verify / max(n_verify + n_step, 1))
         why = (f"per {what} ({bound}): the k with the highest expected total tok/s from the measured costs of "
                f"calls with n rows (runner.forward, mixed=group) and this run's acceptance\n"
