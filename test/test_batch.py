@@ -118,6 +118,13 @@ def solo(runner, engine, request_args):
     return speculative.generate_all(runner, [speculative.SlotRequest(**request_args())])[0]
 
 
+def target_only(request_args) -> speculative.SlotRequest:
+    """The same request without speculation (plain greedy steps)."""
+    args = request_args()
+    return speculative.SlotRequest(prompt_ids=args["prompt_ids"], max_new_tokens=args["max_new_tokens"],
+                                   eos_ids=args["eos_ids"])
+
+
 def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None, ks=None):
     """Factories (a drafter keeps state: each run gets a fresh one) for one request per prompt."""
     from spec_edge.runtime.backends.onnxruntime import OrtRunner
@@ -152,9 +159,7 @@ def test_each_output_equals_its_solo_output(batch_runner, tiny_engine):
     for f, (ids, finish, stats) in zip(factories, together):
         alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f)
         assert (ids, finish) == (alone_ids, alone_finish)
-        plain, plain_finish, _ = speculative.generate(tiny_engine.target, speculative.SlotRequest(prompt_ids=f()["prompt_ids"],
-                                                                                                  max_new_tokens=f()["max_new_tokens"],
-                                                                                                  eos_ids=tiny_engine.eos_ids))
+        plain, plain_finish, _ = speculative.generate(tiny_engine.target, target_only(f))
         assert (ids, finish) == (plain, plain_finish)
     assert sum(stats.verify_calls for _, _, stats in together) > 0  # the drafters did speculate
 
@@ -163,7 +168,8 @@ def test_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
     """With sampling each request's tokens depend on its seed only, not on what shares the batch."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     factories = make_requests(tiny_engine, batch_runner, ["ngram", None, "draft"], [20, 20, 20], sampling, [11, 12, 13])
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], join_at=[0, 2, 0])
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 2, 0])
     for f, (ids, _, _) in zip(factories, together):
         assert ids == solo(batch_runner, tiny_engine, f)[0]
     other_seed = make_requests(tiny_engine, batch_runner, ["ngram"], [20], sampling, [99])[0]
@@ -202,12 +208,7 @@ def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine):
                                         join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, stats) in zip(factories, together):
         args = f()
-        alone = speculative.generate(tiny_engine.target, speculative.SlotRequest(prompt_ids=args["prompt_ids"],
-                                                                                 max_new_tokens=args["max_new_tokens"],
-                                                                                 eos_ids=tiny_engine.eos_ids,
-                                                                                 drafter=args["drafter"], k=K,
-                                                                                 constraint=args.get("constraint"),
-                                                                                 forced_drafts=args.get("forced_drafts", False)))
+        alone = speculative.generate(tiny_engine.target, speculative.SlotRequest(**args))
         assert (ids, finish) == alone[:2]
         assert (stats.forced, stats.cut, stats.verify_calls) == (alone[2].forced, alone[2].cut, alone[2].verify_calls)
     grammar_ends = [finish for f, (_, finish, _) in zip(factories, together) if "constraint" in f()]
@@ -295,11 +296,10 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
         filled(batched, tiny_engine, PROMPTS[:SLOTS])
     batched.row_counts = exported
     factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
-    together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories], join_at=[0, 0, 3, 0, 6])
+    together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
-        plain = speculative.generate(single, speculative.SlotRequest(prompt_ids=f()["prompt_ids"],
-                                                                     max_new_tokens=f()["max_new_tokens"],
-                                                                     eos_ids=tiny_engine.eos_ids))
+        plain = speculative.generate(single, target_only(f))
         assert (ids, finish) == plain[:2]
 
 
@@ -320,9 +320,7 @@ def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engi
                                         join_at=[0, 4, 8, 12], k_by_load=table)
     by_k = [0] * K
     for f, (ids, finish, stats) in zip(factories, together):
-        plain = speculative.generate(tiny_engine.target, speculative.SlotRequest(prompt_ids=f()["prompt_ids"],
-                                                                                 max_new_tokens=f()["max_new_tokens"],
-                                                                                 eos_ids=tiny_engine.eos_ids))
+        plain = speculative.generate(tiny_engine.target, target_only(f))
         assert (ids, finish) == plain[:2]
         if stats.k:
             assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
@@ -365,8 +363,7 @@ def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
     together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 2, 3])
     for f, k, (ids, finish, stats) in zip(factories, ks, together):
-        plain = speculative.generate(tiny_engine.target, speculative.SlotRequest(
-            prompt_ids=f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"], eos_ids=tiny_engine.eos_ids))
+        plain = speculative.generate(tiny_engine.target, target_only(f))
         assert (ids, finish) == plain[:2]
         assert stats.k == k and len(stats.verify_calls_by_k) == k and stats.drafted <= k * stats.verify_calls
         if f()["drafter"].name == "draft":  # a draft model proposes at every iteration

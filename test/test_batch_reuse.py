@@ -38,8 +38,8 @@ def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:
 
 
 def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> speculative.SlotRequest:
-    return speculative.SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=eos_ids, k=K, drafter=NgramDrafter(),
-                                   **fields)
+    return speculative.SlotRequest(
+        prompt_ids=ids, max_new_tokens=max_new, eos_ids=eos_ids, k=K, drafter=NgramDrafter(), **fields)
 
 
 def cold_answer(cold, ids, max_new: int = 16, eos_ids: tuple[int, ...] = ()) -> list[int]:

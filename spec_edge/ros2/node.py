@@ -1,4 +1,4 @@
-"""The ROS 2 node: parameters -> Config, requests -> Engine.generate, results -> responses.
+"""The ROS 2 node: parameters -> Config, requests -> the engine (through the worker), results -> responses.
 
 One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 
