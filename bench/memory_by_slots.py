@@ -51,12 +51,8 @@ def child(spec: dict) -> None:
     cfg = cfg.replace(**overrides)
     quiet = print if spec["prepare"] else (lambda message: None)
     started = time.monotonic()
-    if spec["slots"] > 1:
-        from spec_edge.runtime.batch_engine import BatchEngine
-        engine = BatchEngine.from_config(cfg, quiet)
-    else:
-        from spec_edge.runtime.engine import Engine
-        engine = Engine.from_config(cfg, quiet)
+    from spec_edge.runtime.engine import Engine
+    engine = Engine.from_config(cfg, quiet)
     load_s = time.monotonic() - started
     if spec["prepare"]:
         return

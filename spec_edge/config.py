@@ -170,9 +170,9 @@ class ServeSection:
     diagnostics_period_s: float = 1.0
     system_prompt: str = ""           # "" = the model's chat template default
     # the load policy (spec_edge/speculation_policy.py): entry n-1 = the most drafts per verify call at
-    # load n (graphs.batch_slots > 1: occupied slots, every iteration; else: requests queued as a request
-    # starts, itself included), 0 = plain steps; the last entry holds for larger loads; [] = speculative.k
-    # always. Greedy output is the same whatever k runs; `spec-edge tune` writes it from measured costs.
+    # load n (requests in the engine: occupied slots + queued, every iteration), 0 = plain steps; the last
+    # entry holds for larger loads; [] = the request's k always. Greedy output is the same whatever k
+    # runs; `spec-edge tune` writes it from measured costs.
     speculate_k_by_load: tuple[int, ...] = ()
     # keep what a request left in the resident caches (target, draft model, EAGLE-3 / P-EAGLE head): a
     # prompt sharing a prefix with it prefills only the rest; the output is the cold run's (docs/bench.md).

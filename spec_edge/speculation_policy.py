@@ -3,12 +3,10 @@
     serve.speculate_k_by_load: [4, 4, 2, 0]
 
 Entry n-1 is the k at load n, 0 = no speculation (plain steps); a load past the table's end keeps
-its last entry, and [] (the default) is speculative.k at every load. The load is
-
-  - graphs.batch_slots > 1 (runtime/speculative.py): the occupied slots at that iteration, looked up at
-    every iteration, so one request's verify calls can carry different k as others join and leave;
-  - graphs.batch_slots = 1 (runtime/engine.py): the requests in the node's queue as a request starts,
-    itself included (1 = alone), looked up once: the whole request runs at that k.
+its last entry, and [] (the default) is the request's k at every load. The load is the requests in the
+engine: its occupied slots + those waiting in the node's queue (1 = alone), looked up at every iteration
+of the loop (runtime/speculative.py), so one request's verify calls can carry different k as others join
+and leave (Edge-LLM, backends/edgellm.py: looked up once, as a request starts).
 
 An entry is a cap on the request's own k (a request asking k=2 never verifies more than 2 drafts),
 so a value the table chooses is always one of graphs.k_values. Greedy output is the same token for
@@ -33,22 +31,18 @@ def k_at(table: Sequence[int], load: int, k: int) -> int:
 
 
 def max_load(cfg: Any) -> tuple[int, str, str]:
-    """(the largest load the node can see, what it counts, the setting that bounds it) for cfg."""
-    if cfg.graphs.batch_slots > 1:
-        return cfg.graphs.batch_slots, "occupied batch slots", f"graphs.batch_slots={cfg.graphs.batch_slots}"
-    return cfg.serve.queue_limit, "requests queued, itself included", f"serve.queue_limit={cfg.serve.queue_limit}"
+    """(the largest load the node can see, what it counts, the settings that bound it) for cfg."""
+    return (cfg.graphs.batch_slots + cfg.serve.queue_limit, "requests in the engine: occupied slots + queued",
+            f"graphs.batch_slots={cfg.graphs.batch_slots} + serve.queue_limit={cfg.serve.queue_limit}")
 
 
 def check(cfg: Any) -> str | None:
     """What is wrong with cfg's table (the message for ConfigError), or None."""
-    table, g, s = list(cfg.serve.speculate_k_by_load), cfg.graphs, cfg.speculative
+    table, g = list(cfg.serve.speculate_k_by_load), cfg.graphs
     for i, k in enumerate(table):
         if k != 0 and k not in g.k_values:
             return (f"{KEY}[{i}] = {k} (load {i + 1}) has no verify graph: use 0 (no speculation) or one of "
                     f"graphs.k_values {list(g.k_values)}")
-        if g.batch_slots > 1 and k > s.k:
-            return (f"{KEY}[{i}] = {k} (load {i + 1}) would never apply: the batched node verifies at most "
-                    f"speculative.k={s.k} drafts per call; lower the entry or raise speculative.k")
     loads, what, bound = max_load(cfg)
     if len(table) > loads:
         return (f"{KEY} has {len(table)} entries, one per load, but the load ({what}) is at most {bound}: drop "
@@ -75,21 +69,14 @@ def describe(table: Sequence[int]) -> str:
     return "load " + ", ".join(parts)
 
 
-def serial_reason(drafter: str, queued: int, k: int, k_used: int, table: Sequence[int]) -> str:
-    """Why a request of the serial node speculates less than it asked ("" = it runs as asked)."""
-    if drafter == "none" or k_used >= k:
-        return ""
-    what = (f"ran target-only instead of drafter {drafter}" if k_used == 0
-            else f"verified k={k_used} drafts per call instead of k={k} ({drafter})")
-    return f"{queued} requests queued (this one included): {KEY}={list(table)} gives k={k_used}: {what}"
-
-
-def batch_reason(stats: Any, table: Sequence[int], k: int) -> str:
-    """Why a request of the batched node speculated less than it asked ("" = every iteration at k)."""
+def reason(stats: Any, table: Sequence[int]) -> str:
+    """Why a request speculated less than it asked (stats.k) ("" = every verify call at its k, or it did
+    not speculate): its verify calls by k and its plain steps under the policy, from its stats."""
+    k = stats.k
     fewer = sum(stats.verify_calls_by_k[:k - 1]) if k > 1 else 0
-    if not stats.policy_off_steps and not fewer:
+    if not k or (not stats.policy_off_steps and not fewer):
         return ""
     parts = [f"{calls} verify calls at k={i + 1}" for i, calls in enumerate(stats.verify_calls_by_k) if calls]
     if stats.policy_off_steps:
         parts.append(f"{stats.policy_off_steps} plain steps without speculation")
-    return f"by occupied slots, {KEY}={list(table)}: " + ", ".join(parts) + f" (asked k={k})"
+    return f"by load (requests in the engine), {KEY}={list(table)}: " + ", ".join(parts) + f" (asked k={k})"

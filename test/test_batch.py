@@ -113,12 +113,19 @@ def test_subset_calls_equal_b1_rows_and_leave_other_slots_alone(batch_runner, ti
     assert seen == ({1, 4} if rows else {1, 2, 3, 4})
 
 
-def solo(runner, engine, request_args, k):
+def solo(runner, engine, request_args):
     """The request alone in the batched loop."""
-    return speculative.generate_all(runner, [speculative.SlotRequest(**request_args())], k)[0]
+    return speculative.generate_all(runner, [speculative.SlotRequest(**request_args())])[0]
 
 
-def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None):
+def target_only(request_args) -> speculative.SlotRequest:
+    """The same request without speculation (plain greedy steps)."""
+    args = request_args()
+    return speculative.SlotRequest(prompt_ids=args["prompt_ids"], max_new_tokens=args["max_new_tokens"],
+                                   eos_ids=args["eos_ids"])
+
+
+def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None, ks=None):
     """Factories (a drafter keeps state: each run gets a fresh one) for one request per prompt."""
     from spec_edge.runtime.backends.onnxruntime import OrtRunner
 
@@ -133,27 +140,26 @@ def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingPara
     for i, (text, name, max_new) in enumerate(zip(PROMPTS, drafter_names, max_news)):
         def args(text=text, name=name, max_new=max_new, i=i):
             return dict(prompt_ids=prompt_ids(engine, text), max_new_tokens=max_new, eos_ids=engine.eos_ids,
-                        sampling=sampling, seed=None if seeds is None else seeds[i], drafter=drafter(name))
+                        sampling=sampling, seed=None if seeds is None else seeds[i], drafter=drafter(name),
+                        k=K if ks is None else ks[i])
         factories.append(args)
     return factories
 
 
-@pytest.mark.parametrize("mixed", speculative.MIXED)
-def test_each_output_equals_its_solo_output(batch_runner, tiny_engine, mixed):
+def test_each_output_equals_its_solo_output(batch_runner, tiny_engine):
     """Five requests (mixed drafters and lengths) over four slots, two joining mid-stream and one
     reusing a freed slot, so calls run 1 to 4 rows: each == the same request alone, and greedy == B=1
     target-only."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "draft", None, "ngram", None], [40, 12, 30, 25, 20])
     calls = dict(batch_runner.calls)
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K,
-                                  join_at=[0, 0, 5, 0, 3], mixed=mixed)
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 0, 5, 0, 3])
     used = {key for key, count in batch_runner.calls.items() if count > calls.get(key, 0)}
     assert {rows for _, rows in used} == {1, 2, 3, 4}, used
     for f, (ids, finish, stats) in zip(factories, together):
-        alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f, K)
+        alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f)
         assert (ids, finish) == (alone_ids, alone_finish)
-        plain, plain_finish, _ = speculative.generate(tiny_engine.target, f()["prompt_ids"],
-                                                      max_new_tokens=f()["max_new_tokens"], eos_ids=tiny_engine.eos_ids)
+        plain, plain_finish, _ = speculative.generate(tiny_engine.target, target_only(f))
         assert (ids, finish) == (plain, plain_finish)
     assert sum(stats.verify_calls for _, _, stats in together) > 0  # the drafters did speculate
 
@@ -162,11 +168,12 @@ def test_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
     """With sampling each request's tokens depend on its seed only, not on what shares the batch."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     factories = make_requests(tiny_engine, batch_runner, ["ngram", None, "draft"], [20, 20, 20], sampling, [11, 12, 13])
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K, join_at=[0, 2, 0])
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 2, 0])
     for f, (ids, _, _) in zip(factories, together):
-        assert ids == solo(batch_runner, tiny_engine, f, K)[0]
+        assert ids == solo(batch_runner, tiny_engine, f)[0]
     other_seed = make_requests(tiny_engine, batch_runner, ["ngram"], [20], sampling, [99])[0]
-    assert solo(batch_runner, tiny_engine, other_seed, K)[0] != together[0][0]
+    assert solo(batch_runner, tiny_engine, other_seed)[0] != together[0][0]
 
 
 GUIDED = [("regex", r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."),
@@ -192,19 +199,16 @@ def guided_requests(engine, sampling=SamplingParams(), seeds=None):
     return [with_grammar(f, grammar, forced) for f, (_, grammar, forced) in zip(base, plan)]
 
 
-@pytest.mark.parametrize("mixed", speculative.MIXED)
-def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine, mixed):
+def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine):
     """Guided decoding per slot: five requests (grammars, forced drafts, drafters mixed) over four slots,
     joining mid-stream: each greedy output == the same request through the B=1 loop (speculative.generate)
     token for token, and the grammar-forced and cut drafts were in play."""
     factories = guided_requests(tiny_engine)
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K,
-                                  join_at=[0, 0, 3, 0, 6], mixed=mixed)
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, stats) in zip(factories, together):
         args = f()
-        alone = speculative.generate(tiny_engine.target, args["prompt_ids"], max_new_tokens=args["max_new_tokens"],
-                                     eos_ids=tiny_engine.eos_ids, drafter=args["drafter"], k=K,
-                                     constraint=args.get("constraint"), forced_drafts=args.get("forced_drafts", False))
+        alone = speculative.generate(tiny_engine.target, speculative.SlotRequest(**args))
         assert (ids, finish) == alone[:2]
         assert (stats.forced, stats.cut, stats.verify_calls) == (alone[2].forced, alone[2].cut, alone[2].verify_calls)
     grammar_ends = [finish for f, (_, finish, _) in zip(factories, together) if "constraint" in f()]
@@ -216,17 +220,17 @@ def test_guided_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
     """Seeded sampling under grammars: each request's tokens in a busy batch == the same request alone."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     factories = guided_requests(tiny_engine, sampling, [21, 22, 23, 24, 25])
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories], K,
-                                  join_at=[0, 2, 0, 4, 1])
+    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 2, 0, 4, 1])
     for f, (ids, finish, _) in zip(factories, together):
-        assert (ids, finish) == solo(batch_runner, tiny_engine, f, K)[:2]
+        assert (ids, finish) == solo(batch_runner, tiny_engine, f)[:2]
 
 
 def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     """A cancelled request leaves at the next iteration boundary and its slot is reused; with a load
     policy of no drafts at two occupied slots no draft is verified, and greedy output stays the same."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "ngram", "ngram"], [40, 40, 40])
-    loop = speculative.BatchLoop(batch_runner, K, k_by_load=[K, 0])
+    loop = speculative.BatchLoop(batch_runner, k_by_load=[K, 0])
     done = {}
     requests = [speculative.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
@@ -241,7 +245,7 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     assert loop.add(requests[2]) == 2  # a slot never taken before the freed one (its record is kept)
     loop.run()
     for i in (1, 2):
-        assert done[i][0] == solo(batch_runner, tiny_engine, factories[i], K)[0]
+        assert done[i][0] == solo(batch_runner, tiny_engine, factories[i])[0]
 
 
 def test_batch_slots_config(tiny_cfg):
@@ -292,10 +296,10 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
         filled(batched, tiny_engine, PROMPTS[:SLOTS])
     batched.row_counts = exported
     factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
-    together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories], K, join_at=[0, 0, 3, 0, 6])
+    together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
-        plain = speculative.generate(single, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
-                                     eos_ids=tiny_engine.eos_ids)
+        plain = speculative.generate(single, target_only(f))
         assert (ids, finish) == plain[:2]
 
 
@@ -308,21 +312,17 @@ def policy_runner(tiny_cfg):
     return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
 
 
-@pytest.mark.parametrize("mixed", speculative.MIXED)
-def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine, mixed):
+def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine):
     """serve.speculate_k_by_load in the loop: k=3 alone, 2 with two slots occupied, none with three; the
     drafts are cut to that k and verified in its graph; every greedy output == its solo output == the
     B=1 target-only output, whatever k its iterations ran at; the stats count the verify calls by k."""
     table = [K, 2, 0]
-    loop = speculative.BatchLoop(policy_runner, K, k_by_load=table)
-    assert loop.k_now() == K  # empty: the table's first entry
     factories = make_requests(tiny_engine, policy_runner, ["draft", "ngram", "draft", "draft"], [40, 12, 30, 25])
-    together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories], K,
-                                  join_at=[0, 4, 8, 12], mixed=mixed, k_by_load=table)
+    together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 4, 8, 12], k_by_load=table)
     by_k = [0] * K
     for f, (ids, finish, stats) in zip(factories, together):
-        plain = speculative.generate(tiny_engine.target, f()["prompt_ids"], max_new_tokens=f()["max_new_tokens"],
-                                     eos_ids=tiny_engine.eos_ids)
+        plain = speculative.generate(tiny_engine.target, target_only(f))
         assert (ids, finish) == plain[:2]
         if stats.k:
             assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
@@ -336,16 +336,60 @@ def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engi
 
 
 def test_load_policy_needs_the_graphs(batch_runner, policy_runner, tiny_engine):
+    """A request is refused as it joins when a k the policy can give it has no verify graph; the load is
+    the occupied slots + what waits in the caller's queue, and each slot's k is capped by its own."""
+    from spec_edge import speculation_policy
     from spec_edge.runtime.backends.base import BackendError
 
+    (args,) = make_requests(tiny_engine, batch_runner, ["ngram"], [4])
     with pytest.raises(BackendError, match="k=2"):
-        speculative.BatchLoop(batch_runner, K, k_by_load=[K, 2])  # exported for k = 3 only
-    loop = speculative.BatchLoop(policy_runner, 2, k_by_load=[K, 1, 0])  # entries above the loop's k are capped
+        speculative.BatchLoop(batch_runner, k_by_load=[K, 2]).add(speculative.SlotRequest(**args()))  # k = 3 only
+    loop = speculative.BatchLoop(policy_runner, k_by_load=[K, 1, 0])
     ks = []
-    for request in make_requests(tiny_engine, policy_runner, ["ngram"] * SLOTS, [4] * SLOTS):
+    for request in make_requests(tiny_engine, policy_runner, ["ngram"] * SLOTS, [4] * SLOTS, ks=[2] * SLOTS):
         loop.add(speculative.SlotRequest(**request()))
-        ks.append(loop.k_now())
-    assert ks == [2, 1] + [0] * (SLOTS - 2)  # the last entry holds for larger loads
+        ks.append(speculation_policy.k_at(loop.k_by_load, loop.load, 2))
+    assert ks == [2, 1] + [0] * (SLOTS - 2)  # entries above a request's k are capped; the last holds
+    loop.clear()
+    loop.add(speculative.SlotRequest(**make_requests(tiny_engine, policy_runner, ["ngram"], [4])[0]()))
+    loop.waiting = 1
+    assert loop.load == 2 and speculation_policy.k_at(loop.k_by_load, loop.load, K) == 1
+
+
+def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
+    """Requests asking k = 3, 1, 2 and 3 share the batch: each verify call of a slot carries at most its
+    own k (its stats count them at that k), and every greedy output == the B=1 target-only output."""
+    ks = [K, 1, 2, K]
+    factories = make_requests(tiny_engine, policy_runner, ["draft", "draft", "draft", "ngram"], [30, 25, 20, 15],
+                              ks=ks)
+    together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
+                                        join_at=[0, 0, 2, 3])
+    for f, k, (ids, finish, stats) in zip(factories, ks, together):
+        plain = speculative.generate(tiny_engine.target, target_only(f))
+        assert (ids, finish) == plain[:2]
+        assert stats.k == k and len(stats.verify_calls_by_k) == k and stats.drafted <= k * stats.verify_calls
+        if f()["drafter"].name == "draft":  # a draft model proposes at every iteration
+            assert stats.verify_calls_by_k[k - 1] == stats.verify_calls > 0
+
+
+def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_engine):
+    """A k=1 request running into the end of its cache beside a k=3 one: its window is never padded past
+    the cache (it gets a call of its own there), and both answers == the B=1 target-only output."""
+    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+
+    def draft():
+        return ModelDrafter(OrtRunner(tiny_engine.drafter("draft").runner.graph_dir), name="draft")
+
+    long = prompt_ids(tiny_engine, " ".join([PROMPTS[3]] * 6))[:policy_runner.max_context - 12]
+    short = prompt_ids(tiny_engine, PROMPTS[0])
+    requests = [speculative.SlotRequest(prompt_ids=ids, max_new_tokens=40, eos_ids=(), drafter=draft(), k=k)
+                for ids, k in ((long, 1), (short, K))]
+    together = speculative.generate_all(policy_runner, requests)
+    assert together[0][1] == "context_full"
+    for request, (ids, finish, _) in zip(requests, together):
+        plain = speculative.generate(tiny_engine.target, speculative.SlotRequest(
+            prompt_ids=request.prompt_ids, max_new_tokens=40, eos_ids=()))
+        assert (ids, finish) == plain[:2]
 
 
 def test_tune_occupancy_costs(policy_runner):

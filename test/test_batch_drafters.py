@@ -1,5 +1,5 @@
 """Per-slot drafters in the batched node (graphs.batch_slots > 1) on tiny random models and random heads:
-every request through the BatchEngine, beside other slots busy with other prompts and drafters and
+every request through the Engine's batched loop, beside other slots busy with other prompts and drafters and
 joining mid-stream, answers exactly what it answers alone through the B=1 Engine (token for token, and
 the same drafts: the same drafted / accepted counts), for draft, eagle3, hybrid, medusa and peagle,
 greedy and seeded sampling; the batched graphs return the B=1 graphs' hidden states bit for bit per
@@ -37,12 +37,11 @@ def heads_cfg(tiny_cfg, tiny_models):
 
 @pytest.fixture(scope="module")
 def engines(heads_cfg):
-    """(BatchEngine over 3 slots, the B=1 Engine) of the same profile."""
-    from spec_edge.runtime.batch_engine import BatchEngine
+    """(the Engine over 3 slots, the B=1 Engine) of the same profile."""
     from spec_edge.runtime.engine import Engine
 
     quiet = lambda message: None  # noqa: E731
-    return (BatchEngine.from_config(heads_cfg.replace(**{"graphs.batch_slots": SLOTS}), quiet),
+    return (Engine.from_config(heads_cfg.replace(**{"graphs.batch_slots": SLOTS}), quiet),
             Engine.from_config(heads_cfg, quiet))
 
 
@@ -151,9 +150,9 @@ def test_slot_records_are_reused_on_the_same_slot(engines):
     from spec_edge.runtime.speculative import BatchLoop
 
     batched, alone = engines
-    loop = BatchLoop(batched.loop.runner, K, reuse=True)
+    loop = BatchLoop(batched.loop.runner, reuse=True)
     loop.clear()
-    views = batched.slot_drafters
+    views = batched._drafters
     for name in ("draft", "eagle3", "peagle"):
         request = GenerateRequest(prompt=PROMPTS[3], max_new_tokens=16, drafter=name, k=K)
         (first,), (again,) = run_batched(batched, [request], [0], loop), run_batched(batched, [request], [0], loop)
@@ -161,17 +160,18 @@ def test_slot_records_are_reused_on_the_same_slot(engines):
         assert first.token_ids == again.token_ids == answer, name
         assert again.stats.prompt_tokens_reused > 0 and again.stats.drafted > 0
         slot = max(range(SLOTS), key=lambda b: len(loop.runner.held[b]))
-        record = (views._draft[slot] if name == "draft" else views._heads[name][slot]).held
+        record = (views.draft[slot] if name == "draft" else views._heads[name][slot]).held
         assert len(record) > len(first.token_ids)  # the prompt and the answer's rows, as it left
     loop.clear()
 
 
 def test_layerskip_refused_with_batch_slots(engines, heads_cfg):
-    from spec_edge.runtime.batch_engine import BatchEngine
+    from spec_edge.config import ConfigError
+    from spec_edge.runtime.engine import Engine
 
     batched, _ = engines
     for check in (batched.start, batched.validate):  # validate: the node refuses it before it is queued
         with pytest.raises(RequestError, match="layerskip .*graphs.batch_slots: 1"):
             check(GenerateRequest(prompt="Move the arm", drafter="layerskip", k=K))
-    with pytest.raises(RequestError, match="speculative.drafter: drafter layerskip"):
-        BatchEngine.from_config(heads_cfg.replace(**{"graphs.batch_slots": SLOTS, "speculative.drafter": "layerskip"}))
+    with pytest.raises(ConfigError, match="speculative.drafter: drafter layerskip needs the target's first-n-layer"):
+        Engine.from_config(heads_cfg.replace(**{"graphs.batch_slots": SLOTS, "speculative.drafter": "layerskip"}))

@@ -2,7 +2,7 @@
 each slot keeps a record of what its cache region holds; a request goes to the free slot sharing the
 longest prefix with its prompt (ties: the least recently taken), prefills only the rest, and answers exactly
 what it answers cold, alone or beside others; after a cancel the record is kept, after a failure
-every record is emptied; BatchEngine.warm prefills the system prompt's chat prefix into every slot."""
+every record is emptied; Engine.warm prefills the system prompt's chat prefix into every slot."""
 from __future__ import annotations
 
 import pytest
@@ -21,10 +21,10 @@ TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the batt
 
 @pytest.fixture(scope="module")
 def engine(tiny_cfg):
-    """A BatchEngine over the tiny batched graphs (test_batch's folder), serve.reuse_prefix on."""
-    from spec_edge.runtime.batch_engine import BatchEngine
+    """The Engine over the tiny batched graphs (test_batch's folder), serve.reuse_prefix on."""
+    from spec_edge.runtime.engine import Engine
 
-    return BatchEngine.from_config(batch_cfg(tiny_cfg), progress=lambda message: None)
+    return Engine.from_config(batch_cfg(tiny_cfg), progress=lambda message: None)
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +38,13 @@ def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:
 
 
 def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> speculative.SlotRequest:
-    return speculative.SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=eos_ids, drafter=NgramDrafter(), **fields)
+    return speculative.SlotRequest(
+        prompt_ids=ids, max_new_tokens=max_new, eos_ids=eos_ids, k=K, drafter=NgramDrafter(), **fields)
 
 
 def cold_answer(cold, ids, max_new: int = 16, eos_ids: tuple[int, ...] = ()) -> list[int]:
     cold.held = [()] * SLOTS
-    ids_out, _, stats = speculative.generate_all(cold, [request(ids, max_new, eos_ids)], K)[0]
+    ids_out, _, stats = speculative.generate_all(cold, [request(ids, max_new, eos_ids)])[0]
     assert stats.prompt_tokens_reused == 0
     return ids_out
 
@@ -53,7 +54,7 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     record shares most of its prompt (ties: the least recently taken), prefills only from there, and equals
     its cold answer; reuse=False (serve.reuse_prefix off) makes every request cold, lowest free slot."""
     runner = engine.loop.runner
-    loop = speculative.BatchLoop(runner, K, reuse=True)
+    loop = speculative.BatchLoop(runner, reuse=True)
     loop.clear()  # every record empty
     p = [ids_of(engine, turn) for turn in TURNS]
     answers: dict = {}
@@ -80,11 +81,11 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     loop.run()
     for key, ids in (("a", p[0]), ("b", p[1]), ("c", p[2]), ("c2", p[2]), ("b2", p[1]), ("d", p[3]), ("tie", tie)):
         assert answers[key][0] == cold_answer(cold, ids), key
-    off = speculative.BatchLoop(runner, K, reuse=False)
+    off = speculative.BatchLoop(runner, reuse=False)
     assert off.add(request(p[2])) == 0  # slot 1 holds p[2], but reuse is off
     off.run()
     assert runner.held[0][:len(p[2])] == tuple(p[2])
-    cold_run = speculative.generate_all(runner, [request(p[2])], K)[0]  # reuse=False
+    cold_run = speculative.generate_all(runner, [request(p[2])])[0]  # reuse=False
     assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"][0]
 
 
@@ -93,14 +94,14 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     cold); an exception inside an iteration (here: the client's stream callback) empties every
     record, so the next requests run cold."""
     runner = engine.loop.runner
-    loop = speculative.BatchLoop(runner, K, reuse=True)
+    loop = speculative.BatchLoop(runner, reuse=True)
     loop.clear()
     ids = ids_of(engine, TURNS[0])
     cut = request(ids, 40, cancel=lambda: "cancelled" if loop.iterations > 5 else None)
     slot = loop.add(cut)
     loop.run()
     assert len(runner.held[slot]) > len(ids)  # prompt + the tokens fed before the cancel
-    after = speculative.generate_all(runner, [request(ids)], K, reuse=True)[0]
+    after = speculative.generate_all(runner, [request(ids)], reuse=True)[0]
     assert after[2].prompt_tokens_reused == len(ids) - 1 and after[0] == cold_answer(cold, ids)
 
     def fail(tokens):
@@ -112,12 +113,12 @@ def test_after_cancel_and_after_a_failure(engine, cold):
         loop.run()
     assert runner.held == [()] * SLOTS
     loop.clear()
-    again = speculative.generate_all(runner, [request(ids)], K, reuse=True)[0]
+    again = speculative.generate_all(runner, [request(ids)], reuse=True)[0]
     assert again[2].prompt_tokens_reused == 0 and again[0] == cold_answer(cold, ids)
 
 
 def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
-    """BatchEngine.warm: every slot holds the system prompt's chat prefix (the same bytes in every
+    """Engine.warm: every slot holds the system prompt's chat prefix (the same bytes in every
     region); requests through the engine, alone and four at once, reuse it and answer as cold ones."""
     n = engine.warm(SYSTEM)
     runner = engine.loop.runner

@@ -59,6 +59,7 @@ def test_eagle3_greedy_second_head_k3(tiny_models, tiny_cfg):
 class FakeHead:
     """Records what the drafter feeds the head; drafts draft-id 1, 2, 3 ... (target ids via map)."""
     max_context = 64
+    held: tuple[int, ...] = ()
 
     def __init__(self):
         self.draft_ids = np.arange(10) * 2  # draft id d -> target id 2d
@@ -71,6 +72,14 @@ class FakeHead:
     def step(self, token, hidden, position):
         self.calls.append(("step", token, position))
         return np.eye(10, dtype=np.float32)[len(self.calls) % 10], hidden
+
+    def greedy_chain(self, tokens, hidden, position, k):  # as ort_heads.OrtEagle3Head.greedy_chain
+        logits, own = self.ingest(tokens, hidden, position)
+        ids = [int(self.draft_ids[int(np.argmax(logits))])]
+        for i in range(k - 1):
+            logits, own = self.step(ids[-1], own, position + len(tokens) + i)
+            ids.append(int(self.draft_ids[int(np.argmax(logits))]))
+        return np.asarray(ids, np.int64)
 
 
 def test_eagle3_drafter_bookkeeping():
@@ -119,7 +128,7 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
     hidden = rng.standard_normal((width, 3 * hcfg.target_hidden_size)).astype(np.float32)
     k_cache = rng.standard_normal((1, hcfg.n_kv_heads, S, hcfg.head_dim)).astype(np.float32)
     v_cache = rng.standard_normal((1, hcfg.n_kv_heads, S, hcfg.head_dim)).astype(np.float32)
-    embed = head_engine.drafter("eagle3").head.embed_table
+    embed = head_engine.drafter("eagle3").head.head.embed_table  # the head under slot 0's view
     feeds = {"tokens": tokens, "hidden": hidden, "position": np.array([7]), "last_index": np.array([3]),
              "k_cache": k_cache, "v_cache": v_cache, "embed_table": np.asarray(embed)}
     got = ort_session(head_dir / f"eagle3_ingest_{width}.onnx").run(None, feeds)
@@ -139,7 +148,7 @@ def test_fused_head_matches_exported_head(head_engine):
     exported = export.artifact_dir(head_engine.cfg, "eagle3")
     fused = ort_attention.ensure_fused(exported, progress=lambda m: None,
                                        geometry=eagle3_export.read_head_config(exported).as_model_config())
-    embed = head_engine.drafter("eagle3").head.embed_table
+    embed = head_engine.drafter("eagle3").head.head.embed_table  # the head under slot 0's view
     heads = [OrtEagle3Head(folder, embed) for folder in (exported, fused)]
     assert not heads[0].fused and heads[1].fused
     rng = np.random.default_rng(1)
@@ -171,7 +180,7 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     from spec_edge.graphs import export, ort_attention, quantize
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
-    running = head_engine.drafter("eagle3").head
+    running = head_engine.drafter("eagle3").head.head  # the head under slot 0's view
     assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
     exported = export.artifact_dir(head_engine.cfg, "eagle3")
     fp32_dir = ort_attention.ensure_fused(exported, progress=lambda m: None,

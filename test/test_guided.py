@@ -30,9 +30,9 @@ PROMPTS = ["Move the arm to the left", "The robot picks up the red box and place
 
 
 def constrained(engine, prompt_ids, drafter, k, kind, text, forced=False, max_new=60, **kw):
-    return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids,
-                                drafter=drafter, k=k, constraint=engine.grammars.constraint(kind, text),
-                                forced_drafts=forced, **kw)
+    return speculative.generate(engine.target, speculative.SlotRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k,
+        constraint=engine.grammars.constraint(kind, text), forced_drafts=forced, **kw))
 
 
 def make_drafter(engine, self_runner, name):
@@ -191,9 +191,9 @@ def test_constrained_sampling_follows_the_constrained_target(tiny_engine):
     n = 600
     drafter = ModelDrafter(OrtRunner(tiny_engine.graph_dir), name="self")  # samples from the unmasked target
     for seed in range(n):
-        ids, _, stats = speculative.generate(tiny_engine.target, prompt_ids, max_new_tokens=3, eos_ids=(),
-                                             sampling=params, seed=seed, drafter=drafter, k=3,
-                                             constraint=tiny_engine.grammars.constraint("regex", regex))
+        ids, _, stats = speculative.generate(tiny_engine.target, speculative.SlotRequest(
+            prompt_ids=prompt_ids, max_new_tokens=3, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=3,
+            constraint=tiny_engine.grammars.constraint("regex", regex)))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
         drafted, cut, accepted = drafted + stats.drafted, cut + stats.cut, accepted + stats.accepted
     assert drafted > 0 and cut > 0 and accepted > 0  # speculation, cut drafts and accepted drafts all happened

@@ -30,8 +30,8 @@ def head_engine(tiny_models, tiny_cfg):
 
 def run(engine, drafter, prompt, k, max_new=48, **kwargs):
     ids = engine.tokenizer.encode(prompt)
-    out, _, stats = speculative.generate(engine.target, ids, max_new_tokens=max_new, eos_ids=engine.eos_ids,
-                                         drafter=drafter, k=k, **kwargs)
+    out, _, stats = speculative.generate(engine.target, speculative.SlotRequest(
+        prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k, **kwargs))
     return ids, out, stats
 
 
@@ -110,7 +110,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     below its position are still the verified ones for the reference."""
     k = 3
     eagle = head_engine.drafter("eagle3")
-    head = eagle.head
+    head = eagle.head.head  # the head under slot 0's view (greedy_chain calls its ingest)
     ingested, seen = [], []  # (rows, position) per ingest call; (seq, draft) per EAGLE-3 draft
     real_ingest, real_propose = head.ingest, eagle.propose
 
@@ -128,9 +128,9 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     drafter = HybridDrafter(Gap(30, len(ids), want), eagle)
     head.ingest, eagle.propose = ingest, propose
     try:
-        out, finish, stats = speculative.generate(head_engine.target, ids, max_new_tokens=100,
-                                                  eos_ids=head_engine.eos_ids, drafter=drafter, k=k,
-                                                  cancel=lambda: "cut" if len(seen) >= 2 else None)
+        out, finish, stats = speculative.generate(head_engine.target, speculative.SlotRequest(
+            prompt_ids=ids, max_new_tokens=100, eos_ids=head_engine.eos_ids, drafter=drafter, k=k,
+            cancel=lambda: "cut" if len(seen) >= 2 else None))
     finally:
         head.ingest, eagle.propose = real_ingest, real_propose
     assert finish == "cut" and out == want[:len(out)]
@@ -140,7 +140,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     rows, position = ingested[-1]  # the catch-up: every pair from the first draft's pending token on
     assert position == len(first_seq) - 1 and rows == len(seq) - len(first_seq)
     assert rows > max(head.ingest_widths), (rows, head.ingest_widths)
-    fresh = Eagle3Drafter(head_engine.target, head, eagle.columns)
+    fresh = Eagle3Drafter(head_engine.target, eagle.head, eagle.columns)
     fresh.forget()  # from scratch, not from the pairs the run left in the head's cache
     fresh.start(ids)
     reference = fresh.propose(seq, k, Sampler(SamplingParams()))

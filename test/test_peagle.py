@@ -57,6 +57,7 @@ class FakeHead:
     """Records what the drafter feeds the head; draft row i gives draft id i + 1 (target id 2(i + 1))."""
     max_context = 64
     draft_widths = [1, 3]
+    held: tuple[int, ...] = ()
 
     def __init__(self):
         self.draft_ids = np.arange(10) * 2
@@ -112,7 +113,7 @@ def test_peagle_graphs_static_and_match_torch(peagle_engine):
     rng = np.random.default_rng(0)
     S = peagle_engine.cfg.graphs.max_context
     cache = rng.standard_normal((2, 1, hcfg.n_kv_heads, S, hcfg.head_dim)).astype(np.float32)
-    embed = np.asarray(peagle_engine.drafter("peagle").head.embed_table)
+    embed = np.asarray(peagle_engine.drafter("peagle").head.head.embed_table)  # under slot 0's view
     feeds = {"tokens": np.array([[17]]), "hidden": rng.standard_normal((1, 3 * hcfg.target_hidden_size)).astype(np.float32),
              "position": np.array([9]), "k_cache": cache[0], "v_cache": cache[1], "embed_table": embed}
 

@@ -30,14 +30,14 @@ def engine():
 
 
 def answer(engine, reuse: bool, request: GenerateRequest):
-    engine.cfg = engine.cfg.replace(**{"serve.reuse_prefix": reuse})
+    engine.loop.reuse = reuse  # serve.reuse_prefix, as the loop holds it
     return engine.generate(request)
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_dialog_reused_equals_cold(engine, system):
     history = (("system", system),)
-    engine.cfg = engine.cfg.replace(**{"serve.reuse_prefix": True})
+    engine.loop.reuse = True
     engine.warm(system)  # the first turn reuses the system prompt too
     for turn in TURNS:
         request = GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16)
@@ -51,17 +51,14 @@ def test_dialog_reused_equals_cold(engine, system):
         finally:
             engine.target.held = ()  # the rule's reference prefill rewrote the cache
         history = request.messages + (("assistant", cold.text),)
-        engine.cfg = engine.cfg.replace(**{"serve.reuse_prefix": True})
-        engine.generate(request)  # the next turn reuses a reused run's rows, not the cold run's
+        answer(engine, True, request)  # the next turn reuses a reused run's rows, not the cold run's
 
 
 @pytest.fixture(scope="module")
 def batch_engine():
     """The batched engine (graphs.batch_slots 2: per-slot prefix reuse) over the same default profile."""
-    from spec_edge.runtime.batch_engine import BatchEngine
-
     cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.batch_slots": 2})
-    return BatchEngine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
 def test_batched_dialogs_reused_equal_cold(engine, batch_engine):

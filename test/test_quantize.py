@@ -224,10 +224,11 @@ def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
     self_drafter = ModelDrafter(OrtRunner(tiny_q4.graph_dir), name="self")
     for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
         ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
-        plain, _, _ = speculative.generate(tiny_q4, ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids)
+        plain, _, _ = speculative.generate(tiny_q4, speculative.SlotRequest(
+            prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids))
         for drafter, k in ((NgramDrafter(), 4), (self_drafter, 3), (self_drafter, 7)):
-            spec, _, stats = speculative.generate(tiny_q4, ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids,
-                                                  drafter=drafter, k=k)
+            spec, _, stats = speculative.generate(tiny_q4, speculative.SlotRequest(
+                prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, drafter=drafter, k=k))
             assert spec == plain, (prompt, drafter.name, k)
             if drafter is self_drafter:
                 assert stats.acceptance_rate == 1.0, (prompt, k, stats)

@@ -123,9 +123,10 @@ def test_q4_carries_every_linear_layer(engine):
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     edit = engine.prompt_ids(GenerateRequest(prompt=EDIT))
-    plain, _, _ = speculative.generate(q4, edit, max_new_tokens=40, eos_ids=engine.eos_ids)
-    spec, _, stats = speculative.generate(q4, edit, max_new_tokens=40, eos_ids=engine.eos_ids,
-                                          drafter=NgramDrafter(), k=4)
+    plain, _, _ = speculative.generate(q4, speculative.SlotRequest(
+        prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids))
+    spec, _, stats = speculative.generate(q4, speculative.SlotRequest(
+        prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids, drafter=NgramDrafter(), k=4))
     assert spec == plain and stats.accepted > 0
 
 

@@ -1,5 +1,5 @@
-"""serve.speculate_k_by_load: the k per load (speculation_policy.py), its config checks, and the serial
-engine under it: a smaller k or target-only as the queue deepens, the same greedy output."""
+"""serve.speculate_k_by_load: the k per load (speculation_policy.py), its config checks, and the engine
+under it: a smaller k or target-only as the load (occupied slots + queued) grows, the same greedy output."""
 from __future__ import annotations
 
 import pytest
@@ -19,21 +19,26 @@ def test_k_at_load():
     assert policy.describe([4, 4, 2, 0]) == "load k=4 at 1-2, k=2 at 3, none from 4"
 
 
-def test_reasons():
-    assert policy.serial_reason("ngram", 3, 4, 4, [4]) == ""
-    assert policy.serial_reason("none", 9, 4, 0, [4, 0]) == ""  # it did not ask to speculate
-    off = policy.serial_reason("ngram", 3, 4, 0, [4, 2, 0])
-    assert "3 requests queued" in off and "speculate_k_by_load=[4, 2, 0]" in off and "target-only" in off
-    assert "k=2 drafts per call instead of k=4" in policy.serial_reason("ngram", 2, 4, 2, [4, 2, 0])
+def test_reason():
+    from spec_edge.runtime.speculative import Stats
+
+    def stats(k, by_k, off=0):
+        return Stats(k=k, verify_calls_by_k=by_k, policy_off_steps=off)
+
+    assert policy.reason(stats(4, [0, 0, 0, 5]), [4]) == ""  # every verify call at its k
+    assert policy.reason(stats(0, [], 0), [4, 0]) == ""  # it did not ask to speculate
+    off = policy.reason(stats(4, [0, 0, 0, 0], 9), [4, 2, 0])
+    assert "speculate_k_by_load=[4, 2, 0]" in off and "9 plain steps without speculation" in off and "asked k=4" in off
+    fewer = policy.reason(stats(4, [0, 3, 0, 2]), [4, 2, 0])
+    assert "3 verify calls at k=2" in fewer and "2 verify calls at k=4" in fewer
 
 
 @pytest.mark.parametrize("params,message", [
     ({"serve.speculate_k_by_load": [4, 3]}, r"\[1\] = 3 \(load 2\) has no verify graph"),
     ({"serve.speculate_k_by_load": [4, -1]}, r"\[1\] = -1"),
-    ({"serve.speculate_k_by_load": [4] * 9}, "9 entries, one per load, .* serve.queue_limit=8: drop the last 1"),
-    ({"serve.speculate_k_by_load": [4] * 5, "graphs.batch_slots": 4}, "at most graphs.batch_slots=4"),
-    ({"serve.speculate_k_by_load": [4, 2], "graphs.k_values": [2, 4], "speculative.k": 2, "graphs.batch_slots": 4},
-     r"\[0\] = 4 \(load 1\) would never apply"),
+    ({"serve.speculate_k_by_load": [4] * 10},
+     r"10 entries, one per load, .* graphs.batch_slots=1 \+ serve.queue_limit=8: drop the last 1"),
+    ({"serve.speculate_k_by_load": [4] * 13, "graphs.batch_slots": 4}, r"batch_slots=4 \+ serve.queue_limit=8"),
     ({"serve.speculate_max_queue": 2}, r"speculate_max_queue is gone.*serve.speculate_k_by_load: \[4, 4, 0\]"),
     ({"serve.speculate_max_queue": 0}, r"speculate_max_queue: 0 is serve.speculate_k_by_load: \[\]"),
 ])
@@ -45,14 +50,16 @@ def test_config_refuses(params, message):
 def test_config_accepts():
     cfg = Config().replace(**{"graphs.k_values": [2, 4], "serve.speculate_k_by_load": [4, 4, 2, 0, 0, 0, 0, 0]})
     assert cfg.serve.speculate_k_by_load == (4, 4, 2, 0, 0, 0, 0, 0)
-    # the serial node: an entry above speculative.k applies to requests that ask for that k
+    # an entry above speculative.k applies to requests that ask for that k (any batch_slots)
     assert Config().replace(**{"graphs.k_values": [4, 7], "serve.speculate_k_by_load": [7, 4]})
+    assert Config().replace(**{"graphs.k_values": [2, 4], "speculative.k": 2, "graphs.batch_slots": 4,
+                               "serve.speculate_k_by_load": [4, 2]})
     assert Config().serve.speculate_k_by_load == ()
 
 
 def _engine(tiny_engine, table) -> Engine:
-    return Engine(tiny_engine.cfg.replace(**{"serve.speculate_k_by_load": table}), tiny_engine.target,
-                  tiny_engine.tokenizer, tiny_engine.graph_dir, progress=lambda message: None)
+    return Engine(tiny_engine.cfg.replace(**{"serve.speculate_k_by_load": table}), tiny_engine.runner,
+                  tiny_engine.targets, tiny_engine.tokenizer, tiny_engine.graph_dir, progress=lambda message: None)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
@@ -61,24 +68,25 @@ def test_every_k_the_policy_picks_gives_the_same_greedy_output(tiny_engine, draf
     request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
                               max_new_tokens=24, drafter=drafter, k=4)
     plain = engine.generate(GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
-    for queued, k in ((1, 4), (2, 3), (3, 1), (4, 0), (9, 0)):
+    for queued, k in ((1, 4), (2, 3), (3, 1), (4, 0), (9, 0)):  # the load stays `queued` for the whole run
         result = engine.generate(request, queued=queued)
+        stats = result.stats
         assert result.token_ids == plain.token_ids and result.text == plain.text, (queued, k)
-        assert result.queued_at_start == queued and result.stats.k == k
-        assert result.stats.drafter == (drafter if k else "none")
-        assert len(result.stats.verify_calls_by_k) == len(result.stats.accepted_at) == k
-        assert sum(result.stats.verify_calls_by_k) == result.stats.verify_calls  # all at this request's k
+        assert result.queued_at_start == queued and stats.k == 4 and stats.drafter == drafter
+        assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == 4
+        assert sum(stats.verify_calls_by_k) == stats.verify_calls  # all at the policy's k
         if k:
-            assert result.stats.verify_calls_by_k[k - 1] == result.stats.verify_calls
+            assert stats.verify_calls_by_k[k - 1] == stats.verify_calls and stats.policy_off_steps == 0
+        else:
+            assert stats.verify_calls == 0 and stats.policy_off_steps == stats.step_calls > 0
         if k and drafter == "draft":  # a draft model proposes at every iteration
-            assert result.stats.verify_calls > 0
-        assert result.stats.drafted <= k * result.stats.verify_calls
-        if k == 4:
+            assert stats.verify_calls > 0
+        assert stats.drafted <= k * stats.verify_calls
+        if k == 4 or not (stats.verify_calls or stats.policy_off_steps):  # nothing ran below its k
             assert result.speculation_off_reason == ""
         else:
-            assert f"{queued} requests queued" in result.speculation_off_reason
-            want = "target-only" if k == 0 else f"k={k} drafts per call instead of k=4"
-            assert want in result.speculation_off_reason
+            want = "plain steps without speculation" if k == 0 else f"verify calls at k={k}"
+            assert want in result.speculation_off_reason and "asked k=4" in result.speculation_off_reason
 
 
 def test_a_smaller_asked_k_is_not_raised(tiny_engine):

@@ -68,8 +68,9 @@ def self_runner(tiny_engine):
 
 
 def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None):
-    return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new,
-                                eos_ids=engine.eos_ids if eos_ids is None else eos_ids, drafter=drafter, k=k)
+    return speculative.generate(engine.target, speculative.SlotRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
+        drafter=drafter, k=k))
 
 
 def drafters(engine, self_runner, name):

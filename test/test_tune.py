@@ -124,7 +124,7 @@ def test_tune_writes_the_one_slot_table(tiny_cfg, tmp_path, capsys):
     tuned, text = _tune(tiny_cfg, tmp_path)
     printed = capsys.readouterr().out
     best = tuned.speculative.k if tuned.speculative.drafter != "none" else 0
-    want = [best] * tiny_cfg.serve.queue_limit
+    want = [best] * (tiny_cfg.graphs.batch_slots + tiny_cfg.serve.queue_limit)  # one entry per load
     assert list(tuned.serve.speculate_k_by_load) == want
     assert f"serve.speculate_k_by_load = {want}" in printed and "load n runs min(n, 1) occupied slot(s)" in printed
     assert f"#| serve.speculate_k_by_load = {want}" in text
@@ -138,7 +138,7 @@ def test_tune_takes_the_table_from_concurrency_results(tiny_cfg, tmp_path, capsy
     results = tmp_path / "concurrency.json"
     results.write_text(json.dumps({"rows": rows, "k": 3}))
     tuned, _ = _tune(tiny_cfg, tmp_path, "--concurrency-json", str(results))
-    assert list(tuned.serve.speculate_k_by_load) == [3, 3, 3, 0, 0, 0, 0, 0] and tuned.speculative.k == 3
+    assert list(tuned.serve.speculate_k_by_load) == [3, 3, 3] + [0] * 6 and tuned.speculative.k == 3
     assert "k=3 where speculation was at least as fast as plain" in capsys.readouterr().out
 
 
@@ -152,5 +152,5 @@ def test_tune_writes_the_batched_table(tiny_cfg, tmp_path, capsys):
     assert len(table) == 4 and all(k in (0, 3) for k in table)
     assert tuned.speculative.k == max(table) or tuned.speculative.drafter == "none"
     printed = capsys.readouterr().out
-    assert "per occupied batch slots (graphs.batch_slots=4)" in printed and "chosen k" in printed
+    assert "per requests in the engine: occupied slots + queued (graphs.batch_slots=4" in printed and "chosen k" in printed
     assert "#|   slots   step ms" in text

@@ -111,7 +111,8 @@ def plain(engine, prompt_ids, max_new=40):
     """Target-only greedy output."""
     from spec_edge.runtime import speculative
 
-    return speculative.generate(engine.target, prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids)[0]
+    return speculative.generate(engine.target, speculative.SlotRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids))[0]
 
 
 def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new=40) -> None:
@@ -119,8 +120,8 @@ def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new
 
     for prompt in prompts:
         ids = engine.tokenizer.encode(prompt)
-        got, _, stats = speculative.generate(engine.target, ids, max_new_tokens=max_new, eos_ids=engine.eos_ids,
-                                             drafter=drafter, k=k)
+        got, _, stats = speculative.generate(engine.target, speculative.SlotRequest(
+            prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
         assert got == plain(engine, ids, max_new), f"k={k} prompt={prompt!r}"
         assert stats.verify_calls > 0
 
@@ -160,9 +161,9 @@ def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
             drafter.finish()
 
     ids = engine.tokenizer.encode("Move the arm")
-    out, _, _ = speculative.generate(engine.target, ids, max_new_tokens=30, eos_ids=(),
-                                     sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
-                                     drafter=Spy(), k=k)
+    out, _, _ = speculative.generate(engine.target, speculative.SlotRequest(
+        prompt_ids=ids, max_new_tokens=30, eos_ids=(), sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
+        drafter=Spy(), k=k))
     assert len(out) == 30 and seen
     V = engine.target.vocab_size
     outside = np.setdiff1d(np.arange(V), drafter.draft_ids)
@@ -337,8 +338,8 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     counts: dict = {}
     accepted = drafted = 0
     for seed in range(n):
-        ids, _, stats = speculative.generate(engine.target, prompt_ids, max_new_tokens=3, eos_ids=(),
-                                             sampling=params, seed=seed, drafter=drafter, k=k)
+        ids, _, stats = speculative.generate(engine.target, speculative.SlotRequest(
+            prompt_ids=prompt_ids, max_new_tokens=3, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=k))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
         accepted += stats.accepted
         drafted += stats.drafted

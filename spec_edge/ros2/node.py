@@ -1,4 +1,4 @@
-"""The ROS 2 node: parameters -> Config, requests -> Engine.generate, results -> responses.
+"""The ROS 2 node: parameters -> Config, requests -> the engine (through the worker), results -> responses.
 
 One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 
@@ -6,10 +6,11 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   Engine.from_config (graphs load/export once); cleanup frees the engine again.
 - activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate), the
   `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback) and
-  `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread; a request arriving while
+  `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread, which admits
+  requests into the engine's graphs.batch_slots slots; a request arriving while
   serve.queue_limit requests wait is answered "busy" at once; a request older than
   serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
-  load (requests queued as one starts, itself included; batched: occupied slots), 0 = target-only:
+  load (requests in the engine: occupied slots + queued, at each iteration), 0 = target-only:
   stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
 - parameters (spec_edge.ros2.parameters): one typed, described ROS parameter per config key; all are
   read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
@@ -219,12 +220,8 @@ def make_node_class():
                                    f"drafter={self.cfg.speculative.drafter} k={self.cfg.speculative.k}")
             started = time.monotonic()
             try:
-                from spec_edge.runtime.batch_engine import BatchEngine
                 from spec_edge.runtime.engine import Engine
-                # B > 1: in-flight batching (ONNX Runtime: BatchEngine + BatchWorker; tensorrt: inside Edge-LLM)
-                batched = self.cfg.graphs.batch_slots > 1 and self.cfg.runtime.backend == "onnxruntime"
-                engine = BatchEngine if batched else Engine
-                self.engine = engine.from_config(self.cfg, progress=self.get_logger().info)
+                self.engine = Engine.from_config(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
                 if self.cfg.serve.warm_system_prompt:  # the system prompt's rows, for every request to reuse
                     self.get_logger().info(f"warmed the cache with the system prompt: {self.engine.warm()} tokens")
@@ -232,9 +229,7 @@ def make_node_class():
                 self.get_logger().error(f"configure: engine did not load: {err}")
                 self.engine = None
                 return TransitionCallbackReturn.FAILURE
-            from spec_edge.ros2.batch_worker import BatchWorker
-            worker = BatchWorker if batched else Worker
-            self.worker = worker(self.engine, self.cfg, self.get_logger())
+            self.worker = Worker(self.engine, self.cfg, self.get_logger())
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)
             self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info} "

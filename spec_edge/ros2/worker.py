@@ -1,10 +1,18 @@
-"""The queue in front of the engine: a Job per request, and the Worker, one thread that runs the
-jobs first in first out.
+"""The queue in front of the engine: a Job per request, and the Worker, one thread that admits the
+jobs first in first out as the engine has room, and answers each as soon as its request ends.
+
+The engine's loop (engine.loop, runtime/engine.py, any graphs.batch_slots = B): waiting jobs join free
+slots at each iteration boundary (their prefill chunks between the other slots' decode calls) and the
+thread iterates the loop; B=1 is one slot, so jobs run one at a time as a FIFO. The loop's load is the
+occupied slots + the jobs waiting here (loop.waiting, kept by this thread). A backend that serves whole
+requests (engine.loop is None: Edge-LLM, backends/edgellm.py) runs each admitted job's generate() on a
+thread of its own, up to graphs.batch_slots at once when it is concurrent, else one.
 
 serve.queue_limit bounds what waits (a request beyond it is answered "busy" at once),
 serve.request_timeout_s how long a request may take from submit to finish (queue wait
-included; past it, finish_reason "error"). stop() refuses what waits and cancels what runs.
-No rclpy here: the node hands in its logger and answers with the Outcome a job ends with.
+included; past it, finish_reason "error"). cancel and stop are seen before each decode call; stop()
+refuses what waits and cancels what runs. No rclpy here: the node hands in its logger and answers with
+the Outcome a job ends with.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     timed_out: bool = False
-    queued_at_start: int = 0                        # requests queued as it started, itself included
+    queued_at_start: int = 0                        # the load as it started: requests in the engine, itself included
 
     def finish(self, outcome: Outcome) -> None:
         self.outcome = outcome
@@ -39,14 +47,18 @@ class Job:
 
 
 class Worker:
-    """One thread that runs queued jobs through the engine, first in first out."""
+    """One thread that admits queued jobs into the engine, first in first out, and serves them."""
 
     def __init__(self, engine: Any, cfg: cfgmod.Config, logger: Any):
         self.engine = engine
         self.cfg = cfg
         self.logger = logger
+        self.loop = engine.loop  # None: the backend serves whole requests (generate on threads)
+        self.capacity = (engine.loop.runner.batch if engine.loop is not None
+                         else cfg.graphs.batch_slots if engine.concurrent else 1)  # jobs running at once
         self._lock = threading.Lock()
         self._waiting: collections.deque[Job] = collections.deque()
+        self._running: dict[int, Job] = {}  # id(job) -> job, the jobs in the engine
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         self.current: Job | None = None
@@ -59,7 +71,7 @@ class Worker:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting (not counting the one running)."""
+        """Requests waiting (not counting those running)."""
         return len(self._waiting)
 
     def submit(self, job: Job) -> bool:
@@ -81,7 +93,7 @@ class Worker:
         return True
 
     def stop(self, timeout: float) -> None:
-        """Refuse what waits, cancel what runs (between speculative steps), join."""
+        """Refuse what waits, cancel what runs (before its next decode call), join."""
         with self._lock:
             self._stopping = True
             waiting, self._waiting = list(self._waiting), collections.deque()
@@ -91,20 +103,77 @@ class Worker:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        loop = self.loop
         while True:
             with self._lock:
-                while not self._waiting and not self._stopping:
-                    self._wake.wait()
-                if self._stopping:
+                while not ((self._waiting and len(self._running) < self.capacity and not self._stopping)
+                           or (loop is not None and loop.occupied) or (self._stopping and not self._running)):
+                    self._wake.wait()  # woken by submit, stop, and a whole request's end
+                if self._stopping and not self._running:
                     return
-                job = self._waiting.popleft()
-                job.queued_at_start = len(self._waiting) + 1
-                self.current = job
-            try:
-                job.finish(self._generate(job))
-            finally:
-                with self._lock:
-                    self.current = None
+                admitted = []
+                while self._waiting and len(self._running) + len(admitted) < self.capacity and not self._stopping:
+                    admitted.append(self._waiting.popleft())
+                waiting = len(self._waiting)
+                if loop is not None:
+                    loop.waiting = waiting
+            for job in admitted:
+                job.queued_at_start = len(self._running) + waiting + 1
+                self._admit(job)
+            if loop is not None and loop.occupied:
+                try:
+                    loop.iterate()
+                except Exception as err:  # the engine failed: answer every job in a slot, keep serving
+                    self._fail_running(err)
+            self.current = next(iter(self._running.values()), None)
+
+    def _admit(self, job: Job) -> None:
+        """Start job: into a free slot of the loop, or generate() on a thread of its own."""
+        from spec_edge.runtime.requests import RequestError
+
+        if self.loop is None:
+            self._running[id(job)] = job
+            threading.Thread(target=self._serve_whole, args=(job,), name="spec_edge-request", daemon=True).start()
+            return
+        early = self._cancel_reason(job)
+        if early is not None:
+            job.finish(Outcome(success=True, finish_reason="cancelled") if early == "cancelled"
+                       else self._timeout_outcome(job, None))
+            return
+        try:
+            request = self.engine.start(job.request, on_text=job.on_text, cancel=lambda: self._cancel_reason(job),
+                                        on_result=lambda result: self._done(job, result))
+            self.loop.add(request)
+        except RequestError as err:
+            job.finish(Outcome.refused(str(err)))
+            return
+        except Exception as err:  # the engine failed on a valid request: report it, keep serving
+            self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
+            job.finish(Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
+                               finish_reason="error"))
+            return
+        self._running[id(job)] = job
+
+    def _done(self, job: Job, result: Any) -> None:
+        self._running.pop(id(job), None)
+        job.finish(self._outcome(job, result))
+
+    def _fail_running(self, err: Exception) -> None:
+        self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
+        self.loop.clear()
+        for job in list(self._running.values()):
+            job.finish(Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
+                               finish_reason="error"))
+        self._running.clear()
+
+    def _serve_whole(self, job: Job) -> None:
+        """A whole-request backend's job, on its own thread."""
+        try:
+            job.finish(self._generate(job))
+        finally:
+            with self._lock:
+                self._running.pop(id(job), None)
+                self._wake.notify_all()
 
     def _cancel_reason(self, job: Job) -> str | None:
         if self._stopping or job.cancel_requested():

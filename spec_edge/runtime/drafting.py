@@ -1,97 +1,147 @@
-"""The drafters of one engine, made from its config on first use and kept: the runners and heads
-they need (a draft model's graphs, the layer-skip graphs, the EAGLE-3 / Medusa / P-EAGLE heads
-exported and passed through the ONNX Runtime passes the config asks for) are loaded once; the
-drafter objects themselves are cheap and made per request.
+"""The drafters of one engine, made from its config on first use and kept, one way for every slot count
+(graphs.batch_slots = B; B=1 is slot 0): the components they run on are loaded once with one cache region
+per slot, and drafter(name, slot) makes a request's drafter over its slot's views (backends/slot_views.py),
+so the drafter classes (runtime/drafters/*.py) run unchanged and a slot drafts exactly what the same
+request drafts alone.
 
-slots=B (the batched node, graphs.batch_slots > 1): the components are made with one cache region per
-slot (the EAGLE-3 / P-EAGLE heads' OrtEagle3Head(slots=B), the draft model as a BatchRunner over its
-B=1 export); runtime/slot_drafting.py makes each slot's drafter over views of its slot.
+What each drafter runs on, per slot (loaded once, on first use; what a slot's drafter reads):
+  ngram            nothing (the drafter object is per request)
+  draft            the draft model with B regions (slotted(): its Runner at B=1, a BatchRunner over its B=1
+                   export with slots=B): the slot's region, its record held there
+  eagle3, hybrid   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
+                   the target's hidden states of the slot (the target's slot view)
+  peagle           as eagle3, over the P-EAGLE head
+  medusa           the heads have no cache: one OrtMedusaHeads for all slots, the slot's hidden states
+  layerskip        the target's first n layers over the target's own cache: the target Runner's
+                   layer_skip graphs (B=1); the batched export has none, so B > 1 refuses it
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig
 from spec_edge.graphs import export, hidden, ort_attention, quantize
 from spec_edge.runtime.backends.base import Runner
 from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
+from spec_edge.runtime.backends.slot_views import OneSlot, SlotHead, Slotted, SlotRunner
 from spec_edge.runtime.requests import RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
 
-class Drafters:
-    """drafter(name) for one target (ONNX Runtime; runtime.backend tensorrt drafts inside Edge-LLM,
-    backends/edgellm.py). State, loaded on first use: draft_runner, layer_skip (Runners),
-    eagle3_head (ort_heads.OrtEagle3Head), peagle_head (ort_heads.OrtEagle3Head), medusa_heads (ort_heads.OrtMedusaHeads). slots > 1: see above
-    (target: slot 0's view, for the checks; draft_runner: an ort_batch.BatchRunner)."""
+def slotted(cfg: Config, graph_dir: Path, slots: int, *, batched: bool) -> tuple[Slotted, list[Runner]]:
+    """The model of graph_dir with one cache region per slot, and each slot as a B=1 Runner: slots=1, its
+    Runner as OneSlot (slot 0 is the Runner itself); else a BatchRunner (batched: graph_dir is a batched
+    export; else a B=1 export run over `slots` regions, one-row calls) and its SlotRunner views."""
+    if slots == 1:
+        runner = load_runner(cfg, graph_dir)
+        return OneSlot(runner), [runner]
+    from spec_edge.runtime.backends.ort_batch import BatchRunner
 
-    def __init__(self, cfg: Config, target: Runner, tokenizer: Tokenizer, graph_dir: Path, model_cfg: ModelConfig,
-                 progress: Callable[[str], None] = print, draft_runner: Runner | None = None, slots: int = 1):
-        self.cfg, self.target, self.tokenizer, self.progress = cfg, target, tokenizer, progress
-        self.slots = slots
+    runner = BatchRunner(graph_dir, cfg.runtime.threads, slots=None if batched else slots)
+    return runner, [SlotRunner(runner, b) for b in range(slots)]
+
+
+def refusal(name: str, slots: int) -> str | None:
+    """Why drafter `name` cannot run with `slots` batch slots (None when it can): the one message the
+    config, the engine and a request share."""
+    if name not in DRAFTERS:
+        return f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}"
+    if name == "layerskip" and slots > 1:
+        return (f"drafter layerskip needs the target's first-n-layer graphs over each slot's cache region, and "
+                f"the batched export (graphs.batch_slots={slots}) has none: use another drafter, or "
+                f"graphs.batch_slots: 1 for layerskip")
+    return None
+
+
+class Drafters:
+    """drafter(name, slot) for one target of B slots (ONNX Runtime; runtime.backend tensorrt drafts inside
+    Edge-LLM, backends/edgellm.py). targets: the target's slot views (B=1 Runners). State, loaded on
+    first use: draft (the draft model's slot views), layer_skip (a Runner), eagle3_head / peagle_head
+    (ort_heads.OrtEagle3Head(slots=B)) and their SlotHead views, medusa_heads (ort_heads.OrtMedusaHeads)."""
+
+    def __init__(self, cfg: Config, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
+                 model_cfg: ModelConfig, progress: Callable[[str], None] = print):
+        self.cfg, self.targets, self.tokenizer, self.progress = cfg, targets, tokenizer, progress
+        self.slots = len(targets)
         self.graph_dir, self.model_cfg = graph_dir, model_cfg  # the target's graphs and geometry
-        self.draft_runner = draft_runner
+        self.draft: list[Runner] = []  # the draft model's slot views
         self.layer_skip: Runner | None = None
         self.eagle3_head = None   # backends.ort_heads.OrtEagle3Head
         self.medusa_heads = None  # backends.ort_heads.OrtMedusaHeads
         self.peagle_head = None   # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
+        self._heads: dict[str, list[SlotHead]] = {}  # "eagle3" / "peagle" -> the head's view per slot
         self.hidden_layers = hidden.returned_hidden_layers(graph_dir)  # what the target's graphs return
 
-    def forget(self) -> None:
-        """Mark every resident cache (target, draft model, heads) as holding nothing valid: the next
-        request prefills from position 0 (serve.reuse_prefix off, or a request that failed). B=1 only:
-        the batched node's records are per slot (each slot's drafter's forget(), runtime/speculative.py)."""
-        for owner in (self.target, self.draft_runner, self.eagle3_head, self.peagle_head):
-            if owner is not None:
-                owner.held = ()
+    def load(self, name: str) -> None:
+        """Load what drafter `name` runs on (once); RequestError saying what to change when it cannot run."""
+        reason = refusal(name, self.slots)
+        if reason:
+            raise RequestError(reason)
+        if name == "draft" and not self.draft:
+            self.draft = self._draft_model()
+        elif name == "layerskip" and self.layer_skip is None:
+            self.layer_skip = self.targets[0].layer_skip(self.cfg.graphs.layer_skip_layers)
+        elif name in ("eagle3", "hybrid") and "eagle3" not in self._heads:
+            head = self.load_eagle3_head(name)
+            self._heads["eagle3"] = [SlotHead(head, b) for b in range(self.slots)]
+        elif name == "peagle" and "peagle" not in self._heads:
+            head = self.load_peagle_head()
+            self._heads["peagle"] = [SlotHead(head, b) for b in range(self.slots)]
+        elif name == "medusa":
+            self.load_medusa_heads()
 
-    def drafter(self, name: str):
+    def check_k(self, name: str, ks: Iterable[int]) -> None:
+        """RequestError unless drafter name has graphs / heads for every k in ks (Medusa: head count,
+        P-EAGLE: draft graphs)."""
+        probe = self.drafter(name, 0)  # a drafter object has no side effect until start()
+        try:
+            for k in ks:
+                probe.check_k(k)
+        except ConfigError as err:
+            raise RequestError(str(err)) from None
+
+    def drafter(self, name: str, slot: int = 0):
+        """A new drafter `name` (one of config.DRAFTERS but "none") for the request taking slot `slot`,
+        over that slot's views."""
         from spec_edge.runtime.drafters.draft_model import ModelDrafter
+        from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
+        from spec_edge.runtime.drafters.hybrid import HybridDrafter
         from spec_edge.runtime.drafters.layer_skip import LayerSkipDrafter
+        from spec_edge.runtime.drafters.medusa import MedusaDrafter
         from spec_edge.runtime.drafters.ngram import NgramDrafter
+        from spec_edge.runtime.drafters.peagle import PEagleDrafter
 
-        spec = self.cfg.speculative
+        self.load(name)
+        spec, target = self.cfg.speculative, self.targets[slot]
         if name == "ngram":
             return NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max)
         if name == "layerskip":
-            if self.layer_skip is None:
-                self.layer_skip = self.target.layer_skip(self.cfg.graphs.layer_skip_layers)
             return LayerSkipDrafter(self.layer_skip, self.cfg.graphs.layer_skip_layers)
         if name == "draft":
-            return ModelDrafter(self.draft_model())
-        if name == "eagle3":
-            return self._eagle3_drafter()
-        if name == "hybrid":
-            from spec_edge.runtime.drafters.hybrid import HybridDrafter
-
-            return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
-                                 self._eagle3_drafter("hybrid"))
+            return ModelDrafter(self.draft[slot])
         if name == "medusa":
-            return self._medusa_drafter()
+            return MedusaDrafter(target, self.medusa_heads, self.columns((self.model_cfg.n_layers,)))
+        head = self._heads["peagle" if name == "peagle" else "eagle3"][slot]
+        columns = self.columns(head.cfg.aux_layers)
         if name == "peagle":
-            return self._peagle_drafter()
-        raise RequestError(f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}")
+            return PEagleDrafter(target, head, columns)
+        if name == "eagle3":
+            return Eagle3Drafter(target, head, columns)
+        return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
+                             Eagle3Drafter(target, head, columns))
 
-    def draft_model(self) -> Runner:
-        """The draft model's runner (loaded once; slots > 1: a BatchRunner over its B=1 export)."""
-        if self.draft_runner is None:
-            if not self.cfg.model.draft:
-                raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
-            draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"),
-                                            self.progress)
-            check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
-            draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
-            if self.slots > 1:  # one region per slot, bound to the fused graphs' in-place cache outputs
-                from spec_edge.runtime.backends.ort_batch import BatchRunner
-
-                if export.read_model_config(draft_dir).qk_norm:
-                    raise RequestError("the batched node runs the draft model with fused attention, which does not "
-                                       "cover q/k norms (Qwen3): use another draft model, or graphs.batch_slots: 1")
-                self.draft_runner = BatchRunner(draft_dir, self.cfg.runtime.threads, slots=self.slots)
-            else:
-                self.draft_runner = load_runner(self.cfg, draft_dir)
-        return self.draft_runner
+    def _draft_model(self) -> list[Runner]:
+        """The draft model's slot views (loaded once)."""
+        if not self.cfg.model.draft:
+            raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
+        draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"), self.progress)
+        check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
+        draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
+        if self.slots > 1 and export.read_model_config(draft_dir).qk_norm:
+            raise RequestError("the batched node runs the draft model with fused attention, which does not "
+                               "cover q/k norms (Qwen3): use another draft model, or graphs.batch_slots: 1")
+        return slotted(self.cfg, draft_dir, self.slots, batched=False)[1]
 
     def load_eagle3_head(self, name: str = "eagle3"):
         """The EAGLE-3 head (loaded once); name: the drafter that asked (eagle3 or hybrid)."""
@@ -105,12 +155,6 @@ class Drafters:
                                              slots=self.slots)
         return self.eagle3_head
 
-    def _eagle3_drafter(self, name: str = "eagle3"):
-        from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
-
-        head = self.load_eagle3_head(name)
-        return Eagle3Drafter(self.target, head, self.columns(head.cfg.aux_layers))
-
     def _export_head(self, name: str, kind: str, what: str, export_head, made_by: str = "",
                      fused: bool = False) -> Path:
         """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head): exported
@@ -123,7 +167,7 @@ class Drafters:
             made_by = made_by or f"spec-edge train-draft --kind {kind}"
             raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
                                f"made by `{made_by}`) and restart")
-        self.target.hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
+        self.targets[0].hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
         head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, kind), self.progress)
         if fused:
             from spec_edge.heads.eagle3_export import read_head_config
@@ -142,14 +186,9 @@ class Drafters:
             heads = OrtMedusaHeads(self._export_head("medusa", "medusa", "Medusa heads", medusa.export_heads),
                                    self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
-                MedusaDrafter(self.target, heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
+                MedusaDrafter(self.targets[0], heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
             self.medusa_heads = heads
         return self.medusa_heads
-
-    def _medusa_drafter(self):
-        from spec_edge.runtime.drafters.medusa import MedusaDrafter
-
-        return MedusaDrafter(self.target, self.load_medusa_heads(), self.columns((self.model_cfg.n_layers,)))
 
     def load_peagle_head(self):
         """The P-EAGLE head (loaded once)."""
@@ -161,12 +200,6 @@ class Drafters:
             self.peagle_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
                                              slots=self.slots)
         return self.peagle_head
-
-    def _peagle_drafter(self):
-        from spec_edge.runtime.drafters.peagle import PEagleDrafter
-
-        head = self.load_peagle_head()
-        return PEagleDrafter(self.target, head, self.columns(head.cfg.aux_layers))
 
     def columns(self, layers: tuple[int, ...]):
         """Where a head's layers sit in the target's hidden-state rows (union of all heads' layers)."""

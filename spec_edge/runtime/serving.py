@@ -10,6 +10,7 @@ from typing import Protocol
 from spec_edge.config import DRAFTERS, Config
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, chat_roles, check_roles, check_text
 from spec_edge.runtime.sampling import SamplingParams
+from spec_edge.runtime.speculative import BatchLoop
 from spec_edge.runtime.tokenizer import Tokenizer
 
 
@@ -20,10 +21,14 @@ class RequestBackend(Protocol):
     end). generate raises requests.RequestError for a request it refuses (nothing run); on_text(delta,
     n_tokens) gets each piece of safe-to-show text; cancel() is polled and its non-empty answer becomes the
     finish reason; queued: requests in the caller's queue as it starts, itself included (the load policy).
-    concurrent: generate may be called from several threads at once (else the caller serialises)."""
+    concurrent: generate may be called from several threads at once (else the caller serialises).
+    loop: the Engine's speculative loop (runtime/speculative.BatchLoop), which a caller serving many requests
+    drives itself (Engine.start, loop.add, loop.iterate: ros2/worker.py); None for a backend that serves
+    whole requests only (Edge-LLM)."""
 
     cfg: Config
     concurrent: bool
+    loop: BatchLoop | None
 
     def validate(self, request: GenerateRequest) -> None: ...
 

@@ -1,7 +1,6 @@
 """The speculative loop, over slots: up to B requests decode together, one request alone is one
-occupied slot (generate() on a B=1 target: backends/slot_views.OneSlot; the batched graphs' static
-slots: backends/ort_batch.BatchRunner). Per slot: draft k, verify k+1 in one target call, accept,
-correct.
+occupied slot (a B=1 target: backends/slot_views.OneSlot; the batched graphs' static slots:
+backends/ort_batch.BatchRunner). Per slot: draft k, verify k+1 in one target call, accept, correct.
 
 Invariant, per slot: its cache region holds seq[:pos] and seq[pos] (= seq[-1]) is the pending token,
 the last one chosen and not yet fed. A verify feeds [pending, d1..dm] (m <= k) at positions
@@ -11,20 +10,17 @@ rolling back is only moving pos. Without a draft (no drafter, nothing worth veri
 k = 0, or no room for the verify window) a slot's iteration is a plain step. Target-only decoding is this
 same loop with no drafter, so greedy speculative output equals it token for token.
 
-Each slot is one request with its own sampler (its own seed), drafter, grammar state, position and
-stats, so a request's output depends only on its own logits. One iteration of BatchLoop:
+Each slot is one request (SlotRequest: every per-request option in one value) with its own sampler
+(its own seed), drafter, k, grammar state, position and stats, so a request's output depends only on
+its own logits. One iteration of BatchLoop:
 
   1. at most one prefill chunk (C tokens, the B=1 prefill graph bound to that slot's region) of the
      earliest joined slot still prefilling: a joining prompt is fed between the others' decode calls,
      so running streams never wait for a whole prompt;
   2. the decode call(s) of the decoding slots, over exactly those slots (runner.forward(slots, ...):
      idle and prefilling slots are never in a call and cost nothing): one step call (width 1, or
-     q4's two-row step) when no slot has a draft, one (k+1) verify call when all have one. When some
-     do and some do not, mixed="group" (the default) runs the stepping slots and the verifying slots
-     as two calls over those two subsets (each row computed exactly as when its request is alone:
-     measured batch-invariant, bench/batch_invariance.py); mixed="pad" runs them along in the
-     (k+1) call as [pending, pending, ...], reading only row 0 (one call, but that row is a
-     width-(k+1) row: 3.6e-5 from the step's logits on the embedded default, fp32).
+     q4's two-row step) over the slots without a draft, one verify call over the slots with one (each
+     row computed exactly as when its request is alone: measured batch-invariant, docs/bench.md).
 Greedy calls ask the runner for argmax ids only (runner.argmax); a call with a slot that samples, processes
 its logits (penalties, logit bias, ignore_eos) or reports logprobs takes logits.
 
@@ -41,7 +37,7 @@ for the next add.
 
 Drafters: a request brings its drafter (SlotRequest.drafter, e.g. prompt lookup) or has it made for
 the slot it takes (SlotRequest.make_drafter(slot): a drafter over that slot's own regions of the draft
-model's / head's caches, runtime/slot_drafting.py). Its life: start(prompt)
+model's / head's caches, runtime/drafting.py). Its life: start(prompt)
 once the prompt is in (forget() first without prefix reuse), propose / observe per iteration,
 finish() when the request leaves (recording what its cache holds for the slot's next request).
 
@@ -52,18 +48,19 @@ index) and prefills only from min(common prefix, len(prompt) - 1) on; the record
 request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
 empties every record.
 
-k_by_load (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always k): the k of an
-iteration is k_now(), the table's entry at the occupied slots (capped at k), 0 = no drafts: each
-draft is cut to that k and verified in the (B, k'+1) graph; a slot's stats count its verify calls by
-k and the steps the policy took (greedy output is the same; `spec-edge tune` measures the table).
+k per slot and the load policy (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always
+the request's k): the load is the requests in the engine, the occupied slots + `waiting` (what waits in
+the caller's queue, which the caller sets); at each iteration a slot drafts k_at(table, load, its k), 0 =
+no drafts. A verify call runs the smallest graph that holds the longest window of its rows (cut, forced
+or smaller-k drafts are shorter): a shorter window is padded with its last token (rows past it are read
+by nobody, like rejected drafts). A slot's stats count its verify calls by k and the steps the policy
+took (greedy output is the same; `spec-edge tune` measures the table).
 
 Guided decoding per slot (SlotRequest.constraint, runtime/grammar.py: one matcher per request): every
-logits row a slot chooses from is masked by its grammar state along the
-path, a draft is cut at its first forbidden token, grammar-forced tokens are the draft where
-forced_drafts (up to the iteration's k), and the slot ends with eos once the grammar admits only EOS.
-A call with a constrained slot takes logits. A verify call runs the smallest graph that holds the
-longest window of its rows; a shorter window is padded with its last token (rows past it are read by
-nobody, like rejected drafts).
+logits row a slot chooses from is masked by its grammar state along the path, a draft is cut at its
+first forbidden token, grammar-forced tokens are the draft where forced_drafts (up to the iteration's
+k), and the slot ends with eos once the grammar admits only EOS. A call with a constrained slot takes
+logits.
 """
 from __future__ import annotations
 
@@ -76,7 +73,7 @@ import numpy as np
 
 from spec_edge import speculation_policy
 from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
-from spec_edge.runtime.backends.slot_views import OneSlot
+from spec_edge.runtime.backends.slot_views import OneSlot, Slotted
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
 from spec_edge.runtime.sampling import (SamplingParams, TokenLogprobs, greedy_accept, probabilities, processed_logits,
                                         sample, speculative_accept, token_logprobs)
@@ -151,7 +148,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted (len k)
     # [i]: verify calls that could carry i+1 drafts (the k the load policy chose for the call; len k)
     verify_calls_by_k: list[int] = field(default_factory=list)
-    policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (batched node; in step_calls)
+    policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (in step_calls)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0     # verify + step calls (prefill excluded)
     draft_time_s: float = 0.0
@@ -216,16 +213,15 @@ def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int
     return chunk, reason
 
 
-MIXED = ("pad", "group")  # how an iteration runs slots that step beside slots that verify
-
-
 @dataclass
 class SlotRequest:
+    """One request and every option it runs with."""
     prompt_ids: list[int]
     max_new_tokens: int
     eos_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None
+    k: int = 0  # drafts per verify call it asks for (0, or without a drafter / forced drafts: plain steps)
     drafter: Drafter | None = None  # this request's own (a drafter keeps per-request state)
     # or: made by BatchLoop.add for the slot the request takes (a drafter over that slot's caches)
     make_drafter: Callable[[int], Drafter] | None = None
@@ -235,7 +231,13 @@ class SlotRequest:
     forced_drafts: bool = False           # with a constraint: the tokens the grammar forces are the draft
     # on_done(token_ids, finish_reason, stats): called once, from the loop's thread, when it leaves
     on_done: Callable[[list[int], str, Stats], None] | None = None
-    occupancy: int = 0  # set by BatchLoop.add: occupied slots as it joined, itself included (1 = alone)
+    occupancy: int = 0  # set by BatchLoop.add: the load as it joined, itself included (1 = alone)
+
+    @property
+    def speculating(self) -> bool:
+        """It drafts (a drafter, or grammar-forced drafts) at some k > 0."""
+        return self.k > 0 and (self.drafter is not None or self.make_drafter is not None
+                               or (self.constraint is not None and self.forced_drafts))
 
     @property
     def argmax_only(self) -> bool:
@@ -256,6 +258,7 @@ class _Slot:
     new_tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     draft: Draft | None = None          # this iteration's proposal
+    k_now: int = 0                      # this iteration's k (the load policy's cap on stats.k)
     proposed: bool = False              # the draft is the drafter's (not grammar-forced): it hears the outcome
     drafting: bool = False              # the drafter was started (finish() it as the slot leaves)
 
@@ -270,19 +273,15 @@ class _Slot:
 
 
 class BatchLoop:
-    """B slots over one BatchRunner; the caller adds requests and calls iterate() until idle."""
+    """B slots over one slotted runner; the caller adds requests and calls iterate() until idle."""
 
-    def __init__(self, runner, k: int = 0, *, mixed: str = "group", k_by_load: Sequence[int] = (),
-                 reuse: bool = False):
-        if mixed not in MIXED:
-            raise ValueError(f"mixed must be one of {MIXED}, got {mixed!r}")
-        for used in sorted({k, *(min(k, entry) for entry in k_by_load)} - {0}):
-            runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
+    def __init__(self, runner: Slotted, *, k_by_load: Sequence[int] = (), reuse: bool = False):
         self.step_width = runner.step_width  # 2: q4's two-row step (ort_batch.py)
         runner.check_width(self.step_width)
-        self.runner, self.k, self.mixed = runner, k, mixed
+        self.runner = runner
         self.k_by_load = tuple(k_by_load)
         self.reuse = reuse  # prefix reuse per slot (runner.held)
+        self.waiting = 0  # requests waiting in the caller's queue (the caller keeps it): part of the load
         self._taken = [0] * runner.batch  # (B,) the order slots were last taken in (higher = later; 0 = never)
         self.slots: list[_Slot | None] = [None] * runner.batch
         self.iterations = 0
@@ -296,9 +295,14 @@ class BatchLoop:
     def free(self) -> int:
         return self.runner.batch - self.occupied
 
-    def k_now(self) -> int:
-        """The drafts per verify call at this iteration: the load policy's entry at the occupancy."""
-        return speculation_policy.k_at(self.k_by_load, self.occupied, self.k)
+    @property
+    def load(self) -> int:
+        """The requests in the engine: occupied slots + those waiting in the caller's queue."""
+        return self.occupied + self.waiting
+
+    def policy_ks(self, k: int) -> set[int]:
+        """Every k > 0 the load policy can give a request asking for k."""
+        return {k, *(min(k, entry) for entry in self.k_by_load)} - {0} if k > 0 else set()
 
     def add(self, request: SlotRequest) -> int:
         """Put request into a free slot (it starts prefilling at the next iteration); returns the slot."""
@@ -310,6 +314,9 @@ class BatchLoop:
         free = [i for i, slot in enumerate(self.slots) if slot is None]
         if not free:
             raise BackendError(f"all {self.runner.batch} batch slots are busy")
+        k = request.k if request.speculating else 0
+        for used in sorted(self.policy_ks(k)):
+            self.runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
         prompt = request.prompt_ids
         held = self.runner.held
         # the free slot holding the longest prefix of the prompt (ties: the one taken least recently, so
@@ -322,12 +329,11 @@ class BatchLoop:
         self._taken[index] = max(self._taken) + 1
         held[index] = ()  # until the request leaves: a failure leaves the slot cold
         drafter = request.drafter
-        k = self.k if drafter is not None or (request.constraint is not None and request.forced_drafts) else 0
         stats = Stats(drafter=drafter.name if drafter else "none", k=k, prompt_tokens=len(prompt),
                       prompt_tokens_reused=shared[index], accepted_at=[0] * k, verify_calls_by_k=[0] * k)
         self.slots[index] = _Slot(request, Sampler(request.sampling, request.seed, prompt), stats, time.perf_counter(),
                                   prefilled=shared[index])
-        request.occupancy = self.occupied
+        request.occupancy = self.load
         return index
 
     def iterate(self) -> None:
@@ -389,7 +395,7 @@ class BatchLoop:
     # -- the decode call -------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        runner, k = self.runner, self.k_now()
+        runner, load = self.runner, self.load
         decoding = [i for i, slot in enumerate(self.slots) if slot is not None and slot.decoding]
         for i in list(decoding):
             slot = self.slots[i]
@@ -402,29 +408,36 @@ class BatchLoop:
         if not decoding:
             return
         for i in decoding:
-            self._propose(self.slots[i], k)
+            slot = self.slots[i]
+            slot.k_now = speculation_policy.k_at(self.k_by_load, load, slot.stats.k)
+            self._propose(slot)
         verifying = [i for i in decoding if self.slots[i].draft is not None]
         stepping = [i for i in decoding if self.slots[i].draft is None]
         # the smallest verify graph holding the longest window (cut or forced drafts can be shorter than k)
-        width = min((w for w in runner.widths
-                     if w >= max((len(self.slots[i].draft.tokens) + 1 for i in verifying), default=0)), default=k + 1)
-        cramped = any(self.slots[i].pos + width > runner.max_context for i in stepping)  # no room for padding
-        if verifying and stepping and (self.mixed == "group" or cramped):
-            self._call(stepping, self.step_width, k)
-            self._call(verifying, width, k)
-        elif verifying:
-            self._call(decoding, width, k)
-        else:
-            self._call(decoding, self.step_width, k)
+        if stepping:
+            self._call(stepping, self.step_width)
+        if verifying:
+            width = self._width(verifying)
+            # a slot near the end of its cache whose window a wider slot's would push past it: a call of its own
+            cramped = [i for i in verifying if self.slots[i].pos + width > runner.max_context]
+            if len(cramped) < len(verifying):
+                self._call([i for i in verifying if i not in cramped], width)
+            for i in cramped:
+                self._call([i], self._width([i]))
 
-    def _propose(self, slot: _Slot, k: int) -> None:
+    def _width(self, rows: list[int]) -> int:
+        """The smallest verify graph holding the longest window [pending, drafts] of the slots rows."""
+        longest = max(len(self.slots[i].draft.tokens) + 1 for i in rows)
+        return min(w for w in self.runner.widths if w >= longest)
+
+    def _propose(self, slot: _Slot) -> None:
         """slot.draft for this iteration (None: a plain step): grammar-forced tokens, else the drafter's
-        proposal cut at its first token the grammar forbids."""
-        request, stats = slot.request, slot.stats
+        proposal cut at its first token the grammar forbids; at most slot.k_now tokens."""
+        request, stats, k = slot.request, slot.stats, slot.k_now
         constraint, drafter = request.constraint, request.drafter
         slot.draft, slot.proposed = None, False
         room = slot.pos + k + 1 <= self.runner.max_context
-        if (drafter is not None or (constraint is not None and request.forced_drafts)) and not k:
+        if stats.k and not k:
             stats.policy_off_steps += 1
         elif constraint is not None and request.forced_drafts and room and (forced := constraint.forced()[:k]):
             slot.draft = Draft(tokens=forced, q_draft=None)
@@ -436,10 +449,9 @@ class BatchLoop:
             if slot.draft is not None and constraint is not None:
                 slot.draft = cut_draft(slot.draft, constraint, stats, drafter)
 
-    def _call(self, rows: list[int], width: int, k: int) -> None:
+    def _call(self, rows: list[int], width: int) -> None:
         """One call over exactly the slots rows (ascending): each slot's pending token and its draft,
-        padded to width with its last token (a slot without a draft: its pending token repeated, row 0
-        read). k: the iteration's k (what a verify call could carry, for the stats)."""
+        padded to width with its last token (a slot without a draft: width is the step's, row 0 read)."""
         runner, slots = self.runner, [self.slots[i] for i in rows]
         windows = [[slot.seq[-1]] + (slot.draft.tokens if slot.draft is not None else []) for slot in slots]
         tokens = np.array([window + [window[-1]] * (width - len(window)) for window in windows], np.int64)  # (n, T)
@@ -470,7 +482,7 @@ class BatchLoop:
                                                                slot.sampler, slot.generated)
                 if slot.proposed:
                     slot.request.drafter.observe(len(draft.tokens), n_accepted)
-                slot.stats.verified(k, len(draft.tokens), n_accepted)
+                slot.stats.verified(slot.k_now, len(draft.tokens), n_accepted)
                 chunk = draft.tokens[:n_accepted] + [next_token]
                 slot.pos += n_accepted + 1
             slot.seq.extend(chunk)
@@ -539,14 +551,13 @@ def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None,
     return (*speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng), logits)
 
 
-def generate_all(runner, requests: list[SlotRequest], k: int = 0, *, join_at: list[int] | None = None,
-                 mixed: str = "group", k_by_load: Sequence[int] = (),
-                 reuse: bool = False) -> list[tuple[list[int], str, Stats]]:
+def generate_all(runner: Slotted, requests: list[SlotRequest], *, join_at: list[int] | None = None,
+                 k_by_load: Sequence[int] = (), reuse: bool = False) -> list[tuple[list[int], str, Stats]]:
     """Run requests through one BatchLoop, request i joining at iteration join_at[i] (default 0) or
     as soon as a slot is free after it; returns (token ids, finish reason, stats) per request."""
     join_at = join_at or [0] * len(requests)
     results: list = [None] * len(requests)
-    loop = BatchLoop(runner, k, mixed=mixed, k_by_load=k_by_load, reuse=reuse)
+    loop = BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
     waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
     for i in waiting:
         previous = requests[i].on_done
@@ -563,19 +574,10 @@ def generate_all(runner, requests: list[SlotRequest], k: int = 0, *, join_at: li
     return results
 
 
-def generate(target: Runner, prompt_ids: list[int], *, max_new_tokens: int, eos_ids: tuple[int, ...],
-             sampling: SamplingParams = SamplingParams(), seed: int | None = None,
-             drafter: Drafter | None = None, k: int = 0, emit: Emit | None = None,
-             cancel: Cancel | None = None, constraint: Constraint | None = None,
-             forced_drafts: bool = False, reuse: bool = False) -> tuple[list[int], str, Stats]:
-    """Decode up to max_new_tokens after prompt_ids on a B=1 target: the request as the one occupied
-    slot of the loop (backends/slot_views.OneSlot). Returns (new token ids
-    without EOS, finish_reason in eos | stop | length | context_full | <cancel's reason>, stats).
-    reuse: keep the cache rows the last request left that match a prefix of prompt_ids. constraint /
-    forced_drafts: guided decoding (runtime/grammar.py), as this module's docstring says."""
-    speculating = drafter is not None or (constraint is not None and forced_drafts)
-    request = SlotRequest(prompt_ids=list(prompt_ids), max_new_tokens=max_new_tokens, eos_ids=tuple(eos_ids),
-                          sampling=sampling, seed=seed, drafter=drafter, emit=emit, cancel=cancel,
-                          constraint=constraint, forced_drafts=forced_drafts)
-    (result,) = generate_all(OneSlot(target), [request], k if speculating else 0, reuse=reuse)
+def generate(target: Runner, request: SlotRequest, *, reuse: bool = False) -> tuple[list[int], str, Stats]:
+    """Decode request on a B=1 target: the request as the one occupied slot of the loop
+    (backends/slot_views.OneSlot). Returns (new token ids without EOS, finish_reason in eos | stop |
+    length | context_full | <cancel's reason>, stats). reuse: keep the cache rows the last request
+    left that match a prefix of its prompt."""
+    (result,) = generate_all(OneSlot(target), [request], reuse=reuse)
     return result

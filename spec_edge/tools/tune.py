@@ -269,12 +269,8 @@ def main(cfg, args, progress) -> int:
     load = machine_load()
     progress(f"[tune] drafter {drafter}, k candidates {ks}, {slots} slot(s), {len(prompts)} prompts; load {load}")
     engine = Engine.from_config(cfg, progress)
-    if slots > 1:
-        from spec_edge.graphs.batch_export import batch_graphs
-        from spec_edge.runtime.backends.ort_batch import BatchRunner
-
-        runner = BatchRunner(batch_graphs(cfg, progress), cfg.runtime.threads)
-        call, step_width = forward_call(runner), runner.step_width
+    if slots > 1:  # the engine's own batched runner
+        call, step_width = forward_call(engine.runner), engine.runner.step_width
     else:
         call, step_width = one_row_call(engine.target), 1
     extra = {}

@@ -34,10 +34,10 @@ def solo(batch_params):
     """Each request alone and cold (no prefix reuse) through the same batched graphs, in this process
     (exports them first)."""
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.batch_engine import BatchEngine
+    from spec_edge.runtime.engine import Engine
 
     cold = {**batch_params, "serve.reuse_prefix": False, "serve.warm_system_prompt": False}
-    engine = BatchEngine.from_config(cfgmod.from_params(cold), progress=lambda m: None)
+    engine = Engine.from_config(cfgmod.from_params(cold), progress=lambda m: None)
     yield [engine.generate(engine_request(prompt=p, max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)]
     engine.close()
 
@@ -57,7 +57,8 @@ def test_eight_clients_each_get_their_solo_answer(server_factory, batch_params, 
             (want.text.split("\x00")[0], len(want.token_ids), want.finish_reason), prompt
         assert (answer["stats"]["drafted"], answer["stats"]["accepted"]) == (want.stats.drafted, want.stats.accepted)
     assert sum(a["stats"]["drafted"] for a in answers) > 0  # prompt lookup did speculate
-    assert max(a["stats"]["queued_at_start"] for a in answers) == 4  # the slots were shared: all four in use
+    # the slots were shared: all four in use (the load counts the occupied slots + the queue behind them)
+    assert max(a["stats"]["queued_at_start"] for a in answers) >= 4
     assert "warmed the cache with the system prompt" in server.log()
     assert min(a["stats"]["prompt_tokens_reused"] for a in answers) > 0  # each slot held the chat prefix
     status, = finish_client(start_client(module_env, {"mode": "diagnostics"}))
@@ -70,10 +71,10 @@ def test_batched_engine_serves_guided_requests(batch_params, solo):
     import re
 
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.batch_engine import BatchEngine
+    from spec_edge.runtime.engine import Engine
 
     action = r"(pick|place|move) the (red|blue|green) (box|cup|arm)\."
-    engine = BatchEngine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
+    engine = Engine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
     try:
         guided = engine.generate(engine_request(prompt=PROMPTS[0], regex=action, max_new_tokens=40))
         assert guided.finish_reason == "eos" and re.fullmatch(action, guided.text), guided

@@ -1,6 +1,7 @@
-"""serve.speculate_k_by_load through the node: with [4, 0] requests that start behind a queue run target-only
-and say so in their stats; their text is the solo (speculative) answer; a request started alone speculates at
-k=4 and counts its verify calls by k; /diagnostics carries the table. (Smaller k than speculative.k: the
+"""serve.speculate_k_by_load through the node: with [4, 0] a request's iterations while others wait behind it
+(load >= 2: requests in the engine, occupied slot + queue) are plain steps, and its stats say so; its text is
+the solo (speculative) answer; a request alone speculates at k=4 and counts its verify calls by k; /diagnostics
+carries the table. (Smaller k than speculative.k: the
 tiny-model tests, test/test_speculation_load.py and test/test_batch.py, as the default graphs have k=4 only.)"""
 from __future__ import annotations
 
@@ -33,20 +34,19 @@ def test_deep_queue_switches_speculation_off(server, module_env, reference_engin
         assert answer["text"] == want.text, prompt
         assert answer["num_tokens"] == len(want.token_ids), prompt
         assert stats["queued_at_start"] >= 1
-        if stats["queued_at_start"] > 1:
-            assert stats["drafter"] == "none" and stats["drafted"] == 0 and stats["k"] == 0, stats
-            assert stats["verify_calls_by_k"] == [], stats
-            assert f"{stats['queued_at_start']} requests queued" in stats["speculation_off_reason"]
-            assert "serve.speculate_k_by_load=[4, 0] gives k=0" in stats["speculation_off_reason"]
+        assert stats["drafter"] == drafter and stats["k"] == 4 and len(stats["verify_calls_by_k"]) == 4, stats
+        assert stats["verify_calls_by_k"][:3] == [0, 0, 0]  # every verify call at k=4 (the table: k=4 or none)
+        if stats["policy_off_steps"]:  # it stepped while others waited
+            assert "serve.speculate_k_by_load=[4, 0]" in stats["speculation_off_reason"]
+            assert f"{stats['policy_off_steps']} plain steps without speculation" in stats["speculation_off_reason"]
             off.append(answer)
         else:
-            assert stats["drafter"] == drafter and stats["speculation_off_reason"] == "", stats
-            assert stats["k"] == 4 and len(stats["verify_calls_by_k"]) == 4, stats
-            assert stats["verify_calls_by_k"][:3] == [0, 0, 0]  # every verify call at k=4
+            assert stats["speculation_off_reason"] == "", stats
             on.append(answer)
-    # the burst queues behind the first request; the last one served starts with nobody behind it
+    # the burst queues behind the first request, which steps without drafts while they wait; the last one
+    # served runs with nobody behind it
     assert off, [a["stats"]["queued_at_start"] for a in answers]
-    assert on, [a["stats"]["queued_at_start"] for a in answers]
+    assert on or any(a["stats"]["verify_calls_by_k"][3] for a in off), [a["stats"] for a in answers]
 
     alone, = run_client(module_env, {"mode": "call", "requests": [{"prompt": PROMPTS[0], "max_new_tokens": MAX_NEW}]})
     assert alone["stats"]["queued_at_start"] == 1 and alone["stats"]["drafter"] == drafter

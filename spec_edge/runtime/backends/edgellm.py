@@ -183,6 +183,7 @@ class EdgeLLMEngine:
     """A serving.RequestBackend over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
     batch_slots > 1), the tokenizer of the engine folder (our chat template and stream decoding), the builder
     limits, and a lock serialising LLMRuntime requests."""
+    loop = None  # it serves whole requests (the worker runs generate, on threads when concurrent)
 
     def __init__(self, cfg: Config, rt: ModuleType, dirs: EdgeLLMDirs, progress: Callable[[str], None] = print):
         self.cfg, self.rt, self.dirs, self.progress = cfg, rt, dirs, progress
@@ -328,10 +329,8 @@ class EdgeLLMEngine:
         if self.batcher is not None and drafter != "none":
             k, off_reason = 0, (f"graphs.batch_slots={self.cfg.graphs.batch_slots}: Edge-LLM's RequestEngine (in-flight "
                                 f"batching) does not speculate: ran target-only instead of drafter {drafter}")
-        elif drafter != "none":
-            table = self.cfg.serve.speculate_k_by_load
-            k = speculation_policy.k_at(table, queued, asked)
-            off_reason = speculation_policy.serial_reason(drafter, queued, asked, k, table)
+        elif drafter != "none":  # the load as it starts: the whole request runs at that k
+            k = speculation_policy.k_at(self.cfg.serve.speculate_k_by_load, queued, asked)
         call.disable_spec_decode = k == 0
         channel = rt.StreamChannel.create()
         call.stream_channels = [channel]
@@ -355,6 +354,11 @@ class EdgeLLMEngine:
         if finish == "stop":
             ids = self._trim_to_stop(ids, request.stop)
         stats.new_tokens = len(ids)
+        if self.batcher is None and drafter != "none" and k < asked:  # the policy's k, as the loop counts it
+            stats.k = asked
+            stats.verify_calls_by_k = [stats.verify_calls if i + 1 == k else 0 for i in range(asked)]
+            stats.policy_off_steps = 0 if k else len(ids)
+            off_reason = speculation_policy.reason(stats, self.cfg.serve.speculate_k_by_load)
         return GenerateResult(text=decoder.text, token_ids=ids, finish_reason=finish, stats=stats,
                               prompt_tokens=n_prompt, queued_at_start=queued, speculation_off_reason=off_reason,
                               message=error)

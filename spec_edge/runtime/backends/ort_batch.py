@@ -12,7 +12,7 @@ State, allocated once (and written once, so no slot's pages are faulted in by it
 
 BatchRunner(b1_folder, slots=B) runs a B=1 export (a draft model's) over B regions: every call is one
 row (its B=1 graphs bound to the slot's region), e.g. the draft model of per-slot drafters
-(runtime/slot_drafting.py); one slot of any BatchRunner as a B=1 Runner: backends/slot_views.py.
+(runtime/drafting.py); one slot of any BatchRunner as a B=1 Runner: backends/slot_views.py.
 
 A call names the slots it runs: forward(slots, tokens (n, T), positions) computes those n rows only,
 each writing its T keys/values at [pos, pos + T) of its own slot's region; no other region is

@@ -1,4 +1,5 @@
-"""One batch slot of a batched runner or a per-slot head, seen through the interface the drafters use.
+"""The slotted runner the loop drives (Slotted), and one slot of it or of a per-slot head seen through the
+interface the drafters use.
 
 The drafters (runtime/drafters/*.py) are written against one model cache: a Runner (base.py) for the
 draft model and for the target's hidden states, an ONNX Runtime head (ort_heads.py) for EAGLE-3 /
@@ -15,16 +16,41 @@ run unchanged, each over its slot's regions only:
 
 And the other way round, for the one loop (runtime/speculative.py) over a B=1 target:
 
-  OneSlot(runner)         a B=1 Runner as a batch runner of one slot (speculative.generate: one
-                          request is one occupied slot)
+  OneSlot(runner)         a B=1 Runner as a slotted runner of one slot (graphs.batch_slots = 1: one
+                          request is one occupied slot); its slot 0 is the Runner itself (slot_views)
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
 from spec_edge.runtime.backends.base import BackendError, Runner
+
+
+class Slotted(Protocol):
+    """What the loop (runtime/speculative.py) and the engine call on a target of B slots, each with its own
+    cache region: ort_batch.BatchRunner, or OneSlot over a B=1 Runner."""
+    batch: int                      # B
+    step_width: int                 # 1, or 2: q4's two-row step
+    max_context: int
+    vocab_size: int
+    prefill_chunk: int
+    widths: frozenset[int]
+    held: Sequence[tuple[int, ...]]  # (B,) the token ids each slot's region holds (prefix reuse)
+
+    def check_width(self, width: int) -> None: ...
+
+    def forward(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray: ...
+
+    def argmax(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray: ...
+
+    def prefill(self, slot: int, token_ids: Sequence[int], position: int) -> np.ndarray: ...
+
+    def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray: ...
+
+    def copy_prefix(self, source: int, target: int, n_rows: int) -> None: ...
 
 
 class SlotRunner(Runner):
@@ -61,8 +87,9 @@ class SlotRunner(Runner):
         return self.runner.hidden_states(self.slot, start, stop)
 
     def layer_skip(self, n_layers: int) -> Runner:
-        raise BackendError("the layer-skip drafter shares the target's own cache, which has no per-slot layer-skip "
-                           "graphs: use graphs.batch_slots: 1 for drafter layerskip")
+        raise BackendError(f"drafter layerskip needs the target's first-{n_layers}-layer graphs over each slot's "
+                           f"region, and the batched export (graphs.batch_slots={self.runner.batch}) has none: use "
+                           f"another drafter, or graphs.batch_slots: 1 for layerskip")
 
 
 class SlotHead:
@@ -152,3 +179,11 @@ class OneSlot:
     def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray:
         _check_slot(slot)
         return self.runner.prefill(list(part), position)
+
+    def prefill(self, slot: int, token_ids: Sequence[int], position: int) -> np.ndarray:
+        _check_slot(slot)
+        return self.runner.prefill(list(token_ids), position)
+
+    def copy_prefix(self, source: int, target: int, n_rows: int) -> None:
+        _check_slot(source)
+        _check_slot(target)  # one slot: nothing to copy

@@ -26,9 +26,8 @@ class Eagle3Drafter(CachedHeadDrafter):
         if last + k > self.head.max_context or last < self._ingested:  # no room / nothing new
             return None
         start, self._seq = self._ingested, seq
-        chain = getattr(self.head, "greedy_chain", None)  # the real heads have it; test doubles may not
-        if sampler.params.greedy and chain is not None:  # ids only
-            ids = chain(seq[start + 1:last + 2], self.hidden(start, last + 1), start, k)
+        if sampler.params.greedy:  # ids only
+            ids = self.head.greedy_chain(seq[start + 1:last + 2], self.hidden(start, last + 1), start, k)
             self._ingested = last + 1
             return Draft.from_picks([(int(t), None) for t in ids])
         logits, own = self.head.ingest(seq[start + 1:last + 2], self.hidden(start, last + 1), start)

@@ -64,8 +64,7 @@ class CachedHeadDrafter(HeadDrafter):
     starts with those pairs ingested (the target's hidden rows there are the same tokens' too)."""
 
     def start(self, prompt_ids: list[int]) -> None:
-        held = getattr(self.head, "held", ())  # the real heads have it; test doubles may not
-        self._ingested = max(0, common_prefix(held, prompt_ids, len(prompt_ids)) - 1)
+        self._ingested = max(0, common_prefix(self.head.held, prompt_ids, len(prompt_ids)) - 1)
         self.head.held = ()  # until finish(): a failed request leaves the next one cold
         self._seq = prompt_ids
 

@@ -1,0 +1,94 @@
+"""The node's one Worker (spec_edge/ros2/worker.py) without rclpy: over the Engine's loop it admits queued jobs
+into free slots (B=1: one at a time, first in first out) and tells the loop what waits; over a backend that
+serves whole requests (Edge-LLM: engine.loop is None, a double of the RequestBackend protocol here, as the
+real runtime needs a GPU) it runs up to graphs.batch_slots of them at once on threads when the backend is
+concurrent, else one."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from spec_edge.ros2.worker import Job, Worker
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult
+from spec_edge.runtime.speculative import Stats
+
+
+class Log:
+    def error(self, message):
+        raise AssertionError(message)
+
+    def info(self, message):
+        pass
+
+
+class WholeRequests:
+    """A RequestBackend that serves whole requests (loop None), each blocking until released."""
+    loop = None
+
+    def __init__(self, cfg, concurrent: bool):
+        self.cfg, self.concurrent = cfg, concurrent
+        self.release = threading.Event()
+        self.running = self.most = 0
+        self.queued: list[int] = []
+        self._lock = threading.Lock()
+
+    def generate(self, request, on_text=None, cancel=None, queued=1):
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.queued.append(queued)
+        self.release.wait(10)
+        with self._lock:
+            self.running -= 1
+        return GenerateResult(text=request.prompt, token_ids=[1], finish_reason="length", stats=Stats(),
+                              prompt_tokens=1, queued_at_start=queued)
+
+
+def run_jobs(worker, n):
+    jobs = [Job(request=GenerateRequest(prompt=f"p{i}")) for i in range(n)]
+    for job in jobs:
+        assert worker.submit(job)
+    return jobs
+
+
+@pytest.mark.parametrize("concurrent,slots,most", [(True, 3, 3), (False, 3, 1)])
+def test_whole_request_backend_runs_up_to_its_slots_at_once(tiny_cfg, concurrent, slots, most):
+    cfg = tiny_cfg.replace(**{"graphs.batch_slots": slots})
+    backend = WholeRequests(cfg, concurrent)
+    worker = Worker(backend, cfg, Log())
+    try:
+        jobs = run_jobs(worker, 5)
+        deadline = time.monotonic() + 5
+        while backend.running < most and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert backend.running == most and worker.queue_depth == 5 - most
+        backend.release.set()
+        for job in jobs:
+            assert job.done.wait(10) and job.outcome.success and job.outcome.text == job.request.prompt
+        assert backend.most == most and worker.served == 5
+        assert max(backend.queued) > 1  # the load as it started: itself, those running and those behind it
+    finally:
+        backend.release.set()
+        worker.stop(5)
+
+
+def test_stop_refuses_what_waits_and_cancels_what_runs(tiny_engine):
+    """Over the Engine's loop (B=1: one slot): the first job runs, the others wait and are refused on stop;
+    the running one ends cancelled."""
+    from spec_edge.ros2.worker import SHUTTING_DOWN
+
+    worker = Worker(tiny_engine, tiny_engine.cfg, Log())
+    started = threading.Event()
+    jobs = [Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=100, speculate=False),
+                on_text=lambda delta, n: started.set()) for _ in range(3)]
+    for job in jobs:
+        assert worker.submit(job)
+    assert started.wait(30)
+    assert worker.queue_depth == 2 and tiny_engine.loop.waiting == 2  # the loop's load counts them
+    worker.stop(30)
+    assert jobs[0].done.is_set() and jobs[0].outcome.finish_reason == "cancelled"
+    assert [job.outcome.message for job in jobs[1:]] == [SHUTTING_DOWN] * 2
+    assert not tiny_engine.loop.occupied
