@@ -53,9 +53,9 @@ def ids_of(engine, text):
 
 
 def run(engine, prompt_ids, params, drafter=None, k=0, eos_ids=None):
-    return speculative.generate(engine.target, prompt_ids, max_new_tokens=MAX_NEW,
-                                eos_ids=engine.eos_ids if eos_ids is None else eos_ids, sampling=params,
-                                drafter=drafter, k=k)
+    return speculative.generate(engine.target, speculative.SlotRequest(
+        prompt_ids=list(prompt_ids), max_new_tokens=MAX_NEW, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
+        sampling=params, drafter=drafter, k=k if drafter is not None else 0))
 
 
 def option_params(engine, name):
@@ -120,8 +120,8 @@ def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
     requests = [speculative.SlotRequest(
         prompt_ids=ids_of(tiny_engine, text), max_new_tokens=MAX_NEW, eos_ids=eos_ids, sampling=params,
         drafter={"ngram": NgramDrafter(), "draft": ModelDrafter(OrtRunner(draft_dir), name="draft"),
-                 None: None}[name]) for text, params, eos_ids, name in cases]
-    together = speculative.generate_all(runner, requests, K, join_at=[0, 0, 2, 0, 4, 6])
+                 None: None}[name], k=K if name else 0) for text, params, eos_ids, name in cases]
+    together = speculative.generate_all(runner, requests, join_at=[0, 0, 2, 0, 4, 6])
     for (text, params, eos_ids, _), (ids, finish, stats) in zip(cases, together):
         alone, alone_finish, alone_stats = run(tiny_engine, ids_of(tiny_engine, text), params, eos_ids=eos_ids)
         assert (ids, finish) == (alone, alone_finish), text

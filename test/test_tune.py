@@ -143,13 +143,15 @@ def test_tune_takes_the_table_from_concurrency_results(tiny_cfg, tmp_path, capsy
 
 
 def test_tune_writes_the_batched_table(tiny_cfg, tmp_path, capsys):
-    # 4 slots (test_batch's folder: exported once per session): one entry per occupancy 1..4 from the
-    # measured (j rows, width) costs
+    # 4 slots (test_batch's folder: exported once per session): one entry per load (occupied slots +
+    # queued) from the measured (j rows, width) costs; a load past the slots runs all 4 of them
     from test_batch import batch_cfg
 
-    tuned, text = _tune(batch_cfg(tiny_cfg), tmp_path, ks=("3",))
+    cfg = batch_cfg(tiny_cfg)
+    tuned, text = _tune(cfg, tmp_path, ks=("3",))
     table = list(tuned.serve.speculate_k_by_load)
-    assert len(table) == 4 and all(k in (0, 3) for k in table)
+    assert len(table) == 4 + cfg.serve.queue_limit and all(k in (0, 3) for k in table)
+    assert table[4:] == [table[3]] * cfg.serve.queue_limit
     assert tuned.speculative.k == max(table) or tuned.speculative.drafter == "none"
     printed = capsys.readouterr().out
     assert "per requests in the engine: occupied slots + queued (graphs.batch_slots=4" in printed and "chosen k" in printed
