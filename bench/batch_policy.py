@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from spec_edge import config as cfgmod
-from spec_edge.graphs import batch_export
 from spec_edge.runtime import speculative
+from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.engine import Engine
@@ -40,8 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     cfg = cfgmod.load(args.config)
     table, k = list(cfg.serve.speculate_k_by_load), cfg.speculative.k
-    graph_dir = batch_export.batch_graphs(cfg, print)
-    runner = BatchRunner(graph_dir, cfg.runtime.threads)
+    graph_dir = target_graphs(cfg, print)
+    runner = BatchRunner(graph_dir, cfg.runtime.threads, slots=cfg.graphs.batch_slots)
     engine = Engine(cfg, runner, Tokenizer(graph_dir), graph_dir, progress=lambda m: None)
     prompts = [engine.prompt_ids(GenerateRequest(prompt=p["prompt"]))
                for p in load_prompts(kinds=["edit", "free-form"])]

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError
-from spec_edge.graphs import batch_export
 from spec_edge.runtime.backends.base import common_prefix
+from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.engine import Engine, incomplete_message, text_emitter
@@ -52,8 +52,8 @@ class BatchEngine(Engine):
         if reason:
             raise RequestError(f"speculative.drafter: {reason}")
         started = time.monotonic()
-        graph_dir = batch_export.batch_graphs(cfg, progress)
-        runner = BatchRunner(graph_dir, cfg.runtime.threads)
+        graph_dir = target_graphs(cfg, progress)
+        runner = BatchRunner(graph_dir, cfg.runtime.threads, slots=cfg.graphs.batch_slots)
         engine = cls(cfg, runner, Tokenizer(graph_dir), graph_dir, progress)
         engine.slot_drafters = SlotDrafters(cfg, runner, engine.tokenizer, graph_dir, engine.model_cfg, progress)
         k = cfg.speculative.k if cfg.speculative.drafter != "none" else 0

@@ -210,11 +210,11 @@ def main(cfg, args, progress) -> int:
 
     loads, what, bound = speculation_policy.max_load(cfg)
     if batched:  # the batched node: measured costs of calls with n rows per occupancy
-        from spec_edge.graphs.batch_export import batch_graphs
+        from spec_edge.runtime.backends.onnxruntime import target_graphs
         from spec_edge.runtime.backends.ort_batch import BatchRunner
         from spec_edge.tools import tune_batch
 
-        runner = BatchRunner(batch_graphs(cfg, progress), cfg.runtime.threads)
+        runner = BatchRunner(target_graphs(cfg, progress), cfg.runtime.threads, slots=cfg.graphs.batch_slots)
         call = tune_batch.forward_call(runner)
         occupancy = tune_batch.occupancy_costs(call, range(1, loads + 1), [runner.step_width] + [k + 1 for k in ks],
                                                rounds=max(3, args.rounds // 3))
