@@ -293,7 +293,10 @@ def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path
 
 
 def trace(module, args: tuple, inputs: list[str], outputs: list[str]):
-    """torch.onnx's dynamo exporter (opset 20, optimized), quietly; returns the ModelProto."""
+    """torch.onnx's dynamo exporter (opset 20), quietly, optimized by optimize_folding(); returns the
+    ModelProto. (torch's own optimize=True runs the same passes plus onnxscript's pattern rewriter,
+    none of whose rules matches these graphs, for over half of the export's time: test_export.py
+    checks that both give the same graph.)"""
     import onnx
     import torch
 
@@ -306,12 +309,38 @@ def trace(module, args: tuple, inputs: list[str], outputs: list[str]):
             with torch.no_grad(), warnings.catch_warnings():
                 # torch's own pytree deprecation notice, raised for forward(*caches): not the user's to act on
                 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-                torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
-                                  input_names=inputs, output_names=outputs, external_data=True,
-                                  optimize=True, verbose=False)
+                program = torch.onnx.export(module, args, dynamo=True, opset_version=20, input_names=inputs,
+                                            output_names=outputs, optimize=False, verbose=False)
         finally:
             quiet.setLevel(level)
+        optimize_folding(program.model)
+        program.save(str(tmp_path), external_data=True)
         return onnx.load(str(tmp_path), load_external_data=True)
+
+
+def optimize_folding(model) -> None:
+    """onnxscript.optimizer.optimize_ir's passes on an onnx_ir model, in place, without its pattern
+    rewriter: functions inlined, constants folded (with shape inference) and unused nodes removed
+    (twice at most), constants lifted to initializers, duplicates and common subexpressions merged."""
+    import onnx_ir as ir
+    from onnx_ir.passes import common
+    from onnxscript import optimizer
+
+    class FoldConstants(ir.passes.InPlacePass):
+        def call(self, model):
+            return optimizer.fold_constants(model, onnx_shape_inference=True)
+
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager([FoldConstants(), common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(),
+                               common.RemoveUnusedOpsetsPass()], steps=2, early_stop=True),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass())(model)
 
 
 def save(graph, path: Path, store: WeightStore) -> None:
