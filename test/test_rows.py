@@ -58,3 +58,25 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
     for j, ids in enumerate(prompts):
         single.prefill(ids, 0)
         np.testing.assert_array_equal(logits[j], single.forward(list(tokens[j]), len(ids)))
+
+
+def test_layer_skip_per_slot_equals_b1(tiny_cfg, tiny_engine):
+    """BatchRunner.layer_skip(n): each slot's layer-skip call on its own region == the B=1 layer-skip
+    runner's bit for bit, and it writes only that slot's first n layers."""
+    from test_batch import SLOTS, batch_cfg
+
+    single = tiny_engine.target
+    batched = BatchRunner(target_graphs(batch_cfg(tiny_cfg), lambda message: None), slots=SLOTS)
+    skip, single_skip = batched.layer_skip(2), single.layer_skip(2)
+    assert batched.layer_skip(2) is skip and skip.widths == {1}
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, single.vocab_size, n)) for n in (7, 13)]
+    for slot, ids in enumerate(prompts):
+        batched.prefill(slot, ids, 0)
+    other = batched.k_cache[:, 1].copy()
+    got = skip.forward([0], np.asarray([[5]]), [len(prompts[0])]).copy()
+    assert np.array_equal(batched.k_cache[:, 1], other)
+    assert not np.array_equal(batched.k_cache[:2, 0, :, len(prompts[0])], 0 * batched.k_cache[:2, 0, :, 0])
+    single.prefill(prompts[0], 0)
+    np.testing.assert_array_equal(got[0], single_skip.forward([5], len(prompts[0])))
+    single.held = ()

@@ -145,6 +145,8 @@ class BatchRunner:
                                f"graphs.batch_slots: {slots}")
         self._bindings: OrderedDict[tuple, object] = OrderedDict()
         self.calls: dict[tuple[int, int], int] = {}  # (width, graph rows) -> calls so far (tests, benchmarks)
+        self.n_layers = cfg.n_layers  # the layers of the cache this runner's graphs read and write
+        self._layer_skips: dict[int, BatchRunner] = {}
 
     def _graph(self, stem: str, tokens: tuple[int, ...], logits: tuple[int, ...], prefill: bool = False,
                out_rows: int | None = None) -> _Graph:
@@ -177,7 +179,7 @@ class BatchRunner:
         binding.bind_ortvalue_output(io_names.LOGITS, self._value(graph.logits[:graph.out_rows]))
         if graph.hidden is not None:
             binding.bind_ortvalue_output(io_names.HIDDEN, self._value(graph.hidden))
-        for layer in range(self.model_cfg.n_layers):
+        for layer in range(self.n_layers):
             for j, region in enumerate(regions):
                 def name(base: str) -> str:
                     return io_names.slot_name(base, j) if per_row else base
@@ -270,6 +272,8 @@ class BatchRunner:
     def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray:
         """One chunk (at most C tokens) into slot's region at position; its last token's logits (V,)."""
         graph, n_valid = self._prefill, len(part)
+        if graph is None:
+            raise BackendError("this runner has no prefill graph (a layer-skip runner: the target's prefill writes its layers)")
         if not 1 <= n_valid <= self.prefill_chunk:
             raise BackendError(f"a prefill chunk holds 1..{self.prefill_chunk} tokens, got {n_valid}")
         if not 0 <= slot < self.batch:
@@ -294,3 +298,27 @@ class BatchRunner:
         self.v_cache[:, target, :, :n_rows] = self.v_cache[:, source, :, :n_rows]
         if self.hidden is not None:  # the heads read these rows as the prefill wrote them
             self.hidden[target, :n_rows] = self.hidden[source, :n_rows]
+
+    def layer_skip(self, n_layers: int) -> "BatchRunner":
+        """The first n_layers + final norm + head over the same slot regions (views of this cache's first
+        n_layers, no copy): the layer-skip self-drafter of each slot, as OrtRunner.layer_skip is for B=1.
+        One-row calls of width 1 on the folder's rows=1 layer-skip graph (its prefill is the target's);
+        made once per n_layers and shared by the slots."""
+        import copy
+
+        if not 1 <= n_layers < self.model_cfg.n_layers:
+            raise BackendError(f"layer-skip needs 1 <= n_layers < {self.model_cfg.n_layers}, got {n_layers}")
+        if n_layers in self._layer_skips:
+            return self._layer_skips[n_layers]
+        stems = [stem for stem, spec in self.manifest["graphs"].items()
+                 if spec["kind"] == "layerskip" and spec.get("n_layers") == n_layers and spec.get("rows", 1) == 1]
+        if not stems:
+            raise BackendError(f"{self.graph_dir} has no layer-skip graph with {n_layers} layers: set "
+                               f"graphs.layer_skip_layers={n_layers} and re-export")
+        view = copy.copy(self)
+        view.n_layers, view.k_cache, view.v_cache = n_layers, self.k_cache[:n_layers], self.v_cache[:n_layers]
+        view.hidden, view.row_counts, view.step_width, view.widths = None, (), 1, frozenset({1})
+        view._prefill, view._batched, view._bindings, view.calls, view._layer_skips = None, {}, OrderedDict(), {}, {}
+        view._single = {1: view._graph(stems[0], (1, 1), (1, self.vocab_size), out_rows=1)}
+        self._layer_skips[n_layers] = view
+        return view
