@@ -9,7 +9,7 @@ What each drafter runs on, per slot (loaded once, on first use; what a slot's dr
                    its cache, held[b] its record (SlotRunner)
   eagle3, hybrid   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
                    the target's hidden states of the slot (SlotRunner over the batched target, whose graphs
-                   return them when a head is configured: graphs/batch_export.py)
+                   return them when a head is configured: graphs/export.py graph_plan)
   peagle           as eagle3, over the P-EAGLE head
   medusa           the heads have no cache: one OrtMedusaHeads for all slots, the slot's hidden states
   layerskip        refused: it runs the target's own first layers over the target's cache, and the batched

@@ -10,6 +10,9 @@ the new keys/values (T rows per layer) into the cache. Graphs with fused attenti
 outputs are bound to the same (1, Hkv, cache_rows, D) views as their k_cache_<i> inputs, and the
 cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding).
 
+OrtRunner runs a folder's rows=1 graphs (export.graph_plan); the graphs of m > 1 rows beside them run in
+ort_batch.BatchRunner.
+
 All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
 their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
 on 2 cores).
