@@ -79,11 +79,6 @@ def cmd_export(args) -> int:
             from spec_edge.runtime.backends.onnxruntime import ort_graphs
 
             progress(f"[export] {role}: ONNX Runtime runs {ort_graphs(cfg, role, out, progress)}")
-    if cfg.graphs.batch_slots > 1 and cfg.runtime.backend == "onnxruntime":  # what the batched node loads
-        from spec_edge.graphs import batch_export
-
-        progress(f"[export] batched target (B={cfg.graphs.batch_slots}): ONNX Runtime runs "
-                 f"{batch_export.batch_graphs(cfg, progress)}")
     return 0
 
 

@@ -121,7 +121,7 @@ class GraphSection:
     head_weights: str = "q8"
     # Static batch slots B: 1 = the single-request graphs; B > 1 serves B requests at once (runtime/speculative.py)
     # over one cache region per slot: ONNX Runtime's (m, 1) / (m, k+1) graphs (m rows, each bound to any slot's
-    # region) in onnx/target_b<B>/ (graphs/batch_export.py); on tensorrt Edge-LLM's RequestEngine (in-flight batching
+    # region) beside the B=1 graphs (graphs/export.py graph_plan); on tensorrt Edge-LLM's RequestEngine (in-flight batching
     # of up to B requests, no speculation: a result says so in speculation_off_reason).
     batch_slots: int = 1
 

@@ -1,5 +1,5 @@
 """Batched graphs (graphs.batch_slots > 1) and the in-flight batching loop on tiny random models,
-through real ONNX Runtime graphs: the unfused export == torch per row, a call over any subset of the
+through real ONNX Runtime graphs: a call over any subset of the
 slots == the B=1 graph's rows for those slots bit for bit (padding rows included) with every other
 slot's cache bytes untouched, and every request's output == its solo output token for token."""
 from __future__ import annotations
@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from spec_edge.config import ConfigError
-from spec_edge.graphs import batch_export, io_names, model as model_mod
+from spec_edge.graphs import export, model as model_mod
 from spec_edge.runtime import speculative
+from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_batch import BatchRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
@@ -31,7 +32,7 @@ def batch_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batch_runner(tiny_cfg):
-    return BatchRunner(batch_export.batch_graphs(batch_cfg(tiny_cfg), progress=lambda message: None))
+    return BatchRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
 
 
 @pytest.fixture(scope="module")
@@ -52,29 +53,6 @@ def filled(runner, engine, prompts) -> list[int]:
     for slot, p in enumerate(ids):
         runner.prefill(slot, p, 0)
     return [len(p) for p in ids]
-
-
-def test_unfused_export_equals_torch_per_row(tiny_cfg, tiny_engine, torch_target):
-    """The exported (m, T) graphs (the fused rewrite's source): row j == the torch B=1 forward over row
-    j's own cache, for every row count m."""
-    from spec_edge.runtime.backends.onnxruntime import cpu_session
-
-    folder = batch_export.export_batch(batch_cfg(tiny_cfg), progress=lambda message: None)
-    cfg = tiny_engine.model_cfg
-    rng = np.random.default_rng(0)
-    for m in batch_export.row_counts(SLOTS):
-        session = cpu_session(str(folder / f"{batch_export.rows_stem(m, 'verify', K + 1)}.onnx"))
-        caches = rng.standard_normal((2, cfg.n_layers, m, cfg.n_kv_heads, 128, cfg.head_dim)).astype(np.float32)
-        tokens, position = rng.integers(3, cfg.vocab_size, (m, K + 1)), rng.integers(0, 100, m)
-        feed = {io_names.TOKENS: tokens, io_names.POSITION: position}
-        for layer in range(cfg.n_layers):
-            feed[io_names.k_cache(layer)], feed[io_names.v_cache(layer)] = caches[0, layer], caches[1, layer]
-        logits = session.run([io_names.LOGITS], feed)[0]
-        for j in range(m):
-            with torch.no_grad():
-                ref, _, _ = torch_target(torch.from_numpy(tokens[j:j + 1]), torch.tensor([position[j]]),
-                                         torch.from_numpy(caches[0, :, j]), torch.from_numpy(caches[1, :, j]))
-            np.testing.assert_allclose(logits[j], ref.numpy(), rtol=5e-5, atol=5e-5 * np.abs(ref.numpy()).max())
 
 
 @pytest.mark.parametrize("rows", [None, (4,)])
@@ -251,28 +229,28 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
 def test_batch_slots_config(tiny_cfg):
     with pytest.raises(ConfigError, match="batch_slots"):
         tiny_cfg.replace(**{"graphs.batch_slots": 0})
-    with pytest.raises(ConfigError, match="batched graphs need B >= 2"):
-        batch_export.export_batch(tiny_cfg)
     with pytest.raises(ConfigError, match="graphs.ort_attention: fused"):
-        batch_export.batch_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}))
-    assert batch_export.batch_dir(tiny_cfg.replace(**{"graphs.batch_slots": 4})).name == "target_b4"
-    assert batch_export.row_counts(2) == (2,) and batch_export.row_counts(8) == tuple(range(2, 9))
-    assert batch_export.row_counts(20) == (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)  # padding < a quarter of a call
+        target_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}))
+    assert export.row_counts(1) == () and export.row_counts(2) == (2,) and export.row_counts(8) == tuple(range(2, 9))
+    assert export.row_counts(20) == (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)  # padding < a quarter of a call
 
 
 @pytest.fixture(scope="module")
 def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
-    """(batched, B=1) tiny graphs carried to 4-bit MatMulNBits with int8 activations (graphs.weights q4)."""
-    from spec_edge.graphs import quantize
+    """(B slots, B=1) runners over one folder of tiny graphs carried to 4-bit MatMulNBits with int8
+    activations (graphs.weights q4: the plan's graphs of m > 1 rows step at width 2)."""
+    from spec_edge.graphs import ort_attention, quantize
     from spec_edge.runtime.backends.onnxruntime import OrtRunner
     from test_quantize import _fresh_blocks
 
-    root = tmp_path_factory.mktemp("q4b")
-    for name, src in (("batched", batch_export.batch_graphs(batch_cfg(tiny_cfg), progress=lambda m: None)),
-                      ("single", tiny_engine.graph_dir)):
-        quantize.convert_folder(src, root / name, _fresh_blocks, accuracy_level=quantize.ACCURACY_LEVELS["q4"],
-                                stamp="tiny", source="tiny blocks", progress=lambda m: None)
-    return BatchRunner(root / "batched"), OrtRunner(root / "single")
+    cfg = batch_cfg(tiny_cfg).replace(**{"graphs.weights": "q4"})
+    plan = export.graph_plan(cfg, "target")
+    fused = ort_attention.ensure_fused(export.export_model(cfg, "target", export.artifact_dir(cfg, "target"),
+                                                           progress=lambda m: None), lambda m: None, graphs=plan)
+    folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4b") / "q4", _fresh_blocks,
+                                     accuracy_level=quantize.ACCURACY_LEVELS["q4"], stamp="tiny",
+                                     source="tiny blocks", progress=lambda m: None, graphs=plan)
+    return BatchRunner(folder, slots=SLOTS), OrtRunner(folder)
 
 
 def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
@@ -309,7 +287,7 @@ def policy_runner(tiny_cfg):
     folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
                               "runtime.profile": "tiny-policy"})
-    return BatchRunner(batch_export.batch_graphs(cfg, progress=lambda message: None))
+    return BatchRunner(target_graphs(cfg, progress=lambda message: None), slots=SLOTS)
 
 
 def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine):

@@ -3,7 +3,7 @@ every request through the Engine's batched loop, beside other slots busy with ot
 joining mid-stream, answers exactly what it answers alone through the B=1 Engine (token for token, and
 the same drafts: the same drafted / accepted counts), for draft, eagle3, hybrid, medusa and peagle,
 greedy and seeded sampling; the batched graphs return the B=1 graphs' hidden states bit for bit per
-slot; a slot's drafter records what its caches hold for the slot's next request; layerskip is refused."""
+slot; a slot's drafter records what its caches hold for the slot's next request; layerskip per slot too."""
 from __future__ import annotations
 
 import itertools
@@ -165,13 +165,18 @@ def test_slot_records_are_reused_on_the_same_slot(engines):
     loop.clear()
 
 
-def test_layerskip_refused_with_batch_slots(engines, heads_cfg):
-    from spec_edge.config import ConfigError
-    from spec_edge.runtime.engine import Engine
-
-    batched, _ = engines
-    for check in (batched.start, batched.validate):  # validate: the node refuses it before it is queued
-        with pytest.raises(RequestError, match="layerskip .*graphs.batch_slots: 1"):
-            check(GenerateRequest(prompt="Move the arm", drafter="layerskip", k=K))
-    with pytest.raises(ConfigError, match="speculative.drafter: drafter layerskip needs the target's first-n-layer"):
-        Engine.from_config(heads_cfg.replace(**{"graphs.batch_slots": SLOTS, "speculative.drafter": "layerskip"}))
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "top_p": 0.95}], ids=["greedy", "seeded"])
+def test_layerskip_in_a_busy_batch_equals_the_b1_engine(engines, sampling):
+    """layerskip per slot (the target's first n layers over the slot's own cache region, one graph shared by
+    the slots): beside prompt-lookup and target-only requests, joining at different iterations, each result ==
+    the same request alone through the B=1 Engine (same drafted / accepted counts)."""
+    batched, alone = engines
+    names = ["layerskip", "ngram", "layerskip", "none", "layerskip"]
+    requests = [GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], max_new_tokens=[20, 14, 24, 10, 16][i],
+                                drafter=name, speculate=name != "none", k=K, seed=60 + i, **sampling)
+                for i, name in enumerate(names)]
+    together = run_batched(batched, requests, join_at=[0, 0, 1, 3, 6])
+    for name, request, result in zip(names, requests, together):
+        same(result, alone.generate(request))
+        if name == "layerskip":
+            assert result.stats.drafted > 0

@@ -130,15 +130,16 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
     assert json.loads((fused / "manifest.json").read_text())["attention"] == "fused"
     assert f"ONNX Runtime runs {fused}" in capsys.readouterr().err
 
-    # with batch slots, the batched folder the node loads too (its first start would export it otherwise)
+    # with batch slots, the same folder gains the graphs of 2 rows the node loads too (its first start would
+    # make them otherwise); the B=1 graphs are not exported again
     profile.write_text("/**:\n  ros__parameters:\n    graphs:\n      max_context: 64\n      prefill_chunk: 8\n"
                        "      layer_skip_layers: 1\n      k_values: [3]\n      batch_slots: 2\n    speculative:\n"
                        "      k: 3\n")
     assert cli.main(["export", "--config", str(profile), "--target", str(folder),
                      "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
-    batched = tmp_path / "e" / "cli" / "onnx" / "target_b2_fused"
-    assert (batched / "manifest.json").is_file()
-    assert f"ONNX Runtime runs {batched}" in capsys.readouterr().err
+    assert {"rows2_step_1", "rows2_verify_4"} <= set(json.loads((fused / "manifest.json").read_text())["graphs"])
+    err = capsys.readouterr().err
+    assert f"ONNX Runtime runs {fused}" in err and "[export] target: loading" not in err
 
 
 def test_unsupported_architecture_is_refused(tmp_path):
@@ -162,3 +163,26 @@ def test_export_is_reused_when_up_to_date(tiny_engine, tiny_cfg):
     assert ort_attention.ensure_fused(exported, progress=messages.append) == tiny_engine.graph_dir
     assert messages == []
     assert [(folder / "manifest.json").stat().st_mtime_ns for folder in (exported, tiny_engine.graph_dir)] == before
+
+
+def test_trace_gives_torchs_optimized_graph(tmp_path):
+    """export.trace skips onnxscript's pattern rewriter (over half of an export's time, no rule of which
+    matches these graphs): the graph equals torch's optimize=True export, node for node, for the
+    full model and a layer-skip prefix."""
+    from tiny import make_checkpoint
+
+    model_cfg, state, _ = weights.load(str(make_checkpoint(tmp_path / "m", seed=3, llama3_rope=True, tie=True)))
+    for n_layers in (None, 1):
+        module = model.build(model_cfg, state, n_layers=n_layers, cls=model.LayerCaches)
+        k_cache, v_cache = model.empty_cache(model_cfg, 32, n_layers)
+        args = (torch.zeros(1, 3, dtype=torch.int64), torch.tensor([0])) + tuple(x.clone() for x in (*k_cache, *v_cache))
+        names = export.io_names.graph_inputs(n_layers or model_cfg.n_layers), list(export.io_names.GRAPH_OUTPUTS)
+        ours = export.trace(module, args, *names)
+        with torch.no_grad():
+            torch.onnx.export(module, args, str(tmp_path / "ref.onnx"), dynamo=True, opset_version=20, input_names=names[0],
+                              output_names=names[1], external_data=True, optimize=True, verbose=False)
+        ref = onnx.load(str(tmp_path / "ref.onnx"), load_external_data=True)
+        assert [n.SerializeToString() for n in ours.graph.node] == [n.SerializeToString() for n in ref.graph.node]
+        assert {(t.name, tuple(t.dims)) for t in ours.graph.initializer} == \
+            {(t.name, tuple(t.dims)) for t in ref.graph.initializer}
+        assert [(v.name, str(v.type)) for v in ours.graph.output] == [(v.name, str(v.type)) for v in ref.graph.output]

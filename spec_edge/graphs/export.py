@@ -1,18 +1,29 @@
-"""ONNX export of the static graphs of one model.
+"""The export plan of a model and the graph folders made from it, graph by graph.
 
-    <out_dir>/
-      manifest.json             what was exported, from which checkpoint (fingerprint), with which shapes
+    <engine_dir>/<profile>/onnx/target/      the torch export (this module): the rows=1 graphs
+      manifest.json             identity (checkpoint fingerprint, shapes, format), "graphs": stem -> spec,
+                                "made": what each run added, with its seconds
       model.json                the ModelConfig
       tokenizer.json            tokenizers-library file; tokenizer_config.json: chat template, bos/eos
       weights.bin               every weight once, 4 KiB aligned; all graphs point into it
+      weights.index.json        sha256 -> (offset, length) of each blob: a later run appends, stored once
       prefill_<C>.onnx          (1, C) chunk -> logits of the last real token
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
+    target_fused/   the same graphs with fused attention (ort_attention.py), plus graphs.batch_slots = B > 1's
+      rows<m>_step_1.onnx, rows<m>_verify_<k+1>.onnx   (m, T) for each row count m of row_counts(B), made
+                                from step_1 by the rewrite (gqa_rewrite.rewrite_rows), no torch export
+    target_fused_q4/ (quantize.py), <folder>_packed/ (runtime/backends/onnxruntime.py): the same stems
+
+graph_plan(cfg, role) lists every graph a config runs, each with its row count ("rows": 1 for the
+B=1 graphs). A folder is made graph by graph (ensure_graphs): a plan that grows (a new k, more batch
+slots, a head's hidden states) adds only its missing graphs to the folders, their new weights
+appended to weights.bin; the graphs already there, and the sessions that run them, are untouched.
 
 Graphs come from torch.onnx.export's dynamo exporter (opset 20), which keeps every shape static;
 check_static() proves it on each file. Weights shared by graphs are stored once, so the layer-skip
-graph and the three target shapes cost no extra disk.
+graph and the target shapes cost no extra disk.
 """
 from __future__ import annotations
 
@@ -29,8 +40,13 @@ from pathlib import Path
 from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
 from spec_edge.graphs import hidden, io_names
 
-FORMAT_VERSION, ALIGN = 2, 4096  # format 2: one cache input per layer, two-part attention, fusable RMSNorm
+# format 3: every graph spec has its row count; weights.index.json lets a later run append
+FORMAT_VERSION, ALIGN = 3, 4096
 Progress = Callable[[str], None]
+# make(todo, folder, store, fresh) writes todo's graphs (stem -> spec) into folder, their large weights into
+# store (the folder's weights.bin); fresh: a new folder, whose side files (model.json ...) it writes too.
+# Returns the manifest keys it adds (the same for every run over one identity)
+MakeGraphs = Callable[[dict, Path, "WeightStore", bool], dict]
 
 
 def torch_dtype(name: str):
@@ -38,16 +54,47 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
+def row_counts(batch: int) -> tuple[int, ...]:
+    """Row counts m of the rows > 1 graphs for B slots (one row runs the B=1 graphs): every count up to
+    8, then steps of 2 up to 16, of 4 up to 32, of 8 up to 64, and B. A call with n rows runs the
+    smallest m >= n, so its padding rows are under a quarter of its rows (cost per row: docs/bench.md,
+    "Calls over a subset of the slots"). () for B = 1."""
+    counts, m = [], 2
+    while m < batch:
+        counts.append(m)
+        m += 1 << max(0, m.bit_length() - 3)  # 1 below 8, then a quarter of the power of two below m
+    return tuple(counts + [batch]) if batch > 1 else ()
+
+
+def rows_stem(rows: int, kind: str, width: int) -> str:
+    """File stem of a graph of m > 1 rows: rows_stem(4, "verify", 5) = 'rows4_verify_5'."""
+    return f"rows{rows}_" + io_names.graph_file(kind, width)
+
+
+def step_width(cfg: Config) -> int:
+    """The width a decode step runs at: 2 for graphs.weights q4 (int8 activations: the token twice,
+    graphs/two_rows.py), else 1."""
+    return 2 if cfg.graphs.weights == "q4" else 1
+
+
 def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
-    """stem -> {kind, width, n_layers}: the graphs a role ('target' or 'draft') needs."""
+    """stem -> {kind, width, rows[, n_layers][, hidden_layers]}: every graph a role ('target' or 'draft')
+    runs. rows = 1: the B=1 graphs, exported from torch (export_model); the target's graphs of m > 1
+    rows (graphs.batch_slots = B > 1: each m of row_counts(B), at the step width and each k+1) run with
+    fused attention only and are made by that pass (graphs/ort_attention.py)."""
     g = cfg.graphs
-    plan = {io_names.graph_file("prefill", g.prefill_chunk): {"kind": "prefill", "width": g.prefill_chunk},
-            io_names.graph_file("step", 1): {"kind": "step", "width": 1}}
+    plan = {io_names.graph_file("prefill", g.prefill_chunk): {"kind": "prefill", "width": g.prefill_chunk, "rows": 1},
+            io_names.graph_file("step", 1): {"kind": "step", "width": 1, "rows": 1}}
     if role == "target":
         for k in sorted(set(g.k_values)):
-            plan[io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1}
+            plan[io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1, "rows": 1}
         plan[io_names.graph_file(f"layerskip{g.layer_skip_layers}_step", 1)] = {
-            "kind": "layerskip", "width": 1, "n_layers": g.layer_skip_layers}
+            "kind": "layerskip", "width": 1, "rows": 1, "n_layers": g.layer_skip_layers}
+        step = step_width(cfg)
+        widths = [("step", step)] + [("verify", k + 1) for k in sorted(set(g.k_values)) if k + 1 != step]
+        for m in row_counts(g.batch_slots):
+            for kind, width in widths:
+                plan[rows_stem(m, kind, width)] = {"kind": kind, "width": width, "rows": m}
         hidden_layers = hidden.target_hidden_layers(cfg)
         if hidden_layers:  # a head is configured: the full-model graphs also return the hidden states it reads
             for spec in plan.values():
@@ -56,119 +103,39 @@ def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
     return plan
 
 
-def wanted_manifest(cfg: Config, role: str, fingerprint: str, source: str) -> dict:
-    g = cfg.graphs
-    return {"format": FORMAT_VERSION, "role": role, "source": source, "fingerprint": fingerprint,
-            "max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "dtype": g.dtype,
-            "graphs": graph_plan(cfg, role)}
-
-
-def up_to_date(out_dir: Path, wanted: dict) -> bool:
-    """True when out_dir holds every wanted graph from the same checkpoint with the same shapes."""
-    path = out_dir / "manifest.json"
-    if not path.is_file():
-        return False
-    try:
-        have = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return False
-    same = all(have.get(key) == wanted[key] for key in
-               ("format", "role", "fingerprint", "max_context", "prefill_chunk", "dtype"))
-    graphs = have.get("graphs", {})
-    return same and all(graphs.get(stem) == spec and (out_dir / f"{stem}.onnx").is_file()
-                        for stem, spec in wanted["graphs"].items())
-
-
 def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print) -> Path:
-    """Export the graphs of the target ('target') or draft ('draft') model into out_dir, unless
-    an up-to-date export is already there. Returns out_dir.
-
-    Safe against concurrent exporters (a CLI and a node started together): an exclusive lock file
-    beside out_dir serialises them, and a new export is written to a temporary folder that replaces
-    out_dir only once complete, so a reader never sees half an export."""
-    import fcntl
-
+    """The folder of the target's ('target') or draft model's ('draft') exported rows=1 graphs of the
+    plan: exported once, graph by graph (ensure_graphs: a grown plan exports only its new graphs; a
+    new checkpoint or shape re-exports the folder). Returns out_dir."""
     from spec_edge.graphs import weights
 
     source = cfg.model.target if role == "target" else cfg.model.draft
     if not source:
         raise ConfigError(f"no {role} model configured (model.{role})")
-    fingerprint = weights.fingerprint(source)
-    wanted = wanted_manifest(cfg, role, fingerprint, source)
-    out_dir = Path(out_dir)
-    if up_to_date(out_dir, wanted):
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
-        if not _try_lock(lock):
-            progress(f"[export] {role}: another process is exporting to {out_dir}; waiting ...")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if up_to_date(out_dir, wanted):
-            return out_dir
-        for leftover in out_dir.parent.glob(f".{out_dir.name}.tmp*"):  # from an interrupted export
-            _remove_tree(leftover)
-        tmp_dir = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
-        _export_into(cfg, role, source, wanted, tmp_dir, progress)
-        old_dir = out_dir.parent / f".{out_dir.name}.old{os.getpid()}"
-        if out_dir.exists():
-            out_dir.rename(old_dir)
-        tmp_dir.rename(out_dir)
-        _remove_tree(old_dir)
-    progress(f"[export] {role}: ready in {out_dir}")
-    return out_dir
+    g = cfg.graphs
+    identity = {"format": FORMAT_VERSION, "role": role, "source": source, "fingerprint": weights.fingerprint(source),
+                "max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "dtype": g.dtype}
+    graphs = {stem: spec for stem, spec in graph_plan(cfg, role).items() if spec["rows"] == 1}
 
+    def make(todo: dict, folder: Path, store: WeightStore, fresh: bool) -> dict:
+        progress(f"[export] {role}: loading {source} ...")
+        model_cfg, state, tokenizer = weights.load(source)
+        if g.max_context > model_cfg.max_position_embeddings:
+            raise ConfigError(f"graphs.max_context={g.max_context} exceeds the model's "
+                              f"{model_cfg.max_position_embeddings} positions")
+        if role == "target" and g.layer_skip_layers >= model_cfg.n_layers:
+            raise ConfigError(f"graphs.layer_skip_layers={g.layer_skip_layers} must be below the "
+                              f"model's {model_cfg.n_layers} layers")
+        for i, (stem, spec) in enumerate(todo.items(), 1):
+            progress(f"[export] {role}: graph {i}/{len(todo)} {stem} (width {spec['width']}) ...")
+            export_graph(model_cfg, state, folder / f"{stem}.onnx", store, kind=spec["kind"], width=spec["width"],
+                         max_context=g.max_context, dtype=g.dtype, n_layers=spec.get("n_layers"),
+                         hidden_layers=tuple(spec.get("hidden_layers", ())))
+        if fresh:
+            weights.write_side_files(folder, model_cfg, tokenizer)
+        return {"model": model_cfg.name}
 
-def _try_lock(lock) -> bool:
-    import fcntl
-
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    if path.exists():
-        shutil.rmtree(path)
-
-
-def load_into(cfg: Config, source: str, out_dir: Path) -> tuple:
-    """(model config, state dict, tokenizer, WeightStore of the new folder out_dir) of source, checked to
-    cover graphs.max_context: how every export starts (this one, batch_export.py)."""
-    from spec_edge.graphs import weights
-
-    model_cfg, state, tokenizer = weights.load(source)
-    if cfg.graphs.max_context > model_cfg.max_position_embeddings:
-        raise ConfigError(f"graphs.max_context={cfg.graphs.max_context} exceeds the model's "
-                          f"{model_cfg.max_position_embeddings} positions")
-    out_dir.mkdir(parents=True)
-    return model_cfg, state, tokenizer, WeightStore(out_dir / "weights.bin")
-
-
-def _export_into(cfg: Config, role: str, source: str, wanted: dict, out_dir: Path, progress: Progress) -> None:
-    from spec_edge.graphs import weights
-
-    started = time.monotonic()
-    progress(f"[export] {role}: loading {source} ...")
-    model_cfg, state, tokenizer, store = load_into(cfg, source, out_dir)
-    if role == "target" and cfg.graphs.layer_skip_layers >= model_cfg.n_layers:
-        raise ConfigError(f"graphs.layer_skip_layers={cfg.graphs.layer_skip_layers} must be below the "
-                          f"model's {model_cfg.n_layers} layers")
-    plan = wanted["graphs"]
-    for i, (stem, spec) in enumerate(plan.items(), 1):
-        progress(f"[export] {role}: graph {i}/{len(plan)} {stem} (width {spec['width']}) ...")
-        export_graph(model_cfg, state, out_dir / f"{stem}.onnx", store, kind=spec["kind"],
-                     width=spec["width"], max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype,
-                     n_layers=spec.get("n_layers"), hidden_layers=tuple(spec.get("hidden_layers", ())))
-    store.close()
-    weights.write_side_files(out_dir, model_cfg, tokenizer)
-    manifest = dict(wanted, model=model_cfg.name, weights_bytes=store.size,
-                    export_seconds=round(time.monotonic() - started, 1))
-    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    progress(f"[export] {role}: {len(plan)} graphs in {manifest['export_seconds']} s")
+    return ensure_graphs(Path(out_dir), identity, graphs, make, progress, f"[export] {role}")
 
 
 def read_model_config(out_dir: Path) -> ModelConfig:
@@ -180,13 +147,21 @@ def read_model_config(out_dir: Path) -> ModelConfig:
 
 
 class WeightStore:
-    """One file holding each distinct large initializer once; graphs reference it by offset."""
+    """One file holding each distinct large initializer once; graphs reference it by offset. append:
+    open an existing store (its index, weights.index.json beside it, says what it holds) and add to
+    its end, leaving the bytes already there, and the sessions mapping them, untouched."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.fh = path.open("wb")
-        self.size = 0
+    def __init__(self, path: Path, append: bool = False):
+        self.path = Path(path)
+        self.index_path = self.path.with_name(self.path.stem + ".index.json")
         self.offsets: dict[str, tuple[int, int]] = {}  # sha256 -> (offset, length)
+        if append:
+            self.offsets = {key: tuple(value) for key, value in json.loads(self.index_path.read_text()).items()}
+            self.fh = self.path.open("ab")
+            self.size = self.path.stat().st_size
+        else:
+            self.fh = self.path.open("wb")
+            self.size = 0
 
     def put(self, data: bytes) -> tuple[int, int]:
         key = hashlib.sha256(data).hexdigest()
@@ -200,6 +175,92 @@ class WeightStore:
 
     def close(self) -> None:
         self.fh.close()
+        _write_atomic(self.index_path, json.dumps(self.offsets))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def folder_stamp(folder: Path) -> str:
+    """A short hash of a graph folder's identity (its manifest without the graph list and the run
+    log): what a folder derived from it records. Adding graphs to the folder keeps its stamp."""
+    manifest = json.loads((Path(folder) / "manifest.json").read_text())
+    ident = {key: value for key, value in manifest.items() if key not in ("graphs", "made")}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ensure_graphs(out: Path, identity: dict, graphs: dict[str, dict], make: MakeGraphs, progress: Progress = print,
+                  label: str = "[graphs]") -> Path:
+    """The graph folder out holding every graph of `graphs` (stem -> spec) made for `identity` (what all
+    its graphs depend on: the checkpoint or source folder's stamp, a pass's format ...). Under a lock
+    beside out (concurrent makers, a CLI and a node, wait for each other):
+      - every graph there with the same spec: nothing runs;
+      - the same identity: make() adds only the missing graphs (or those whose spec changed), in place,
+        appending to weights.bin; the manifest, written last and atomically, then lists them;
+      - else (a new folder, a new identity, a folder of an older format): make() writes every graph into
+        a temporary folder that then replaces out, so a reader never sees half a folder."""
+    import fcntl
+
+    def state() -> tuple[str, dict, dict]:
+        path = out / "manifest.json"
+        try:
+            have = json.loads(path.read_text()) if path.is_file() else {}
+        except json.JSONDecodeError:
+            have = {}
+        if not have or any(have.get(key) != value for key, value in identity.items()) \
+                or not (out / "weights.index.json").is_file():
+            return "fresh", have, dict(graphs)
+        todo = {stem: spec for stem, spec in graphs.items()
+                if have.get("graphs", {}).get(stem) != spec or not (out / f"{stem}.onnx").is_file()}
+        return ("current" if not todo else "extend"), have, todo
+
+    if state()[0] == "current":
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            progress(f"{label} another process is writing {out}; waiting ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        kind, have, todo = state()
+        if kind == "current":
+            return out
+        started = time.monotonic()
+        fresh = kind == "fresh"
+        folder = out.parent / f".{out.name}.tmp{os.getpid()}" if fresh else out
+        if fresh:
+            for leftover in out.parent.glob(f".{out.name}.tmp*"):  # from an interrupted run
+                _remove_tree(leftover)
+            folder.mkdir()
+            have = {}
+        store = WeightStore(folder / "weights.bin", append=not fresh)
+        try:
+            extra = make(todo, folder, store, fresh)
+        finally:
+            store.close()
+        made = list(have.get("made", [])) + [{"graphs": list(todo), "seconds": round(time.monotonic() - started, 1)}]
+        manifest = dict(identity, **extra, graphs=dict(have.get("graphs", {}), **todo), made=made)
+        _write_atomic(folder / "manifest.json", json.dumps(manifest, indent=1))
+        if fresh:
+            old = out.parent / f".{out.name}.old{os.getpid()}"
+            if out.exists():
+                out.rename(old)
+            folder.rename(out)
+            _remove_tree(old)
+    progress(f"{label} {len(todo)} graph{'' if len(todo) == 1 else 's'} "
+             f"{'made' if fresh else 'added'} in {made[-1]['seconds']} s ({out})")
+    return out
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    if path.exists():
+        shutil.rmtree(path)
 
 
 def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightStore, *, kind: str,
@@ -232,7 +293,10 @@ def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path
 
 
 def trace(module, args: tuple, inputs: list[str], outputs: list[str]):
-    """torch.onnx's dynamo exporter (opset 20, optimized), quietly; returns the ModelProto."""
+    """torch.onnx's dynamo exporter (opset 20), quietly, optimized by optimize_folding(); returns the
+    ModelProto. (torch's own optimize=True runs the same passes plus onnxscript's pattern rewriter,
+    none of whose rules matches these graphs, for over half of the export's time: test_export.py
+    checks that both give the same graph.)"""
     import onnx
     import torch
 
@@ -245,12 +309,38 @@ def trace(module, args: tuple, inputs: list[str], outputs: list[str]):
             with torch.no_grad(), warnings.catch_warnings():
                 # torch's own pytree deprecation notice, raised for forward(*caches): not the user's to act on
                 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-                torch.onnx.export(module, args, str(tmp_path), dynamo=True, opset_version=20,
-                                  input_names=inputs, output_names=outputs, external_data=True,
-                                  optimize=True, verbose=False)
+                program = torch.onnx.export(module, args, dynamo=True, opset_version=20, input_names=inputs,
+                                            output_names=outputs, optimize=False, verbose=False)
         finally:
             quiet.setLevel(level)
+        optimize_folding(program.model)
+        program.save(str(tmp_path), external_data=True)
         return onnx.load(str(tmp_path), load_external_data=True)
+
+
+def optimize_folding(model) -> None:
+    """onnxscript.optimizer.optimize_ir's passes on an onnx_ir model, in place, without its pattern
+    rewriter: functions inlined, constants folded (with shape inference) and unused nodes removed
+    (twice at most), constants lifted to initializers, duplicates and common subexpressions merged."""
+    import onnx_ir as ir
+    from onnx_ir.passes import common
+    from onnxscript import optimizer
+
+    class FoldConstants(ir.passes.InPlacePass):
+        def call(self, model):
+            return optimizer.fold_constants(model, onnx_shape_inference=True)
+
+    ir.passes.Sequential(
+        common.InlinePass(),
+        ir.passes.PassManager([FoldConstants(), common.RemoveUnusedNodesPass(), common.RemoveUnusedFunctionsPass(),
+                               common.RemoveUnusedOpsetsPass()], steps=2, early_stop=True),
+        common.RemoveUnusedNodesPass(),
+        common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+        common.LiftSubgraphInitializersToMainGraphPass(),
+        common.DeduplicateInitializersPass(),
+        common.CommonSubexpressionEliminationPass(),
+        common.OutputFixPass(),
+        common.NameFixPass())(model)
 
 
 def save(graph, path: Path, store: WeightStore) -> None:
@@ -267,7 +357,9 @@ def save(graph, path: Path, store: WeightStore) -> None:
                 entry = tensor.external_data.add()
                 entry.key, entry.value = key, value
     store.fh.flush()
-    onnx.save_model(graph, str(path))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")  # a graph replaced in place is never seen half written
+    onnx.save_model(graph, str(tmp))
+    os.replace(tmp, path)
 
 
 def dynamic_tensors(graph) -> tuple[int, list[str]]:
@@ -293,42 +385,7 @@ def artifact_dir(cfg: Config, role: str) -> Path:
 
 
 def head_side_files(folder: Path) -> tuple[str, ...]:
-    """What a head folder holds besides its graphs, weights.bin and manifest (head.json, draft_ids.npy,
-    an own embedding): the files a post-export pass copies unchanged."""
+    """What a head folder holds besides its graphs, weights.bin and its index and manifest (head.json,
+    draft_ids.npy, an own embedding): the files a post-export pass copies unchanged."""
     return tuple(sorted(path.name for path in Path(folder).iterdir()
-                        if path.suffix in (".json", ".npy") and path.name != "manifest.json"))
-
-
-def source_stamp(folder: Path) -> str:
-    """A short hash of a graph folder's manifest: what a folder derived from it records."""
-    return hashlib.sha256((Path(folder) / "manifest.json").read_bytes()).hexdigest()[:16]
-
-
-def ensure_derived(out: Path, wanted: dict, make: Callable[[Path], None]) -> Path:
-    """A folder that a post-export pass (quantize.py, ort_attention.py) makes from another: made
-    once by make(tmp) under a lock and renamed into place, remade when its manifest does not carry
-    every value of wanted (the source's stamp, the pass's format ...)."""
-    import fcntl
-    import shutil
-
-    def current() -> bool:
-        path = out / "manifest.json"
-        if not path.is_file():
-            return False
-        have = json.loads(path.read_text())
-        return all(have.get(key) == value for key, value in wanted.items())
-
-    if current():
-        return out
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if current():
-            return out
-        tmp = out.parent / f".{out.name}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        make(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    return out
+                        if path.suffix in (".json", ".npy") and path.name not in ("manifest.json", "weights.index.json")))

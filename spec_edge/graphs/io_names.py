@@ -24,8 +24,8 @@ V_NEW = "v_new"              # (L, Hkv, T, D) into the cache at [position, posit
 # new rows in place, through an output the caller binds to the same memory as the input
 K_PRESENT_PREFIX = "k_present_"  # k_present_<i>: (1, Hkv, S + C, D) aliases k_cache_<i>
 V_PRESENT_PREFIX = "v_present_"
-# graphs.batch_slots = B > 1 (graphs/batch_model.py), a graph of m rows: tokens (m, T), position (m,), caches
-# (m, Hkv, S, D) per layer, logits (m, T, V), k_new / v_new (L, m, Hkv, T, D). Fused (graphs/batch_attention.py):
+# graphs.batch_slots = B > 1, a graph of m rows (fused attention only, gqa_rewrite.rewrite_rows): tokens (m, T),
+# position (m,), logits (m, T, V) [, hidden (m, T, n * hidden)];
 # each row's layer is its own input <k_cache_i>_s<j> (1, Hkv, S + C, D) and output <k_present_i>_s<j>, bound
 # to the region of the slot row j serves in the (L, B + 1, Hkv, S + C, D) cache (slot_name; runtime/backends/
 # ort_batch.py), so one graph runs any m of the slots

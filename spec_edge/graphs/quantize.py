@@ -26,7 +26,8 @@ row is matched to its GGUF row by value (the dequantized fp32 row must be identi
 that match is also the proof that no second rounding happened. A weight without an exact match is
 refused, never re-quantized.
 
-    <engine_dir>/<profile>/onnx/target_q4/   same stems and manifest as target/, plus "weights": "q4"
+    <engine_dir>/<profile>/onnx/target_fused_q4/   the stems of target_fused/ the plan runs, its identity plus
+                                                   "weights": "q4" (graphs of m > 1 rows: no two-row step)
 
 Draft heads are the one place weights are rounded (graphs.head_weights q8, ensure_head_q8): a head
 has no GGUF blocks, its drafts are always verified by the target, and its step is small enough that
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -215,7 +215,7 @@ def pack_qkv(nodes: list) -> list:
         if split.op_type != "Split" or len(split.output) != 3:
             continue
         unsqueezes = [consumers[out][0] if len(consumers[out]) == 1 else None for out in split.output]
-        # Unsqueeze (1, T, .) in a B=1 graph, Reshape (B, T, .) in a batched one (graphs/batch_model.py)
+        # Unsqueeze (1, T, .) in a B=1 graph, Reshape (m, T, .) in one of m rows (gqa_rewrite.rewrite_rows)
         if any(u is None or u.op_type not in ("Unsqueeze", "Reshape") for u in unsqueezes):
             continue
         users = [consumers[u.output[0]] for u in unsqueezes]
@@ -246,8 +246,9 @@ ACCURACY_LEVELS = {"q4": 4, "q4_fp32act": 0}  # graphs.weights -> MatMulNBits ac
 ORT_WEIGHTS = ("fp32",) + tuple(ACCURACY_LEVELS)  # the graphs.weights forms ONNX Runtime runs
 
 
-def for_config(cfg, fp32_dir: Path, progress: Progress = print) -> Path:
-    """The graph folder for cfg.graphs.weights (q4 / q4_fp32act), made from the fp32 export."""
+def for_config(cfg, fp32_dir: Path, progress: Progress = print, graphs: dict[str, dict] | None = None) -> Path:
+    """The graph folder for cfg.graphs.weights (q4 / q4_fp32act), made from the fp32 folder; graphs: the
+    stems (-> specs) to have, default all of fp32_dir's."""
     from spec_edge.config import ConfigError
     from spec_edge.graphs.weights import resolve
 
@@ -255,73 +256,74 @@ def for_config(cfg, fp32_dir: Path, progress: Progress = print) -> Path:
     if source.suffix != ".gguf":
         raise ConfigError(f"graphs.weights={cfg.graphs.weights} carries a GGUF's Q4_1 blocks over; the target "
                           f"'{cfg.model.target}' is not a GGUF file (use weights fp32)")
-    return ensure_q4(fp32_dir, source, ACCURACY_LEVELS[cfg.graphs.weights], progress)
+    return ensure_q4(fp32_dir, source, ACCURACY_LEVELS[cfg.graphs.weights], progress, graphs)
 
 
-def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress: Progress = print) -> Path:
-    """The q4 copy of an exported fp32 folder (made once; redone when the fp32 export changes)."""
-    from spec_edge.graphs.export import ensure_derived, source_stamp
+def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress: Progress = print,
+              graphs: dict[str, dict] | None = None) -> Path:
+    """The q4 copy of an fp32 folder, graph by graph (export.ensure_graphs; remade when the fp32
+    folder's identity changes). The GGUF is read only when a graph is to be made."""
+    from spec_edge.graphs.export import folder_stamp
 
     fp32_dir = Path(fp32_dir)
-    stamp = source_stamp(fp32_dir)
-    wanted = {"source_stamp": stamp, "accuracy_level": accuracy_level, "q4_format": Q4_FORMAT}
-    return ensure_derived(q4_dir(fp32_dir, accuracy_level), wanted,
-                          lambda tmp: _convert(fp32_dir, tmp, gguf_path, stamp, accuracy_level, progress))
+    read: list[Blocks] = []
 
+    def blocks(name: str, weight: np.ndarray):
+        if not read:
+            progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ...")
+            read.append(blocks_for(gguf_path))
+        return read[0](name, weight)
 
-def _convert(src: Path, dst: Path, gguf_path: Path, stamp: str, accuracy_level: int, progress: Progress) -> None:
-    progress(f"[q4] carrying {gguf_path.name}'s Q4_1/Q8_0 blocks into MatMulNBits graphs ({dst.name}) ...")
-    convert_folder(src, dst, blocks_for(gguf_path), accuracy_level=accuracy_level, stamp=stamp,
-                   source=gguf_path.name, progress=progress)
+    return convert_folder(fp32_dir, q4_dir(fp32_dir, accuracy_level), blocks, accuracy_level=accuracy_level,
+                          stamp=folder_stamp(fp32_dir), source=gguf_path.name, progress=progress, graphs=graphs)
 
 
 def convert_folder(src: Path, dst: Path, blocks_for: Blocks, *, accuracy_level: int, stamp: str, source: str,
-                   progress: Progress = print) -> None:
-    """Write dst: every graph of the fp32 folder src rewritten by rewrite_model with the blocks
-    blocks_for gives (asked once per weight, shared by all graphs), one shared weights.bin, and
-    src's manifest plus "weights": "q4"."""
+                   progress: Progress = print, graphs: dict[str, dict] | None = None) -> Path:
+    """The folder dst holding `graphs` (default: all of the fp32 folder src's) rewritten by rewrite_model
+    with the blocks blocks_for gives (asked once per weight, shared by all graphs), one shared
+    weights.bin, and src's identity plus "weights": "q4"; made graph by graph (export.ensure_graphs)."""
     import onnx
     from onnx import numpy_helper
 
     from spec_edge.graphs import export
-    from spec_edge.graphs.export import WeightStore
 
-    started = time.monotonic()
+    src, dst = Path(src), Path(dst)
     manifest = json.loads((src / "manifest.json").read_text())
-    dst.mkdir(parents=True)
-    store = WeightStore(dst / "weights.bin")
+    graphs = dict(manifest["graphs"]) if graphs is None else graphs
+    missing = sorted(set(graphs) - set(manifest["graphs"]))
+    if missing:
+        raise QuantizeError(f"{src} lacks the graphs {missing} to carry to q4")
+    identity = {key: value for key, value in manifest.items() if key not in ("graphs", "made")}
+    identity.update(weights="q4", q4_format=Q4_FORMAT, source_stamp=stamp, accuracy_level=accuracy_level)
     matched: dict[str, object] = {}  # by initializer name: the row-matched blocks (or None: keep fp32)
-    totals = RewriteReport(kept_fp32=[])
-    for stem, spec in manifest["graphs"].items():
-        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
-        arrays = {t.name: t for t in model.graph.initializer}
 
-        def blocks(name: str):
-            if name not in matched:
-                matched[name] = blocks_for(name, numpy_helper.to_array(arrays[name])) if name in arrays else None
-            return matched[name]
+    def make(todo: dict, folder: Path, store, fresh: bool) -> dict:
+        for stem, spec in todo.items():
+            model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
+            arrays = {t.name: t for t in model.graph.initializer}
 
-        width = int(spec["width"]) if spec["kind"] in ("step", "verify", "prefill") else 0  # drafters keep M=1
-        if int(spec.get("batch", 1)) > 1:
-            width = 0  # batched graphs (graphs/batch_export.py) run M = B*T rows: no two-row step
-        report = rewrite_model(model, blocks, accuracy_level=accuracy_level, width=width)
-        if report.q4_layers == 0:  # never hand out fp32 graphs labelled q4
-            raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {source} "
-                                f"(initializer names should be Hugging Face's, e.g. "
-                                f"model.layers.0.self_attn.q_proj.weight); re-export the graphs")
-        totals.q4_layers = max(totals.q4_layers, report.q4_layers)
-        totals.q8_layers = max(totals.q8_layers, report.q8_layers)
-        export.save(model, dst / f"{stem}.onnx", store)
-        progress(f"[q4]   {stem}: {report.q4_layers} Q4_1 + {report.q8_layers} Q8_0 layers")
-    store.close()
-    for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(src / name, dst / name)
-    manifest.update(weights="q4", q4_format=Q4_FORMAT, source_stamp=stamp, accuracy_level=accuracy_level,
-                    weights_bytes=store.size,
-                    q4_seconds=round(time.monotonic() - started, 1))
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    progress(f"[q4] ready: weights.bin {store.size / 1e6:.0f} MB (fp32 export: "
-             f"{(src / 'weights.bin').stat().st_size / 1e6:.0f} MB) in {manifest['q4_seconds']} s")
+            def blocks(name: str):
+                if name not in matched:
+                    matched[name] = blocks_for(name, numpy_helper.to_array(arrays[name])) if name in arrays else None
+                return matched[name]
+
+            width = int(spec["width"]) if spec["kind"] in ("step", "verify", "prefill") else 0  # drafters keep M=1
+            if int(spec.get("rows", 1)) > 1:
+                width = 0  # graphs of m > 1 rows run M = m*T rows: no two-row step
+            report = rewrite_model(model, blocks, accuracy_level=accuracy_level, width=width)
+            if report.q4_layers == 0:  # never hand out fp32 graphs labelled q4
+                raise QuantizeError(f"{src / stem}.onnx: no linear weight matched a Q4_1 tensor of {source} "
+                                    f"(initializer names should be Hugging Face's, e.g. "
+                                    f"model.layers.0.self_attn.q_proj.weight); re-export the graphs")
+            export.save(model, folder / f"{stem}.onnx", store)
+            progress(f"[q4]   {stem}: {report.q4_layers} Q4_1 + {report.q8_layers} Q8_0 layers")
+        if fresh:
+            for name in ("model.json", "tokenizer.json", "tokenizer_config.json"):
+                shutil.copy2(src / name, folder / name)
+        return {}
+
+    return export.ensure_graphs(dst, identity, graphs, make, progress, "[q4]")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,50 +343,45 @@ def for_head(cfg, head_dir: Path, progress: Progress = print) -> Path:
 def ensure_head_q8(src_dir: Path, progress: Progress = print) -> Path:
     """The 8-bit copy <src_dir>_q8 of a head folder: every bias-free linear weight (K a multiple of
     32) rounded to Q8_0 blocks and run as MatMulNBits with int8 activations (accuracy level 4; level 0
-    would dequantize the whole matrix on every call). Made once; redone when src_dir changes."""
-    from spec_edge.graphs.export import ensure_derived, source_stamp
-
-    src_dir = Path(src_dir)
-    stamp = source_stamp(src_dir)
-    return ensure_derived(src_dir.parent / f"{src_dir.name}_q8", {"q8_source_stamp": stamp, "head_q8_format": HEAD_Q8_FORMAT},
-                          lambda tmp: _convert_head(src_dir, tmp, stamp, progress))
-
-
-def _convert_head(src: Path, dst: Path, stamp: str, progress: Progress) -> None:
+    would dequantize the whole matrix on every call). Made graph by graph (export.ensure_graphs);
+    remade when src_dir's identity changes."""
     import onnx
     from onnx import numpy_helper
 
     from spec_edge.graphs import export
 
-    started = time.monotonic()
-    progress(f"[q8] rounding the head's linear weights to 8 bits ({src.name} -> {src.name}_q8) ...")
-    manifest = json.loads((src / "manifest.json").read_text())
-    dst.mkdir(parents=True)
-    store = export.WeightStore(dst / "weights.bin")
+    src_dir = Path(src_dir)
+    manifest = json.loads((src_dir / "manifest.json").read_text())
+    identity = {key: value for key, value in manifest.items() if key not in ("graphs", "made")}
+    identity.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=export.folder_stamp(src_dir))
     rounded: dict[str, Q80 | None] = {}  # by initializer name, shared by the graphs
-    layers = 0
-    for stem in manifest["graphs"]:
-        model = onnx.load(str(src / f"{stem}.onnx"), load_external_data=True)
-        arrays = {t.name: t for t in model.graph.initializer}
 
-        def blocks(name: str) -> Q80 | None:
-            if name not in rounded:
-                weight = numpy_helper.to_array(arrays[name]) if name in arrays else None
-                fits = weight is not None and weight.dtype == np.float32 and weight.ndim == 2 and weight.shape[1] % QK == 0
-                rounded[name] = quantize_q8_0(weight) if fits else None
-            return rounded[name]
+    def make(todo: dict, folder: Path, store, fresh: bool) -> dict:
+        progress(f"[q8] rounding the head's linear weights to 8 bits ({src_dir.name} -> {src_dir.name}_q8) ...")
+        layers = 0
+        for stem in todo:
+            model = onnx.load(str(src_dir / f"{stem}.onnx"), load_external_data=True)
+            arrays = {t.name: t for t in model.graph.initializer}
 
-        report = rewrite_model(model, blocks, accuracy_level=4, merge=False)
-        layers = max(layers, report.q8_layers)
-        export.save(model, dst / f"{stem}.onnx", store)
-    store.close()
-    if layers == 0:
-        raise QuantizeError(f"{src}: no linear weight of the head could be rounded to 8 bits; set "
-                            f"graphs.head_weights: fp32")
-    for name in export.head_side_files(src):
-        shutil.copy2(src / name, dst / name)
-    manifest.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=stamp, weights_bytes=store.size,
-                    q8_seconds=round(time.monotonic() - started, 1))
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    progress(f"[q8] ready: {layers} linear layers per graph, weights.bin {store.size / 1e6:.1f} MB "
-             f"(fp32: {(src / 'weights.bin').stat().st_size / 1e6:.1f} MB) in {manifest['q8_seconds']} s")
+            def blocks(name: str) -> Q80 | None:
+                if name not in rounded:
+                    weight = numpy_helper.to_array(arrays[name]) if name in arrays else None
+                    fits = weight is not None and weight.dtype == np.float32 and weight.ndim == 2 \
+                        and weight.shape[1] % QK == 0
+                    rounded[name] = quantize_q8_0(weight) if fits else None
+                return rounded[name]
+
+            report = rewrite_model(model, blocks, accuracy_level=4, merge=False)
+            layers = max(layers, report.q8_layers)
+            export.save(model, folder / f"{stem}.onnx", store)
+        if layers == 0:
+            raise QuantizeError(f"{src_dir}: no linear weight of the head could be rounded to 8 bits; set "
+                                f"graphs.head_weights: fp32")
+        if fresh:
+            for name in export.head_side_files(src_dir):
+                shutil.copy2(src_dir / name, folder / name)
+        progress(f"[q8] {layers} linear layers per graph")
+        return {}
+
+    return export.ensure_graphs(src_dir.parent / f"{src_dir.name}_q8", identity, dict(manifest["graphs"]), make,
+                                progress, "[q8]")

@@ -12,8 +12,8 @@ What each drafter runs on, per slot (loaded once, on first use; what a slot's dr
                    the target's hidden states of the slot (the target's slot view)
   peagle           as eagle3, over the P-EAGLE head
   medusa           the heads have no cache: one OrtMedusaHeads for all slots, the slot's hidden states
-  layerskip        the target's first n layers over the target's own cache: the target Runner's
-                   layer_skip graphs (B=1); the batched export has none, so B > 1 refuses it
+  layerskip        the target's first n layers over the slot's own region of the target's cache: the
+                   slot view's layer_skip (one layer-skip graph shared by the slots, BatchRunner.layer_skip)
 """
 from __future__ import annotations
 
@@ -29,35 +29,32 @@ from spec_edge.runtime.requests import RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
 
-def slotted(cfg: Config, graph_dir: Path, slots: int, *, batched: bool) -> tuple[Slotted, list[Runner]]:
+def slotted(cfg: Config, graph_dir: Path, slots: int) -> tuple[Slotted, list[Runner]]:
     """The model of graph_dir with one cache region per slot, and each slot as a B=1 Runner: slots=1, its
-    Runner as OneSlot (slot 0 is the Runner itself); else a BatchRunner (batched: graph_dir is a batched
-    export; else a B=1 export run over `slots` regions, one-row calls) and its SlotRunner views."""
+    Runner as OneSlot (slot 0 is the Runner itself); else a BatchRunner over `slots` regions (the folder's
+    rows > 1 graphs where it has them: the target's; a draft model's runs one-row calls) and its SlotRunner
+    views."""
     if slots == 1:
         runner = load_runner(cfg, graph_dir)
         return OneSlot(runner), [runner]
     from spec_edge.runtime.backends.ort_batch import BatchRunner
 
-    runner = BatchRunner(graph_dir, cfg.runtime.threads, slots=None if batched else slots)
+    runner = BatchRunner(graph_dir, cfg.runtime.threads, slots=slots)
     return runner, [SlotRunner(runner, b) for b in range(slots)]
 
 
-def refusal(name: str, slots: int) -> str | None:
-    """Why drafter `name` cannot run with `slots` batch slots (None when it can): the one message the
-    config, the engine and a request share."""
+def refusal(name: str) -> str | None:
+    """Why drafter `name` cannot run (None when it can; every drafter runs at any slot count): the one
+    message the config, the engine and a request share."""
     if name not in DRAFTERS:
         return f"unknown drafter '{name}': use one of {', '.join(DRAFTERS)}"
-    if name == "layerskip" and slots > 1:
-        return (f"drafter layerskip needs the target's first-n-layer graphs over each slot's cache region, and "
-                f"the batched export (graphs.batch_slots={slots}) has none: use another drafter, or "
-                f"graphs.batch_slots: 1 for layerskip")
     return None
 
 
 class Drafters:
     """drafter(name, slot) for one target of B slots (ONNX Runtime; runtime.backend tensorrt drafts inside
     Edge-LLM, backends/edgellm.py). targets: the target's slot views (B=1 Runners). State, loaded on
-    first use: draft (the draft model's slot views), layer_skip (a Runner), eagle3_head / peagle_head
+    first use: draft (the draft model's slot views), layer_skip (each slot's layer-skip Runner), eagle3_head / peagle_head
     (ort_heads.OrtEagle3Head(slots=B)) and their SlotHead views, medusa_heads (ort_heads.OrtMedusaHeads)."""
 
     def __init__(self, cfg: Config, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
@@ -66,7 +63,7 @@ class Drafters:
         self.slots = len(targets)
         self.graph_dir, self.model_cfg = graph_dir, model_cfg  # the target's graphs and geometry
         self.draft: list[Runner] = []  # the draft model's slot views
-        self.layer_skip: Runner | None = None
+        self.layer_skip: list[Runner] = []  # each slot's layer-skip view
         self.eagle3_head = None   # backends.ort_heads.OrtEagle3Head
         self.medusa_heads = None  # backends.ort_heads.OrtMedusaHeads
         self.peagle_head = None   # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
@@ -75,13 +72,13 @@ class Drafters:
 
     def load(self, name: str) -> None:
         """Load what drafter `name` runs on (once); RequestError saying what to change when it cannot run."""
-        reason = refusal(name, self.slots)
+        reason = refusal(name)
         if reason:
             raise RequestError(reason)
         if name == "draft" and not self.draft:
             self.draft = self._draft_model()
-        elif name == "layerskip" and self.layer_skip is None:
-            self.layer_skip = self.targets[0].layer_skip(self.cfg.graphs.layer_skip_layers)
+        elif name == "layerskip" and not self.layer_skip:
+            self.layer_skip = [target.layer_skip(self.cfg.graphs.layer_skip_layers) for target in self.targets]
         elif name in ("eagle3", "hybrid") and "eagle3" not in self._heads:
             head = self.load_eagle3_head(name)
             self._heads["eagle3"] = [SlotHead(head, b) for b in range(self.slots)]
@@ -117,7 +114,7 @@ class Drafters:
         if name == "ngram":
             return NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max)
         if name == "layerskip":
-            return LayerSkipDrafter(self.layer_skip, self.cfg.graphs.layer_skip_layers)
+            return LayerSkipDrafter(self.layer_skip[slot], self.cfg.graphs.layer_skip_layers)
         if name == "draft":
             return ModelDrafter(self.draft[slot])
         if name == "medusa":
@@ -141,7 +138,7 @@ class Drafters:
         if self.slots > 1 and export.read_model_config(draft_dir).qk_norm:
             raise RequestError("the batched node runs the draft model with fused attention, which does not "
                                "cover q/k norms (Qwen3): use another draft model, or graphs.batch_slots: 1")
-        return slotted(self.cfg, draft_dir, self.slots, batched=False)[1]
+        return slotted(self.cfg, draft_dir, self.slots)[1]
 
     def load_eagle3_head(self, name: str = "eagle3"):
         """The EAGLE-3 head (loaded once); name: the drafter that asked (eagle3 or hybrid)."""

@@ -26,9 +26,9 @@ from pathlib import Path
 
 from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError
-from spec_edge.graphs import batch_export, export
+from spec_edge.graphs import export
 from spec_edge.runtime.backends.base import Runner, common_prefix
-from spec_edge.runtime.backends.onnxruntime import ort_graphs
+from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.drafting import Drafters, refusal, slotted
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
@@ -90,17 +90,14 @@ class Engine:
 
             return EdgeLLMEngine.from_config(cfg, progress)
         slots = cfg.graphs.batch_slots
-        if cfg.speculative.drafter != "none" and (reason := refusal(cfg.speculative.drafter, slots)):
+        if cfg.speculative.drafter != "none" and (reason := refusal(cfg.speculative.drafter)):
             raise ConfigError(f"speculative.drafter: {reason}")
         graph_dir = export.artifact_dir(cfg, "target")
         progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {graph_dir.parent.parent} "
                  f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
-        if slots == 1:
-            graph_dir = ort_graphs(cfg, "target", export.export_model(cfg, "target", graph_dir, progress), progress)
-        else:
-            graph_dir = batch_export.batch_graphs(cfg, progress)
+        graph_dir = target_graphs(cfg, progress)  # every graph of the plan, B=1 rows and rows > 1
         started = time.monotonic()
-        runner, targets = slotted(cfg, graph_dir, slots, batched=slots > 1)
+        runner, targets = slotted(cfg, graph_dir, slots)
         engine = cls(cfg, runner, targets, Tokenizer(graph_dir), graph_dir, progress)
         if cfg.speculative.drafter != "none":
             engine._drafters.load(cfg.speculative.drafter)  # now, not on the first request
@@ -129,7 +126,7 @@ class Engine:
         """(sampling, max_new_tokens, seed, drafter name, k) with config defaults filled in."""
         params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.runner.max_context,
                                                            self.runner.vocab_size, self.eos_ids)
-        if drafter != "none" and (reason := refusal(drafter, self.runner.batch)):
+        if drafter != "none" and (reason := refusal(drafter)):
             raise RequestError(reason)
         if drafter != "none" and k + 1 not in self.runner.widths:
             built = sorted(w - 1 for w in self.runner.widths if w > 1)

@@ -10,6 +10,9 @@ the new keys/values (T rows per layer) into the cache. Graphs with fused attenti
 outputs are bound to the same (1, Hkv, cache_rows, D) views as their k_cache_<i> inputs, and the
 cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding).
 
+OrtRunner runs a folder's rows=1 graphs (export.graph_plan); the graphs of m > 1 rows beside them run in
+ort_batch.BatchRunner.
+
 All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
 their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
 on 2 cores).
@@ -35,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import Config
-from spec_edge.graphs import io_names, ort_attention, quantize
+from spec_edge.graphs import export, io_names, ort_attention, quantize
 from spec_edge.graphs.export import read_model_config
 from spec_edge.runtime.backends.base import BackendError, Runner
 
@@ -79,7 +82,7 @@ def cpu_session(model: str | bytes, threads: int = 0):
 # ---------------------------------------------------------------------------------------------
 # Weights once: the packed copy of a graph folder
 
-PACKED_FORMAT = 1  # bumped when the packed copy's layout changes
+PACKED_FORMAT = 2  # bumped when the packed copy's layout changes (2: made graph by graph, weights.index.json)
 PACKED_DATA = "weights.bin"
 _PREPACKED = "prepacked"  # external-data keys "prepacked_<n>": "<kernel key>|offset;length;checksum[|...]"
 
@@ -108,86 +111,89 @@ def machine_stamp() -> str:
     return hashlib.sha256(f"{ort.__version__}|{platform.machine()}|{flags}".encode()).hexdigest()[:16]
 
 
-def ensure_packed(graph_dir: Path, threads: int = 0, progress: Callable[[str], None] = print) -> Path:
-    """The packed copy of graph_dir (see the module docstring): made once, under a lock, beside it
-    (<name>_packed/), and made again when the folder, onnxruntime or the CPU changes. threads: as
-    cpu_session (the process's pool is made by its first session, this one's if it packs first)."""
-    from spec_edge.graphs.export import ensure_derived, source_stamp
+def ensure_packed(graph_dir: Path, threads: int = 0, progress: Callable[[str], None] = print,
+                  graphs: dict[str, dict] | None = None) -> Path:
+    """The packed copy of graph_dir (see the module docstring) holding `graphs` (stem -> spec; default
+    all of graph_dir's): made graph by graph beside it (<name>_packed/, export.ensure_graphs: a graph
+    added later is packed into the same weights.bin), remade when the folder's identity, onnxruntime
+    or the CPU changes. threads: as cpu_session (the process's pool is made by its first session,
+    this one's if it packs first)."""
+    from spec_edge.graphs.export import ensure_graphs, folder_stamp
 
     graph_dir = Path(graph_dir)
-    wanted = {"packed_source_stamp": source_stamp(graph_dir), "packed_machine": machine_stamp(),
-              "packed_format": PACKED_FORMAT}
-    return ensure_derived(packed_dir(graph_dir), wanted, lambda tmp: _pack(graph_dir, tmp, wanted, threads, progress))
+    have = json.loads((graph_dir / "manifest.json").read_text())["graphs"]
+    graphs = dict(have) if graphs is None else graphs
+    missing = sorted(set(graphs) - set(have))
+    if missing:
+        raise BackendError(f"{graph_dir} lacks the graphs {missing}: re-run `spec-edge export`")
+    identity = {"packed_source_stamp": folder_stamp(graph_dir), "packed_machine": machine_stamp(),
+                "packed_format": PACKED_FORMAT}
+
+    def make(todo: dict, folder: Path, store, fresh: bool) -> dict:
+        progress(f"[packed] {graph_dir.name}: pre-packing the weights of {len(todo)} graphs once ({folder.name}) ...")
+        for stem in todo:
+            _pack(graph_dir, stem, folder, store, threads)
+        return {}
+
+    return ensure_graphs(packed_dir(graph_dir), identity, graphs, make, progress, "[packed]")
 
 
-def _pack(src: Path, dst: Path, wanted: dict, threads: int, progress: Callable[[str], None]) -> None:
-    """Write dst: each graph of src optimized by ONNX Runtime with its pre-packed weights saved
-    (session.save_external_prepacked_constant_initializers), all blobs moved into one weights.bin by content."""
-    import time
-
+def _pack(src: Path, stem: str, dst: Path, store, threads: int) -> None:
+    """Write dst/<stem>.onnx: src's graph optimized by ONNX Runtime with its pre-packed weights saved
+    (session.save_external_prepacked_constant_initializers), every blob moved into store by content."""
     import onnx
     import onnxruntime as ort
 
-    from spec_edge.graphs.export import WeightStore
+    optimized, data = dst / f"{stem}.optimized.onnx", dst / f"{stem}.optimized.data"
+    options = _session_options(threads)
+    options.optimized_model_filepath = str(optimized)
+    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", data.name)
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "4096")
+    options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    try:
+        ort.InferenceSession(str(src / f"{stem}.onnx"), options, providers=["CPUExecutionProvider"])
+    except Exception as err:  # onnxruntime raises several unrelated types for a bad file
+        raise BackendError(f"ONNX Runtime cannot load {src / stem}.onnx: {err}; re-run `spec-edge export`") from err
+    model = onnx.load(str(optimized), load_external_data=False)
+    with data.open("rb") as blobs:
+        def move(offset: int, length: int) -> int:
+            blobs.seek(offset)
+            return store.put(blobs.read(length))[0]
 
-    started = time.monotonic()
-    stems = list(json.loads((src / "manifest.json").read_text())["graphs"])
-    progress(f"[packed] {src.name}: pre-packing the weights of {len(stems)} graphs once ({dst.name}) ...")
-    dst.mkdir(parents=True)
-    store = WeightStore(dst / PACKED_DATA)
-    for stem in stems:
-        optimized, data = dst / f"{stem}.optimized.onnx", dst / f"{stem}.optimized.data"
-        options = _session_options(threads)
-        options.optimized_model_filepath = str(optimized)
-        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", data.name)
-        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "4096")
-        options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-        try:
-            ort.InferenceSession(str(src / f"{stem}.onnx"), options, providers=["CPUExecutionProvider"])
-        except Exception as err:  # onnxruntime raises several unrelated types for a bad file
-            raise BackendError(f"ONNX Runtime cannot load {src / stem}.onnx: {err}; re-run `spec-edge export`") from err
-        model = onnx.load(str(optimized), load_external_data=False)
-        with data.open("rb") as blobs:
-            def move(offset: int, length: int) -> int:
-                blobs.seek(offset)
-                return store.put(blobs.read(length))[0]
-
-            for tensor in model.graph.initializer:  # (the graphs have no subgraphs)
-                if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                    continue
-                for entry in tensor.external_data:
-                    if entry.key == "location":
-                        entry.value = PACKED_DATA
-                    elif entry.key == "offset":
-                        length = int(next(e.value for e in tensor.external_data if e.key == "length"))
-                        entry.value = str(move(int(entry.value), length))
-                    elif entry.key.startswith(_PREPACKED):
-                        kernel, *parts = entry.value.split("|")
-                        moved = []
-                        for part in parts:
-                            offset, length, checksum = part.split(";")
-                            moved.append(f"{move(int(offset), int(length))};{length};{checksum}")
-                        entry.value = "|".join([kernel, *moved])
-        store.fh.flush()
-        onnx.save_model(model, str(dst / f"{stem}.onnx"))
-        optimized.unlink()
-        data.unlink()
-    store.close()
-    manifest = dict(wanted, graphs=stems, weights_bytes=store.size,
-                    packed_seconds=round(time.monotonic() - started, 1))
-    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    progress(f"[packed] ready: {PACKED_DATA} {store.size / 1e6:.0f} MB (weights and pre-packed weights, each once) "
-             f"in {manifest['packed_seconds']} s")
+        for tensor in model.graph.initializer:  # (the graphs have no subgraphs)
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = PACKED_DATA
+                elif entry.key == "offset":
+                    length = int(next(e.value for e in tensor.external_data if e.key == "length"))
+                    entry.value = str(move(int(entry.value), length))
+                elif entry.key.startswith(_PREPACKED):
+                    kernel, *parts = entry.value.split("|")
+                    moved = []
+                    for part in parts:
+                        offset, length, checksum = part.split(";")
+                        moved.append(f"{move(int(offset), int(length))};{length};{checksum}")
+                    entry.value = "|".join([kernel, *moved])
+    store.fh.flush()
+    tmp = dst / f".{stem}.onnx.tmp"
+    onnx.save_model(model, str(tmp))
+    os.replace(tmp, dst / f"{stem}.onnx")
+    optimized.unlink()
+    data.unlink()
 
 
 def graph_session(graph_dir: Path, stem: str, threads: int = 0, progress: Callable[[str], None] = print):
-    """The session of graph <stem> of an exported folder, loaded from the folder's packed copy, so all
-    sessions over the folder share one copy of its weights and pre-packed weights (module docstring)."""
+    """The session of graph <stem> of a graph folder, loaded from the folder's packed copy (packed now
+    if it is not there yet), so all sessions over the folder share one copy of its weights and
+    pre-packed weights (module docstring)."""
     graph_dir = Path(graph_dir)
     path = graph_dir / f"{stem}.onnx"
-    if not path.is_file():
+    specs = json.loads((graph_dir / "manifest.json").read_text())["graphs"]
+    if stem not in specs or not path.is_file():
         raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
-    packed = ensure_packed(graph_dir, threads, progress) / f"{stem}.onnx"
+    packed = ensure_packed(graph_dir, threads, progress, {stem: specs[stem]}) / f"{stem}.onnx"
     try:
         return cpu_session(str(packed), threads)
     except Exception as err:  # onnxruntime raises several unrelated types for a bad file
@@ -236,13 +242,14 @@ class OrtRunner(Runner):
             shape = (cfg.n_layers, cfg.n_kv_heads, cache_rows, cfg.head_dim)  # (L, Hkv, S [+ C], D)
             self.k_cache = np.zeros(shape, np.float32)
             self.v_cache = np.zeros(shape, np.float32)
-            stems = {s: spec for s, spec in self.manifest["graphs"].items() if spec["kind"] != "layerskip"}
+            stems = {s: spec for s, spec in self.manifest["graphs"].items()
+                     if spec["kind"] != "layerskip" and spec.get("rows", 1) == 1}
         else:  # layer-skip: views of the target's first n layers, no copy
             self.n_layers = _n_layers
             self.k_cache = _shared_from.k_cache[:_n_layers]
             self.v_cache = _shared_from.v_cache[:_n_layers]
             stems = {s: spec for s, spec in self.manifest["graphs"].items()
-                     if spec["kind"] == "layerskip" and spec.get("n_layers") == _n_layers}
+                     if spec["kind"] == "layerskip" and spec.get("n_layers") == _n_layers and spec.get("rows", 1) == 1}
             if not stems:
                 have = sorted({spec.get("n_layers") for spec in self.manifest["graphs"].values()} - {None})
                 raise BackendError(f"no layer-skip graph with {_n_layers} layers was exported (have {have}); "
@@ -361,14 +368,24 @@ class OrtRunner(Runner):
 
 
 def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str], None]) -> Path:
-    """The folder ONNX Runtime runs for an exported target or draft model: the post-export passes
-    the config asks for (fused attention, graphs/ort_attention.py; for the target with
-    graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, graphs/quantize.py)."""
-    graph_dir = ort_attention.for_config(cfg, exported, progress)
+    """The folder ONNX Runtime runs for an exported target or draft model, holding the graphs of the
+    config's plan (export.graph_plan: with graphs.batch_slots > 1 the target's graphs of m > 1 rows
+    too): the post-export passes the config asks for (fused attention, graphs/ort_attention.py; for
+    the target with graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, graphs/quantize.py),
+    then its packed copy (what its sessions load, graph_session), each made graph by graph."""
+    plan = export.graph_plan(cfg, role)
+    graph_dir = ort_attention.for_config(cfg, exported, progress, graphs=plan)
     if role == "target" and cfg.graphs.weights != "fp32":
-        graph_dir = quantize.for_config(cfg, graph_dir, progress)
-    ensure_packed(graph_dir, cfg.runtime.threads, progress)  # what its sessions load (graph_session), made now
+        graph_dir = quantize.for_config(cfg, graph_dir, progress, graphs=plan)
+    ensure_packed(graph_dir, cfg.runtime.threads, progress, plan)
     return graph_dir
+
+
+def target_graphs(cfg: Config, progress: Callable[[str], None] = print) -> Path:
+    """The target's graph folder ONNX Runtime runs for cfg (exported first where missing: export.export_model,
+    then ort_graphs), for a B=1 runner (OrtRunner) as for B slots (ort_batch.BatchRunner)."""
+    exported = export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress)
+    return ort_graphs(cfg, "target", exported, progress)
 
 
 def load_runner(cfg: Config, graph_dir: Path) -> Runner:

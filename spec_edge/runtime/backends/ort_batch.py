@@ -1,4 +1,5 @@
-"""ONNX Runtime over the batched graphs (graphs/batch_export.py): B static slots, one resident cache.
+"""ONNX Runtime over B static slots, one resident cache: the graphs of a fused-attention folder, its
+rows=1 graphs and (the target, graphs.batch_slots = B > 1) its graphs of m > 1 rows (export.graph_plan).
 
 State, allocated once (and written once, so no slot's pages are faulted in by its first request):
   k_cache, v_cache   (L, B + 1, Hkv, R, D) float32   slot b's region is [:, b]; [:, B] is scratch
@@ -10,19 +11,19 @@ State, allocated once (and written once, so no slot's pages are faulted in by it
                                 [, hidden out (m, T, n * H) / (T, n * H)]
   held               B tuples: the token ids whose rows each slot's region holds (prefix reuse)
 
-BatchRunner(b1_folder, slots=B) runs a B=1 export (a draft model's) over B regions: every call is one
-row (its B=1 graphs bound to the slot's region), e.g. the draft model of per-slot drafters
+BatchRunner(draft_folder, slots=B) runs a draft model's folder (rows=1 graphs only) over B regions: every
+call is one row (its B=1 graphs bound to the slot's region), the draft model of per-slot drafters
 (runtime/drafting.py); one slot of any BatchRunner as a B=1 Runner: backends/slot_views.py.
 
 A call names the slots it runs: forward(slots, tokens (n, T), positions) computes those n rows only,
 each writing its T keys/values at [pos, pos + T) of its own slot's region; no other region is
 touched, and idle or prefilling slots are never in a call:
 
-  - one row: the B=1 graph of that width (single_*), bound to the slot's region: the single-request
+  - one row: the B=1 graph of that width (the one OrtRunner runs), bound to the slot's region: the single-request
     speed, bit-equal rows (q4's B=1 step graph computes its two rows itself);
-  - n >= 2 rows: the batched graph of the smallest exported row count m >= n (batch_export.row_counts:
-    every count up to 8, then coarser). Its rows have one GroupQueryAttention node each, with a cache
-    input per row (graphs/batch_attention.py), so row j is bound to slot slots[j]'s region; the m - n
+  - n >= 2 rows: the graph of the smallest row count m >= n (export.row_counts(B): every count up to 8,
+    then coarser). Its rows have one GroupQueryAttention node each, with a cache input per row
+    (gqa_rewrite.rewrite_rows), so row j is bound to slot slots[j]'s region; the m - n
     padding rows run token 0 at position 0 bound to the scratch region, garbage nobody reads;
   - the IO binding of a (width, m, slots) triple is made on its first call and kept (LRU,
     BINDINGS): a repeated subset rebinds nothing, a new one costs one binding (2 L m cache views).
@@ -37,7 +38,7 @@ one session per (width, row count) (their weights are held once: onnxruntime.gra
 of an 8-row subset the first time it is seen (a call: 20-220 ms).
 
 Prefill is the B=1 prefill graph bound to one slot's region: a joining request's chunk runs alone
-between the others' decode calls. Only fused-attention folders run here (batch_export.batch_graphs).
+between the others' decode calls. Only fused-attention folders run here (onnxruntime.target_graphs).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs import io_names
+from spec_edge.graphs import export, io_names
 from spec_edge.graphs.export import read_model_config
 from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks, resident_zeros
 from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, graph_session
@@ -73,32 +74,24 @@ class _Graph:
 
 
 class BatchRunner:
-    """The target's batched graphs around one (L, B + 1, Hkv, R, D) cache; forward() runs the named slots.
-    slots=B: a B=1 export (no batched graphs) over B regions, every call one row."""
+    """A graph folder's graphs around one (L, B + 1, Hkv, R, D) cache (B = slots); forward() runs the named
+    slots. A draft model's folder (no graphs of m > 1 rows): every call one row."""
 
-    def __init__(self, graph_dir: str | Path, threads: int = 0, *, slots: int | None = None):
+    def __init__(self, graph_dir: str | Path, threads: int = 0, *, slots: int):
         import onnxruntime as ort
 
         self.graph_dir = Path(graph_dir)
         path = self.graph_dir / "manifest.json"
         if not path.is_file():
-            raise BackendError(f"{self.graph_dir} holds no batched export (manifest.json missing): set "
-                               f"graphs.batch_slots and run `spec-edge export`")
+            raise BackendError(f"{self.graph_dir} holds no exported model (manifest.json missing): run `spec-edge export`")
         self.manifest = json.loads(path.read_text())
-        if slots is not None:  # a B=1 export over `slots` regions: one-row calls only
-            if "batch_slots" in self.manifest:
-                raise BackendError(f"{self.graph_dir} is a batched export: open it without slots= (that runs a "
-                                   f"B=1 export over several regions)")
-            if slots < 2:
-                raise BackendError(f"slots={slots}: a B=1 export over regions needs slots >= 2 (one slot: OrtRunner)")
-        elif int(self.manifest.get("batch_slots", 1)) < 2 or "row_counts" not in self.manifest:
-            raise BackendError(f"{self.graph_dir} is not a batched export of this version (no batch_slots >= 2 and "
-                               f"row_counts in its manifest): delete it and let it be exported again")
+        if slots < 1:
+            raise BackendError(f"slots={slots}: a BatchRunner runs at least one slot")
         if self.manifest.get("attention") != "fused":
-            raise BackendError(f"{self.graph_dir}: batched graphs run with fused attention (graphs.ort_attention: "
-                               f"fused; batch_export.batch_graphs and ort_attention.ensure_fused make such folders)")
+            raise BackendError(f"{self.graph_dir}: cache regions per slot need fused attention (graphs.ort_attention: "
+                               f"fused; ort_attention.ensure_fused makes such folders)")
         self.model_cfg = cfg = read_model_config(self.graph_dir)
-        self.batch = slots or int(self.manifest["batch_slots"])
+        self.batch = slots
         self.max_context = int(self.manifest["max_context"])
         self.prefill_chunk = int(self.manifest["prefill_chunk"])
         self.vocab_size = cfg.vocab_size
@@ -114,10 +107,16 @@ class BatchRunner:
         # int8 activations (q4): a step is the width-2 call [pending, pending] (as graphs/two_rows.py does for
         # B=1), so each slot's step row equals the B=1 step and the verify rows bit for bit
         two_row = int(self.manifest.get("accuracy_level", 0)) == 4
-        verify_widths = {spec["width"] for spec in specs.values() if spec["kind"] == "verify"}
         self.step_width = 2 if two_row else 1
-        self.widths = frozenset({self.step_width} | {w for w in verify_widths if w > 1})
-        self.row_counts = tuple(int(m) for m in self.manifest.get("row_counts", ()))  # () with slots=: one row
+        # the target's graphs of m > 1 rows for B slots; a draft model's folder has none: every call one row
+        self.row_counts = export.row_counts(slots) if self.manifest.get("role") == "target" else ()
+        specs = {stem: spec for stem, spec in specs.items() if spec.get("rows", 1) in (1, *self.row_counts)}
+        verify_widths = {spec["width"] for spec in specs.values() if spec["kind"] == "verify" and spec.get("rows", 1) == 1}
+        have = {(spec["width"], spec["rows"]) for spec in specs.values() if spec.get("rows", 1) > 1}
+        # the widths the folder serves at every row count (a k exported for B=1 only is not one of them)
+        self.widths = frozenset(w for w in {self.step_width} | {w for w in verify_widths if w > 1}
+                                if w == self.step_width or all((w, m) in have for m in self.row_counts))
+        specs = {stem: spec for stem, spec in specs.items() if spec["kind"] != "layerskip"}
         hidden_widths = {len(spec.get("hidden_layers", ())) * cfg.hidden_size for spec in specs.values()}
         if len(hidden_widths) > 1:
             raise BackendError(f"{self.graph_dir}: graphs disagree on the hidden states they return: re-export")
@@ -127,7 +126,7 @@ class BatchRunner:
         self._single: dict[int, _Graph] = {}                # width -> the B=1 graph of a one-row call
         self._prefill: _Graph | None = None
         for stem, spec in specs.items():
-            kind, width, rows = spec["kind"], int(spec["width"]), int(spec.get("batch", 1))
+            kind, width, rows = spec["kind"], int(spec["width"]), int(spec.get("rows", 1))
             if kind == "prefill":
                 self._prefill = self._graph(stem, (1, width), (1, cfg.vocab_size), prefill=True)
             elif rows > 1 and width in self.widths:
@@ -142,9 +141,12 @@ class BatchRunner:
         missing += [(w, 1) for w in self.widths if w not in self._single]
         if self._prefill is None or missing:
             raise BackendError(f"{self.graph_dir}: graphs missing for (width, rows) {missing}"
-                               f"{'' if self._prefill else ' and the prefill graph'}: re-run `spec-edge export`")
+                               f"{'' if self._prefill else ' and the prefill graph'}: run `spec-edge export` with "
+                               f"graphs.batch_slots: {slots}")
         self._bindings: OrderedDict[tuple, object] = OrderedDict()
         self.calls: dict[tuple[int, int], int] = {}  # (width, graph rows) -> calls so far (tests, benchmarks)
+        self.n_layers = cfg.n_layers  # the layers of the cache this runner's graphs read and write
+        self._layer_skips: dict[int, BatchRunner] = {}
 
     def _graph(self, stem: str, tokens: tuple[int, ...], logits: tuple[int, ...], prefill: bool = False,
                out_rows: int | None = None) -> _Graph:
@@ -177,7 +179,7 @@ class BatchRunner:
         binding.bind_ortvalue_output(io_names.LOGITS, self._value(graph.logits[:graph.out_rows]))
         if graph.hidden is not None:
             binding.bind_ortvalue_output(io_names.HIDDEN, self._value(graph.hidden))
-        for layer in range(self.model_cfg.n_layers):
+        for layer in range(self.n_layers):
             for j, region in enumerate(regions):
                 def name(base: str) -> str:
                     return io_names.slot_name(base, j) if per_row else base
@@ -203,7 +205,7 @@ class BatchRunner:
     def rows_for(self, n: int) -> int:
         """The row count of the graph an n-row call runs (1: the B=1 graphs)."""
         if n > 1 and not self.row_counts:
-            raise BackendError(f"{self.graph_dir} is a B=1 export run over {self.batch} regions: a call runs one slot")
+            raise BackendError(f"{self.graph_dir} has no graphs of several rows (a draft model's): a call runs one slot")
         return 1 if n == 1 else min(m for m in self.row_counts if m >= n)
 
     def forward(self, slots: Sequence[int], tokens: np.ndarray, positions: Sequence[int]) -> np.ndarray:
@@ -270,6 +272,8 @@ class BatchRunner:
     def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray:
         """One chunk (at most C tokens) into slot's region at position; its last token's logits (V,)."""
         graph, n_valid = self._prefill, len(part)
+        if graph is None:
+            raise BackendError("this runner has no prefill graph (a layer-skip runner: the target's prefill writes its layers)")
         if not 1 <= n_valid <= self.prefill_chunk:
             raise BackendError(f"a prefill chunk holds 1..{self.prefill_chunk} tokens, got {n_valid}")
         if not 0 <= slot < self.batch:
@@ -294,3 +298,27 @@ class BatchRunner:
         self.v_cache[:, target, :, :n_rows] = self.v_cache[:, source, :, :n_rows]
         if self.hidden is not None:  # the heads read these rows as the prefill wrote them
             self.hidden[target, :n_rows] = self.hidden[source, :n_rows]
+
+    def layer_skip(self, n_layers: int) -> "BatchRunner":
+        """The first n_layers + final norm + head over the same slot regions (views of this cache's first
+        n_layers, no copy): the layer-skip self-drafter of each slot, as OrtRunner.layer_skip is for B=1.
+        One-row calls of width 1 on the folder's rows=1 layer-skip graph (its prefill is the target's);
+        made once per n_layers and shared by the slots."""
+        import copy
+
+        if not 1 <= n_layers < self.model_cfg.n_layers:
+            raise BackendError(f"layer-skip needs 1 <= n_layers < {self.model_cfg.n_layers}, got {n_layers}")
+        if n_layers in self._layer_skips:
+            return self._layer_skips[n_layers]
+        stems = [stem for stem, spec in self.manifest["graphs"].items()
+                 if spec["kind"] == "layerskip" and spec.get("n_layers") == n_layers and spec.get("rows", 1) == 1]
+        if not stems:
+            raise BackendError(f"{self.graph_dir} has no layer-skip graph with {n_layers} layers: set "
+                               f"graphs.layer_skip_layers={n_layers} and re-export")
+        view = copy.copy(self)
+        view.n_layers, view.k_cache, view.v_cache = n_layers, self.k_cache[:n_layers], self.v_cache[:n_layers]
+        view.hidden, view.row_counts, view.step_width, view.widths = None, (), 1, frozenset({1})
+        view._prefill, view._batched, view._bindings, view.calls, view._layer_skips = None, {}, OrderedDict(), {}, {}
+        view._single = {1: view._graph(stems[0], (1, 1), (1, self.vocab_size), out_rows=1)}
+        self._layer_skips[n_layers] = view
+        return view

@@ -46,15 +46,10 @@ class _HeadGraph:
 
 def target_embedding(target_graph_dir: Path, name: str = "model.embed_tokens.weight") -> np.ndarray:
     """The target's (V, H) embedding as a read-only memory map of its weights.bin (found through
-    the external-data record of the step graph: step_1.onnx, or a batched folder's single_step_1.onnx),
-    so the head shares the target's pages."""
+    the external-data record of the step graph, step_1.onnx), so the head shares the target's pages."""
     import onnx
 
-    from spec_edge.graphs.batch_export import SINGLE
-
     step = Path(target_graph_dir) / "step_1.onnx"
-    if not step.is_file():
-        step = Path(target_graph_dir) / f"{SINGLE}step_1.onnx"
     graph = onnx.load(str(step), load_external_data=False)
     for tensor in graph.graph.initializer:
         if tensor.name == name or tensor.name.endswith("embed_tokens.weight"):

@@ -87,9 +87,8 @@ class SlotRunner(Runner):
         return self.runner.hidden_states(self.slot, start, stop)
 
     def layer_skip(self, n_layers: int) -> Runner:
-        raise BackendError(f"drafter layerskip needs the target's first-{n_layers}-layer graphs over each slot's "
-                           f"region, and the batched export (graphs.batch_slots={self.runner.batch}) has none: use "
-                           f"another drafter, or graphs.batch_slots: 1 for layerskip")
+        """The slot's layer-skip self-drafter: the first n_layers over this slot's region (BatchRunner.layer_skip)."""
+        return SlotRunner(self.runner.layer_skip(n_layers), self.slot)
 
 
 class SlotHead:

@@ -1,0 +1,82 @@
+"""One export plan with a row count per graph (export.graph_plan) on a tiny random model: growing
+graphs.batch_slots adds only the graphs of m > 1 rows (made from step_1 by the fused-attention pass,
+no torch export), the B=1 graphs and the stored weights stay as they are, and the BatchRunner runs
+its one-row calls on the same B=1 graphs as the OrtRunner, its m-row calls bit for bit equal to them."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from spec_edge.config import Config
+from spec_edge.graphs import export
+from spec_edge.runtime.backends.onnxruntime import OrtRunner, packed_dir, target_graphs
+from spec_edge.runtime.backends.ort_batch import BatchRunner
+
+
+def files(folder):
+    return {path.name: path.stat().st_mtime_ns for path in folder.iterdir() if path.suffix in (".onnx", ".bin")}
+
+
+def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
+    cfg = Config().replace(**{
+        "model.target": str(tiny_models["target"]), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+        "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1, "speculative.drafter": "ngram",
+        "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "grow"})
+    quiet = lambda message: None  # noqa: E731
+    fused = target_graphs(cfg, quiet)
+    exported, packed = export.artifact_dir(cfg, "target"), packed_dir(fused)
+    plan1 = export.graph_plan(cfg, "target")
+    assert {spec["rows"] for spec in plan1.values()} == {1}
+    before = {folder: files(folder) for folder in (exported, fused, packed)}
+    sizes = {folder: (folder / "weights.bin").stat().st_size for folder in (exported, fused, packed)}
+
+    grown = cfg.replace(**{"graphs.batch_slots": 3})
+    rows = {stem: spec for stem, spec in export.graph_plan(grown, "target").items() if spec["rows"] > 1}
+    assert sorted(rows) == ["rows2_step_1", "rows2_verify_4", "rows3_step_1", "rows3_verify_4"]
+    assert target_graphs(grown, quiet) == fused
+    assert files(exported) == before[exported]  # no torch export: the B=1 graphs are not made again
+    assert json.loads((exported / "manifest.json").read_text())["made"][1:] == []
+    for folder in (fused, packed):
+        after = files(folder)
+        assert set(after) - set(before[folder]) == {f"{stem}.onnx" for stem in rows}
+        assert {name: after[name] for name in before[folder] if name != "weights.bin"} == \
+            {name: mtime for name, mtime in before[folder].items() if name != "weights.bin"}  # not rewritten
+    assert (fused / "weights.bin").stat().st_size == sizes[fused]  # every weight of the new graphs already stored
+    assert (packed / "weights.bin").stat().st_size < 1.1 * sizes[packed]
+    messages = []  # going back to B=1 finds every graph there: nothing runs
+    assert target_graphs(cfg, messages.append) == fused and messages == []
+
+    batched, single = BatchRunner(fused, slots=3), OrtRunner(fused)
+    assert batched.row_counts == (2, 3) and single.widths == {1, 4}
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, single.vocab_size, n)) for n in (5, 11, 20)]
+    for slot, ids in enumerate(prompts):
+        batched.prefill(slot, ids, 0)
+    tokens = rng.integers(3, single.vocab_size, (3, 4))
+    logits = batched.forward((0, 1, 2), tokens, [len(p) for p in prompts]).copy()  # the 3-row graph
+    for j, ids in enumerate(prompts):
+        single.prefill(ids, 0)
+        np.testing.assert_array_equal(logits[j], single.forward(list(tokens[j]), len(ids)))
+
+
+def test_layer_skip_per_slot_equals_b1(tiny_cfg, tiny_engine):
+    """BatchRunner.layer_skip(n): each slot's layer-skip call on its own region == the B=1 layer-skip
+    runner's bit for bit, and it writes only that slot's first n layers."""
+    from test_batch import SLOTS, batch_cfg
+
+    single = tiny_engine.target
+    batched = BatchRunner(target_graphs(batch_cfg(tiny_cfg), lambda message: None), slots=SLOTS)
+    skip, single_skip = batched.layer_skip(2), single.layer_skip(2)
+    assert batched.layer_skip(2) is skip and skip.widths == {1}
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, single.vocab_size, n)) for n in (7, 13)]
+    for slot, ids in enumerate(prompts):
+        batched.prefill(slot, ids, 0)
+    other = batched.k_cache[:, 1].copy()
+    got = skip.forward([0], np.asarray([[5]]), [len(prompts[0])]).copy()
+    assert np.array_equal(batched.k_cache[:, 1], other)
+    assert not np.array_equal(batched.k_cache[:2, 0, :, len(prompts[0])], 0 * batched.k_cache[:2, 0, :, 0])
+    single.prefill(prompts[0], 0)
+    np.testing.assert_array_equal(got[0], single_skip.forward([5], len(prompts[0])))
+    single.held = ()
