@@ -6,7 +6,8 @@ checked against the same request alone, the node's memory. One or more nodes sid
         [--set graphs.weights=q4 ...] [--drafters profile none ngram] [--max-new-tokens 64] [--rounds 1]
         [--out bench/results/concurrency.json]
 
-Nodes: every --code checkout (default: this one) x every --params profile (a path relative to that
+Nodes: the --node (checkout, profile) pairs in order, or every --code checkout (default: this one) x every
+--params profile (a path relative to that
 checkout: each serves its own file; PATH,KEY=VALUE,... edits that profile alone), started one at a
 time as `python -m spec_edge.cli serve` from the checkout (PYTHONPATH = the checkout, this venv, so
 the ROS interfaces built into it must match). --set edits every profile; edits go into the YAML as
@@ -169,6 +170,9 @@ def main() -> int:
     parser.add_argument("--code", nargs="+", default=[str(ROOT)], help="checkouts to run the node from, in order")
     parser.add_argument("--params", nargs="+", default=["config/default.yaml"],
                         help="profiles, each relative to every --code checkout; PATH,KEY=VALUE,... edits that one")
+    parser.add_argument("--node", nargs=2, action="append", default=[], metavar=("DIR", "PROFILE"),
+                        help="one node: a checkout and its profile (PATH[,KEY=VALUE...]); repeatable, in order; "
+                             "replaces the --code x --params nodes")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="edits of every profile, e.g. graphs.batch_slots=4")
     parser.add_argument("--drafters", nargs="+", default=["profile"],
@@ -179,7 +183,8 @@ def main() -> int:
     args = parser.parse_args()
     if sorted(set(args.clients)) != args.clients or args.clients[0] != 1:
         parser.error("--clients: increasing, starting at 1 (the solo runs are the N=1 row)")
-    edits = args.set + [e for profile in args.params for e in profile.split(",")[1:]]
+    pairs = [(checkout, spec) for checkout in args.code for spec in args.params] if not args.node else args.node
+    edits = args.set + [e for _, profile in pairs for e in profile.split(",")[1:]]
     if any("=" not in e or "." not in e.partition("=")[0] for e in edits):
         parser.error("--set and PATH,... take section.key=value")
 
@@ -192,17 +197,15 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="spec_edge_concurrency_"))
     load_start = tune.machine_load()
     nodes = []
-    for c, checkout in enumerate(args.code):
+    for i, (checkout, spec) in enumerate(pairs):
         code = Path(checkout).resolve()
-        for p, spec in enumerate(args.params):
-            profile, *own = spec.split(",")
-            params = tmp / f"node{c}_{p}.yaml"
-            params.write_text(profile_text(code / profile, args.set + own, max(args.clients)))
-            label = f"{code.name}:{Path(profile).stem}" + "".join(f",{e}" for e in own)
-            print(f"[concurrency] starting {label} (ROS_DOMAIN_ID {os.environ['ROS_DOMAIN_ID']}) ...", file=sys.stderr,
-                  flush=True)
-            nodes.append(dict(run_node(code, params, args.drafters, args.clients, prompts, args, tmp, label),
-                              label=label))
+        profile, *own = spec.split(",")
+        params = tmp / f"node{i}.yaml"
+        params.write_text(profile_text(code / profile, args.set + own, max(args.clients)))
+        label = f"{code.name}:{Path(profile).stem}" + "".join(f",{e}" for e in own)
+        print(f"[concurrency] starting {label} (ROS_DOMAIN_ID {os.environ['ROS_DOMAIN_ID']}) ...", file=sys.stderr,
+              flush=True)
+        nodes.append(dict(run_node(code, params, args.drafters, args.clients, prompts, args, tmp, label), label=label))
     lines = [f"total tok/s | per-client tok/s | TTFT s | answers equal to solo; {args.max_new_tokens} new tokens, "
              f"greedy, load {load_start['loadavg_1m']} -> {tune.machine_load()['loadavg_1m']}",
              f"{'node':28s} {'drafter':8s}" + "".join(f"{'N=' + str(n):>26s}" for n in args.clients)]
