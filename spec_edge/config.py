@@ -327,6 +327,25 @@ def dump(cfg: Config) -> str:
     return yaml.safe_dump({"/**": {"ros__parameters": tree}}, sort_keys=False)
 
 
+def sampling_problem(values: Any, prefix: str = "") -> str | None:
+    """What is out of range among sampling values (the sampling section, or a request's resolved
+    runtime.sampling.SamplingParams: temperature, top_p, top_k, min_p and the three penalties), as one message
+    naming prefix + the key, or None: the one check the config and a request share."""
+    v = values
+    checks = (("temperature", math.isfinite(v.temperature) and v.temperature >= 0, "a finite number >= 0 (0 = greedy)"),
+              ("top_p", math.isfinite(v.top_p) and 0 < v.top_p <= 1, "in (0, 1]"),
+              ("top_k", v.top_k >= 0, ">= 0 (0 = off)"),
+              ("min_p", math.isfinite(v.min_p) and 0 <= v.min_p <= 1, "in [0, 1] (0 = off)"),
+              ("repetition_penalty", math.isfinite(v.repetition_penalty) and v.repetition_penalty > 0,
+               "a finite number > 0 (1 = off)"),
+              ("presence_penalty", math.isfinite(v.presence_penalty), "a finite number (0 = off)"),
+              ("frequency_penalty", math.isfinite(v.frequency_penalty), "a finite number (0 = off)"))
+    for name, ok, what in checks:
+        if not ok:
+            return f"{prefix}{name} must be {what}, got {getattr(v, name)}"
+    return None
+
+
 def validate(cfg: Config) -> None:
     """Checks that need more than one field, or a value's range. Raises ConfigError."""
     g, s, p = cfg.graphs, cfg.speculative, cfg.sampling
@@ -386,19 +405,8 @@ def validate(cfg: Config) -> None:
                               f"(e.g. one made by `spec-edge train-draft --kind {name}`)")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        raise ConfigError(f"sampling.temperature must be a finite number >= 0, got {p.temperature}")
-    if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
-        raise ConfigError(f"sampling.top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k < 0:
-        raise ConfigError(f"sampling.top_k must be >= 0, got {p.top_k}")
-    if not (math.isfinite(p.min_p) and 0 <= p.min_p <= 1):
-        raise ConfigError(f"sampling.min_p must be in [0, 1], got {p.min_p}")
-    if not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        raise ConfigError(f"sampling.repetition_penalty must be a finite number > 0 (1 = off), got {p.repetition_penalty}")
-    if not (math.isfinite(p.presence_penalty) and math.isfinite(p.frequency_penalty)):
-        raise ConfigError(f"sampling.presence_penalty and frequency_penalty must be finite numbers, got "
-                          f"{p.presence_penalty}, {p.frequency_penalty}")
+    if problem := sampling_problem(p, "sampling."):
+        raise ConfigError(problem)
     if cfg.runtime.backend == "tensorrt" and (p.min_p, p.repetition_penalty, p.presence_penalty,
                                               p.frequency_penalty) != (0.0, 1.0, 0.0, 0.0):
         raise ConfigError("sampling.min_p / repetition_penalty / presence_penalty / frequency_penalty: Edge-LLM's "

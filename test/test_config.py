@@ -39,7 +39,7 @@ def test_default_profile_is_the_embedded_default():
     ("sampling.temperature", float("nan"), "sampling.temperature must be a finite number"),
     ("sampling.min_p", 2.0, r"sampling.min_p must be in \[0, 1\]"),
     ("sampling.repetition_penalty", -1.0, "sampling.repetition_penalty must be a finite number > 0"),
-    ("sampling.frequency_penalty", float("inf"), "sampling.presence_penalty and frequency_penalty must be finite"),
+    ("sampling.frequency_penalty", float("inf"), "sampling.frequency_penalty must be a finite number"),
     ("graphs.max_context", "big", "must be an integer"),
     ("graphs.k_values", [0], "k_values"),
 ])

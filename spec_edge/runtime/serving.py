@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from spec_edge.config import DRAFTERS, Config
+from spec_edge.config import DRAFTERS, Config, sampling_problem
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, chat_roles, check_roles, check_text
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import BatchLoop
@@ -104,19 +104,8 @@ def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int, voca
         frequency_penalty=pick(request.frequency_penalty, defaults.frequency_penalty),
         logit_bias=tuple(sorted(bias.items())), suppressed=tuple(eos_ids) if request.ignore_eos else (),
         logprobs=logprobs)
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise RequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {params.temperature}")
-    if not (math.isfinite(params.top_p) and 0 < params.top_p <= 1):
-        raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise RequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if not (math.isfinite(params.min_p) and 0 <= params.min_p <= 1):
-        raise RequestError(f"min_p must be in [0, 1] (0 = off), got {params.min_p}")
-    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
-        raise RequestError(f"repetition_penalty must be a finite number > 0 (1 = off), got {params.repetition_penalty}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not math.isfinite(getattr(params, name)):
-            raise RequestError(f"{name} must be a finite number (0 = off), got {getattr(params, name)}")
+    if problem := sampling_problem(params):
+        raise RequestError(problem)
     limit = max_context - 1
     # the configured default adapts to a smaller context; an explicit request value must fit
     max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None else int(request.max_new_tokens)
