@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,20 @@ HEAD_LAYERS = [LayerIO("midlayer.self_attn", io_names.K_CACHE, io_names.V_CACHE,
                        io_names.K_PRESENT, io_names.V_PRESENT)]
 
 
+def projections(graph) -> Callable[[LayerIO, str], Any]:
+    """proj(layer, "q" | "k" | "v" | "o"): the Gemm node of that projection of a layer in an exported graph;
+    AttentionRewriteError when no Gemm reads its weight (not a spec_edge export, or already rewritten)."""
+    gemms = {node.input[1]: node for node in graph.node if node.op_type == "Gemm" and len(node.input) >= 2}
+
+    def proj(layer: LayerIO, name: str):
+        weight = f"{layer.weights}.{name}_proj.weight"
+        if weight not in gemms:
+            raise AttentionRewriteError(f"no Gemm reads {weight}: the graph is not a spec_edge export of the current "
+                                        f"format (re-export), or it was already rewritten")
+        return gemms[weight]
+    return proj
+
+
 def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_rows: int) -> None:
     """Rewrite, in place, the attention of the given layers of one exported graph of width T. The
     cache inputs/outputs become (1, Hkv, cache_rows, D)."""
@@ -89,18 +104,8 @@ def rewrite_model(model, model_cfg, layers: list[LayerIO], width: int, cache_row
         raise AttentionRewriteError("fused attention does not cover q/k norms (this model has them): "
                                     "set graphs.ort_attention: graph")
     graph = model.graph
-    gemms = {}
-    for node in graph.node:
-        if node.op_type == "Gemm" and len(node.input) >= 2:
-            gemms[node.input[1]] = node
+    proj = projections(graph)
     hkv, heads, dim = model_cfg.n_kv_heads, model_cfg.n_heads, model_cfg.head_dim
-
-    def proj(layer: LayerIO, name: str):
-        weight = f"{layer.weights}.{name}_proj.weight"
-        if weight not in gemms:
-            raise AttentionRewriteError(f"no Gemm reads {weight}: the graph is not a spec_edge export of format 2 "
-                                        f"(re-export), or it was already rewritten")
-        return gemms[weight]
 
     cos, sin = rotary_tables(model_cfg, cache_rows)
     new_inits = [numpy_helper.from_array(cos, "fused_rotary_cos"), numpy_helper.from_array(sin, "fused_rotary_sin"),
@@ -216,7 +221,6 @@ def rewrite_rows(model, model_cfg, layers: list[LayerIO], width: int, cache_rows
         raise AttentionRewriteError("fused attention does not cover q/k norms (this model has them): "
                                     "graphs of several rows need it, set graphs.batch_slots: 1")
     graph = model.graph
-    gemms = {node.input[1]: node for node in graph.node if node.op_type == "Gemm" and len(node.input) >= 2}
     hkv, heads, dim = model_cfg.n_kv_heads, model_cfg.n_heads, model_cfg.head_dim
     row_range = range(rows)
     cos, sin = rotary_tables(model_cfg, cache_rows)
@@ -254,12 +258,7 @@ def rewrite_rows(model, model_cfg, layers: list[LayerIO], width: int, cache_rows
             helper.make_node("Add", [f"fused_position_scalar_s{j}", "fused_width"], [f"fused_total_len_s{j}"],
                              name=f"fused_total_len_s{j}")]
 
-    def proj(layer: LayerIO, name: str):
-        weight = f"{layer.weights}.{name}_proj.weight"
-        if weight not in gemms:
-            raise AttentionRewriteError(f"no Gemm reads {weight}: the graph is not a spec_edge export of format 3 "
-                                        f"(re-export), or it was already rewritten")
-        return gemms[weight]
+    proj = projections(graph)
 
     attention, present, cache_inputs = [], [], []
     for i, layer in enumerate(layers):
