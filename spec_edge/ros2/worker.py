@@ -17,6 +17,7 @@ the Outcome a job ends with.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import threading
 import time
@@ -135,10 +136,8 @@ class Worker:
             self._running[id(job)] = job
             threading.Thread(target=self._serve_whole, args=(job,), name="spec_edge-request", daemon=True).start()
             return
-        early = self._cancel_reason(job)
-        if early is not None:
-            job.finish(Outcome(success=True, finish_reason="cancelled") if early == "cancelled"
-                       else self._timeout_outcome(job, None))
+        if (early := self._early_outcome(job)) is not None:
+            job.finish(early)
             return
         try:
             request = self.engine.start(job.request, on_text=job.on_text, cancel=lambda: self._cancel_reason(job),
@@ -148,9 +147,7 @@ class Worker:
             job.finish(Outcome.refused(str(err)))
             return
         except Exception as err:  # the engine failed on a valid request: report it, keep serving
-            self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
-            job.finish(Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
-                               finish_reason="error"))
+            job.finish(self._failed(err))
             return
         self._running[id(job)] = job
 
@@ -159,12 +156,23 @@ class Worker:
         job.finish(self._outcome(job, result))
 
     def _fail_running(self, err: Exception) -> None:
-        self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
+        failed = self._failed(err)
         self.loop.clear()
         for job in list(self._running.values()):
-            job.finish(Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
-                               finish_reason="error"))
+            job.finish(dataclasses.replace(failed))  # an Outcome of its own per job
         self._running.clear()
+
+    def _failed(self, err: Exception) -> Outcome:
+        """The answer when the engine failed on a valid request (logged with its traceback; the node keeps serving)."""
+        self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
+        return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}", finish_reason="error")
+
+    def _early_outcome(self, job: Job) -> Outcome | None:
+        """The answer of a job cancelled or timed out before it started (None: start it)."""
+        reason = self._cancel_reason(job)
+        if reason is None:
+            return None
+        return Outcome(success=True, finish_reason="cancelled") if reason == "cancelled" else self._timeout_outcome(job, None)
 
     def _serve_whole(self, job: Job) -> None:
         """A whole-request backend's job, on its own thread."""
@@ -185,20 +193,16 @@ class Worker:
 
     def _generate(self, job: Job) -> Outcome:
         from spec_edge.runtime.requests import RequestError
-        early = self._cancel_reason(job)
-        if early == "cancelled":
-            return Outcome(success=True, finish_reason="cancelled")
-        if early is not None:
-            return self._timeout_outcome(job, None)
+
+        if (early := self._early_outcome(job)) is not None:
+            return early
         try:
             result = self.engine.generate(job.request, on_text=job.on_text,
                                           cancel=lambda: self._cancel_reason(job), queued=job.queued_at_start)
         except RequestError as err:
             return Outcome.refused(str(err))
         except Exception as err:  # the engine failed on a valid request: report it, keep serving
-            self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
-            return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}",
-                           finish_reason="error")
+            return self._failed(err)
         return self._outcome(job, result)
 
     def _outcome(self, job: Job, result: Any) -> Outcome:
@@ -211,7 +215,7 @@ class Worker:
         self.last_stats = stats
         if job.timed_out:
             return self._timeout_outcome(job, result)
-        outcome = Outcome(success=True, message=getattr(result, "message", ""), text=result.text,
+        outcome = Outcome(success=True, message=result.message, text=result.text,
                           num_tokens=len(result.token_ids), token_ids=list(result.token_ids),
                           logprobs=list(result.logprobs), finish_reason=result.finish_reason, stats=stats)
         if self._stopping and result.finish_reason == "cancelled":
