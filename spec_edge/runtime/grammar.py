@@ -61,19 +61,28 @@ def text_or_file(value: str | None) -> str:
     return value
 
 
+def read_text(kind: str, text: str) -> dict | bool | None:
+    """The checks every backend makes before it compiles (kind, text): GrammarError for a blank text and for a
+    json_schema that is not a JSON object (or true / false); the parsed schema for json_schema, else None."""
+    if not text.strip():
+        raise GrammarError(f"{kind} is blank: send the {kind} text or leave the field empty")
+    if kind != "json_schema":
+        return None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise GrammarError(f"json_schema is not valid JSON: {err}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"json_schema must be a JSON object (a JSON Schema), got {type(schema).__name__}")
+    return schema
+
+
 def _grammar_text(kind: str, text: str) -> str:
     """The llguidance grammar definition of (kind, text); GrammarError for what cannot be read."""
     import llguidance
 
-    if not text.strip():
-        raise GrammarError(f"{kind} is blank: send the {kind} text or leave the field empty")
+    schema = read_text(kind, text)
     if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise GrammarError(f"json_schema is not valid JSON: {err}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError(f"json_schema must be a JSON object (a JSON Schema), got {type(schema).__name__}")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if kind == "grammar":  # Lark, or GBNF (llama.cpp; `::=` rules), which llguidance converts to Lark
         try:

@@ -52,7 +52,7 @@ from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError
 from spec_edge.device import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.grammar import GrammarError, grammar_spec
+from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
 from spec_edge.runtime.serving import chat_text, resolve_fields
 from spec_edge.runtime.speculative import Stats
@@ -155,15 +155,11 @@ def load_native() -> ModuleType:
 def guide(rt: ModuleType, kind: str, text: str):
     """The GuidedDecodingParams of a request's (kind, text) (grammar.grammar_spec); RequestError for a Lark
     grammar (XGrammar reads EBNF: GBNF converts, Lark does not) and for what Edge-LLM would not enforce."""
-    if not text.strip():
-        raise RequestError(f"{kind} is blank: send the {kind} text or leave the field empty")
+    try:
+        read_text(kind, text)
+    except GrammarError as err:
+        raise RequestError(str(err)) from None
     if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise RequestError(f"json_schema is not valid JSON: {err}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError(f"json_schema must be a JSON object (a JSON Schema), got {type(schema).__name__}")
         params = rt.GuidedDecodingParams(rt.GuideType.JSON_SCHEMA, text)
     elif kind == "regex":
         params = rt.GuidedDecodingParams(rt.GuideType.REGEX, text)
