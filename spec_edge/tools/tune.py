@@ -203,7 +203,7 @@ def one_row_call(runner, position: int = 256) -> Call:
 
 
 def forward_call(runner, position: int = 128) -> Call:
-    """call(j, width) on a BatchRunner: greedy ids of slots 0..j-1, every slot's cache prefilled to position."""
+    """call(j, width) on an OrtRunner (ort_runner.py): greedy ids of slots 0..j-1, every slot's cache prefilled to position."""
     batch = runner.batch
     position = min(position, runner.max_context - max(runner.widths) - 1)
     runner.held = [()] * batch  # the calls below rewrite every region
@@ -269,10 +269,7 @@ def main(cfg, args, progress) -> int:
     load = machine_load()
     progress(f"[tune] drafter {drafter}, k candidates {ks}, {slots} slot(s), {len(prompts)} prompts; load {load}")
     engine = Engine.from_config(cfg, progress)
-    if slots > 1:  # the engine's own batched runner
-        call, step_width = forward_call(engine.runner), engine.runner.step_width
-    else:
-        call, step_width = one_row_call(engine.target), 1
+    call, step_width = forward_call(engine.runner), engine.runner.step_width  # the engine's own runner
     extra = {}
     if drafter in ("layerskip", "draft"):
         draft_runner = engine.drafter(drafter).runner
