@@ -5,7 +5,7 @@ One model for every graphs.batch_slots B (a request alone is one occupied slot).
 interleaved round by round so load changes on the machine hit every shape alike:
 
     c(j, w)   ms of one target call with j rows of width w, j = 1..B, w = the step width (1, or 2 for
-              q4's two-row step) and every k+1 (B = 1: the B=1 graphs' step and verify[k+1])
+              q4's two-row step) and every k+1, on the engine's own runner (ort_runner.OrtRunner)
     c_draft   one draft call (ms): 0 for n-gram lookup and the heads, a step of the draft / layer-skip runner
     P_i       share of verify calls whose draft i was accepted (i = 1..k_max), from decoding the prompt file
               once at k_max (acceptance is a prefix property: the first i positions of a k_max run are what
