@@ -65,7 +65,7 @@ def child(spec: dict) -> None:
         tokens += len(result.token_ids)
         seconds += result.stats.total_time_s
     after = memory()
-    runner = engine.target
+    runner = engine.runner  # the slotted runner: its whole cache (every slot)
     print(json.dumps({"load_s": load_s, "loaded": loaded, "after": after, "tok_s": tokens / seconds,
                       "weights_mb": (Path(engine.graph_dir) / "weights.bin").stat().st_size / 1e6,
                       "kv_mb": (runner.k_cache.nbytes + runner.v_cache.nbytes) / 1e6}))

@@ -14,7 +14,7 @@ from spec_edge.config import ConfigError
 from spec_edge.graphs import export, model as model_mod
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.onnxruntime import target_graphs
-from spec_edge.runtime.backends.ort_batch import BatchRunner
+from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
@@ -32,7 +32,7 @@ def batch_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batch_runner(tiny_cfg):
-    return BatchRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
 
 
 @pytest.fixture(scope="module")
@@ -105,13 +105,13 @@ def target_only(request_args) -> speculative.SlotRequest:
 
 def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None, ks=None):
     """Factories (a drafter keeps state: each run gets a fresh one) for one request per prompt."""
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
 
     def drafter(name):
         if name == "ngram":
             return NgramDrafter()
         if name == "draft":  # a separate model with its own cache: one runner per request
-            return ModelDrafter(OrtRunner(engine.drafter("draft").runner.graph_dir), name="draft")
+            return ModelDrafter(b1_runner(engine.drafter("draft").runner.runner.graph_dir), name="draft")
         return None
 
     factories = []
@@ -137,7 +137,7 @@ def test_each_output_equals_its_solo_output(batch_runner, tiny_engine):
     for f, (ids, finish, stats) in zip(factories, together):
         alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f)
         assert (ids, finish) == (alone_ids, alone_finish)
-        plain, plain_finish, _ = speculative.generate(tiny_engine.target, target_only(f))
+        plain, plain_finish, _ = speculative.generate(tiny_engine.runner, target_only(f))
         assert (ids, finish) == (plain, plain_finish)
     assert sum(stats.verify_calls for _, _, stats in together) > 0  # the drafters did speculate
 
@@ -186,7 +186,7 @@ def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine):
                                         join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, stats) in zip(factories, together):
         args = f()
-        alone = speculative.generate(tiny_engine.target, speculative.SlotRequest(**args))
+        alone = speculative.generate(tiny_engine.runner, speculative.SlotRequest(**args))
         assert (ids, finish) == alone[:2]
         assert (stats.forced, stats.cut, stats.verify_calls) == (alone[2].forced, alone[2].cut, alone[2].verify_calls)
     grammar_ends = [finish for f, (_, finish, _) in zip(factories, together) if "constraint" in f()]
@@ -240,7 +240,7 @@ def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
     """(B slots, B=1) runners over one folder of tiny graphs carried to 4-bit MatMulNBits with int8
     activations (graphs.weights q4: the plan's graphs of m > 1 rows step at width 2)."""
     from spec_edge.graphs import ort_attention, quantize
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
     from test_quantize import _fresh_blocks
 
     cfg = batch_cfg(tiny_cfg).replace(**{"graphs.weights": "q4"})
@@ -250,7 +250,7 @@ def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
     folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4b") / "q4", _fresh_blocks,
                                      accuracy_level=quantize.ACCURACY_LEVELS["q4"], stamp="tiny",
                                      source="tiny blocks", progress=lambda m: None, graphs=plan)
-    return BatchRunner(folder, slots=SLOTS), OrtRunner(folder)
+    return OrtRunner(folder, slots=SLOTS), b1_runner(folder)
 
 
 def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
@@ -277,7 +277,7 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
     together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
-        plain = speculative.generate(single, target_only(f))
+        plain = speculative.generate(single.runner, target_only(f))
         assert (ids, finish) == plain[:2]
 
 
@@ -287,7 +287,7 @@ def policy_runner(tiny_cfg):
     folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
                               "runtime.profile": "tiny-policy"})
-    return BatchRunner(target_graphs(cfg, progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(target_graphs(cfg, progress=lambda message: None), slots=SLOTS)
 
 
 def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine):
@@ -300,7 +300,7 @@ def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engi
                                         join_at=[0, 4, 8, 12], k_by_load=table)
     by_k = [0] * K
     for f, (ids, finish, stats) in zip(factories, together):
-        plain = speculative.generate(tiny_engine.target, target_only(f))
+        plain = speculative.generate(tiny_engine.runner, target_only(f))
         assert (ids, finish) == plain[:2]
         if stats.k:
             assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
@@ -343,7 +343,7 @@ def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
     together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 2, 3])
     for f, k, (ids, finish, stats) in zip(factories, ks, together):
-        plain = speculative.generate(tiny_engine.target, target_only(f))
+        plain = speculative.generate(tiny_engine.runner, target_only(f))
         assert (ids, finish) == plain[:2]
         assert stats.k == k and len(stats.verify_calls_by_k) == k and stats.drafted <= k * stats.verify_calls
         if f()["drafter"].name == "draft":  # a draft model proposes at every iteration
@@ -353,10 +353,10 @@ def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
 def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_engine):
     """A k=1 request running into the end of its cache beside a k=3 one: its window is never padded past
     the cache (it gets a call of its own there), and both answers == the B=1 target-only output."""
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
 
     def draft():
-        return ModelDrafter(OrtRunner(tiny_engine.drafter("draft").runner.graph_dir), name="draft")
+        return ModelDrafter(b1_runner(tiny_engine.drafter("draft").runner.runner.graph_dir), name="draft")
 
     long = prompt_ids(tiny_engine, " ".join([PROMPTS[3]] * 6))[:policy_runner.max_context - 12]
     short = prompt_ids(tiny_engine, PROMPTS[0])
@@ -365,7 +365,7 @@ def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_eng
     together = speculative.generate_all(policy_runner, requests)
     assert together[0][1] == "context_full"
     for request, (ids, finish, _) in zip(requests, together):
-        plain = speculative.generate(tiny_engine.target, speculative.SlotRequest(
+        plain = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
             prompt_ids=request.prompt_ids, max_new_tokens=40, eos_ids=()))
         assert (ids, finish) == plain[:2]
 

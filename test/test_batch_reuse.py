@@ -11,7 +11,7 @@ from test_batch import K, SLOTS, batch_cfg
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.onnxruntime import target_graphs
-from spec_edge.runtime.backends.ort_batch import BatchRunner
+from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 
@@ -30,7 +30,7 @@ def engine(tiny_cfg):
 @pytest.fixture(scope="module")
 def cold(tiny_cfg):
     """A second runner over the same graphs (its own cache), for the cold answers."""
-    return BatchRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
 
 
 def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:

@@ -10,7 +10,7 @@ import torch
 
 from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import export, model, ort_attention, weights
-from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.backends.ort_runner import b1_runner
 
 REL_TOL = 5e-5  # fp32: max |ONNX Runtime - torch| relative to the largest |value| (logits here ~15)
 
@@ -56,14 +56,14 @@ def test_onnxruntime_matches_torch(tmp_path, variant, attention):
         assert sum(n.op_type == "GroupQueryAttention" for n in step.graph.node) == model_cfg.n_layers
         assert not any(n.op_type == "Softmax" for n in step.graph.node)  # the exported attention is gone
     reference = model.build(model_cfg, state)
-    runner = OrtRunner(out)
+    runner = b1_runner(out)
     ids = list(range(5, 25))  # 20 tokens: prefill chunks 8 + 8 + 4 (padded)
     k_cache, v_cache = model.empty_cache(model_cfg, 64)
     with torch.no_grad():
         want, k_new, v_new = reference(torch.tensor([ids]), torch.tensor([0]), k_cache, v_cache)
     got = runner.prefill(ids, 0)
     assert close(got, want[-1].numpy())
-    assert close(runner.k_cache[:, :, :20], k_new.numpy())
+    assert close(runner.runner.k_cache[:, 0, :, :20], k_new.numpy())
     with torch.no_grad():  # verify width 4 at position 20 against torch over the cached prefix
         k_cache[:, :, :20], v_cache[:, :, :20] = k_new, v_new
         want4, k4, v4 = reference(torch.tensor([[7, 8, 9, 10]]), torch.tensor([20]), k_cache, v_cache)
@@ -88,8 +88,8 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
                               "runtime.engine_dir": str(tmp_path / "e")})
     out = ort_attention.ensure_fused(export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None),
                                      progress=lambda m: None)
-    runner = OrtRunner(out)
-    assert runner.k_cache.shape[2] == 32 + 8  # S + one prefill chunk of room for padding
+    runner = b1_runner(out)
+    assert runner.runner.k_cache.shape[1:4:2] == (1, 32 + 8)  # one slot, no scratch; S + one chunk of room for padding
     model_cfg, state, _ = weights.load(str(folder))
     reference = model.build(model_cfg, state)
     ids = [(7 * i) % 50 + 3 for i in range(28)]
@@ -101,7 +101,7 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
     runner.prefill(ids[:3], 0)
     got = runner.prefill(ids[3:], 3)  # chunks at 3, 11, 19, 27: the last (1 real row) pads to 34 > S
     assert close(got, want[-1].numpy())
-    assert close(runner.k_cache[:, :, :28], k_new.numpy())
+    assert close(runner.runner.k_cache[:, 0, :, :28], k_new.numpy())
     assert close(runner.forward([1, 2, 3, 4], 28), want4.numpy())  # rows 28..31: the last rows of S
 
     qwen = make_checkpoint(tmp_path / "q", seed=5, model_type="qwen3")

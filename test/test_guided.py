@@ -30,7 +30,7 @@ PROMPTS = ["Move the arm to the left", "The robot picks up the red box and place
 
 
 def constrained(engine, prompt_ids, drafter, k, kind, text, forced=False, max_new=60, **kw):
-    return speculative.generate(engine.target, speculative.SlotRequest(
+    return speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k,
         constraint=engine.grammars.constraint(kind, text), forced_drafts=forced, **kw))
 
@@ -43,9 +43,9 @@ def make_drafter(engine, self_runner, name):
 
 @pytest.fixture(scope="module")
 def self_runner(tiny_engine):
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
 
-    return OrtRunner(tiny_engine.graph_dir)
+    return b1_runner(tiny_engine.graph_dir)
 
 
 @pytest.mark.parametrize("kind,text", GRAMMARS, ids=["regex", "json_schema"])
@@ -164,11 +164,11 @@ def test_constrained_sampling_follows_the_constrained_target(tiny_engine):
     distribution restricted to the grammar and renormalised: the exact distribution of the first
     three tokens vs 600 seeded runs, chi-square below its 0.999 quantile (T=2: the drafter's top-3
     often holds a forbidden token)."""
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
 
     regex = r"[a-z ]{1,12}\."
     params = SamplingParams(temperature=2.0, top_k=3)  # the drafter's top-3 is often forbidden
-    runner = OrtRunner(tiny_engine.graph_dir)
+    runner = b1_runner(tiny_engine.graph_dir)
     prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     pos = len(prompt_ids)
     ref = tiny_engine.grammars.constraint("regex", regex)
@@ -189,9 +189,9 @@ def test_constrained_sampling_follows_the_constrained_target(tiny_engine):
     counts: dict = {}
     drafted = cut = accepted = 0
     n = 600
-    drafter = ModelDrafter(OrtRunner(tiny_engine.graph_dir), name="self")  # samples from the unmasked target
+    drafter = ModelDrafter(b1_runner(tiny_engine.graph_dir), name="self")  # samples from the unmasked target
     for seed in range(n):
-        ids, _, stats = speculative.generate(tiny_engine.target, speculative.SlotRequest(
+        ids, _, stats = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
             prompt_ids=prompt_ids, max_new_tokens=3, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=3,
             constraint=tiny_engine.grammars.constraint("regex", regex)))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1

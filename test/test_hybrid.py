@@ -30,7 +30,7 @@ def head_engine(tiny_models, tiny_cfg):
 
 def run(engine, drafter, prompt, k, max_new=48, **kwargs):
     ids = engine.tokenizer.encode(prompt)
-    out, _, stats = speculative.generate(engine.target, speculative.SlotRequest(
+    out, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k, **kwargs))
     return ids, out, stats
 
@@ -128,7 +128,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     drafter = HybridDrafter(Gap(30, len(ids), want), eagle)
     head.ingest, eagle.propose = ingest, propose
     try:
-        out, finish, stats = speculative.generate(head_engine.target, speculative.SlotRequest(
+        out, finish, stats = speculative.generate(head_engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=100, eos_ids=head_engine.eos_ids, drafter=drafter, k=k,
             cancel=lambda: "cut" if len(seen) >= 2 else None))
     finally:

@@ -186,12 +186,12 @@ def _fresh_blocks(name: str, weight: np.ndarray):
 @pytest.fixture(scope="module")
 def tiny_q4(tiny_engine, tmp_path_factory):
     """The tiny target's fused graphs carried to 4-bit MatMulNBits with int8 activations (graphs.weights q4)."""
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
 
     dst = tmp_path_factory.mktemp("q4") / "target_fused_q4"
     quantize.convert_folder(tiny_engine.graph_dir, dst, _fresh_blocks, accuracy_level=quantize.ACCURACY_LEVELS["q4"],
                             stamp="tiny", source="tiny blocks", progress=lambda m: None)
-    return OrtRunner(dst)
+    return b1_runner(dst)
 
 
 def test_q4_verify_rows_equal_steps(tiny_q4):
@@ -216,18 +216,18 @@ def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
     drafts come from steps and are checked by verify rows, so they are all accepted only when the
     two agree."""
     from spec_edge.runtime import speculative
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
     from spec_edge.runtime.drafters.draft_model import ModelDrafter
     from spec_edge.runtime.drafters.ngram import NgramDrafter
     from spec_edge.runtime.requests import GenerateRequest
 
-    self_drafter = ModelDrafter(OrtRunner(tiny_q4.graph_dir), name="self")
+    self_drafter = ModelDrafter(b1_runner(tiny_q4.runner.graph_dir), name="self")
     for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
         ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
-        plain, _, _ = speculative.generate(tiny_q4, speculative.SlotRequest(
+        plain, _, _ = speculative.generate(tiny_q4.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids))
         for drafter, k in ((NgramDrafter(), 4), (self_drafter, 3), (self_drafter, 7)):
-            spec, _, stats = speculative.generate(tiny_q4, speculative.SlotRequest(
+            spec, _, stats = speculative.generate(tiny_q4.runner, speculative.SlotRequest(
                 prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, drafter=drafter, k=k))
             assert spec == plain, (prompt, drafter.name, k)
             if drafter is self_drafter:

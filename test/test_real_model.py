@@ -96,7 +96,7 @@ def test_q4_carries_every_linear_layer(engine):
 
     from spec_edge.graphs import quantize
     from spec_edge.graphs.weights import embedded_gguf_path
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
 
     q4_dir = quantize.ensure_q4(engine.graph_dir, embedded_gguf_path(), accuracy_level=0,
                                 progress=lambda m: print(m, file=sys.stderr))
@@ -112,7 +112,7 @@ def test_q4_carries_every_linear_layer(engine):
     attention = [n for n in step.graph.node if n.op_type == "GroupQueryAttention"]  # fused attention (default)
     assert len(attention) == n_layers and all(list(n.input[1:3]) == ["", ""] for n in attention)  # packed QKV
     assert sum(n.op_type == "Split" for n in step.graph.node) == n_layers  # gate/up only
-    q4 = OrtRunner(q4_dir)
+    q4 = b1_runner(q4_dir)
     ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
     want = engine.target.prefill(ids, 0)
     got = q4.prefill(ids, 0)
@@ -123,9 +123,9 @@ def test_q4_carries_every_linear_layer(engine):
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     edit = engine.prompt_ids(GenerateRequest(prompt=EDIT))
-    plain, _, _ = speculative.generate(q4, speculative.SlotRequest(
+    plain, _, _ = speculative.generate(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids))
-    spec, _, stats = speculative.generate(q4, speculative.SlotRequest(
+    spec, _, stats = speculative.generate(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids, drafter=NgramDrafter(), k=4))
     assert spec == plain and stats.accepted > 0
 

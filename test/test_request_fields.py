@@ -13,7 +13,7 @@ import pytest
 
 from spec_edge import cli, config as cfgmod
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
@@ -53,7 +53,7 @@ def ids_of(engine, text):
 
 
 def run(engine, prompt_ids, params, drafter=None, k=0, eos_ids=None):
-    return speculative.generate(engine.target, speculative.SlotRequest(
+    return speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=list(prompt_ids), max_new_tokens=MAX_NEW, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
         sampling=params, drafter=drafter, k=k if drafter is not None else 0))
 
@@ -104,12 +104,12 @@ def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
     """Four slots, requests with the options (and plain ones) joining mid-stream beside each other, ngram
     and draft-model drafters: each == its B=1 target-only output, logprobs allclose."""
     from spec_edge.runtime.backends.onnxruntime import target_graphs
-    from spec_edge.runtime.backends.ort_batch import BatchRunner
+    from spec_edge.runtime.backends.ort_runner import OrtRunner
     from test_batch import K, batch_cfg
 
     cfg = batch_cfg(tiny_cfg)
-    runner = BatchRunner(target_graphs(cfg, progress=lambda message: None), slots=cfg.graphs.batch_slots)
-    draft_dir = tiny_engine.drafter("draft").runner.graph_dir
+    runner = OrtRunner(target_graphs(cfg, progress=lambda message: None), slots=cfg.graphs.batch_slots)
+    draft_dir = tiny_engine.drafter("draft").runner.runner.graph_dir
     penalties, _ = option_params(tiny_engine, "penalties")
     bias, _ = option_params(tiny_engine, "logit_bias")
     ignore, eos = option_params(tiny_engine, "ignore_eos")
@@ -120,7 +120,7 @@ def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
              (PROMPTS[0], SamplingParams(repetition_penalty=1.3, logprobs=3), tiny_engine.eos_ids, "draft")]
     requests = [speculative.SlotRequest(
         prompt_ids=ids_of(tiny_engine, text), max_new_tokens=MAX_NEW, eos_ids=eos_ids, sampling=params,
-        drafter={"ngram": NgramDrafter(), "draft": ModelDrafter(OrtRunner(draft_dir), name="draft"),
+        drafter={"ngram": NgramDrafter(), "draft": ModelDrafter(b1_runner(draft_dir), name="draft"),
                  None: None}[name], k=K if name else 0) for text, params, eos_ids, name in cases]
     together = speculative.generate_all(runner, requests, join_at=[0, 0, 2, 0, 4, 6])
     for (text, params, eos_ids, _), (ids, finish, stats) in zip(cases, together):
@@ -155,7 +155,7 @@ def test_logprobs_equal_with_speculation_on_or_off(tiny_engine):
                                        atol=1e-4)
     # the first token's numbers, computed here from the prefill logits
     prompt_ids = tiny_engine.tokenizer.encode(PROMPTS[0])
-    logits = OrtRunner(tiny_engine.graph_dir).prefill(prompt_ids, 0)[None]
+    logits = b1_runner(tiny_engine.graph_dir).prefill(prompt_ids, 0)[None]
     (first,) = token_logprobs(processed_logits(logits, params, prompt_ids, []), [plain.token_ids[0]], 4)
     np.testing.assert_allclose(first.top_logprobs, plain.logprobs[0].top_logprobs, atol=1e-5)
     assert "logprobs" in plain.as_dict() and "logprobs" not in tiny_engine.generate(

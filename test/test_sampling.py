@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams, probabilities, speculative_accept
@@ -79,8 +79,8 @@ def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
     # draft: another model, q != p (mostly rejections: the residual path); self: q == p (accepts);
     # greedy-self: deterministic drafts, the one-hot q path
     drafter = {"draft": lambda: tiny_engine.drafter("draft"),
-               "self": lambda: ModelDrafter(OrtRunner(tiny_engine.graph_dir)),
-               "greedy-self": lambda: GreedySelfDrafter(OrtRunner(tiny_engine.graph_dir))}[drafter_name]()
+               "self": lambda: ModelDrafter(b1_runner(tiny_engine.graph_dir)),
+               "greedy-self": lambda: GreedySelfDrafter(b1_runner(tiny_engine.graph_dir))}[drafter_name]()
     assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft")
 
 
@@ -88,13 +88,13 @@ def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
 def test_processed_distribution_is_kept(tiny_engine, drafter_name):
     """With min_p, the three penalties and a logit bias on, the first three sampled tokens follow the processed
     target distribution (each row processed with its own history, drafts included) exactly."""
-    third = int(np.argsort(-OrtRunner(tiny_engine.graph_dir).prefill(
+    third = int(np.argsort(-b1_runner(tiny_engine.graph_dir).prefill(
         tiny_engine.prompt_ids(GenerateRequest(prompt="Move the arm")), 0))[2])
     # 33 cells (14 expected >= 5 times): min_p cuts some of top_k's 5, the bias lifts the third
     params = SamplingParams(temperature=2.0, top_k=5, min_p=0.06, repetition_penalty=1.1, presence_penalty=0.5,
                             frequency_penalty=0.7, logit_bias=((third, 1.0),))
     drafter = {"draft": lambda: tiny_engine.drafter("draft"),
-               "greedy-self": lambda: GreedySelfDrafter(OrtRunner(tiny_engine.graph_dir))}[drafter_name]()
+               "greedy-self": lambda: GreedySelfDrafter(b1_runner(tiny_engine.graph_dir))}[drafter_name]()
     assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft", n=800, params=params)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.onnxruntime import OrtRunner
+from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
@@ -64,11 +64,11 @@ class WrongDrafter:
 @pytest.fixture(scope="module")
 def self_runner(tiny_engine):
     """A second runner over the target's own graphs (own cache): a drafter that is the target."""
-    return OrtRunner(tiny_engine.graph_dir)
+    return b1_runner(tiny_engine.graph_dir)
 
 
 def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None):
-    return speculative.generate(engine.target, speculative.SlotRequest(
+    return speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
         drafter=drafter, k=k))
 

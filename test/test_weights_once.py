@@ -82,7 +82,7 @@ if sys.argv[2] == "measure":
         key, _, value = line.partition(":")
         pss = int(value.split()[0]) * 1024 if key == "Pss" else pss
         anon = int(value.split()[0]) * 1024 if key == "Anonymous" else anon
-    runner = engine.target
+    runner = engine.runner
     print(json.dumps({"pss": pss, "anon": anon, "sessions": len(runner.widths) + 1,
                       "weights": (engine.graph_dir / "weights.bin").stat().st_size,
                       "kv": runner.k_cache.nbytes + runner.v_cache.nbytes}))

@@ -111,7 +111,7 @@ def plain(engine, prompt_ids, max_new=40):
     """Target-only greedy output."""
     from spec_edge.runtime import speculative
 
-    return speculative.generate(engine.target, speculative.SlotRequest(
+    return speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids))[0]
 
 
@@ -120,7 +120,7 @@ def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new
 
     for prompt in prompts:
         ids = engine.tokenizer.encode(prompt)
-        got, _, stats = speculative.generate(engine.target, speculative.SlotRequest(
+        got, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
         assert got == plain(engine, ids, max_new), f"k={k} prompt={prompt!r}"
         assert stats.verify_calls > 0
@@ -161,7 +161,7 @@ def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
             drafter.finish()
 
     ids = engine.tokenizer.encode("Move the arm")
-    out, _, _ = speculative.generate(engine.target, speculative.SlotRequest(
+    out, _, _ = speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=30, eos_ids=(), sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
         drafter=Spy(), k=k))
     assert len(out) == 30 and seen
@@ -314,12 +314,12 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     import numpy as np
 
     from spec_edge.runtime import speculative
-    from spec_edge.runtime.backends.onnxruntime import OrtRunner
+    from spec_edge.runtime.backends.ort_runner import b1_runner
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits
 
     params = params or SamplingParams(temperature=1.0, top_k=3)
-    runner = OrtRunner(engine.graph_dir)
+    runner = b1_runner(engine.graph_dir)
     prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     pos = len(prompt_ids)
 
@@ -338,7 +338,7 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     counts: dict = {}
     accepted = drafted = 0
     for seed in range(n):
-        ids, _, stats = speculative.generate(engine.target, speculative.SlotRequest(
+        ids, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
             prompt_ids=prompt_ids, max_new_tokens=3, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=k))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
         accepted += stats.accepted

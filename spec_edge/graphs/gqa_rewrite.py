@@ -210,7 +210,7 @@ def rewrite_rows(model, model_cfg, layers: list[LayerIO], width: int, cache_rows
         logits (m*T, V) -Reshape-> (m, T, V); hidden (m*T, n*H) -> (m, T, n*H)
 
     Row j's cache input <k_cache_i>_s<j> (1, Hkv, R, D) (io_names.slot_name) and in-place output are
-    bound to whichever slot's region row j serves (runtime/backends/ort_batch.py; padding rows: a scratch
+    bound to whichever slot's region row j serves (runtime/backends/ort_runner.py; padding rows: a scratch
     region), so one graph runs any m of the slots. Each row's node is the B=1 graph's node for that slot
     (test/test_rows.py: bit for bit). One node per row is also what ONNX Runtime's CPU kernel asks for
     T > 1 ("batch_size must be 1 when sequence_length > 1 and past context is given"). The shapes the

@@ -28,7 +28,7 @@ V_PRESENT_PREFIX = "v_present_"
 # position (m,), logits (m, T, V) [, hidden (m, T, n * hidden)];
 # each row's layer is its own input <k_cache_i>_s<j> (1, Hkv, S + C, D) and output <k_present_i>_s<j>, bound
 # to the region of the slot row j serves in the (L, B + 1, Hkv, S + C, D) cache (slot_name; runtime/backends/
-# ort_batch.py), so one graph runs any m of the slots
+# ort_runner.py), so one graph runs any m of the slots
 K_PRESENT = "k_present"      # the EAGLE-3 head graphs' one layer: (1, Hkv, S + W, D) aliases k_cache
 V_PRESENT = "v_present"
 HIDDEN = "hidden"            # (T, n * hidden) the hidden states of the layers the configured heads read

@@ -6,14 +6,14 @@ request drafts alone.
 
 What each drafter runs on, per slot (loaded once, on first use; what a slot's drafter reads):
   ngram            nothing (the drafter object is per request)
-  draft            the draft model with B regions (slotted(): its Runner at B=1, a BatchRunner over its B=1
-                   export with slots=B): the slot's region, its record held there
+  draft            the draft model with B regions (slotted(): an OrtRunner over its export with slots=B):
+                   the slot's region, its record held there
   eagle3, hybrid   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
                    the target's hidden states of the slot (the target's slot view)
   peagle           as eagle3, over the P-EAGLE head
   medusa           the heads have no cache: one OrtMedusaHeads for all slots, the slot's hidden states
   layerskip        the target's first n layers over the slot's own region of the target's cache: the
-                   slot view's layer_skip (one layer-skip graph shared by the slots, BatchRunner.layer_skip)
+                   slot view's layer_skip (one layer-skip graph shared by the slots, OrtRunner.layer_skip)
 """
 from __future__ import annotations
 
@@ -23,23 +23,18 @@ from pathlib import Path
 from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig
 from spec_edge.graphs import export, hidden, ort_attention, quantize
 from spec_edge.runtime.backends.base import Runner
-from spec_edge.runtime.backends.onnxruntime import load_runner, ort_graphs
-from spec_edge.runtime.backends.slot_views import OneSlot, SlotHead, Slotted, SlotRunner
+from spec_edge.runtime.backends.onnxruntime import ort_graphs
+from spec_edge.runtime.backends.ort_runner import OrtRunner
+from spec_edge.runtime.backends.slot_views import SlotHead, SlotRunner
 from spec_edge.runtime.requests import RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
 
-def slotted(cfg: Config, graph_dir: Path, slots: int) -> tuple[Slotted, list[Runner]]:
-    """The model of graph_dir with one cache region per slot, and each slot as a B=1 Runner: slots=1, its
-    Runner as OneSlot (slot 0 is the Runner itself); else a BatchRunner over `slots` regions (the folder's
-    rows > 1 graphs where it has them: the target's; a draft model's runs one-row calls) and its SlotRunner
-    views."""
-    if slots == 1:
-        runner = load_runner(cfg, graph_dir)
-        return OneSlot(runner), [runner]
-    from spec_edge.runtime.backends.ort_batch import BatchRunner
-
-    runner = BatchRunner(graph_dir, cfg.runtime.threads, slots=slots)
+def slotted(cfg: Config, graph_dir: Path, slots: int) -> tuple[OrtRunner, list[Runner]]:
+    """The model of graph_dir with one cache region per slot (an OrtRunner: the folder's rows > 1 graphs
+    where it has them, the target's; a draft model's runs one-row calls), and each slot as a B=1 Runner
+    (its SlotRunner views)."""
+    runner = OrtRunner(graph_dir, cfg.runtime.threads, slots=slots)
     return runner, [SlotRunner(runner, b) for b in range(slots)]
 
 
@@ -135,9 +130,6 @@ class Drafters:
         draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"), self.progress)
         check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
         draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
-        if self.slots > 1 and export.read_model_config(draft_dir).qk_norm:
-            raise RequestError("the batched node runs the draft model with fused attention, which does not "
-                               "cover q/k norms (Qwen3): use another draft model, or graphs.batch_slots: 1")
         return slotted(self.cfg, draft_dir, self.slots)[1]
 
     def load_eagle3_head(self, name: str = "eagle3"):

@@ -4,10 +4,9 @@ a serving.RequestBackend).
 
 This is what the CLI and the ROS node use, for every graphs.batch_slots = B. It checks a request, renders
 the chat prompt, and turns tokens into text (streamed, UTF-8 safe, stop strings honoured). It owns one
-loop (runtime/speculative.BatchLoop) over a target of B slots (slotted: B=1 a OneSlot over the B=1
-graphs, B > 1 a BatchRunner over the batched graphs): start() turns a request into a SlotRequest the
-caller adds to the loop (the node's worker admits requests into free slots and iterates the loop from
-one thread); generate() is start() and the loop run with that request alone (the CLI's path). Each
+loop (runtime/speculative.BatchLoop) over a target of B slots (drafting.slotted: an ort_runner.OrtRunner;
+B=1 is a runner of one slot): start() turns a request into a SlotRequest the caller adds to the loop (the
+node's worker admits requests into free slots and iterates the loop from one thread); generate() is start() and the loop run with that request alone (the CLI's path). Each
 request drafts with its own drafter, made for the slot it takes (runtime/drafting.py).
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
@@ -60,7 +59,7 @@ def incomplete_message(constraint: Constraint | None, finish: str, max_new: int)
 
 class Engine:
     """The loop over a target of B slots and the request handling around it. runner: the slotted target
-    the loop drives; targets: its slots as B=1 Runners (target = slot 0: at B=1 the target Runner itself)."""
+    the loop drives; targets: its slots as B=1 Runners (slot_views.SlotRunner; target = slot 0)."""
     concurrent = False  # one loop: the caller admits requests into it (start) and iterates it from one thread
 
     def __init__(self, cfg: Config, runner: Slotted, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
@@ -83,7 +82,7 @@ class Engine:
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> RequestBackend:
         """Load the target (and a configured drafter) once; the graphs are exported first if missing or
-        stale (B > 1: the batched graphs). runtime.backend tensorrt: the Edge-LLM engines `spec-edge build`
+        stale (B > 1: with the graphs of several rows). runtime.backend tensorrt: the Edge-LLM engines `spec-edge build`
         made, served end to end by backends/edgellm.py (the same request -> result calls as this class)."""
         if cfg.runtime.backend == "tensorrt":
             from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
@@ -95,7 +94,7 @@ class Engine:
         graph_dir = export.artifact_dir(cfg, "target")
         progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {graph_dir.parent.parent} "
                  f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
-        graph_dir = target_graphs(cfg, progress)  # every graph of the plan, B=1 rows and rows > 1
+        graph_dir = target_graphs(cfg, progress)  # every graph of the plan, rows = 1 and rows > 1
         started = time.monotonic()
         runner, targets = slotted(cfg, graph_dir, slots)
         engine = cls(cfg, runner, targets, Tokenizer(graph_dir), graph_dir, progress)

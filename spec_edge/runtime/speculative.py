@@ -1,6 +1,6 @@
 """The speculative loop, over slots: up to B requests decode together, one request alone is one
-occupied slot (a B=1 target: backends/slot_views.OneSlot; the batched graphs' static slots:
-backends/ort_batch.BatchRunner). Per slot: draft k, verify k+1 in one target call, accept, correct.
+occupied slot (the target's static slots: backends/ort_runner.OrtRunner; B=1 is a runner of one slot).
+Per slot: draft k, verify k+1 in one target call, accept, correct.
 
 Invariant, per slot: its cache region holds seq[:pos] and seq[pos] (= seq[-1]) is the pending token,
 the last one chosen and not yet fed. A verify feeds [pending, d1..dm] (m <= k) at positions
@@ -14,7 +14,7 @@ Each slot is one request (SlotRequest: every per-request option in one value) wi
 (its own seed), drafter, k, grammar state, position and stats, so a request's output depends only on
 its own logits. One iteration of BatchLoop:
 
-  1. at most one prefill chunk (C tokens, the B=1 prefill graph bound to that slot's region) of the
+  1. at most one prefill chunk (C tokens, the prefill graph bound to that slot's region) of the
      earliest joined slot still prefilling: a joining prompt is fed between the others' decode calls,
      so running streams never wait for a whole prompt;
   2. the decode call(s) of the decoding slots, over exactly those slots (runner.forward(slots, ...):
@@ -42,7 +42,7 @@ once the prompt is in (forget() first without prefix reuse), propose / observe p
 finish() when the request leaves (recording what its cache holds for the slot's next request).
 
 Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
-slot b's region holds (as Runner.held for B=1). add() puts a request into the free slot whose
+slot b's region holds (as Runner.held, base.py). add() puts a request into the free slot whose
 record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
 index) and prefills only from min(common prefix, len(prompt) - 1) on; the record is () while the
 request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
@@ -72,8 +72,8 @@ from typing import Protocol
 import numpy as np
 
 from spec_edge import speculation_policy
-from spec_edge.runtime.backends.base import BackendError, Runner, common_prefix
-from spec_edge.runtime.backends.slot_views import OneSlot, Slotted
+from spec_edge.runtime.backends.base import BackendError, common_prefix
+from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
 from spec_edge.runtime.sampling import (SamplingParams, TokenLogprobs, greedy_accept, probabilities, processed_logits,
                                         sample, speculative_accept, token_logprobs)
@@ -276,7 +276,7 @@ class BatchLoop:
     """B slots over one slotted runner; the caller adds requests and calls iterate() until idle."""
 
     def __init__(self, runner: Slotted, *, k_by_load: Sequence[int] = (), reuse: bool = False):
-        self.step_width = runner.step_width  # 2: q4's two-row step (ort_batch.py)
+        self.step_width = runner.step_width  # 2: q4's two-row step (ort_runner.py)
         runner.check_width(self.step_width)
         self.runner = runner
         self.k_by_load = tuple(k_by_load)
@@ -574,10 +574,13 @@ def generate_all(runner: Slotted, requests: list[SlotRequest], *, join_at: list[
     return results
 
 
-def generate(target: Runner, request: SlotRequest, *, reuse: bool = False) -> tuple[list[int], str, Stats]:
-    """Decode request on a B=1 target: the request as the one occupied slot of the loop
-    (backends/slot_views.OneSlot). Returns (new token ids without EOS, finish_reason in eos | stop |
-    length | context_full | <cancel's reason>, stats). reuse: keep the cache rows the last request
-    left that match a prefix of its prompt."""
-    (result,) = generate_all(OneSlot(target), [request], reuse=reuse)
+def generate(runner: Slotted, request: SlotRequest, *, reuse: bool = False) -> tuple[list[int], str, Stats]:
+    """Decode request alone, in slot 0 of runner (the lowest free slot of a new loop; a drafter made for
+    slot 0 drafts it). Returns (new token ids without EOS, finish_reason in eos | stop | length |
+    context_full | <cancel's reason>, stats). reuse (a runner of one slot): keep the cache rows the last
+    request left that match a prefix of its prompt."""
+    if reuse and runner.batch != 1:
+        raise BackendError(f"generate(reuse=True) runs in slot 0 of a one-slot runner; this one has {runner.batch} "
+                           f"slots (use generate_all)")
+    (result,) = generate_all(runner, [request], reuse=reuse)
     return result

@@ -53,7 +53,7 @@ def _greedy(engine, ids: list[int], max_new: int, drafter=None, k: int = 0) -> t
     from spec_edge.runtime import speculative
 
     started = time.perf_counter()
-    out, _, _ = speculative.generate(engine.target, speculative.SlotRequest(
+    out, _, _ = speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
     return out, len(out) / max(time.perf_counter() - started, 1e-9)
 

@@ -5,7 +5,7 @@ One model for every graphs.batch_slots B (a request alone is one occupied slot).
 interleaved round by round so load changes on the machine hit every shape alike:
 
     c(j, w)   ms of one target call with j rows of width w, j = 1..B, w = the step width (1, or 2 for
-              q4's two-row step) and every k+1 (B = 1: the B=1 graphs' step and verify[k+1])
+              q4's two-row step) and every k+1, on the engine's own runner (ort_runner.OrtRunner)
     c_draft   one draft call (ms): 0 for n-gram lookup and the heads, a step of the draft / layer-skip runner
     P_i       share of verify calls whose draft i was accepted (i = 1..k_max), from decoding the prompt file
               once at k_max (acceptance is a prefix property: the first i positions of a k_max run are what
@@ -203,7 +203,7 @@ def one_row_call(runner, position: int = 256) -> Call:
 
 
 def forward_call(runner, position: int = 128) -> Call:
-    """call(j, width) on a BatchRunner: greedy ids of slots 0..j-1, every slot's cache prefilled to position."""
+    """call(j, width) on an OrtRunner (ort_runner.py): greedy ids of slots 0..j-1, every slot's cache prefilled to position."""
     batch = runner.batch
     position = min(position, runner.max_context - max(runner.widths) - 1)
     runner.held = [()] * batch  # the calls below rewrite every region
@@ -269,10 +269,7 @@ def main(cfg, args, progress) -> int:
     load = machine_load()
     progress(f"[tune] drafter {drafter}, k candidates {ks}, {slots} slot(s), {len(prompts)} prompts; load {load}")
     engine = Engine.from_config(cfg, progress)
-    if slots > 1:  # the engine's own batched runner
-        call, step_width = forward_call(engine.runner), engine.runner.step_width
-    else:
-        call, step_width = one_row_call(engine.target), 1
+    call, step_width = forward_call(engine.runner), engine.runner.step_width  # the engine's own runner
     extra = {}
     if drafter in ("layerskip", "draft"):
         draft_runner = engine.drafter(drafter).runner

@@ -1,6 +1,7 @@
-"""The small interface every backend implements: one model's static graphs around one resident KV cache.
+"""The one-model interface the drafters use: one model's static graphs around one resident KV cache.
 
-A Runner owns the KV cache of one model (target or draft) and the graphs exported for it:
+A Runner is one slot of a model (target or draft): its cache region and the graphs exported for it
+(slot_views.SlotRunner over ort_runner.OrtRunner, whose slotted calls the loop drives; B=1 is slot 0):
   prefill  (1, C)    tokens -> logits of the last real token
   step     (1, 1)    one token -> its logits
   verify   (1, k+1)  k+1 tokens -> logits at every position
@@ -45,7 +46,7 @@ def resident_zeros(shape: tuple[int, ...], dtype=np.float32) -> np.ndarray:
 def prefill_in_chunks(prefill_chunk_at, chunk: int, max_context: int, token_ids: Sequence[int],
                       position: int) -> np.ndarray:
     """All of token_ids at [position, ...) as prefill_chunk_at(part, position) calls of at most `chunk`
-    tokens (the batched runners' prefill of one slot); the last token's logits (V,)."""
+    tokens (a runner's prefill of one slot); the last token's logits (V,)."""
     n_tokens = len(token_ids)
     if n_tokens == 0:
         raise BackendError("prefill needs at least one token")

@@ -1,17 +1,5 @@
-"""ONNX Runtime on the CPU: runs the exported ONNX files as they are (the embedded default backend).
-
-State, allocated once per runner:
-  k_cache, v_cache   (L, Hkv, S, D) float32  resident cache, bound to every session by pointer,
-                                             one view per layer (inputs k_cache_<i>, v_cache_<i>)
-  per graph: tokens (1, T) int64, position (1,), logits (T, V), k_new / v_new (L, Hkv, T, D)
-Inputs and outputs are bound with IO binding to these numpy buffers, so a call copies nothing but
-the new keys/values (T rows per layer) into the cache. Graphs with fused attention (manifest
-"attention": "fused", spec_edge/graphs/ort_attention.py) write those rows themselves: their k_present_<i>
-outputs are bound to the same (1, Hkv, cache_rows, D) views as their k_cache_<i> inputs, and the
-cache has cache_rows = S + prefill chunk rows (room for a padded chunk's padding).
-
-OrtRunner runs a folder's rows=1 graphs (export.graph_plan); the graphs of m > 1 rows beside them run in
-ort_batch.BatchRunner.
+"""ONNX Runtime on the CPU (the embedded default backend): the sessions of a graph folder and the folders
+a config runs (ort_graphs, target_graphs); the runner around them is ort_runner.OrtRunner.
 
 All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
 their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
@@ -31,16 +19,12 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 from spec_edge.config import Config
-from spec_edge.graphs import export, io_names, ort_attention, quantize
-from spec_edge.graphs.export import read_model_config
-from spec_edge.runtime.backends.base import BackendError, Runner
+from spec_edge.graphs import export, ort_attention, quantize
+from spec_edge.runtime.backends.base import BackendError
 
 _POOL_THREADS: int | None = None
 
@@ -201,168 +185,6 @@ def graph_session(graph_dir: Path, stem: str, threads: int = 0, progress: Callab
                            f"{graph_dir.name} again") from err
 
 
-@dataclass
-class _Graph:
-    session: object
-    binding: object
-    tokens: np.ndarray      # (1, T) int64
-    position: np.ndarray    # (1,) int64
-    last_index: np.ndarray | None  # (1,) int64, prefill only
-    logits: np.ndarray      # (T, V) or (1, V) float32
-    k_new: np.ndarray | None  # (L, Hkv, T, D); None for fused attention (the graph writes the cache)
-    v_new: np.ndarray | None
-    hidden: np.ndarray | None = None  # (T, 3 * hidden) EAGLE-3 graphs only
-
-    def run(self) -> None:
-        self.session.run_with_iobinding(self.binding)
-
-
-class OrtRunner(Runner):
-    def __init__(self, graph_dir: str | Path, threads: int = 0, *, _shared_from: "OrtRunner | None" = None,
-                 _n_layers: int | None = None):
-        import onnxruntime as ort
-
-        self.graph_dir = Path(graph_dir)
-        manifest_path = self.graph_dir / "manifest.json"
-        if not manifest_path.is_file():
-            raise BackendError(f"{self.graph_dir} holds no exported model (manifest.json missing): "
-                               f"run `spec-edge export`")
-        self.manifest = json.loads(manifest_path.read_text())
-        self.model_cfg = read_model_config(self.graph_dir)
-        self.max_context = int(self.manifest["max_context"])
-        self.prefill_chunk = int(self.manifest["prefill_chunk"])
-        self.vocab_size = self.model_cfg.vocab_size
-        self.threads = _init_thread_pool(threads)
-        self._ort = ort
-        cfg = self.model_cfg
-        self.fused = self.manifest.get("attention") == "fused"
-        cache_rows = int(self.manifest.get("cache_rows", self.max_context))  # fused: S + prefill chunk
-        if _shared_from is None:
-            self.n_layers = cfg.n_layers
-            shape = (cfg.n_layers, cfg.n_kv_heads, cache_rows, cfg.head_dim)  # (L, Hkv, S [+ C], D)
-            self.k_cache = np.zeros(shape, np.float32)
-            self.v_cache = np.zeros(shape, np.float32)
-            stems = {s: spec for s, spec in self.manifest["graphs"].items()
-                     if spec["kind"] != "layerskip" and spec.get("rows", 1) == 1}
-        else:  # layer-skip: views of the target's first n layers, no copy
-            self.n_layers = _n_layers
-            self.k_cache = _shared_from.k_cache[:_n_layers]
-            self.v_cache = _shared_from.v_cache[:_n_layers]
-            stems = {s: spec for s, spec in self.manifest["graphs"].items()
-                     if spec["kind"] == "layerskip" and spec.get("n_layers") == _n_layers and spec.get("rows", 1) == 1}
-            if not stems:
-                have = sorted({spec.get("n_layers") for spec in self.manifest["graphs"].values()} - {None})
-                raise BackendError(f"no layer-skip graph with {_n_layers} layers was exported (have {have}); "
-                                   f"set graphs.layer_skip_layers={_n_layers} and re-export")
-        self._graphs: dict[int, _Graph] = {}
-        self._prefill: _Graph | None = None
-        # EAGLE-3: the hidden states of every processed position, written like the cache (rows
-        # [position, position + n_valid) per call); None when the graphs were exported without them
-        hidden_layers = {len(spec.get("hidden_layers", ())) for spec in stems.values()}
-        width = max(hidden_layers) * cfg.hidden_size if hidden_layers else 0
-        self.hidden = np.zeros((self.max_context, width), np.float32) if width else None  # (S, 3 * hidden)
-        for stem, spec in stems.items():
-            graph = self._load(stem, spec)
-            if spec["kind"] == "prefill":
-                self._prefill = graph
-            else:
-                self._graphs[spec["width"]] = graph
-        self.widths = frozenset(self._graphs)
-
-    def _load(self, stem: str, spec: dict) -> _Graph:
-        ort = self._ort
-        path = self.graph_dir / f"{stem}.onnx"
-        session = graph_session(self.graph_dir, stem, self.threads)
-        width = spec["width"]
-        cfg = self.model_cfg
-        prefill = spec["kind"] == "prefill"
-        new_shape = (self.n_layers, cfg.n_kv_heads, width, cfg.head_dim)
-        graph = _Graph(
-            session=session, binding=session.io_binding(),
-            tokens=np.zeros((1, width), np.int64), position=np.zeros((1,), np.int64),
-            last_index=np.zeros((1,), np.int64) if prefill else None,
-            logits=np.zeros((1 if prefill else width, cfg.vocab_size), np.float32),
-            k_new=None if self.fused else np.zeros(new_shape, np.float32),
-            v_new=None if self.fused else np.zeros(new_shape, np.float32))
-        if spec.get("hidden_layers"):
-            if self.hidden is None or self.hidden.shape[1] != len(spec["hidden_layers"]) * cfg.hidden_size:
-                raise BackendError(f"{path}: graphs disagree on the hidden states they return: re-export")
-            graph.hidden = np.zeros((width, self.hidden.shape[1]), np.float32)
-        bind = graph.binding
-        value = ort.OrtValue.ortvalue_from_numpy
-        bind.bind_ortvalue_input(io_names.TOKENS, value(graph.tokens))
-        bind.bind_ortvalue_input(io_names.POSITION, value(graph.position))
-        for layer in range(self.n_layers):  # views of the resident cache, one per layer: no copy
-            if self.fused:  # (1, Hkv, cache_rows, D), the same memory in and out: written in place
-                k_layer, v_layer = value(self.k_cache[layer:layer + 1]), value(self.v_cache[layer:layer + 1])
-                bind.bind_ortvalue_output(io_names.k_present(layer), k_layer)
-                bind.bind_ortvalue_output(io_names.v_present(layer), v_layer)
-            else:
-                k_layer, v_layer = value(self.k_cache[layer]), value(self.v_cache[layer])
-            bind.bind_ortvalue_input(io_names.k_cache(layer), k_layer)
-            bind.bind_ortvalue_input(io_names.v_cache(layer), v_layer)
-        if prefill:
-            bind.bind_ortvalue_input(io_names.LAST_INDEX, value(graph.last_index))
-        bind.bind_ortvalue_output(io_names.LOGITS, value(graph.logits))
-        if not self.fused:
-            bind.bind_ortvalue_output(io_names.K_NEW, value(graph.k_new))
-            bind.bind_ortvalue_output(io_names.V_NEW, value(graph.v_new))
-        if graph.hidden is not None:
-            bind.bind_ortvalue_output(io_names.HIDDEN, value(graph.hidden))
-        return graph
-
-    def _write_cache(self, graph: _Graph, position: int, n_valid: int) -> None:
-        if graph.k_new is not None:  # fused attention graphs wrote their rows already
-            self.k_cache[:, :, position:position + n_valid] = graph.k_new[:, :, :n_valid]
-            self.v_cache[:, :, position:position + n_valid] = graph.v_new[:, :, :n_valid]
-        if graph.hidden is not None:
-            self.hidden[position:position + n_valid] = graph.hidden[:n_valid]
-
-    def hidden_states(self, start: int, stop: int) -> np.ndarray:
-        if self.hidden is None:
-            raise BackendError(f"{self.graph_dir} was exported without hidden-state outputs: set "
-                               f"speculative.eagle3_head (or medusa_head / peagle_head) for the drafters that read "
-                               f"the target's hidden states")
-        return self.hidden[start:stop]
-
-    def forward(self, token_ids: Sequence[int], position: int) -> np.ndarray:
-        width = len(token_ids)
-        self.check_width(width)
-        self.check_room(position, width)
-        graph = self._graphs[width]
-        graph.tokens[0, :] = token_ids
-        graph.position[0] = position
-        graph.run()
-        self._write_cache(graph, position, width)
-        return graph.logits
-
-    def prefill(self, token_ids: Sequence[int], position: int) -> np.ndarray:
-        if self._prefill is None:
-            raise BackendError("this runner has no prefill graph")
-        n_tokens = len(token_ids)
-        if n_tokens == 0:
-            raise BackendError("prefill needs at least one token")
-        self.check_room(position, n_tokens)
-        graph, chunk = self._prefill, self.prefill_chunk
-        for start in range(0, n_tokens, chunk):
-            part = token_ids[start:start + chunk]
-            n_valid = len(part)
-            # a short last chunk is padded at the end: causal masking keeps the padding out of the real
-            # rows, and only the n_valid real rows are written to the cache (so padding may pass S)
-            graph.tokens[0, :n_valid] = part
-            graph.tokens[0, n_valid:] = part[-1]
-            graph.position[0] = position + start
-            graph.last_index[0] = n_valid - 1
-            graph.run()
-            self._write_cache(graph, position + start, n_valid)
-        return graph.logits[0]
-
-    def layer_skip(self, n_layers: int) -> "OrtRunner":
-        if not 1 <= n_layers < self.model_cfg.n_layers:
-            raise BackendError(f"layer-skip needs 1 <= n_layers < {self.model_cfg.n_layers}, got {n_layers}")
-        return OrtRunner(self.graph_dir, self.threads, _shared_from=self, _n_layers=n_layers)
-
-
 # ---------------------------------------------------------------------------------------------
 # What a config runs
 
@@ -383,11 +205,7 @@ def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str],
 
 def target_graphs(cfg: Config, progress: Callable[[str], None] = print) -> Path:
     """The target's graph folder ONNX Runtime runs for cfg (exported first where missing: export.export_model,
-    then ort_graphs), for a B=1 runner (OrtRunner) as for B slots (ort_batch.BatchRunner)."""
+    then ort_graphs), for ort_runner.OrtRunner at graphs.batch_slots."""
     exported = export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress)
     return ort_graphs(cfg, "target", exported, progress)
 
-
-def load_runner(cfg: Config, graph_dir: Path) -> Runner:
-    """An ONNX Runtime runner over exported graphs."""
-    return OrtRunner(graph_dir, cfg.runtime.threads)
