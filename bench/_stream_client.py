@@ -2,7 +2,7 @@
 then streams its prompts through the action one after another, each sent as soon as the last answer
 arrives. seconds = null: each prompt once; else the prompts again and again (cycling) until that many
 seconds have passed since start_at, the request in flight finished. Prints one JSON line per answer:
-prompt (index), start_s / done_s (from start_at), ttft_s (first feedback), latency_s, num_tokens,
+prompt (index), start_s / done_s (from start_at), cpu_s (this process's CPU since start_at), ttft_s (first feedback), latency_s, num_tokens,
 success, text, stats. argv[1]: {"index": j, "start_at": t, "seconds": S | null,
 "prompts": [[index, text], ...], "request": {the other request fields}}."""
 import itertools
@@ -23,6 +23,7 @@ def main() -> None:
     try:
         client.wait(300.0)
         time.sleep(max(0.0, job["start_at"] - time.time()))
+        cpu = time.process_time()
         prompts = job["prompts"] if job["seconds"] is None else itertools.cycle(job["prompts"])
         for index, prompt in prompts:
             started = time.time()
@@ -40,7 +41,7 @@ def main() -> None:
             answer = response_to_dict(result)
             print(json.dumps({"prompt": index, "start_s": started - job["start_at"], "done_s": done - job["start_at"],
                               "ttft_s": first[0] if first else done - started, "latency_s": done - started,
-                              "status": status, "num_tokens": answer["num_tokens"], "success": answer["success"],
+                              "cpu_s": time.process_time() - cpu, "status": status, "num_tokens": answer["num_tokens"], "success": answer["success"],
                               "text": answer["text"], "stats": answer["stats"]}, ensure_ascii=False), flush=True)
     finally:
         client.close()

@@ -30,7 +30,8 @@ Then solo: every prompt that was used, alone (one client, one request after anot
 Per N: total tok/s (all tokens / time from the start to the window's or burst's last answer, summed
 over them), tok/s per client (tokens / own latency, queue wait included), TTFT, and how many answers
 equal the same prompt's solo answer token for token (exactness at any occupancy: a difference fails
-the run, exit code 1), the 1-minute load average after each window; each answer (prompt index, tokens,
+the run, exit code 1), per window the 1-minute load average after it and the cores (CPU s / s) the
+node, the client processes and the rest of the machine used from the start to its last answer; each answer (prompt index, tokens,
 latency, TTFT, k, acceptance, prompt rows reused, text) is kept in the JSON. Per node: VmRSS and Pss
 (/proc/<pid>/smaps_rollup, the node process) after each window, the largest kept; ratios of each
 node's N=1 total to the first node's, and of its N-client total to its own N=1 total. Writes JSON, a
@@ -115,28 +116,43 @@ def fields_for(drafter: str) -> dict:
     return {} if drafter == "profile" else {"speculate": False} if drafter == "none" else {"drafter": drafter}
 
 
-def clients(prompts: list[str], queues: list[list[int]], fields: dict, max_new: int,
-            seconds: float | None = None) -> list[dict]:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds used so far by a process (user + system) and by the whole machine (all but idle/iowait)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    machine = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (int(fields[11]) + int(fields[12])) / tick, (sum(machine) - machine[3] - machine[4]) / tick
+
+
+def clients(prompts: list[str], queues: list[list[int]], fields: dict, max_new: int, node: int,
+            seconds: float | None = None) -> tuple[list[dict], dict]:
     """One client process per queue of prompt indices, all starting at one instant, each sending its
-    prompts back to back (once, or cycling until `seconds` after the start): every answer, in client order."""
+    prompts back to back (once, or cycling until `seconds` after the start): every answer, in client order,
+    and the cores used from the start to the last answer by the node (pid), the clients and the rest."""
     start_at = time.time() + 5 + 1.5 * len(queues)  # every process imported rclpy and found the node
     procs = [subprocess.Popen([sys.executable, str(CLIENT), json.dumps(
         {"index": j, "start_at": start_at, "seconds": seconds, "prompts": [[i, prompts[i]] for i in queue],
          "request": dict(max_new_tokens=max_new, temperature=0.0, **fields)})],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for j, queue in enumerate(queues)]
+    time.sleep(max(0.0, start_at - time.time()))
+    node_cpu, machine_cpu = cpu_seconds(node)
     answers = []
-    for proc in procs:
+    for j, proc in enumerate(procs):
         out, err = proc.communicate(timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"client failed: {err[-2000:]}")
-        answers += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        answers += [dict(json.loads(line), client=j) for line in out.splitlines() if line.startswith("{")]
     bad = [a for a in answers if not a["success"]]
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(answers)} requests failed: {bad[0]}")
-    return answers
+    wall = time.time() - start_at
+    node_used, machine_used = (b - a for a, b in zip((node_cpu, machine_cpu), cpu_seconds(node)))
+    client_used = sum(max(a["cpu_s"] for a in answers if a["client"] == j) for j in range(len(queues)))
+    return answers, {"node": node_used / wall, "clients": client_used / wall,
+                     "rest": (machine_used - node_used - client_used) / wall}
 
 
-def row(n: int, windows: list[list[dict]], loads: list[float], solo: dict[int, dict]) -> dict:
+def row(n: int, windows: list[list[dict]], loads: list[dict], solo: dict[int, dict]) -> dict:
     """Per N: windows (or bursts) of answers that started at one instant; each one's time runs from its first
     request's start to its last answer."""
     every = [a for answers in windows for a in answers]
@@ -145,11 +161,17 @@ def row(n: int, windows: list[list[dict]], loads: list[float], solo: dict[int, d
     return {"clients": n, "windows": len(windows), "total_tok_s": sum(a["num_tokens"] for a in every) / makespan,
             "per_client_tok_s": statistics.mean(a["num_tokens"] / a["latency_s"] for a in every),
             "ttft_s": statistics.mean(a["ttft_s"] for a in every), "makespan_s": makespan,
-            "equal_to_solo": equal, "answers": len(every), "loadavg": loads,
+            "equal_to_solo": equal, "answers": len(every), "load": loads,
             "each": [{"prompt": a["prompt"], "tokens": a["num_tokens"], "latency_s": round(a["latency_s"], 3),
                       "ttft_s": round(a["ttft_s"], 3), "done_s": round(a["done_s"], 3), "k": a["stats"]["k"],
                       "acceptance": a["stats"]["acceptance_rate"], "reused": a["stats"]["prompt_tokens_reused"],
                       "text": a["text"]} for a in every]}
+
+
+def load_text(load: list[dict]) -> str:
+    """Each window's load average and cores used (node / clients / rest of the machine)."""
+    return ", ".join(f"{w['loadavg']:.2f} ({w['cores']['node']:.2f}/{w['cores']['clients']:.2f}/"
+                     f"{w['cores']['rest']:.2f})" for w in load)
 
 
 def run_node(code: Path, params: Path, drafters: list[str], counts: list[int], prompts: list[str], args,
@@ -164,28 +186,29 @@ def run_node(code: Path, params: Path, drafters: list[str], counts: list[int], p
     try:
         for drafter in drafters:
             fields = fields_for(drafter)
-            clients(prompts, [[i % len(prompts)] for i in range(max(counts))], fields, 16)  # warm-up: call shapes
+            clients(prompts, [[i % len(prompts)] for i in range(max(counts))], fields, 16, server.pid)  # warm-up
             windows: dict[int, list[list[dict]]] = {n: [] for n in counts}
-            loads: dict[int, list[float]] = {n: [] for n in counts}
+            loads: dict[int, list[dict]] = {n: [] for n in counts}
             for r in range(args.rounds):  # closed loop: N alternating within a round; bursts: N > 1 only
                 for n in counts if args.seconds else counts[1:]:
                     queues = ([[(j + m * n) % len(prompts) for m in range(len(prompts))] for j in range(n)]
                               if args.seconds else [[(r * n + j) % len(prompts)] for j in range(n)])
-                    windows[n].append(clients(prompts, queues, fields, args.max_new_tokens, args.seconds))
-                    loads[n].append(os.getloadavg()[0])
+                    answers, cores = clients(prompts, queues, fields, args.max_new_tokens, server.pid, args.seconds)
+                    windows[n].append(answers)
+                    loads[n].append(dict(loadavg=os.getloadavg()[0], cores=cores))
                     sample()
             used = sorted({a["prompt"] for w in windows.values() for answers in w for a in answers}
                           | (set() if args.seconds else set(range(min(args.rounds, len(prompts))))))
-            solo = {a["prompt"]: a for a in clients(prompts, [used], fields, args.max_new_tokens)}  # one by one
+            answers, cores = clients(prompts, [used], fields, args.max_new_tokens, server.pid)  # one by one
+            solo = {a["prompt"]: a for a in answers}
             if not args.seconds:  # bursts: the solo runs are the N=1 row
-                windows[1], loads[1] = [[solo[i]] for i in used], [os.getloadavg()[0]]
+                windows[1], loads[1] = [[solo[i]] for i in used], [dict(loadavg=os.getloadavg()[0], cores=cores)]
             sample()
             rows[drafter] = {n: row(n, windows[n], loads[n], solo) for n in counts}
             for n, r in sorted(rows[drafter].items()):
                 print(f"[concurrency] {label} {drafter:8s} N={n}: total {r['total_tok_s']:6.1f} tok/s, per client "
                       f"{r['per_client_tok_s']:6.1f}, TTFT {r['ttft_s']:.2f} s, equal to solo {r['equal_to_solo']}/"
-                      f"{r['answers']}, load {' '.join(f'{x:.2f}' for x in r['loadavg'])}", file=sys.stderr,
-                      flush=True)
+                      f"{r['answers']}, load {load_text(r['load'])}", file=sys.stderr, flush=True)
     finally:
         stop(server)
     return {"code": str(code), "params": str(params), "memory": memory, "rows": rows}
@@ -258,8 +281,8 @@ def main() -> int:
             ratios = ", ".join(f"{n} clients {rows[n]['total_tok_s'] / solo:.2f}x" for n in args.clients if n > 1)
             base = first["rows"][drafter][1]["total_tok_s"]
             lines.append(f"  {drafter}: 1 client {solo / base:.3f}x of {first['label']}; of its own 1 client: {ratios}")
-            lines.append(f"  {drafter}: load per window " + "; ".join(
-                f"N={n} " + " ".join(f"{x:.2f}" for x in rows[n]["loadavg"]) for n in args.clients))
+            lines.append(f"  {drafter}: per window load average (cores: node/clients/rest) " + "; ".join(
+                f"N={n} {load_text(rows[n]['load'])}" for n in args.clients))
     text = "\n".join(lines)
     print(text)
     report = {"nodes": nodes, "clients": args.clients, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
