@@ -162,10 +162,10 @@ def row(n: int, windows: list[list[dict]], loads: list[dict], solo: dict[int, di
             "per_client_tok_s": statistics.mean(a["num_tokens"] / a["latency_s"] for a in every),
             "ttft_s": statistics.mean(a["ttft_s"] for a in every), "makespan_s": makespan,
             "equal_to_solo": equal, "answers": len(every), "load": loads,
-            "each": [{"prompt": a["prompt"], "tokens": a["num_tokens"], "latency_s": round(a["latency_s"], 3),
+            "each": [{"window": w, "prompt": a["prompt"], "tokens": a["num_tokens"], "latency_s": round(a["latency_s"], 3),
                       "ttft_s": round(a["ttft_s"], 3), "done_s": round(a["done_s"], 3), "k": a["stats"]["k"],
                       "acceptance": a["stats"]["acceptance_rate"], "reused": a["stats"]["prompt_tokens_reused"],
-                      "text": a["text"]} for a in every]}
+                      "text": a["text"]} for w, answers in enumerate(windows) for a in answers]}
 
 
 def load_text(load: list[dict]) -> str:
