@@ -2,9 +2,9 @@
 then streams its prompts through the action one after another, each sent as soon as the last answer
 arrives. seconds = null: each prompt once; else the prompts again and again (cycling) until that many
 seconds have passed since start_at, the request in flight finished. Prints one JSON line per answer:
-prompt (index), start_s / done_s (from start_at), cpu_s (this process's CPU since start_at), ttft_s (first feedback), latency_s, num_tokens,
-success, text, stats. argv[1]: {"index": j, "start_at": t, "seconds": S | null,
-"prompts": [[index, text], ...], "request": {the other request fields}}."""
+prompt (index), start_s / done_s (from start_at), cpu_s (this process's CPU since start_at), ttft_s
+(first feedback), latency_s, num_tokens, success, text, stats.
+argv[1]: {"index": j, "start_at": t, "seconds": S | null, "prompts": [[index, text], ...], "request": {the other request fields}}."""
 import itertools
 import json
 import sys
@@ -36,12 +36,14 @@ def main() -> None:
                     first.append(time.time() - started)
                 return False
 
-            result, status = client.stream(on_feedback, timeout=900, prompt=prompt, **job["request"])
+            # 120 s: an answer lost between processes (seen once: the client spun for minutes) fails the run
+            result, status = client.stream(on_feedback, timeout=120, prompt=prompt, **job["request"])
             done = time.time()
             answer = response_to_dict(result)
             print(json.dumps({"prompt": index, "start_s": started - job["start_at"], "done_s": done - job["start_at"],
                               "ttft_s": first[0] if first else done - started, "latency_s": done - started,
-                              "cpu_s": time.process_time() - cpu, "status": status, "num_tokens": answer["num_tokens"], "success": answer["success"],
+                              "cpu_s": time.process_time() - cpu, "status": status,
+                              "num_tokens": answer["num_tokens"], "success": answer["success"],
                               "text": answer["text"], "stats": answer["stats"]}, ensure_ascii=False), flush=True)
     finally:
         client.close()

@@ -31,10 +31,10 @@ Per N: total tok/s (all tokens / time from the start to the window's or burst's 
 over them), tok/s per client (tokens / own latency, queue wait included), TTFT, and how many answers
 equal the same prompt's solo answer token for token (exactness at any occupancy: a difference fails
 the run, exit code 1), per window the 1-minute load average after it and the cores (CPU s / s) the
-node, the client processes and the rest of the machine used from the start to its last answer; each answer (prompt index, tokens,
-latency, TTFT, k, acceptance, prompt rows reused, text) is kept in the JSON. Per node: VmRSS and Pss
-(/proc/<pid>/smaps_rollup, the node process) after each window, the largest kept; ratios of each
-node's N=1 total to the first node's, and of its N-client total to its own N=1 total. Writes JSON, a
+node, the client processes and the rest of the machine used from the start to its last answer; each
+answer (window, prompt index, tokens, latency, TTFT, k, acceptance, prompt rows reused, text) is
+kept in the JSON. Per node: VmRSS and Pss (/proc/<pid>/smaps_rollup, the node process) after each
+window, the largest kept; ratios of each node's N=1 total to the first node's, and of its N-client total to its own N=1 total. Writes JSON, a
 table (.txt) and a plot (.png). `spec-edge tune --concurrency-json` reads the first node's rows (its
 `none` and one speculative drafter).
 """
@@ -162,8 +162,9 @@ def row(n: int, windows: list[list[dict]], loads: list[dict], solo: dict[int, di
             "per_client_tok_s": statistics.mean(a["num_tokens"] / a["latency_s"] for a in every),
             "ttft_s": statistics.mean(a["ttft_s"] for a in every), "makespan_s": makespan,
             "equal_to_solo": equal, "answers": len(every), "load": loads,
-            "each": [{"window": w, "prompt": a["prompt"], "tokens": a["num_tokens"], "latency_s": round(a["latency_s"], 3),
-                      "ttft_s": round(a["ttft_s"], 3), "done_s": round(a["done_s"], 3), "k": a["stats"]["k"],
+            "each": [{"window": w, "prompt": a["prompt"], "tokens": a["num_tokens"],
+                      "latency_s": round(a["latency_s"], 3), "ttft_s": round(a["ttft_s"], 3),
+                      "done_s": round(a["done_s"], 3), "k": a["stats"]["k"],
                       "acceptance": a["stats"]["acceptance_rate"], "reused": a["stats"]["prompt_tokens_reused"],
                       "text": a["text"]} for w, answers in enumerate(windows) for a in answers]}
 
