@@ -4,7 +4,8 @@ arrives. seconds = null: each prompt once; else the prompts again and again (cyc
 seconds have passed since start_at, the request in flight finished. Prints one JSON line per answer:
 prompt (index), start_s / done_s (from start_at), cpu_s (this process's CPU since start_at), ttft_s
 (first feedback), latency_s, num_tokens, success, text, stats.
-argv[1]: {"index": j, "start_at": t, "seconds": S | null, "prompts": [[index, text], ...], "request": {the other request fields}}."""
+argv[1]: {"index": j, "start_at": t, "seconds": S | null, "prompts": [[index, text], ...],
+"request": {the other request fields}}."""
 import itertools
 import json
 import sys

@@ -34,9 +34,9 @@ the run, exit code 1), per window the 1-minute load average after it and the cor
 node, the client processes and the rest of the machine used from the start to its last answer; each
 answer (window, prompt index, tokens, latency, TTFT, k, acceptance, prompt rows reused, text) is
 kept in the JSON. Per node: VmRSS and Pss (/proc/<pid>/smaps_rollup, the node process) after each
-window, the largest kept; ratios of each node's N=1 total to the first node's, and of its N-client total to its own N=1 total. Writes JSON, a
-table (.txt) and a plot (.png). `spec-edge tune --concurrency-json` reads the first node's rows (its
-`none` and one speculative drafter).
+window, the largest kept; ratios of each node's N=1 total to the first node's, and of its N-client
+total to its own N=1 total. Writes JSON, a table (.txt) and a plot (.png). `spec-edge tune
+--concurrency-json` reads the first node's rows (its `none` and one speculative drafter).
 """
 from __future__ import annotations
 
