@@ -6,8 +6,9 @@ This is what the CLI and the ROS node use, for every graphs.batch_slots = B. It 
 the chat prompt, and turns tokens into text (streamed, UTF-8 safe, stop strings honoured). It owns one
 loop (runtime/speculative.BatchLoop) over a target of B slots (drafting.slotted: an ort_runner.OrtRunner;
 B=1 is a runner of one slot): start() turns a request into a SlotRequest the caller adds to the loop (the
-node's worker admits requests into free slots and iterates the loop from one thread); generate() is start() and the loop run with that request alone (the CLI's path). Each
-request drafts with its own drafter, made for the slot it takes (runtime/drafting.py).
+node's worker admits requests into free slots and iterates the loop from one thread); generate() is
+start() and the loop run with that request alone (the CLI's path). Each request drafts with its own
+drafter, made for the slot it takes (runtime/drafting.py).
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
 longest prefix of its prompt; warm() prefills the system prompt's chat prefix into every free slot.

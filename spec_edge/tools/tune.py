@@ -203,7 +203,8 @@ def one_row_call(runner, position: int = 256) -> Call:
 
 
 def forward_call(runner, position: int = 128) -> Call:
-    """call(j, width) on an OrtRunner (ort_runner.py): greedy ids of slots 0..j-1, every slot's cache prefilled to position."""
+    """call(j, width) on an OrtRunner (ort_runner.py): greedy ids of slots 0..j-1, every slot's cache
+    prefilled to position."""
     batch = runner.batch
     position = min(position, runner.max_context - max(runner.widths) - 1)
     runner.held = [()] * batch  # the calls below rewrite every region
