@@ -58,7 +58,7 @@ from spec_edge.runtime.serving import chat_text, resolve_fields
 from spec_edge.runtime.speculative import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
-EDGELLM_VERSION = "0.11.0"
+EDGELLM_VERSION = edgellm_layout.EDGELLM_VERSION
 EDGELLM_DRAFTERS = ("none", "eagle3")  # config.BACKEND_DRAFTERS["tensorrt"]
 # Edge-LLM class (or module function) -> the members this module uses on it (enum classes: the values)
 EDGELLM_API: dict[str, tuple[str, ...]] = {
