@@ -36,8 +36,8 @@ from typing import Any
 
 from spec_edge.config import Config, engine_root
 from spec_edge.device import checkpoint, memory, preflight
-from spec_edge.device.edgellm_layout import (FORMAT, MANIFEST, builder_limits, edgellm_version, file_digest,
-                                             folder_digests, identity_config, profile_dir, read_manifest,
+from spec_edge.device.edgellm_layout import (FORMAT, MANIFEST, builder_limits, edgellm_version, engine_record,
+                                             file_digest, folder_digests, identity_config, profile_dir, read_manifest,
                                              require_known_weights, write_manifest)
 from spec_edge.device.profiles import plan_for_config, plan_inputs
 
@@ -271,11 +271,7 @@ def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
                                  f"messages above)")
             st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
             st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
-    head = "engines/eagle3" in limits
-    target = "engines/eagle3" if head else "engines/plain"
-    st.manifest["edgellm"] = {"engine_dir": target, "draft_engine_dir": target if head else None,
-                              "batch_engine_dir": "engines/batch" if "engines/batch" in limits else
-                              (target if st.cfg.graphs.batch_slots > 1 else None)}
+    st.manifest["edgellm"] = engine_record(st.cfg)
     st.manifest["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_manifest(st.dir, st.manifest)
     st.say("engines", f"engines for '{st.cfg.runtime.profile}' in {st.dir} ({MANIFEST})")

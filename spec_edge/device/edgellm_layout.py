@@ -284,6 +284,17 @@ def builder_limits(cfg: Config) -> dict[str, dict[str, dict[str, Any]]]:
     return limits
 
 
+def engine_record(cfg: Config) -> dict[str, str | None]:
+    """The manifest's "edgellm" record once the engines of builder_limits(cfg) are built: engine_dir (the base +
+    draft pair, or the plain engine), draft_engine_dir (the pair's folder, None without a head), batch_engine_dir
+    (the RequestEngine's plain engine when graphs.batch_slots > 1, else None)."""
+    folders = builder_limits(cfg)
+    head = "engines/eagle3" in folders
+    target = "engines/eagle3" if head else "engines/plain"
+    batch = "engines/batch" if "engines/batch" in folders else (target if cfg.graphs.batch_slots > 1 else None)
+    return {"engine_dir": target, "draft_engine_dir": target if head else None, "batch_engine_dir": batch}
+
+
 def builder_config_json(fields: dict[str, Any]) -> dict[str, Any]:
     """The builder_config LLMBuilder writes for an engine built with `fields` (LLMBuilderConfig.toJson: the role
     flags spec_base / spec_draft always, each tree size only in the role that owns it)."""
