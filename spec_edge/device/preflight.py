@@ -158,7 +158,7 @@ def device_findings(cfg: Config, plan: memory.Plan | None) -> list[Finding]:
             facts[key] = value = probe()
             out.append(Finding(name, True, what(value)))
         except _native.NativeRuntimeError as err:
-            out.append(Finding(name, False, f"{err}{' ' + fix if fix else ''}"))
+            out.append(Finding(name, False, f"{err}{'; ' + fix if fix else ''}"))
 
     fact("python", "python_abi", detect._python_abi)
     fact("cpu", "cpu_arch", detect._cpu_arch)
