@@ -41,7 +41,7 @@ for arg in "$@"; do
       [ -x "$qvenv/bin/python" ] || { say "creating $qvenv"; python3 -m venv "$qvenv"; }
       say "installing tensorrt-edgellm[tools]==0.11.0 into $qvenv (ModelOpt, datasets; Edge-LLM's pins)"
       "$qvenv/bin/python" -m pip install --quiet --disable-pip-version-check "tensorrt-edgellm[tools]==0.11.0"
-      say "quantize environment ready: $qvenv/bin/python (spec-edge build finds it; or set SPEC_EDGE_QUANTIZE_PYTHON)" ;;
+      say "quantize environment ready: $qvenv/bin/python (spec-edge build finds it; SPEC_EDGE_QUANTIZE_PYTHON wins)" ;;
     *) say "unknown option $arg (--ros, --thor-quantize)"; exit 2 ;;
   esac
 done

@@ -117,7 +117,8 @@ def test_draft_and_verify_room_for_every_k_and_the_tree(path, tmp_path):
     root = _write(cfg, tmp_path)
     base = layout.read_builder_config(root / "engines/eagle3", "base")
     draft = layout.read_builder_config(root / "engines/eagle3", "draft")
-    default = layout.EagleTree(engine._DEFAULT_DRAFT_TOP_K, engine._DEFAULT_DRAFT_STEP, engine._DEFAULT_VERIFY_TREE_SIZE)
+    default = layout.EagleTree(engine._DEFAULT_DRAFT_TOP_K, engine._DEFAULT_DRAFT_STEP,
+                               engine._DEFAULT_VERIFY_TREE_SIZE)
     assert default == layout.DEFAULT_TREE
     trees = [layout.EagleTree(1, k, k + 1) for k in cfg.graphs.k_values] + [default]
     k = cfg.speculative.k

@@ -10,7 +10,8 @@ accessor the runtime calls: engine_dirs(cfg).
         onnx/draft/llm/                        the head's export
         onnx/batch/llm/                        batch_slots > 1 with a head: the plain target RequestEngine runs
         engines/eagle3/                        LLMBuilder's EAGLE-3 pair in one folder, as LLMRuntime reads it:
-                                                 spec_base.engine + base_config.json, spec_draft.engine + draft_config.json
+                                                 spec_base.engine + base_config.json,
+                                                 spec_draft.engine + draft_config.json
         engines/plain/, engines/batch/         a plain engine: llm.engine + config.json (batch: the RequestEngine's)
         manifest.json                          written after every stage (below)
 
@@ -186,7 +187,8 @@ def _built(cfg: Config, manifest: dict[str, Any]) -> dict[str, Path]:
         if rel is None:
             continue
         path = profile_dir(cfg) / rel
-        missing = [ENGINE_FILE[role] for role in ENGINE_FOLDERS.get(rel, ()) if not (path / ENGINE_FILE[role]).is_file()]
+        missing = [ENGINE_FILE[role] for role in ENGINE_FOLDERS.get(rel, ())
+                   if not (path / ENGINE_FILE[role]).is_file()]
         if rel not in ENGINE_FOLDERS or missing:
             raise ManifestError(f"engine directory {path} lacks {', '.join(missing) or 'its engines'}: rebuild with "
                                 f"`{rebuild_command(cfg, manifest)}`")
@@ -332,5 +334,5 @@ def read_builder_config(engine_dir: Path, role: str) -> dict[str, Any]:
         return found
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ManifestError(f"{path} holds no {BUILDER_CONFIG} ({type(err).__name__}: {err}): the engine folder was "
-                            f"not written by LLMBuilder; rebuild the engines with `spec-edge build <profile> --force`") \
-            from None
+                            f"not written by LLMBuilder; rebuild the engines with "
+                            f"`spec-edge build <profile> --force`") from None

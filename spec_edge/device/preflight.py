@@ -100,7 +100,8 @@ def write_calibration(out: Path, lines_per_text: int = 16) -> Path:
 
 def _modules_in(python: str, names: tuple[str, ...]) -> dict[str, bool] | None:
     """name -> importable in interpreter `python` (found, not imported); None when it does not run."""
-    probe = "import importlib.util as u, json, sys; print(json.dumps({n: u.find_spec(n) is not None for n in sys.argv[1:]}))"
+    probe = ("import importlib.util as u, json, sys; "
+             "print(json.dumps({n: u.find_spec(n) is not None for n in sys.argv[1:]}))")
     if python == sys.executable:
         import importlib.util
 

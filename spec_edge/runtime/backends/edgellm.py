@@ -134,7 +134,8 @@ def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
         tree = None
         if draft_dir is not None:
             tree = edgellm_layout.eagle3_tree(cfg)
-            problems = edgellm_layout.tree_problems(tree, limits, edgellm_layout.read_builder_config(draft_dir, "draft"))
+            draft = edgellm_layout.read_builder_config(draft_dir, "draft")
+            problems = edgellm_layout.tree_problems(tree, limits, draft)
             if problems:
                 raise BackendError(f"the engines in {engine_dir} cannot draft {tree} (speculative.k / eagle3_tree): "
                                    + "; ".join(problems) + f": {build}, or change speculative.eagle3_tree")
