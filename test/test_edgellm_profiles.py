@@ -10,12 +10,13 @@ the same profile with graphs.weights fp32 is then exported (once per distinct ex
 batch engine)."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from spec_edge.config import load
-from spec_edge.device import edgellm_build, edgellm_layout, memory
+from spec_edge.device import edgellm_build, edgellm_layout, memory, preflight
 from spec_edge.device.profiles import plan_for_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +69,8 @@ EXPORTED: set[tuple] = set()
 
 
 @pytest.mark.parametrize("path", THOR, ids=[p.stem for p in THOR])
-def test_thor_profile_export_only_on_stand_ins(path, stand_ins):
+def test_thor_profile_export_only_on_stand_ins(path, stand_ins, monkeypatch):
+    monkeypatch.setenv(preflight.QUANTIZE_PYTHON_ENV, sys.executable)  # quantize here, not in a .venv-quantize
     cfg = stand_in_config(path, stand_ins)
     assert memory.check(plan_for_config(cfg)).fits
     lines: list[str] = []
