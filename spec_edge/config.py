@@ -133,6 +133,10 @@ class SpeculativeSection:
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
     eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3 or hybrid
+    # runtime.backend tensorrt: the EAGLE-3 tree Edge-LLM drafts, [top_k, steps, verify_size] (its draft_top_k,
+    # draft_step, verify_tree_size; steps = speculative.k); empty: the chain of k ([1, k, k + 1]). The engines
+    # are built with room for Edge-LLM's default tree (device/edgellm_layout.py), so a tree runs without a rebuild.
+    eagle3_tree: tuple[int, ...] = ()
     medusa_head: str = ""   # folder of Medusa heads for drafter=medusa (k <= its head count)
     peagle_head: str = ""   # folder of a parallel-drafting (P-EAGLE) head for drafter=peagle
     forced_drafts: bool = True  # guided decoding: the tokens a grammar forces are the draft (free,
@@ -403,6 +407,13 @@ def validate(cfg: Config) -> None:
         if s.drafter == name and not getattr(s, field_name):
             raise ConfigError(f"speculative.drafter={name} needs speculative.{field_name}: the head folder "
                               f"(e.g. one made by `spec-edge train-draft --kind {name}`)")
+    if s.eagle3_tree:
+        if cfg.runtime.backend != "tensorrt" or s.drafter != "eagle3":
+            raise ConfigError("speculative.eagle3_tree is Edge-LLM's EAGLE-3 tree: it needs runtime.backend: tensorrt "
+                              "and speculative.drafter: eagle3 (leave it empty: [])")
+        if len(s.eagle3_tree) != 3 or min(s.eagle3_tree) < 1 or s.eagle3_tree[1] != s.k:
+            raise ConfigError(f"speculative.eagle3_tree must be [top_k, steps, verify_size] with steps = speculative.k "
+                              f"= {s.k} and every value >= 1, got {list(s.eagle3_tree)}")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
     if problem := sampling_problem(p, "sampling."):

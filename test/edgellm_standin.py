@@ -5,7 +5,9 @@ nothing else; a call is checked against the real pybind11 signatures (positional
 required parameters) and raises TypeError as the binding would; a read-only property cannot be set.
 
 Behaviour is scripted per test: Script.reply(call) -> Reply (the token ids to stream, the finish reason,
-the speculative counters one request adds), Script.count(text) -> the runtime's token count of a prompt.
+the speculative counters one request adds; for RequestEngine a request that retires without reaching the
+runtime, or a producer deaf to cancel), Script.count(text) -> the runtime's token count of a prompt.
+RequestHandle.ready() turns true when the request is terminal, as the binding documents it.
 Every LLMRuntime / RequestEngine made is recorded on the script (constructor args, requests handled).
 """
 from __future__ import annotations
@@ -28,6 +30,8 @@ class Reply:
     spec: tuple[int, int, int] = (0, 0, 0)   # (iterations, proposed, accepted) this request adds
     reused: int = 0                          # prefill tokens reused from the context cache
     fail: str = ""                           # handle_request raises RuntimeError(fail)
+    retire: bool = False                     # RequestEngine: terminal (ready) without a chunk on its channel
+    deaf: bool = False                       # a cancel ends the production with no final chunk, never terminal
 
 
 @dataclass
@@ -132,9 +136,9 @@ def build(script: Script) -> types.ModuleType:
     def cancel_channel(self):
         self._cancelled = True
 
-    def serve(runtime, call):
+    def serve(runtime, call, reply=None):
         script.calls.append(call)
-        reply = script.reply(call)
+        reply = reply or script.reply(call)
         if reply.fail:
             raise RuntimeError(reply.fail)
         channel = call.stream_channels[0]
@@ -142,8 +146,9 @@ def build(script: Script) -> types.ModuleType:
             if script.pause is not None:
                 script.pause.wait()
             if channel._cancelled:
-                push(channel, [], True, mod.FinishReason.CANCELLED)
-                return
+                if not reply.deaf:
+                    push(channel, [], True, mod.FinishReason.CANCELLED)
+                return reply
             push(channel, [token], False, mod.FinishReason.NOT_FINISHED)
         push(channel, [], True, getattr(mod.FinishReason, reply.reason))
         spec = runtime._spec
@@ -151,6 +156,7 @@ def build(script: Script) -> types.ModuleType:
                      total_proposed_draft_tokens=spec.total_proposed_draft_tokens + reply.spec[1],
                      total_accepted_draft_tokens=spec.total_accepted_draft_tokens + reply.spec[2])
         set_internal(runtime._prefill, reused_tokens=runtime._prefill.reused_tokens + reply.reused)
+        return reply
 
     def runtime_init(self, *args, **kwargs):
         spec, prefill = object.__new__(mod.SpecDecodeGenerationMetrics), object.__new__(mod.LLMPrefillMetrics)
@@ -164,9 +170,18 @@ def build(script: Script) -> types.ModuleType:
 
     def submit(self, call):
         handle = object.__new__(mod.RequestHandle)
-        set_internal(handle, _channel=call.stream_channels[0])
-        thread = threading.Thread(target=serve, args=(self, call), daemon=True)
-        thread.start()
+        set_internal(handle, _channel=call.stream_channels[0], _ready=False)
+
+        def run():
+            reply = script.reply(call)
+            if reply.retire:
+                script.calls.append(call)
+            else:
+                serve(self, call, reply)
+                if reply.deaf and handle._channel._cancelled:
+                    return  # never terminal
+            set_internal(handle, _ready=True)
+        threading.Thread(target=run, daemon=True).start()
         return handle
 
     def message(role, text):
@@ -192,7 +207,8 @@ def build(script: Script) -> types.ModuleType:
                        "get_prefill_metrics": lambda self: self._prefill},
         "RequestEngine": {"__init__": runtime_init, "submit": submit, "count_prompt_tokens": count,
                           "shutdown": lambda self, mode=None: set_internal(self, _shutdown=mode)},
-        "RequestHandle": {"stream": lambda self: self._channel, "cancel": lambda self: cancel_channel(self._channel)},
+        "RequestHandle": {"stream": lambda self: self._channel, "cancel": lambda self: cancel_channel(self._channel),
+                          "ready": lambda self: self._ready},
         "GuidedDecodingParams": {"__init__": guided_init},
         "Request": {"__init__": request_init},
         "MessageContent": {"__init__": content_init},

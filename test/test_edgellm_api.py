@@ -9,8 +9,8 @@ expression -> the Edge-LLM class it holds), by an AST walk of its source (proble
   - every attribute used on a receiver exists on its class and is listed; an assigned one is a settable
     property; a property is never called;
   - every EDGELLM_API entry exists in the binary (member, or enum value).
-The build's engine stage (device/edgellm_build.py: LLMBuilder, the LLMBuilderConfig fields of every tensorrt
-profile) is checked against the same surface.
+The build's engine stage (device/edgellm_build.py: LLMBuilder; edgellm_layout.builder_limits: the LLMBuilderConfig
+fields of every tensorrt profile) is checked against the same surface.
 The committed snapshot the stand-in is built from (fixtures/edgellm_api.json) equals the live binary, and the
 checker reports a wrong name / keyword / read-only assignment in a deliberately wrong snippet.
 Skipped only when the wheel is not installed (scripts/setup.sh installs it).
@@ -212,10 +212,10 @@ def test_the_checker_fails_on_wrong_names_and_keywords(live):
 
 def test_the_build_stage_uses_only_what_the_binary_has(live):
     """spec-edge build's engine stage (device/edgellm_build.py): LLMBuilderConfig() takes no argument, every field
-    builder_limits() sets, for every tensorrt profile in config/, is a settable property of it, and
+    edgellm_layout.builder_limits() sets, for every tensorrt profile in config/, is a settable property of it, and
     LLMBuilder(onnx_dir, engine_dir, config).build() matches the real signatures."""
     from spec_edge.config import load
-    from spec_edge.device.edgellm_build import builder_limits
+    from spec_edge.device.edgellm_layout import builder_limits
 
     api = live
     assert accepts(callable_signatures(api, "LLMBuilderConfig", None)[0], 0, set())
@@ -225,7 +225,8 @@ def test_the_build_stage_uses_only_what_the_binary_has(live):
     profiles = [cfg for cfg in map(load, sorted((ROOT / "config").glob("*.yaml"))) if cfg.runtime.backend == "tensorrt"]
     assert len(profiles) >= 6
     for cfg in profiles:
-        for role, values in builder_limits(cfg).items():
-            for name in values:
-                assert fields.get(name, {}).get("kind") == "property" and fields[name]["settable"], \
-                    f"{cfg.runtime.profile} {role}: LLMBuilderConfig.{name} is not a settable field of the binary"
+        for folder, roles in builder_limits(cfg).items():
+            for role, values in roles.items():
+                for name in values:
+                    assert fields.get(name, {}).get("kind") == "property" and fields[name]["settable"], \
+                        f"{cfg.runtime.profile} {folder} {role}: LLMBuilderConfig.{name} is not a settable field"

@@ -107,15 +107,19 @@ def test_engine_dirs_refuse_export_only_and_other_versions(exported):
         edgellm_layout.check_manifest(cfg, dict(manifest, fingerprints=dict(manifest["fingerprints"], eagle3="0" * 16)))
     with pytest.raises(edgellm_layout.ManifestError, match="graphs.max_context: built for 1024, config says 2048"):
         edgellm_layout.check_manifest(cfg.replace(**{"graphs.max_context": 2048}), manifest)
-    # a built profile: the engine dirs the runtime gets, relative to the profile dir in the manifest
+    # a built profile (every file edgellm_layout says the engine stage leaves): the engine dirs the runtime gets,
+    # relative to the profile dir in the manifest; one without its draft engine is refused
+    for rel, content in edgellm_layout.engine_files(cfg).items():
+        (profile / rel).parent.mkdir(parents=True, exist_ok=True)
+        (profile / rel).write_text(json.dumps(content) if content is not None else "stand-in")
+    edgellm_layout.write_manifest(profile, dict(manifest, edgellm=edgellm_layout.engine_record(cfg)))
     engines = profile / "engines" / "eagle3"
-    engines.mkdir(parents=True, exist_ok=True)
-    (engines / "spec_base.engine").write_bytes(b"stand-in")
-    edgellm_layout.write_manifest(profile, dict(manifest, edgellm={
-        "engine_dir": "engines/eagle3", "draft_engine_dir": "engines/eagle3", "batch_engine_dir": None}))
     try:
         assert edgellm_layout.engine_dirs(cfg) == (engines, engines)
         assert edgellm_layout.batch_engine_dir(cfg) is None
+        (engines / "spec_draft.engine").unlink()
+        with pytest.raises(edgellm_layout.ManifestError, match="lacks spec_draft.engine: rebuild"):
+            edgellm_layout.engine_dirs(cfg)
     finally:
         edgellm_layout.write_manifest(profile, manifest)
         shutil.rmtree(profile / "engines")

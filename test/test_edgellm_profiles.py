@@ -4,18 +4,19 @@ Qwen3-style one (q/k norms) saved as a Hugging Face folder, and a tiny EAGLE-3 h
 layout (no layer ids, no rope_theta) where the profile has one. A profile whose dtype or options cannot be
 exported fails here, not on the robot.
 
-tensorrt-edgellm-quantize needs NVIDIA ModelOpt and calibration data (a GPU job): where graphs.weights asks
-for it, the build must stop at the quantize stage with the message a user acts on, after the stages before it
-ran; the same profile with graphs.weights fp32 is then exported (once per distinct export: target family, head,
+tensorrt-edgellm-quantize needs NVIDIA ModelOpt, `datasets` and calibration data: where graphs.weights asks for
+it and they are missing, the build's preflight stops it before any stage runs, with the message a user acts on;
+the same profile with graphs.weights fp32 is then exported (once per distinct export: target family, head,
 batch engine)."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from spec_edge.config import load
-from spec_edge.device import edgellm_build, edgellm_layout, memory
+from spec_edge.device import edgellm_build, edgellm_layout, memory, preflight
 from spec_edge.device.profiles import plan_for_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,16 +69,17 @@ EXPORTED: set[tuple] = set()
 
 
 @pytest.mark.parametrize("path", THOR, ids=[p.stem for p in THOR])
-def test_thor_profile_export_only_on_stand_ins(path, stand_ins):
+def test_thor_profile_export_only_on_stand_ins(path, stand_ins, monkeypatch):
+    monkeypatch.setenv(preflight.QUANTIZE_PYTHON_ENV, sys.executable)  # quantize here, not in a .venv-quantize
     cfg = stand_in_config(path, stand_ins)
     assert memory.check(plan_for_config(cfg)).fits
     lines: list[str] = []
     if cfg.graphs.weights != "fp32" and importlib.util.find_spec("modelopt") is None:
-        with pytest.raises(edgellm_build.BuildError, match=f"graphs.weights={cfg.graphs.weights} needs calibration "
-                                                           f"by tensorrt-edgellm-quantize.*already quantized"):
+        with pytest.raises(edgellm_build.BuildError, match=r"(?s)preflight: .*MISSING modelopt: .*--thor-quantize.*"
+                                                           rf"already quantized as {cfg.graphs.weights}.*nothing was "
+                                                           r"converted or exported"):
             edgellm_build.build(cfg, str(path), export_only=True, progress=lines.append)
-        manifest = edgellm_layout.read_manifest(edgellm_layout.profile_dir(cfg))
-        assert ("head" in manifest["stages"]) == (cfg.speculative.drafter == "eagle3")
+        assert edgellm_layout.read_manifest(edgellm_layout.profile_dir(cfg)) is None  # stopped before any stage
         cfg = cfg.replace(**{"graphs.weights": "fp32"})
     shape = (Path(cfg.model.target).name, cfg.speculative.drafter, cfg.graphs.batch_slots > 1)
     if shape in EXPORTED:
@@ -96,10 +98,11 @@ def test_thor_profile_export_only_on_stand_ins(path, stand_ins):
     target = json.loads((onnx_dir / "target" / "llm" / "config.json").read_text())
     assert target["spec_decode_type"] == ("eagle3" if "draft" in roles else "none")  # the head-less path
     assert ("head" in manifest["stages"]) == ("export_draft" in manifest["stages"]) == ("draft" in roles)
-    limits = edgellm_build.builder_limits(cfg)
-    assert limits["target"]["max_input_len"] == cfg.graphs.max_context
-    if "draft" in roles:
-        assert limits["draft"]["max_draft_tree_size"] == max(cfg.graphs.k_values)
-        assert limits["target"]["max_verify_tree_size"] == max(cfg.graphs.k_values) + 1
+    limits = edgellm_layout.builder_limits(cfg)
+    folder = limits["engines/eagle3" if "draft" in roles else "engines/plain"]
+    assert all(fields["max_input_len"] == cfg.graphs.max_context for fields in folder.values())
+    if "draft" in roles:  # every k's accept-token step (k + 1) and Edge-LLM's default tree (test_edgellm_layout.py)
+        assert folder["draft"]["max_draft_tree_size"] >= max(cfg.graphs.k_values) + 1
+        assert folder["base"]["max_verify_tree_size"] >= max(cfg.graphs.k_values) + 1
     else:
-        assert limits["target"]["max_batch_size"] == cfg.graphs.batch_slots
+        assert folder["llm"]["max_batch_size"] == cfg.graphs.batch_slots

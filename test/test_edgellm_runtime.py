@@ -1,14 +1,18 @@
 """runtime.backend tensorrt at the adapter boundary (backends/edgellm.py): the request contract mapped onto
 Edge-LLM's LLMRuntime / RequestEngine, against a stand-in generated from the real binary's signatures
 (edgellm_standin.py: a wrong keyword or a read-only assignment raises as the binding would), with the
-runtime's behaviour scripted per test. The engine folder is laid out as Edge-LLM's export leaves it: the
-tiny model's tokenizer with the chat template moved to chat_template.jinja by tensorrt_edgellm's own
-write_chat_template."""
+runtime's behaviour scripted per test. The engine folder is every file device/edgellm_layout.py says the
+engine stage leaves (engine_files: Edge-LLM's names, its builder_config; test_edgellm_layout.py reads such
+folders back with the wheel's own readers), the configs on top of the tiny model's config.json, with the
+tokenizer and the chat template moved to chat_template.jinja by tensorrt_edgellm's own write_chat_template
+where LLMBuilder copies them (every engine but the draft)."""
 from __future__ import annotations
 
 import json
 import shutil
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -16,43 +20,40 @@ from edgellm_standin import Reply, Script, build
 from spec_edge.config import ConfigError
 from spec_edge.device import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
+from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
-MAX_INPUT, CAPACITY = 96, 128
+CAPACITY = 128  # graphs.max_context of tiny_cfg: max_input_len = max_kv_cache_capacity of every engine
+
+
+def write_engine_folders(cfg, model_dir) -> None:
+    """What `spec-edge build` leaves for cfg (edgellm_layout.engine_files + engine_record in the manifest); the
+    engine files are empty (the stand-in runtime reads none)."""
+    from tensorrt_edgellm.chat_template import write_chat_template
+
+    profile = layout.profile_dir(cfg)
+    model_config = json.loads((model_dir / "config.json").read_text())
+    for rel, content in layout.engine_files(cfg).items():
+        path = profile / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content is None:
+            path.touch()
+            continue
+        path.write_text(json.dumps({**model_config, **content}))
+        if content["engine_role"] != "draft":
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy(model_dir / name, path.parent / name)
+            write_chat_template(str(model_dir), str(path.parent))
+            assert "chat_template" not in json.loads((path.parent / "tokenizer_config.json").read_text())
+    layout.write_manifest(profile, {
+        "format": layout.FORMAT, "tensorrt_edgellm": layout.edgellm_version(), "profile": cfg.runtime.profile,
+        "config": layout.identity_config(cfg), "fingerprints": {}, "edgellm": layout.engine_record(cfg)})
 
 
 @pytest.fixture(scope="module")
-def profile_root(tiny_models, tmp_path_factory):
-    """<engines>/edge/engines/eagle3/: the engine folder `spec-edge build` records (the target and draft engines
-    side by side, as Edge-LLM's LLMRuntime reads them; the files are empty: the stand-in runtime reads none)."""
-    from tensorrt_edgellm.chat_template import write_chat_template
-
-    root = tmp_path_factory.mktemp("edgellm_engines")
-    profile = root / "edge"
-    target = profile / "engines" / "eagle3"
-    target.mkdir(parents=True)
-    for name in ("spec_base.engine", "eagle_draft.engine"):
-        (target / name).touch()
-    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
-        shutil.copy(tiny_models["target"] / name, target / name)
-    write_chat_template(str(tiny_models["target"]), str(target))
-    assert "chat_template" not in json.loads((target / "tokenizer_config.json").read_text())
-    config = json.loads((target / "config.json").read_text())
-    config["builder_config"] = {"max_input_len": MAX_INPUT, "max_kv_cache_capacity": CAPACITY}
-    (target / "config.json").write_text(json.dumps(config))
-    return root
-
-
-def _write_manifest(cfg) -> None:
-    """The manifest `spec-edge build` writes once the engines are built (device/edgellm_layout.py), for cfg."""
-    folder = "engines/eagle3"
-    layout.write_manifest(layout.profile_dir(cfg), {
-        "format": layout.FORMAT, "tensorrt_edgellm": layout.edgellm_version(), "profile": cfg.runtime.profile,
-        "config": layout.identity_config(cfg), "fingerprints": {},
-        "edgellm": {"engine_dir": folder, "draft_engine_dir": folder if cfg.speculative.drafter == "eagle3" else None,
-                    "batch_engine_dir": folder if cfg.graphs.batch_slots > 1 else None}})
+def profile_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("edgellm_engines")
 
 
 @pytest.fixture
@@ -63,19 +64,19 @@ def edge_cfg(tiny_cfg, profile_root):
                                "speculative.eagle3_head": "head", "model.draft": ""})
 
 
-def _tokenizer(profile_root) -> Tokenizer:
-    return Tokenizer(profile_root / "edge" / "engines" / "eagle3")
+def _tokenizer(tiny_models) -> Tokenizer:
+    return Tokenizer(tiny_models["target"])
 
 
 @pytest.fixture
-def script(profile_root):
-    tok = _tokenizer(profile_root)
+def script(tiny_models):
+    tok = _tokenizer(tiny_models)
     return Script(reply=lambda call: Reply(tok.encode(" hello world")), count=lambda text: len(tok.encode(text)))
 
 
 def _engine(cfg, script, **changes) -> EdgeLLMEngine:
     cfg = cfg.replace(**changes) if changes else cfg
-    _write_manifest(cfg)
+    write_engine_folders(cfg, Path(cfg.model.target))
     return EdgeLLMEngine.from_config(cfg, progress=lambda _m: None, native=build(script))
 
 
@@ -170,8 +171,8 @@ def test_drafters_other_than_eagle3_and_none_are_refused_at_configure(edge_cfg):
         edge_cfg.replace(**{"sampling.repetition_penalty": 1.2})
 
 
-def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, profile_root):
-    tok = _tokenizer(profile_root)
+def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, tiny_models):
+    tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script)
     script.reply = lambda call: Reply(tok.encode(" one two END three"), reason="STOP_WORDS")
     pieces = []
@@ -198,8 +199,8 @@ def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, profile_root
     assert result.finish_reason == "error" and "CUDA error 700" in result.message
 
 
-def test_cancel_stops_the_request_with_the_callers_reason(edge_cfg, script, profile_root):
-    tok = _tokenizer(profile_root)
+def test_cancel_stops_the_request_with_the_callers_reason(edge_cfg, script, tiny_models):
+    tok = _tokenizer(tiny_models)
     script.reply = lambda call: Reply(tok.encode(" a b c d e f g h"))
     script.pause = threading.Event()  # the runtime produces nothing until cancel() has been asked
     engine = _engine(edge_cfg, script)
@@ -211,8 +212,8 @@ def test_cancel_stops_the_request_with_the_callers_reason(edge_cfg, script, prof
     assert result.finish_reason == "timeout" and script.calls[-1].stream_channels[0].is_cancelled()
 
 
-def test_stats_are_what_the_runtime_reports(edge_cfg, script, profile_root):
-    tok = _tokenizer(profile_root)
+def test_stats_are_what_the_runtime_reports(edge_cfg, script, tiny_models):
+    tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script)
     ids = tok.encode(" the dock is left")
     script.reply = lambda call: Reply(ids, spec=(3, 12, 7), reused=5)
@@ -231,8 +232,8 @@ def test_stats_are_what_the_runtime_reports(edge_cfg, script, profile_root):
     assert busy.stats.drafter == "none"
 
 
-def test_batch_slots_use_the_request_engine_without_speculation(edge_cfg, script, profile_root):
-    tok = _tokenizer(profile_root)
+def test_batch_slots_use_the_request_engine_without_speculation(edge_cfg, script, tiny_models):
+    tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script, **{"graphs.batch_slots": 3})
     [batcher] = script.runtimes
     assert type(batcher).__name__ == "RequestEngine" and batcher._kwargs["max_batch_size"] == 3
@@ -272,7 +273,7 @@ def test_missing_or_stale_build_names_the_command(edge_cfg, script, tmp_path):
     with pytest.raises(BackendError, match="spec-edge build"):
         EdgeLLMEngine.from_config(edge_cfg.replace(**{"runtime.engine_dir": str(tmp_path)}), progress=lambda _m: None,
                                   native=build(script))
-    _write_manifest(edge_cfg)
+    write_engine_folders(edge_cfg, Path(edge_cfg.model.target))
     other_k = edge_cfg.replace(**{"graphs.k_values": [2], "speculative.k": 2})  # built for another config
     with pytest.raises(BackendError, match="different config.*spec-edge build"):
         EdgeLLMEngine.from_config(other_k, progress=lambda _m: None, native=build(script))
@@ -283,6 +284,54 @@ def test_engine_from_config_serves_tensorrt_through_edgellm(edge_cfg):
     machine (no Jetson / GPU) has no payload for: a BackendError that says so, not a TensorRT import."""
     from spec_edge.runtime.engine import Engine
 
-    _write_manifest(edge_cfg)
+    write_engine_folders(edge_cfg, Path(edge_cfg.model.target))
     with pytest.raises(BackendError, match="cannot load its native runtime|tensorrt-edgellm"):
         Engine.from_config(edge_cfg, progress=lambda _m: None)
+
+
+def test_batched_request_retired_without_a_chunk_ends_with_an_error(edge_cfg, script):
+    """RequestEngine: a request whose handle turns terminal (ready) while its channel stays silent (it retired
+    without reaching the runtime) ends with finish_reason error, at once, not by a transport timeout."""
+    engine = _engine(edge_cfg, script, **{"graphs.batch_slots": 2})
+    script.reply = lambda call: Reply([], retire=True)
+    started = time.monotonic()
+    result = engine.generate(GenerateRequest(prompt="a"))
+    assert result.finish_reason == "error" and "without a final chunk" in result.message
+    assert time.monotonic() - started < 1.0
+    engine.close()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_cancel_ends_a_request_within_a_second_even_when_the_producer_is_deaf(edge_cfg, script, tiny_models, slots):
+    """A cancel ends the request within 1 s with the caller's reason: on RequestEngine even when no final chunk
+    comes and the handle never turns terminal (CANCEL_GRACE_S); on LLMRuntime the channel's cancel ends it."""
+    tok = _tokenizer(tiny_models)
+    engine = _engine(edge_cfg, script, **{"graphs.batch_slots": slots})
+    script.pause = threading.Event()
+    script.reply = lambda call: Reply(tok.encode(" a b c d e f g h"), deaf=slots > 1)
+    asked = []
+
+    def cancel():
+        if not asked:
+            asked.append(time.monotonic())
+        script.pause.set()
+        return "timeout"
+    result = engine.generate(GenerateRequest(prompt="a"), cancel=cancel)
+    assert result.finish_reason == "timeout"
+    assert time.monotonic() - asked[0] < 1.0 and CANCEL_GRACE_S < 1.0
+    assert script.calls[-1].stream_channels[0].is_cancelled()
+    engine.close()
+
+
+def test_an_eagle3_tree_is_served_by_the_engines_built_for_the_chain(edge_cfg, script):
+    """speculative.eagle3_tree runs on the engines built without it (room for Edge-LLM's default tree):
+    LLMRuntime gets the tree; a tree wider than the built engines is refused at load, naming the rebuild."""
+    _engine(edge_cfg, script)  # built for the chain of k (k_values of tiny_cfg)
+    tree = edge_cfg.replace(**{"speculative.eagle3_tree": [10, 4, 40]})
+    EdgeLLMEngine.from_config(tree, progress=lambda _m: None, native=build(script))  # no rebuild
+    runtime = script.runtimes[-1]
+    assert (runtime._kwargs["draft_top_k"], runtime._kwargs["draft_step"], runtime._kwargs["verify_tree_size"]) == \
+        (10, 4, 40)
+    wide = edge_cfg.replace(**{"speculative.eagle3_tree": [16, 4, 64]})
+    with pytest.raises(BackendError, match="max_draft_tree_size=60.*spec-edge build"):
+        EdgeLLMEngine.from_config(wide, progress=lambda _m: None, native=build(script))

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from spec_edge.config import Config, ConfigError, load
-from spec_edge.device import edgellm_build, memory, projection
+from spec_edge.device import edgellm_build, memory, preflight, projection
 from spec_edge.device.edgellm_build import BuildError
 from spec_edge.device.edgellm_layout import ManifestError, batch_engine_dir, engine_dirs
 from spec_edge.device.profiles import plan_for_config, resolve_profile
@@ -37,6 +37,10 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, help="plan this graphs.max_context instead")
     parser.add_argument("--k", type=int, help="plan this speculative.k (must be in graphs.k_values)")
     parser.add_argument("--config-only", action="store_true", help="ignore the memory of this machine")
+    parser.add_argument("--device", action="store_true",
+                        help="also list what a full `spec-edge build` needs on this machine (the preflight: Edge-LLM's "
+                             "payload, GPU, CUDA / TensorRT, free memory; ModelOpt, datasets, calibration when "
+                             "quantized); exit 1 when something is missing")
     parser.add_argument("--alpha", type=float,
                         help="draft acceptance rate for the k table (default: the profile's assumed rate, "
                              "0.7 when none; measure it with `spec-edge bench`)")
@@ -56,13 +60,20 @@ def plan_main(argv: Sequence[str] | None = None) -> int:
     print(the_plan.table())
     alpha = args.alpha if args.alpha is not None else ASSUMED_ALPHA.get(cfg.runtime.profile, 0.7)
     print(projection.k_table(the_plan.inputs, alpha))
+    missing = False
+    if args.device:
+        findings = preflight.check(cfg, device=True, plan=the_plan)
+        print(preflight.report(findings))
+        missing = not all(f.ok for f in findings)
+        if missing:
+            print(f"  ({preflight.EXPORT_ONLY})")
     if not the_plan.fits:
         try:
             memory.check(the_plan)
         except memory.PlanError as err:
             print(str(err).split("\n", 1)[0], file=sys.stderr)
         return 1
-    return 0
+    return 1 if missing else 0
 
 
 def build_main(argv: Sequence[str] | None = None, prog: str = "spec-edge build") -> int:

@@ -1,16 +1,20 @@
 """`spec-edge build PROFILE`: a profile's TensorRT Edge-LLM engines, stage by stage, with progress and a manifest.
 
-  1 plan       memory.check(the profile's plan): refuse what does not fit before anything runs
+  1 plan       memory.check(the profile's plan): refuse what does not fit before anything runs, then the
+               preflight (preflight.py): without --export-only everything the engine stage needs (Edge-LLM's native
+               payload for this machine, GPU, CUDA / TensorRT libraries, free memory), and for a quantized profile
+               ModelOpt, `datasets` and a calibration set; a missing piece stops the build here, in seconds
   2 checkpoint the target as a Hugging Face folder (checkpoint.hf_folder; the embedded GGUF converted once, ~20 s)
                and, with drafter eagle3, the head rewritten in the layout Edge-LLM loads (checkpoint.py)
   3 quantize   graphs.weights nvfp4 | int4_awq | fp8 on an unquantized checkpoint: tensorrt-edgellm-quantize
-               (ModelOpt calibration; wants a GPU: an 8B model takes minutes there, hours on a CPU). A checkpoint
-               already quantized that way is the fast path and skips it; one quantized another way is refused.
+               (ModelOpt calibration) in preflight.quantize_python(), on the GPU when the CUDA driver sees one, with
+               the calibration set made from data/train_prompts.txt (or $EDGELLM_QUANT_DATASET_CNN_DAILYMAIL): no Hub
+               download. A checkpoint already quantized that way skips it; one quantized another way is refused.
   4 export     tensorrt-edgellm-export: the target (--eagle-base with a head), the head, and with graphs.batch_slots
                > 1 and a head the plain target the RequestEngine runs. No GPU: `--export-only` stops here.
-  5 engines    on the device, tensorrt_edgellm's LLMBuilder(onnx_dir, engine_dir, LLMBuilderConfig) with the plan's
-               limits: max_input_len = max_kv_cache_capacity = graphs.max_context, max_batch_size, and with a head
-               max_verify_tree_size = max(k_values) + 1, max_draft_tree_size = max(k_values).
+  5 engines    on the device, tensorrt_edgellm's LLMBuilder(onnx_dir, engine_dir, LLMBuilderConfig) with
+               edgellm_layout.builder_limits (the plan's limits; with a head, tree room for every k, the
+               speculative.eagle3_tree and Edge-LLM's default tree).
 
 A stage whose inputs (config identity, checkpoint fingerprints, tensorrt-edgellm version) match the manifest's
 record and whose outputs are still there with the recorded digests is skipped ("up to date").
@@ -31,31 +35,35 @@ from pathlib import Path
 from typing import Any
 
 from spec_edge.config import Config, engine_root
-from spec_edge.device import checkpoint, memory
-from spec_edge.device.edgellm_layout import (FORMAT, MANIFEST, edgellm_version, file_digest, folder_digests,
-                                             identity_config, profile_dir, read_manifest, require_known_weights,
-                                             write_manifest)
+from spec_edge.device import checkpoint, memory, preflight
+from spec_edge.device.edgellm_layout import (FORMAT, MANIFEST, builder_limits, edgellm_version, engine_record,
+                                             file_digest, folder_digests, identity_config, profile_dir, read_manifest,
+                                             require_known_weights, write_manifest)
 from spec_edge.device.profiles import plan_for_config, plan_inputs
 
 Progress = Callable[[str], None]
+
+
+CPU_CALIBRATION_SAMPLES = 16  # calibration texts on a machine without a CUDA device (Edge-LLM's default: 512)
 
 
 class BuildError(RuntimeError):
     """A stage failed; the message says which and what to do."""
 
 
-def _tool(name: str) -> list[str]:
-    """A tensorrt-edgellm console script of this interpreter's environment (run as `python -m`, so the venv's
-    own package is used even when its bin/ is not on PATH)."""
-    return [sys.executable, "-m", f"tensorrt_edgellm.scripts.{name}"]
+def _tool(name: str, python: str = sys.executable) -> list[str]:
+    """A tensorrt-edgellm console script of an interpreter's environment (run as `python -m`, so the venv's own
+    package is used even when its bin/ is not on PATH)."""
+    return [python, "-m", f"tensorrt_edgellm.scripts.{name}"]
 
 
-def _run(cmd: list[str], stage: str, progress: Progress, log: Path) -> None:
+def _run(cmd: list[str], stage: str, progress: Progress, log: Path, env: dict[str, str] | None = None) -> None:
     """Run an Edge-LLM tool, its output into log (the last lines are shown when it fails)."""
-    progress(f"[{stage}] $ {' '.join(cmd[2:]) if cmd[:2] == [sys.executable, '-m'] else ' '.join(cmd)}")
+    progress(f"[{stage}] $ {' '.join(cmd[2:]) if cmd[1:2] == ['-m'] else ' '.join(cmd)}")
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
-        result = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        result = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     if result.returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
         raise BuildError(f"{stage} failed (exit {result.returncode}); the end of {log}:\n{tail}")
@@ -115,6 +123,12 @@ def build(cfg: Config, profile_yaml: str, *, export_only: bool = False, force: b
     the_plan = memory.check(plan_for_config(cfg, device))
     st.say("plan", f"fits: {the_plan.total / memory.GIB:.2f} GiB of {the_plan.device / memory.GIB:.2f} GiB "
                    f"({the_plan.device_source}); largest max_context {the_plan.largest_max_context}")
+    findings = preflight.check(cfg, device=not export_only, plan=the_plan)
+    if not all(f.ok for f in findings):
+        raise BuildError(preflight.report(findings) + "\nnothing was converted or exported" +
+                         ("" if export_only else f"; {preflight.EXPORT_ONLY}"))
+    if findings:
+        st.say("preflight", preflight.report(findings))
     inputs = plan_inputs(cfg)
     head = cfg.speculative.drafter == "eagle3"
     # 2 checkpoint
@@ -170,25 +184,29 @@ def quantize(st: Stages, source: Path, base_key: str) -> Path:
         st.manifest["stages"]["quantize"] = record
         write_manifest(st.dir, st.manifest)
         return out
-    import importlib.util
+    from tensorrt_edgellm._native import NativeRuntimeError, detect
 
-    if importlib.util.find_spec("modelopt") is None:
-        raise BuildError(f"graphs.weights={want} needs calibration by tensorrt-edgellm-quantize, which imports NVIDIA "
-                         f"ModelOpt (not installed: pip install 'nvidia-modelopt[torch]'). Run it on a GPU machine "
-                         f"(an 8B model: minutes there, hours on a CPU) or set model.target to a checkpoint already "
-                         f"quantized as {want} (the fast path)")
-    import torch
-
-    on = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        on = "cuda" if detect._cuda_device_sms() else "cpu"
+    except NativeRuntimeError:
+        on = "cpu"
+    samples = []  # Edge-LLM's default count (512) on the GPU
     if on == "cpu":
-        st.say("quantize", f"no CUDA device: calibrating {want} on the CPU (slow: the 135M model took 140 s for nvfp4, "
-                           f"int4_awq > 25 min; an 8B model takes hours)")
+        samples = ["--num_samples", str(CPU_CALIBRATION_SAMPLES)]
+        st.say("quantize", f"no CUDA device: calibrating {want} on the CPU with {CPU_CALIBRATION_SAMPLES} texts (the "
+                           f"135M model, fp8: about 11 min on 2 busy cores, docs/tensorrt.md; an 8B model: hours)")
+    calibration, where = preflight.calibration_source()
+    if preflight.CALIBRATION_ENV not in os.environ:
+        calibration = preflight.write_calibration(st.dir / "calibration" / "train_prompts.jsonl")
     shutil.rmtree(out, ignore_errors=True)
     t = time.monotonic()
-    _run(_tool("quantize") + ["llm", "--model_dir", str(source), "--output_dir", str(out), "--quantization", want,
-                              "--device", on], "quantize", st.progress, st.dir / "logs" / "quantize.log")
-    st.record("quantize", base_key, {"checkpoint": "quantized"}, time.monotonic() - t, device=on)
-    st.say("quantize", f"{want} checkpoint in {out} ({time.monotonic() - t:.0f} s on {on})")
+    _run(_tool("quantize", preflight.quantize_python()) + [
+        "llm", "--model_dir", str(source), "--output_dir", str(out), "--quantization", want, "--device", on, *samples],
+        "quantize", st.progress, st.dir / "logs" / "quantize.log",
+        env={preflight.CALIBRATION_ENV: str(calibration), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    st.record("quantize", base_key, {"checkpoint": "quantized"}, time.monotonic() - t, device=on,
+              calibration=where)
+    st.say("quantize", f"{want} checkpoint in {out} ({time.monotonic() - t:.0f} s on {on}, calibrated on {where})")
     return out
 
 
@@ -225,64 +243,40 @@ def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> di
     return out
 
 
-def builder_limits(cfg: Config) -> dict[str, dict[str, Any]]:
-    """engine name -> the LLMBuilderConfig fields it is built with (the memory plan's limits)."""
-    g = cfg.graphs
-    k_max = max(g.k_values)
-    common = {"max_input_len": g.max_context, "max_kv_cache_capacity": g.max_context}
-    if cfg.speculative.drafter != "eagle3":
-        return {"target": {**common, "max_batch_size": g.batch_slots}}
-    limits = {"target": {**common, "max_batch_size": 1, "spec_base": True, "max_verify_tree_size": k_max + 1},
-              "draft": {**common, "max_batch_size": 1, "spec_draft": True, "max_draft_tree_size": k_max,
-                        "max_verify_tree_size": k_max + 1}}
-    if g.batch_slots > 1:
-        limits["batch"] = {**common, "max_batch_size": g.batch_slots}
-    return limits
-
-
-ENGINE_DIRS = {"target": "engines/{kind}", "draft": "engines/{kind}", "batch": "engines/batch"}
-
-
 def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise BuildError("no CUDA device: TensorRT engines are built on the device that runs them (here: "
-                         "`spec-edge build --export-only`)")
     try:
         from tensorrt_edgellm import runtime as edgellm_runtime
         native = edgellm_runtime.load()
     except Exception as err:  # the wheel's native payload: NativeRuntimeError and its kinds
-        raise BuildError(f"tensorrt-edgellm's native runtime does not load here ({err}): it ships payloads for "
-                         f"Jetson Thor JetPack 7.x and x86 sm80-sm120 (docs/tensorrt.md)") from err
-    kind = "eagle3" if "draft" in exports else "plain"
+        raise BuildError(f"tensorrt-edgellm's native runtime does not load here ({err}): `spec-edge plan --device "
+                         f"<profile>` lists what this machine lacks") from err
     limits = builder_limits(st.cfg)
     st.manifest["builder"] = limits
-    dirs: dict[str, str] = {}
-    for role, fields in limits.items():
-        rel = ENGINE_DIRS[role].format(kind=kind)
-        dirs[role] = rel
+    # (folder, Edge-LLM role) -> the export it is built from, and the stage that records it
+    sources = {("engines/eagle3", "base"): "target", ("engines/eagle3", "draft"): "draft",
+               ("engines/plain", "llm"): "target", ("engines/batch", "llm"): "batch"}
+    for rel, roles in limits.items():
         engine_dir = st.dir / rel
-        key = _key(base_key, st.manifest["stages"][f"export_{role}"]["key"], fields)
-        stage = f"engine_{role}"
-        if (record := st.reuse(stage, key)) is not None:
-            st.manifest["stages"][stage] = record
-            st.say("engines", f"{role}: up to date ({engine_dir})")
-            continue
-        config = native.LLMBuilderConfig()
-        for name, value in fields.items():
-            setattr(config, name, value)
-        engine_dir.mkdir(parents=True, exist_ok=True)
-        st.say("engines", f"{role}: building from {exports[role]} into {engine_dir} ({fields})")
-        t = time.monotonic()
-        if not native.LLMBuilder(str(exports[role]), str(engine_dir), config).build():
-            raise BuildError(f"LLMBuilder could not build the {role} engine from {exports[role]} (see TensorRT's "
-                             f"messages above)")
-        st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
-        st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
-    st.manifest["edgellm"] = {"engine_dir": dirs["target"], "draft_engine_dir": dirs.get("draft"),
-                              "batch_engine_dir": dirs.get("batch") or (dirs["target"] if st.cfg.graphs.batch_slots > 1
-                                                                        else None)}
+        for role, fields in roles.items():
+            export = sources[rel, role]
+            key = _key(base_key, st.manifest["stages"][f"export_{export}"]["key"], fields)
+            stage = f"engine_{export}"
+            if (record := st.reuse(stage, key)) is not None:
+                st.manifest["stages"][stage] = record
+                st.say("engines", f"{role}: up to date ({engine_dir})")
+                continue
+            config = native.LLMBuilderConfig()
+            for name, value in fields.items():
+                setattr(config, name, value)
+            engine_dir.mkdir(parents=True, exist_ok=True)
+            st.say("engines", f"{role}: building from {exports[export]} into {engine_dir} ({fields})")
+            t = time.monotonic()
+            if not native.LLMBuilder(str(exports[export]), str(engine_dir), config).build():
+                raise BuildError(f"LLMBuilder could not build the {role} engine from {exports[export]} (see TensorRT's "
+                                 f"messages above)")
+            st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
+            st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
+    st.manifest["edgellm"] = engine_record(st.cfg)
     st.manifest["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_manifest(st.dir, st.manifest)
     st.say("engines", f"engines for '{st.cfg.runtime.profile}' in {st.dir} ({MANIFEST})")

@@ -9,9 +9,19 @@ accessor the runtime calls: engine_dirs(cfg).
         onnx/target/llm/                       the target's export (--eagle-base with a head)
         onnx/draft/llm/                        the head's export
         onnx/batch/llm/                        batch_slots > 1 with a head: the plain target RequestEngine runs
-        engines/eagle3/ or engines/plain/      LLMBuilder's output: spec_base.engine + the draft engine (one
-        engines/batch/                         directory, as Edge-LLM's runtime reads them) or the plain engine
+        engines/eagle3/                        LLMBuilder's EAGLE-3 pair in one folder, as LLMRuntime reads it:
+                                                 spec_base.engine + base_config.json,
+                                                 spec_draft.engine + draft_config.json
+        engines/plain/, engines/batch/         a plain engine: llm.engine + config.json (batch: the RequestEngine's)
         manifest.json                          written after every stage (below)
+
+Edge-LLM's own names, the one place this project spells them (ENGINE_FILE, CONFIG_FILE, BUILDER_CONFIG; roles
+llm / base / draft as Edge-LLM calls them): LLMBuilder writes <role engine> and <role config> = the exported
+config.json plus "builder_config" (LLMBuilderConfig.toJson) into the engine folder; the runtime and the wheel's
+readers (scripts/sweep_eagle3_configs.py _read_engine_limits, experimental/server/runtime/engine.py and
+engine_layout.py) read the same names. builder_limits(cfg) is what each engine is built with; engine_files(cfg) is
+every file those builds leave (what test fixtures are made from); tree_problems() is Edge-LLM's deployment check of
+an EAGLE-3 drafting shape against the built limits.
 
 manifest.json: format, tensorrt_edgellm (version), profile, profile_yaml, config (the artifact-shaping keys),
 fingerprints (target and head checkpoints), stages (per stage: what it wrote, relative to the profile dir, the
@@ -25,11 +35,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from spec_edge.config import Config, ConfigError, engine_root, to_params
 
+EDGELLM_VERSION = "0.11.0"  # the tensorrt-edgellm (pip package) this project is checked against
 FORMAT = 1
 MANIFEST = "manifest.json"
 # config keys the artifacts are made for; any difference means a rebuild
@@ -175,8 +187,10 @@ def _built(cfg: Config, manifest: dict[str, Any]) -> dict[str, Path]:
         if rel is None:
             continue
         path = profile_dir(cfg) / rel
-        if not path.is_dir() or not any(path.glob("*.engine")):
-            raise ManifestError(f"engine directory {path} is missing or holds no engine: rebuild with "
+        missing = [ENGINE_FILE[role] for role in ENGINE_FOLDERS.get(rel, ())
+                   if not (path / ENGINE_FILE[role]).is_file()]
+        if rel not in ENGINE_FOLDERS or missing:
+            raise ManifestError(f"engine directory {path} lacks {', '.join(missing) or 'its engines'}: rebuild with "
                                 f"`{rebuild_command(cfg, manifest)}`")
         out[key] = path
     return out
@@ -187,3 +201,138 @@ def require_known_weights(cfg: Config) -> None:
         raise ConfigError(f"`spec-edge build` builds TensorRT Edge-LLM engines: profile '{cfg.runtime.profile}' has "
                           f"runtime.backend={cfg.runtime.backend} (ONNX Runtime exports on first use, "
                           f"`spec-edge export`)")
+
+
+# -- Edge-LLM's engine folder ---------------------------------------------------------------------------
+# role -> the file LLMBuilder writes (llmBuilder.cpp getEngineFileName / getOutputConfigFileName, single rank; the
+# runtime's modelArtifacts.cpp and the wheel's experimental/server/runtime/engine_layout.py read the same names)
+ENGINE_FILE = {"llm": "llm.engine", "base": "spec_base.engine", "draft": "spec_draft.engine"}
+CONFIG_FILE = {"llm": "config.json", "base": "base_config.json", "draft": "draft_config.json"}
+BUILDER_CONFIG = "builder_config"  # the key LLMBuilder::copyConfig adds: LLMBuilderConfig.toJson()
+ROLE_FLAG = {"llm": None, "base": "spec_base", "draft": "spec_draft"}  # the LLMBuilderConfig flag of each role
+# folder (relative to profile_dir) -> the roles LLMBuilder builds into it; manifest "edgellm" key of each folder
+ENGINE_FOLDERS = {"engines/eagle3": ("base", "draft"), "engines/plain": ("llm",), "engines/batch": ("llm",)}
+# Edge-LLM's default EAGLE-3 drafting shape (experimental/server/runtime/engine.py _DEFAULT_DRAFT_TOP_K,
+# _DEFAULT_DRAFT_STEP, _DEFAULT_VERIFY_TREE_SIZE) and LLMBuilderConfig's default tree capacity
+# (max_verify_tree_size = max_draft_tree_size = 60, llmBuilder.h; the binary's defaults in fixtures/edgellm_api.json)
+DEFAULT_TREE_CAPACITY = 60
+
+
+@dataclass(frozen=True)
+class EagleTree:
+    """An EAGLE-3 drafting shape as LLMRuntime takes it: draft_top_k, draft_step, verify_tree_size."""
+    top_k: int
+    steps: int
+    verify_size: int
+
+    def draft_tokens(self) -> int:
+        """The widest draft-engine call: the proposal (steps x top_k tokens) or the accept-token step (up to
+        steps + 1 accepted tokens, EagleDecoder::runDraftModelAcceptToken)."""
+        return max(self.steps * self.top_k, self.steps + 1)
+
+
+DEFAULT_TREE = EagleTree(top_k=10, steps=6, verify_size=60)
+
+
+def eagle3_tree(cfg: Config) -> EagleTree:
+    """speculative.eagle3_tree ([top_k, steps, verify_size]) or, when empty, the chain of speculative.k."""
+    tree = cfg.speculative.eagle3_tree
+    k = cfg.speculative.k
+    return EagleTree(*tree) if tree else EagleTree(1, k, k + 1)
+
+
+def tree_problems(tree: EagleTree, base: dict[str, Any], draft: dict[str, Any]) -> list[str]:
+    """What Edge-LLM refuses (or fails on) when `tree` is served by engines built with these builder_config
+    values; [] when it runs. The checks, as Edge-LLM makes them: draft_step x draft_top_k <= draft
+    max_draft_tree_size and verify_tree_size <= base max_verify_tree_size (the runtime's deployment config), the
+    accept-token step's steps + 1 tokens within the draft engine's profile (EagleDecoder), and a chain's verify
+    size being steps + 1, a tree's at least top_k + 1 (experimental/server/runtime/engine.py _resolve_tree_size)."""
+    out = []
+    max_draft, max_verify = int(draft["max_draft_tree_size"]), int(base["max_verify_tree_size"])
+    if tree.steps * tree.top_k > max_draft:
+        out.append(f"draft_step={tree.steps} x draft_top_k={tree.top_k} = {tree.steps * tree.top_k} exceeds the draft "
+                   f"engine's max_draft_tree_size={max_draft}")
+    if tree.steps + 1 > max_draft:
+        out.append(f"the accept-token step feeds draft_step + 1 = {tree.steps + 1} tokens through the draft engine, "
+                   f"built for max_draft_tree_size={max_draft}")
+    if tree.verify_size > max_verify:
+        out.append(f"verify_tree_size={tree.verify_size} exceeds the base engine's max_verify_tree_size={max_verify}")
+    low, high = (tree.steps + 1, tree.steps + 1) if tree.top_k == 1 else (tree.top_k + 1, tree.steps * tree.top_k + 1)
+    if not low <= tree.verify_size <= high:
+        out.append(f"verify_tree_size={tree.verify_size} must be in [{low}, {high}] for draft_top_k={tree.top_k}, "
+                   f"draft_step={tree.steps}")
+    return out
+
+
+def builder_limits(cfg: Config) -> dict[str, dict[str, dict[str, Any]]]:
+    """engine folder (relative to profile_dir) -> role -> the LLMBuilderConfig fields it is built with: the memory
+    plan's limits (max_input_len = max_kv_cache_capacity = graphs.max_context, max_batch_size) and, for the EAGLE-3
+    pair, tree capacity for every k in graphs.k_values (a chain of k: k + 1 verified tokens, k + 1 accepted ones
+    through the draft), for speculative.eagle3_tree and for Edge-LLM's default tree (DEFAULT_TREE_CAPACITY), so a
+    tree setting is served without a rebuild."""
+    g = cfg.graphs
+    common = {"max_input_len": g.max_context, "max_kv_cache_capacity": g.max_context}
+    if cfg.speculative.drafter != "eagle3":
+        return {"engines/plain": {"llm": {**common, "max_batch_size": g.batch_slots}}}
+    trees = [EagleTree(1, k, k + 1) for k in g.k_values] + [eagle3_tree(cfg), DEFAULT_TREE]
+    verify = max([DEFAULT_TREE_CAPACITY] + [t.verify_size for t in trees])
+    draft = max([DEFAULT_TREE_CAPACITY] + [t.draft_tokens() for t in trees])
+    limits = {"engines/eagle3": {"base": {**common, "max_batch_size": 1, "spec_base": True,
+                                          "max_verify_tree_size": verify},
+                                 "draft": {**common, "max_batch_size": 1, "spec_draft": True,
+                                           "max_draft_tree_size": draft}}}
+    if g.batch_slots > 1:
+        limits["engines/batch"] = {"llm": {**common, "max_batch_size": g.batch_slots}}
+    return limits
+
+
+def engine_record(cfg: Config) -> dict[str, str | None]:
+    """The manifest's "edgellm" record once the engines of builder_limits(cfg) are built: engine_dir (the base +
+    draft pair, or the plain engine), draft_engine_dir (the pair's folder, None without a head), batch_engine_dir
+    (the RequestEngine's plain engine when graphs.batch_slots > 1, else None)."""
+    folders = builder_limits(cfg)
+    head = "engines/eagle3" in folders
+    target = "engines/eagle3" if head else "engines/plain"
+    batch = "engines/batch" if "engines/batch" in folders else (target if cfg.graphs.batch_slots > 1 else None)
+    return {"engine_dir": target, "draft_engine_dir": target if head else None, "batch_engine_dir": batch}
+
+
+def builder_config_json(fields: dict[str, Any]) -> dict[str, Any]:
+    """The builder_config LLMBuilder writes for an engine built with `fields` (LLMBuilderConfig.toJson: the role
+    flags spec_base / spec_draft always, each tree size only in the role that owns it)."""
+    out = {"spec_base": False, "spec_draft": False, **fields}
+    if not out["spec_base"]:
+        out.pop("max_verify_tree_size", None)
+    if not out["spec_draft"]:
+        out.pop("max_draft_tree_size", None)
+    return out
+
+
+def engine_files(cfg: Config) -> dict[str, dict[str, Any] | None]:
+    """Every file the engine stage leaves for cfg, relative to profile_dir: an engine -> None, a config -> the
+    keys this project relies on (engine_role and spec_decode_type, from the export's config.json, and
+    builder_config)."""
+    out: dict[str, dict[str, Any] | None] = {}
+    spec = "eagle3" if cfg.speculative.drafter == "eagle3" else "none"
+    for folder, roles in builder_limits(cfg).items():
+        for role, fields in roles.items():
+            out[f"{folder}/{ENGINE_FILE[role]}"] = None
+            out[f"{folder}/{CONFIG_FILE[role]}"] = {
+                "engine_role": role, "spec_decode_type": spec if role != "llm" else "none",
+                BUILDER_CONFIG: builder_config_json(fields)}
+    return out
+
+
+def read_builder_config(engine_dir: Path, role: str) -> dict[str, Any]:
+    """The builder_config of a role's engine in engine_dir (what Edge-LLM's runtime reads back); ManifestError
+    naming the file when it is missing or has none."""
+    path = Path(engine_dir) / CONFIG_FILE[role]
+    try:
+        found = json.loads(path.read_text())[BUILDER_CONFIG]
+        if not isinstance(found, dict):
+            raise TypeError("not a mapping")
+        return found
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ManifestError(f"{path} holds no {BUILDER_CONFIG} ({type(err).__name__}: {err}): the engine folder was "
+                            f"not written by LLMBuilder; rebuild the engines with "
+                            f"`spec-edge build <profile> --force`") from None

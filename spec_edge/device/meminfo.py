@@ -26,3 +26,32 @@ def parse_meminfo(text: str) -> tuple[int, int]:
     if "MemTotal" not in values or "MemAvailable" not in values:
         raise ValueError("no MemTotal/MemAvailable in meminfo")
     return values["MemTotal"], values["MemAvailable"]
+
+
+def cuda_memory() -> tuple[int, int] | None:
+    """(total, free) bytes of CUDA device 0 through the CUDA driver API (libcuda, ctypes: no torch), or None when
+    there is no driver or no device."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        cuda = ctypes.CDLL(ctypes.util.find_library("cuda") or "libcuda.so.1")
+    except OSError:
+        return None
+    device, ctx = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    try:
+        if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
+            return None
+        if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) != 0:
+            return None
+        try:
+            if cuda.cuCtxPushCurrent_v2(ctx) != 0:
+                return None
+            ok = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(device)
+    except AttributeError:
+        return None
+    return (int(total.value), int(free.value)) if ok else None

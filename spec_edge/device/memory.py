@@ -297,20 +297,13 @@ def check(p: Plan) -> Plan:
 
 
 def read_device_memory() -> DeviceMemory | None:
-    """The device's memory: a Jetson's unified memory (/proc/meminfo), a discrete GPU's
-    torch.cuda.mem_get_info, None elsewhere (plan with the config's memory.device_memory_gb)."""
-    from spec_edge.device.meminfo import is_jetson, parse_meminfo
+    """The device's memory: a Jetson's unified memory (/proc/meminfo), a discrete GPU's through the CUDA driver
+    (meminfo.cuda_memory, no torch), None elsewhere (plan with the config's memory.device_memory_gb)."""
+    from spec_edge.device.meminfo import cuda_memory, is_jetson, parse_meminfo
 
     if is_jetson():
         total, available = parse_meminfo(Path("/proc/meminfo").read_text())
         return DeviceMemory(total, available, "/proc/meminfo, unified")
-    if os.environ.get("SPEC_EDGE_NO_CUDA_PROBE"):
+    if os.environ.get("SPEC_EDGE_NO_CUDA_PROBE") or (found := cuda_memory()) is None:
         return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    free, total = torch.cuda.mem_get_info()
-    return DeviceMemory(int(total), int(free), f"cuda:{torch.cuda.current_device()} mem_get_info")
+    return DeviceMemory(found[0], found[1], "cuda:0 cuMemGetInfo")

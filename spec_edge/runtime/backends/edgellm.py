@@ -3,8 +3,10 @@ EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serv
 ROS node and the action call it exactly as they call engine.Engine.
 
 Two Edge-LLM objects, picked by graphs.batch_slots:
-  1      LLMRuntime: speculative.drafter eagle3 as a chain (draft_top_k=1, draft_step=k, verify_tree_size=k+1)
-         over the target and draft engines, or none (the vanilla constructor). One request at a time (a lock).
+  1      LLMRuntime: speculative.drafter eagle3 over the base and draft engines, drafting the chain of k
+         (draft_top_k=1, draft_step=k, verify_tree_size=k+1) or speculative.eagle3_tree, checked at load against
+         the engines' builder_config (edgellm_layout.tree_problems), or none (the vanilla constructor). One request
+         at a time (a lock).
   B > 1  RequestEngine(max_batch_size=B): in-flight batching, requests from any thread. It cannot speculate:
          a request that asked for a drafter runs target-only and its result's speculation_off_reason says so.
 
@@ -23,7 +25,9 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       reads GBNF-style EBNF); a Lark grammar is refused, naming runtime.backend: onnxruntime.
   streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
   cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
-      (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer.
+      (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer. A batched
+      request ends within CANCEL_GRACE_S of its cancel even when no final chunk comes, and a handle that turns
+      ready (terminal) with a silent channel ends the request with an error (as Edge-LLM's own server does).
   finish reasons: END_ID eos, STOP_WORDS stop, LENGTH length, CANCELLED the cancel reason, ERROR error.
   serve.reuse_prefix -> the runtime's context cache (ContextCacheConfig.enabled; per request USE_CACHE or BYPASS);
       warm() prefills the system prompt's chat prefix once through it.
@@ -40,7 +44,6 @@ by the exact Jetson L4T / GPU); tests pass a stand-in generated from the real si
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -58,14 +61,14 @@ from spec_edge.runtime.serving import chat_text, resolve_fields
 from spec_edge.runtime.speculative import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
-EDGELLM_VERSION = "0.11.0"
+EDGELLM_VERSION = edgellm_layout.EDGELLM_VERSION
 EDGELLM_DRAFTERS = ("none", "eagle3")  # config.BACKEND_DRAFTERS["tensorrt"]
 # Edge-LLM class (or module function) -> the members this module uses on it (enum classes: the values)
 EDGELLM_API: dict[str, tuple[str, ...]] = {
     "LLMRuntime": ("__init__", "handle_request", "capture_decoding_cuda_graph", "count_prompt_tokens",
                    "get_spec_decode_generation_metrics", "get_prefill_metrics"),
     "RequestEngine": ("__init__", "submit", "shutdown", "count_prompt_tokens"),
-    "RequestHandle": ("stream", "cancel"),
+    "RequestHandle": ("stream", "cancel", "ready"),
     "ContextCacheConfig": ("__init__", "enabled"),
     "LLMGenerationRequest": ("__init__", "requests", "apply_chat_template", "add_generation_prompt", "temperature",
                              "top_p", "top_k", "sampling_seed", "max_generate_length", "disable_spec_decode",
@@ -92,18 +95,20 @@ EDGELLM_RECEIVERS = {"self.runtime": "LLMRuntime", "self.batcher": "RequestEngin
                      "channel": "StreamChannel", "chunk": "StreamChunk", "counts": "SpecDecodeGenerationMetrics",
                      "prefill": "LLMPrefillMetrics"}
 POLL_MS = 20  # how long one wait on the stream channel blocks before cancel() is asked again
+CANCEL_GRACE_S = 0.5  # a batched request ends this long after its cancel even without a final chunk
 PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer agreement check at load
 
 
 @dataclass(frozen=True)
 class EdgeLLMDirs:
-    """The folders `spec-edge build` wrote for a profile (device/edgellm_layout.py): engine_dir (the target engine,
-    its config.json, tokenizer and chat_template.jinja; with an EAGLE-3 head also the draft engine: Edge-LLM's
-    LLMRuntime reads both from one folder) and draft_engine_dir (None without a head)."""
+    """The folders `spec-edge build` wrote for a profile (device/edgellm_layout.py): engine_dir (the engine, its
+    config with builder_config, tokenizer and chat_template.jinja; with an EAGLE-3 head the base and draft engines
+    side by side: Edge-LLM's LLMRuntime reads both from one folder) and draft_engine_dir (None without a head)."""
     engine_dir: Path
     draft_engine_dir: Path | None
-    max_input_len: int         # longest prompt the engine takes (its config.json builder_config)
+    max_input_len: int         # longest prompt the engine takes (its builder_config)
     max_kv_cache_capacity: int  # prompt + answer tokens one sequence holds
+    tree: edgellm_layout.EagleTree | None  # the EAGLE-3 drafting shape LLMRuntime is made with (None: no drafter)
 
 
 def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
@@ -122,13 +127,24 @@ def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
     if cfg.speculative.drafter == "eagle3" and cfg.graphs.batch_slots == 1 and draft_dir is None:
         raise BackendError(f"speculative.drafter eagle3 needs the EAGLE-3 draft engine and the build of profile "
                            f"'{cfg.runtime.profile}' has none: {build} with speculative.eagle3_head set")
+    role = "base" if draft_dir is not None else "llm"
     try:
-        limits = json.loads((engine_dir / "config.json").read_text())["builder_config"]
+        limits = edgellm_layout.read_builder_config(engine_dir, role)
         max_input, capacity = int(limits["max_input_len"]), int(limits["max_kv_cache_capacity"])
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise BackendError(f"{engine_dir / 'config.json'} has no builder_config max_input_len / max_kv_cache_capacity "
-                           f"({type(err).__name__}: {err}): {build}") from None
-    return EdgeLLMDirs(engine_dir, draft_dir, max_input, capacity)
+        tree = None
+        if draft_dir is not None:
+            tree = edgellm_layout.eagle3_tree(cfg)
+            draft = edgellm_layout.read_builder_config(draft_dir, "draft")
+            problems = edgellm_layout.tree_problems(tree, limits, draft)
+            if problems:
+                raise BackendError(f"the engines in {engine_dir} cannot draft {tree} (speculative.k / eagle3_tree): "
+                                   + "; ".join(problems) + f": {build}, or change speculative.eagle3_tree")
+    except edgellm_layout.ManifestError as err:
+        raise BackendError(str(err)) from None
+    except (ValueError, KeyError, TypeError) as err:
+        raise BackendError(f"{engine_dir / edgellm_layout.CONFIG_FILE[role]} has no builder_config max_input_len / "
+                           f"max_kv_cache_capacity ({type(err).__name__}: {err}): {build}") from None
+    return EdgeLLMDirs(engine_dir, draft_dir, max_input, capacity, tree)
 
 
 def load_native() -> ModuleType:
@@ -194,8 +210,9 @@ class EdgeLLMEngine:
             self.batcher = rt.RequestEngine(str(dirs.engine_dir), context_cache_config=cache, max_batch_size=slots,
                                             max_pending_requests=cfg.serve.queue_limit + slots)
         elif speculative.drafter == "eagle3":
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=1, draft_step=speculative.k,
-                                         verify_tree_size=speculative.k + 1, draft_checkpoint_dir="",
+            tree = dirs.tree or edgellm_layout.eagle3_tree(cfg)
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=tree.top_k, draft_step=tree.steps,
+                                         verify_tree_size=tree.verify_size, draft_checkpoint_dir="",
                                          context_cache_config=cache)
         else:
             self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
@@ -215,7 +232,7 @@ class EdgeLLMEngine:
         engine = cls(cfg, native if native is not None else load_native(), dirs, progress)
         mode = (f"RequestEngine, {cfg.graphs.batch_slots} batch slots" if engine.batcher is not None else
                 f"LLMRuntime, drafter {cfg.speculative.drafter}" +
-                (f" (chain k={cfg.speculative.k})" if cfg.speculative.drafter == "eagle3" else ""))
+                (f" ({dirs.tree})" if dirs.tree is not None else ""))
         progress(f"[engine] tensorrt (Edge-LLM {EDGELLM_VERSION}, {mode}) ready in {time.monotonic() - started:.1f} s "
                  f"from {dirs.engine_dir} (max input {dirs.max_input_len}, KV capacity {dirs.max_kv_cache_capacity})")
         return engine
@@ -393,23 +410,27 @@ class EdgeLLMEngine:
             handle = self.batcher.submit(call)
         except rt.SubmitError as err:
             raise RequestError(f"Edge-LLM's request engine is full ({err}): retry later") from None
-        return self._drain(handle.stream(), handle.cancel, decoder, on_text, cancel, stats)
+        return self._drain(handle.stream(), handle.cancel, decoder, on_text, cancel, stats,
+                           producer_done=handle.ready, grace_s=CANCEL_GRACE_S)
 
     def _drain(self, channel, stop_request, decoder: StreamDecoder, on_text, cancel, stats: Stats,
-               producer_done: Callable[[], bool] = lambda: False) -> tuple[str, str]:
+               producer_done: Callable[[], bool] = lambda: False, grace_s: float | None = None) -> tuple[str, str]:
         """Pop the channel until its last chunk: token ids -> decoder -> on_text; cancel() polled between
-        waits. producer_done(): the call that fills the channel has returned (a failed call may leave the
-        channel unfinished). (finish reason, message)."""
+        waits. producer_done(): the producer is done with this channel (LLMRuntime: the call returned, a failed
+        call may leave the channel unfinished; RequestEngine: the handle is terminal, ready(), and a request
+        that retired without reaching the runtime never writes its channel). grace_s: after a cancel, stop
+        waiting for the final chunk this long (None: wait for the producer). (finish reason, message)."""
         started = time.monotonic()
-        cancelled = ""
+        cancelled, cancelled_at = "", 0.0
         while True:
             chunk = channel.wait_pop(POLL_MS)
-            if chunk is None and (channel.is_finished() or producer_done()):
+            late = bool(cancelled) and grace_s is not None and time.monotonic() - cancelled_at > grace_s
+            if chunk is None and (channel.is_finished() or producer_done() or late):
                 chunk = channel.try_pop()  # the producer may have finished between the wait and the check
                 if chunk is None:
                     stats.total_time_s = time.monotonic() - started
-                    return (cancelled, "") if cancelled else ("error", "Edge-LLM closed the stream without a "
-                                                                       "finish reason")
+                    return (cancelled, "") if cancelled else ("error", "Edge-LLM ended the request without a final "
+                                                                       "chunk (no finish reason)")
             if chunk is not None:
                 if chunk.token_ids and not decoder.ids:
                     stats.time_to_first_token_s = time.monotonic() - started
@@ -421,10 +442,10 @@ class EdgeLLMEngine:
                     stats.total_time_s = time.monotonic() - started
                     return self._finish(chunk.reason, cancelled)
             if not cancelled and cancel is not None and (reason := cancel()):
-                cancelled = reason
+                cancelled, cancelled_at = reason, time.monotonic()
                 stop_request()
             if decoder.stopped and not cancelled:  # our stop string showed up: end like the CPU path
-                cancelled = "stop"
+                cancelled, cancelled_at = "stop", time.monotonic()
                 stop_request()
 
     def _finish(self, reason, cancelled: str) -> tuple[str, str]:
