@@ -1,7 +1,8 @@
 """Start the spec_edge node: `ros2 launch spec_edge llm.launch.py [params_file:=FILE] [namespace:=NS]
 [managed:=true [autostart:=false]]`.
 
-params_file defaults to the installed share/spec_edge/config/default.yaml.
+params_file defaults to the installed share/spec_edge/config/default.yaml: the default profile, the
+defaults of spec_edge/config.py that `spec-edge serve` and the CLI run without options.
 
 - managed:=false (the default): the node (a lifecycle node) configures and activates itself at start.
 - managed:=true: the node starts unconfigured as a launch LifecycleNode; with autostart:=true (the

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PARAMS = REPO / "config" / "default.yaml"  # the default profile (= spec_edge/config.py's defaults)
 GREEDY = [("Name three tools a robot arm can hold.", 24), ("Which way is the kitchen?", 16),
           ("Say hello to the visitor.", 12), ("List two colours of the rainbow.", 16)]
 LONG = "Write a long story about a robot that learns to paint, with many details about colours."
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--params", default=str(REPO / "config" / "default.yaml"), help="the node's profile")
+    parser.add_argument("--params", default=str(DEFAULT_PARAMS), help="the node's profile (default: the default profile)")
     parser.add_argument("--request-timeout", type=float, default=20.0,
                         help="serve.request_timeout_s of the node (the 900-token requests run past it)")
     parser.add_argument("--log", default="soak_node.log", help="the node's log")

@@ -20,13 +20,14 @@ def progress(message: str) -> None:
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model and graphs (default: the embedded SmolLM2-135M-Instruct)")
-    group.add_argument("--config", help="profile YAML (ROS 2 params file); default: built-in defaults")
+    group.add_argument("--config", help="profile YAML (ROS 2 params file); default: the default profile (the "
+                       "defaults in spec_edge/config.py, = config/default.yaml: q4 weights, 4 batch slots, n-gram k=4)")
     group.add_argument("--target", help="target model: 'embedded', a .gguf file or a Hugging Face folder")
     group.add_argument("--draft-model", help="draft model for --drafter draft (same forms as --target)")
     group.add_argument("--max-context", type=int, help="cache length the graphs are exported for")
     group.add_argument("--k-values", type=int, nargs="+", help="export a verify graph for each k")
     group.add_argument("--engine-dir", help="where exported graphs / engines go, relative to the current directory "
-                       "(default: runtime.engine_dir, resolved against the checkout or ~/.ros/spec_edge)")
+                       "(default: runtime.engine_dir under the user cache: ~/.cache/spec_edge/engines)")
     group.add_argument("--profile", help="artifact folder name under the engine dir")
     group.add_argument("--backend", choices=cfgmod.BACKENDS)
     group.add_argument("--threads", type=int, help="ONNX Runtime threads (0 = all cores)")
@@ -60,6 +61,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if drafter is not None:
         overrides["speculative.drafter"] = drafter
     return cfg.replace(**{key: value for key, value in overrides.items() if value is not None})
+
+
+def answered_by(args, cfg: Config) -> dict[str, str]:
+    """The profile (the --config file, or "default") and the weights form that answered (--json, [stats])."""
+    return {"profile": args.config or "default", "weights": cfg.graphs.weights}
 
 
 def cmd_export(args) -> int:
@@ -113,11 +119,13 @@ def cmd_generate(args) -> int:
     on_text = None if args.json else (lambda delta, n_tokens: print(delta, end="", flush=True))
     result = engine.generate(request, on_text=on_text)
     if args.json:
-        print(json.dumps(result.as_dict()))
+        print(json.dumps({**result.as_dict(), **answered_by(args, cfg)}))
         return 0
     s = result.stats
     print()
-    progress(f"[stats] finish={result.finish_reason} tokens={s.new_tokens} drafter={s.drafter} k={s.k} "
+    by = answered_by(args, cfg)
+    progress(f"[stats] profile={by['profile']} weights={by['weights']} finish={result.finish_reason} "
+             f"tokens={s.new_tokens} drafter={s.drafter} k={s.k} "
              f"drafted={s.drafted} accepted={s.accepted} acceptance={s.acceptance_rate:.2f} "
              f"mean_accepted_length={s.mean_accepted_length:.2f} tok/s={s.tokens_per_s:.1f} "
              f"ttft={s.time_to_first_token_s * 1000:.0f} ms" + (f" forced={s.forced} cut={s.cut}"

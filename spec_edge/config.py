@@ -12,6 +12,11 @@ A profile is a ROS 2 parameters file:
 
 Every section below is one YAML mapping and every field one key; the defaults written here are
 the only defaults in the project (the node declares its parameters from them, the CLI reads them).
+Config() is the default profile: what `ros2 launch spec_edge llm.launch.py`, `spec-edge serve / generate /
+bench / tune / export`, scripts/demo.sh and the scripts run when no profile is named: the embedded
+SmolLM2-135M-Instruct on ONNX Runtime, its GGUF's own 4-bit weights (graphs.weights: q4), 4 batch slots and
+prompt-lookup (n-gram, k=4) speculation, chosen from measurements (docs/bench.md, "The default profile").
+config/default.yaml, the file the launch file passes, holds the same values (test/test_default_profile.py).
 ModelConfig is different: it describes an architecture, read from the weights, never from YAML;
 device/presets.py holds the published configs the memory planner needs without weights on disk.
 """
@@ -107,8 +112,9 @@ class GraphSection:
     # fp32 activations (logits within 1e-4 of fp32, less speed-up).
     # int4_awq | fp8 | nvfp4 (runtime.backend tensorrt): TensorRT Edge-LLM's forms, made by
     # tensorrt-edgellm-quantize (ModelOpt calibration, wants a GPU) unless model.target already is a
-    # checkpoint quantized that way (spec_edge/device/edgellm_build.py)
-    weights: str = "fp32"
+    # checkpoint quantized that way (spec_edge/device/edgellm_build.py).
+    # The default, q4, needs a GGUF target (the embedded default is one): a Hugging Face folder runs fp32.
+    weights: str = "q4"
     # ONNX Runtime attention: fused | graph. fused rewrites each layer's attention into one
     # GroupQueryAttention node that writes the cache in place and reads only rows < position + T
     # (spec_edge/graphs/ort_attention.py; float32 graphs, models without q/k norms); graph runs the exported
@@ -123,7 +129,7 @@ class GraphSection:
     # over one cache region per slot: ONNX Runtime's (m, 1) / (m, k+1) graphs (m rows, each bound to any slot's
     # region) beside the B=1 graphs (graphs/export.py graph_plan); on tensorrt Edge-LLM's RequestEngine (in-flight batching
     # of up to B requests, no speculation: a result says so in speculation_off_reason).
-    batch_slots: int = 1
+    batch_slots: int = 4
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,9 @@ class SamplingSection:
 @dataclass(frozen=True)
 class RuntimeSection:
     backend: str = "onnxruntime"  # onnxruntime | tensorrt
-    # artifacts land in <engine_dir>/<profile>/; a relative path is resolved by engine_root(): against
-    # the checkout (its top-level engines/) when spec_edge runs from one, else under ROS_HOME (~/.ros/spec_edge/)
+    # artifacts land in <engine_dir>/<profile>/; a relative path is resolved by engine_root() under the user
+    # cache directory ($XDG_CACHE_HOME/spec_edge, else ~/.cache/spec_edge): by default ~/.cache/spec_edge/engines,
+    # one folder for the node, the CLI and the scripts wherever they start from
     engine_dir: str = "engines"
     profile: str = "smollm2-135m"
     threads: int = 0              # ONNX Runtime intra-op threads, 0 = one per core
@@ -284,14 +291,14 @@ def _flatten(prefix: str, tree: Any, out: dict[str, Any]) -> None:
         out[prefix] = tree
 
 
-def engine_base(package_dir: Path | None = None) -> Path:
-    """What a relative runtime.engine_dir is resolved against: the checkout spec_edge runs from (the folder
-    holding ros/spec_edge/package.xml beside the package; its engines/ holds built artifacts), else, for an installed
-    package, $ROS_HOME/spec_edge (ROS_HOME: ~/.ros). package_dir: the spec_edge package folder (default: this one)."""
-    checkout = (package_dir or Path(__file__).resolve().parent).parent
-    if (checkout / "ros" / "spec_edge" / "package.xml").is_file():
-        return checkout
-    return Path(os.path.expanduser(os.environ.get("ROS_HOME") or "~/.ros")) / "spec_edge"
+def engine_base() -> Path:
+    """What a relative runtime.engine_dir is resolved against: the user cache directory of spec_edge,
+    $XDG_CACHE_HOME/spec_edge (XDG_CACHE_HOME unset or relative: ~/.cache/spec_edge). One folder for every entry
+    point (launch, `spec-edge serve`, the CLI, the scripts; from a checkout or installed), so a machine exports a
+    profile's graphs once."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(cache) if cache and Path(cache).is_absolute() else Path.home() / ".cache"
+    return root / "spec_edge"
 
 
 def engine_root(cfg: Config) -> Path:
@@ -380,7 +387,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"graphs.dtype={g.dtype} on runtime.backend=onnxruntime: the CPU graphs are float32")
     if g.weights in ("q4", "q4_fp32act") and cfg.runtime.backend != "onnxruntime":
         raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
-                          f"runtime.backend=onnxruntime (TensorRT Edge-LLM: {', '.join(EDGELLM_WEIGHTS)})")
+                          f"runtime.backend=onnxruntime; on TensorRT set graphs.weights: fp32 (not quantized) or "
+                          f"one of TensorRT Edge-LLM's {', '.join(EDGELLM_WEIGHTS)}")
     if g.weights in EDGELLM_WEIGHTS and cfg.runtime.backend != "tensorrt":
         raise ConfigError(f"graphs.weights={g.weights} is a TensorRT Edge-LLM form: it needs runtime.backend=tensorrt "
                           f"(ONNX Runtime: fp32, q4 or q4_fp32act)")

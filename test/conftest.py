@@ -28,8 +28,11 @@ def tiny_models(tmp_path_factory):
 def tiny_cfg(tiny_models):
     from spec_edge.config import Config
 
+    # fp32, one slot: a Hugging Face folder has no GGUF blocks for the default q4, and one slot is the
+    # single-request path the tests compare against (test_batch*.py set graphs.batch_slots themselves)
     return Config().replace(**{
         "model.target": str(tiny_models["target"]), "model.draft": str(tiny_models["draft"]),
+        "graphs.weights": "fp32", "graphs.batch_slots": 1,
         "graphs.max_context": 128, "graphs.prefill_chunk": 16, "graphs.k_values": TINY_K_VALUES,
         "graphs.layer_skip_layers": 2, "runtime.engine_dir": str(tiny_models["root"] / "engines"),
         "runtime.profile": "tiny", "speculative.drafter": "draft", "speculative.k": 4})

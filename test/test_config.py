@@ -25,9 +25,11 @@ def test_every_profile_in_config_loads():
         config.load(path)
 
 
-def test_default_profile_is_the_embedded_default():
-    cfg = config.load(REPO / "config" / "default.yaml")
+def test_default_profile_is_the_embedded_default_in_4_bits_over_4_slots():
+    cfg = Config()
     assert cfg.model.target == config.EMBEDDED and cfg.runtime.backend == "onnxruntime"
+    assert (cfg.graphs.weights, cfg.graphs.batch_slots) == ("q4", 4)
+    assert (cfg.speculative.drafter, cfg.speculative.k) == ("ngram", 4)
 
 
 @pytest.mark.parametrize("key,value,message", [
@@ -55,15 +57,16 @@ def test_unknown_yaml_key_is_named(tmp_path):
         config.load(path)
 
 
-def test_relative_engine_dir_is_resolved_against_a_stable_base(tmp_path, monkeypatch):
-    repo = Path(__file__).resolve().parent.parent
+def test_relative_engine_dir_is_resolved_under_the_user_cache(tmp_path, monkeypatch):
+    """One engines folder for every entry point, wherever it starts: $XDG_CACHE_HOME/spec_edge/<engine_dir>
+    (~/.cache when XDG_CACHE_HOME is unset or relative, as the XDG spec says); an absolute engine_dir as it is."""
     monkeypatch.chdir(tmp_path)  # never the current directory
-    assert config.engine_root(Config()) == repo / "engines"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert config.engine_root(Config()) == tmp_path / "cache" / "spec_edge" / "engines"
+    other = Config().replace(**{"runtime.engine_dir": "other"})
+    assert config.engine_root(other) == tmp_path / "cache" / "spec_edge" / "other"
     assert config.engine_root(Config().replace(**{"runtime.engine_dir": str(tmp_path / "e")})) == tmp_path / "e"
-    # an installed package without its source tree: a per-user folder under ROS_HOME
-    installed = tmp_path / "site-packages" / "spec_edge"
-    installed.mkdir(parents=True)
-    monkeypatch.setenv("ROS_HOME", str(tmp_path / "ros_home"))
-    assert config.engine_base(installed) == tmp_path / "ros_home" / "spec_edge"
-    monkeypatch.delenv("ROS_HOME")
-    assert config.engine_base(installed) == Path.home() / ".ros" / "spec_edge"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert config.engine_root(Config()) == Path.home() / ".cache" / "spec_edge" / "engines"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert config.engine_root(Config()) == Path.home() / ".cache" / "spec_edge" / "engines"

@@ -45,7 +45,8 @@ def test_onnxruntime_matches_torch(tmp_path, variant, attention):
     from tiny import make_checkpoint
 
     folder = make_checkpoint(tmp_path / "m", seed=3, **variant)
-    cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+    cfg = Config().replace(**{"model.target": str(folder), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+                              "graphs.max_context": 64, "graphs.prefill_chunk": 8,
                               "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1,
                               "runtime.engine_dir": str(tmp_path / "e")})
     out = export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None)
@@ -83,7 +84,8 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
     from tiny import make_checkpoint
 
     folder = make_checkpoint(tmp_path / "m", seed=5)
-    cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 32, "graphs.prefill_chunk": 8,
+    cfg = Config().replace(**{"model.target": str(folder), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+                              "graphs.max_context": 32, "graphs.prefill_chunk": 8,
                               "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1,
                               "runtime.engine_dir": str(tmp_path / "e")})
     out = ort_attention.ensure_fused(export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None),
@@ -123,7 +125,8 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
     folder = make_checkpoint(tmp_path / "m", seed=2)
     profile = tmp_path / "p.yaml"
     profile.write_text("/**:\n  ros__parameters:\n    graphs:\n      max_context: 64\n      prefill_chunk: 8\n"
-                       "      layer_skip_layers: 1\n      k_values: [3]\n    speculative:\n      k: 3\n")
+                       "      layer_skip_layers: 1\n      k_values: [3]\n      weights: fp32\n      batch_slots: 1\n"
+                       "    speculative:\n      k: 3\n")
     assert cli.main(["export", "--config", str(profile), "--target", str(folder),
                      "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
     fused = tmp_path / "e" / "cli" / "onnx" / "target_fused"
@@ -133,8 +136,8 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
     # with batch slots, the same folder gains the graphs of 2 rows the node loads too (its first start would
     # make them otherwise); the B=1 graphs are not exported again
     profile.write_text("/**:\n  ros__parameters:\n    graphs:\n      max_context: 64\n      prefill_chunk: 8\n"
-                       "      layer_skip_layers: 1\n      k_values: [3]\n      batch_slots: 2\n    speculative:\n"
-                       "      k: 3\n")
+                       "      layer_skip_layers: 1\n      k_values: [3]\n      weights: fp32\n      batch_slots: 2\n"
+                       "    speculative:\n      k: 3\n")
     assert cli.main(["export", "--config", str(profile), "--target", str(folder),
                      "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
     assert {"rows2_step_1", "rows2_verify_4"} <= set(json.loads((fused / "manifest.json").read_text())["graphs"])

@@ -38,7 +38,8 @@ def test_llama31_8b_weights_by_hand():
 
 def _inputs(**graphs) -> memory.PlanInputs:
     head = parse_head_config(HEAD_PRESETS["EAGLE3-LLaMA3.1-Instruct-8B"], LLAMA8)
-    g = dataclasses.replace(GraphSection(dtype="float16", max_context=8192, k_values=(4, 5, 6)), **graphs)
+    g = dataclasses.replace(GraphSection(dtype="float16", max_context=8192, k_values=(4, 5, 6), weights="fp32",
+                                         batch_slots=1), **graphs)
     return memory.PlanInputs(target=LLAMA8, graphs=g, memory=MemorySection(), drafter="eagle3", k=5, head=head)
 
 

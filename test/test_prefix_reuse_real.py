@@ -1,4 +1,4 @@
-"""Prefix reuse on the embedded default (fused-attention fp32 graphs, the default profile): a dialog
+"""Prefix reuse on the embedded default (fused-attention fp32 graphs, one slot; two): a dialog
 over two system prompts, each turn answered with the cache the previous turn left (the suffix
 prefilled from another position, so other chunk bounds) and cold, token for token; a difference is
 accepted only at a near-tie of the cold run (near_ties.py: top-2 margin < 0.05)."""
@@ -25,7 +25,8 @@ TURNS = ["Which tool checks the battery?", "Pick up the gauze from shelf A2.", "
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines")})
+    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
+                              "graphs.batch_slots": 1})
     return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
@@ -56,8 +57,9 @@ def test_dialog_reused_equals_cold(engine, system):
 
 @pytest.fixture(scope="module")
 def batch_engine():
-    """The batched engine (graphs.batch_slots 2: per-slot prefix reuse) over the same default profile."""
-    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.batch_slots": 2})
+    """The batched engine (graphs.batch_slots 2: per-slot prefix reuse) over the same fp32 graphs."""
+    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
+                              "graphs.batch_slots": 2})
     return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 

@@ -158,11 +158,11 @@ def test_gguf_names():
 def test_config_field():
     from spec_edge.config import Config, ConfigError
 
-    assert Config().graphs.weights == "fp32"
+    assert Config().graphs.weights == "q4"  # the default profile (test_default_profile.py)
     assert Config().graphs.head_weights == "q8"
     with pytest.raises(ConfigError, match="graphs.head_weights"):
         Config().replace(**{"graphs.head_weights": "q4"})
-    assert Config().replace(**{"graphs.weights": "q4"}).graphs.weights == "q4"
+    assert Config().replace(**{"graphs.weights": "fp32"}).graphs.weights == "fp32"
     with pytest.raises(ConfigError, match="graphs.weights"):
         Config().replace(**{"graphs.weights": "int3"})
     with pytest.raises(ConfigError, match="onnxruntime"):

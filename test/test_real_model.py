@@ -24,7 +24,8 @@ FREE = "Explain in two sentences why robots use speculative decoding."
 
 @pytest.fixture(scope="module")
 def engine():
-    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines")})
+    cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
+                              "graphs.batch_slots": 1})
     return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
@@ -66,17 +67,24 @@ def test_cli_generate_json_contract(engine):
     assert {"drafted", "accepted", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
             "time_to_first_token_s"} <= result["stats"].keys()
     assert result["finish_reason"] in ("length", "eos") and 0 < len(result["token_ids"]) <= 12
+    assert (result["profile"], result["weights"]) == ("default", "q4")  # no options: the default profile answered
 
 
-def test_cli_from_another_directory_uses_the_checkouts_engines(engine, tmp_path):
-    """runtime.engine_dir's default is resolved against the checkout, not the current directory: started
-    elsewhere, the CLI loads the graphs the engine fixture exported (no second export) and says where."""
+def test_cli_from_another_directory_uses_the_user_cache(engine, tmp_path):
+    """runtime.engine_dir's default is resolved under the user cache ($XDG_CACHE_HOME/spec_edge/engines), not
+    the current directory nor the checkout: started elsewhere with no options, the CLI loads the default
+    profile's graphs from there (here a link to the repo's engines/) and says where."""
+    cache = tmp_path / "cache"
+    (cache / "spec_edge").mkdir(parents=True)
+    (cache / "spec_edge" / "engines").symlink_to(REPO / "engines")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     out = subprocess.run([sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", "Say hello.",
                           "--max-new-tokens", "4", "--json"], capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                         cwd=elsewhere, env=dict(os.environ, PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(cache)))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"artifacts of profile 'smollm2-135m': {REPO / 'engines' / 'smollm2-135m'}" in out.stderr
-    assert "[export]" not in out.stderr and not (tmp_path / "engines").exists()
+    assert f"artifacts of profile 'smollm2-135m': {cache / 'spec_edge' / 'engines' / 'smollm2-135m'}" in out.stderr
+    assert not list(elsewhere.iterdir())
 
 
 @pytest.mark.parametrize("flag,value,message", [("--top-p", "2", "top_p must be in (0, 1]"),

@@ -24,7 +24,8 @@ def files(folder):
 
 def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
     cfg = Config().replace(**{
-        "model.target": str(tiny_models["target"]), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+        "model.target": str(tiny_models["target"]), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+        "graphs.max_context": 64, "graphs.prefill_chunk": 8,
         "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1, "speculative.drafter": "ngram",
         "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "grow"})
     quiet = lambda message: None  # noqa: E731

@@ -36,7 +36,7 @@ def test_reason():
 @pytest.mark.parametrize("params,message", [
     ({"serve.speculate_k_by_load": [4, 3]}, r"\[1\] = 3 \(load 2\) has no verify graph"),
     ({"serve.speculate_k_by_load": [4, -1]}, r"\[1\] = -1"),
-    ({"serve.speculate_k_by_load": [4] * 10},
+    ({"serve.speculate_k_by_load": [4] * 10, "graphs.batch_slots": 1},
      r"10 entries, one per load, .* graphs.batch_slots=1 \+ serve.queue_limit=8: drop the last 1"),
     ({"serve.speculate_k_by_load": [4] * 13, "graphs.batch_slots": 4}, r"batch_slots=4 \+ serve.queue_limit=8"),
     ({"serve.speculate_max_queue": 2}, r"speculate_max_queue is gone.*serve.speculate_k_by_load: \[4, 4, 0\]"),

@@ -73,7 +73,8 @@ from spec_edge.config import Config
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 
-engine = Engine.from_config(Config().replace(**{"runtime.engine_dir": sys.argv[1]}), progress=lambda m: None)
+engine = Engine.from_config(Config().replace(**{"runtime.engine_dir": sys.argv[1], "graphs.weights": "fp32",
+                                               "graphs.batch_slots": 1}), progress=lambda m: None)
 if sys.argv[2] == "measure":
     engine.generate(GenerateRequest(prompt="Explain in two sentences why robots use speculative decoding.",
                                     max_new_tokens=16))

@@ -101,8 +101,9 @@ def run_client(env: dict[str, str], job: dict, timeout: float = 300.0):
 
 
 def test_params(**overrides) -> dict:
-    """The test servers' parameters: the default profile, graphs cached in the repo's engines/."""
-    params = {"runtime.engine_dir": str(REPO / "engines")}
+    """The test servers' parameters: the embedded default in fp32 with one slot (the default profile runs q4 over
+    4 slots; test_node_batch.py serves slots), graphs cached in the repo's engines/."""
+    params = {"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32", "graphs.batch_slots": 1}
     params.update(overrides)
     return params
 

@@ -20,7 +20,7 @@ MAX_NEW = [60, 20, 40, 75, 30, 50, 16, 70]  # each prompt is 53 tokens: at most 
 def batch_params(tiny_models):
     # the batched folder of test_batch.py's batch_cfg (same engine dir, profile, shape): exported once a session
     return {"model.target": str(tiny_models["target"]), "graphs.max_context": 128, "graphs.prefill_chunk": 16,
-            "graphs.k_values": [3], "graphs.layer_skip_layers": 2, "graphs.batch_slots": 4,
+            "graphs.k_values": [3], "graphs.layer_skip_layers": 2, "graphs.batch_slots": 4, "graphs.weights": "fp32",
             "runtime.engine_dir": str(tiny_models["root"] / "engines"), "runtime.profile": "tiny",
             "speculative.drafter": "ngram", "speculative.k": 3, "serve.queue_limit": 8,
             "serve.warm_system_prompt": True,

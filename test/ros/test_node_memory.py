@@ -18,7 +18,8 @@ def rss_mb(pid: int) -> float:
 def test_rss_stays_flat_over_cleanup_configure_cycles(module_env, tmp_path, tiny_models):
     params = write_params(tmp_path / "tiny.yaml", {
         "model.target": str(tiny_models["target"]), "graphs.max_context": 128, "graphs.prefill_chunk": 16,
-        "graphs.k_values": [4], "runtime.engine_dir": str(tiny_models["root"] / "engines_memory"),
+        "graphs.k_values": [4], "graphs.weights": "fp32", "graphs.batch_slots": 1,
+        "runtime.engine_dir": str(tiny_models["root"] / "engines_memory"),
         "graphs.layer_skip_layers": 2, "runtime.profile": "tiny", "speculative.drafter": "ngram"})
     server = Server(module_env, params, tmp_path / "memory.log", argv=[
         sys.executable, "-m", "spec_edge.ros2.node", "--no-autostart", "--ros-args", "--params-file", str(params)])
