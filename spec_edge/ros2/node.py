@@ -7,8 +7,8 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 - activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate), the
   `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback) and
   `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread, which admits
-  requests into the engine's graphs.batch_slots slots; a request arriving while
-  serve.queue_limit requests wait is answered "busy" at once; a request older than
+  requests into the engine's graphs.batch_slots slots; a request arriving while the node holds
+  batch_slots + serve.queue_limit (running or waiting) is answered "busy" at once; a request older than
   serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
   load (requests in the engine: occupied slots + queued, at each iteration), 0 = target-only:
   stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
@@ -414,10 +414,10 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
             node.trigger_activate()
         else:
             node.get_logger().info("unconfigured: waiting for a lifecycle manager to configure and activate")
-        # one thread runs each request (the queue plus the one generating) and a few answer
-        # "busy", cancel goals and publish diagnostics while all those wait
-        limit = node.cfg.serve.queue_limit if node.cfg else cfgmod.ServeSection().queue_limit
-        executor = MultiThreadedExecutor(num_threads=limit + 4)
+        # one executor thread waits with each request the node holds (its slots + serve.queue_limit) and a
+        # few answer "busy", cancel goals and publish diagnostics while all those wait
+        held = node.get_parameter("graphs.batch_slots").value + node.get_parameter("serve.queue_limit").value
+        executor = MultiThreadedExecutor(num_threads=held + 4)
         executor.add_node(node)
         try:
             while not stop.is_set() and rclpy.ok():
