@@ -14,8 +14,12 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
 - parameters (spec_edge.ros2.parameters): one typed, described ROS parameter per config key; all are
   read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
+- shutdown (from any state, or on SIGINT / SIGTERM) frees the engine as cleanup does; a finalized node
+  answers every request that it is shutting down.
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s: memory_bytes is
-  the RSS now (memory_peak_bytes the peak); cleanup gives the engine's memory back to the OS.
+  the RSS now (memory_peak_bytes the peak), memory_pss_bytes its Pss, memory_anon_bytes the private
+  anonymous memory (the one to watch, docs/ros.md) and memory_file_bytes the resident pages of mapped files
+  (the weights); cleanup gives the engine's memory back to the OS.
 
 Everything the node knows about generation comes from the Engine; it only translates
 (spec_edge.ros2.messages) and queues (spec_edge.ros2.worker).
@@ -35,7 +39,7 @@ from spec_edge import config as cfgmod
 from spec_edge.ros2 import memory, parameters
 from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request, tokenize
 from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, leave_graph, start_watchdog, unless_stopped
-from spec_edge.ros2.worker import Job, Worker
+from spec_edge.ros2.worker import SHUTTING_DOWN, Job, Worker
 
 NODE_NAME = "spec_edge"
 SERVICE_NAME = "generate"   # relative: /generate, or /<namespace>/generate
@@ -250,11 +254,13 @@ def make_node_class():
             return TransitionCallbackReturn.SUCCESS
 
         def on_shutdown(self, state):
+            """Frees the engine as cleanup does: a finalized node may stay up (ros2 lifecycle set ... shutdown
+            without a signal), and it answers every request that it is shutting down."""
             self._active = False
-            self._unload(release=False)  # the process ends next: no heap to hand back
+            self._unload()
             return TransitionCallbackReturn.SUCCESS
 
-        def _unload(self, timeout: float = 1.0, release: bool = True):
+        def _unload(self, timeout: float = 1.0):
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
@@ -265,9 +271,8 @@ def make_node_class():
                 self.engine.close()
                 self.engine = None
                 self._info = {}
-                if release:
-                    memory.release_freed_heap()
-                    self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
+                memory.release_freed_heap()
+                self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
 
         def destroy_node(self) -> None:
             """Everything holding the rcl node, so it is finalized and its DDS participant leaves the
@@ -286,12 +291,17 @@ def make_node_class():
 
         # -- endpoints ----------------------------------------------------------------------------
 
+        def _not_serving(self) -> str:
+            """Why a request is refused while the node is not active."""
+            state = self.state_name()
+            if state in ("shuttingdown", "finalized"):
+                return SHUTTING_DOWN
+            return f"the node is {state}, not active: it serves once a lifecycle manager configures and activates it"
+
         def _run_job(self, msg: Any, **job_kwargs) -> Outcome:
             worker, cfg, engine = self.worker, self.cfg, self.engine
             if not self._active or worker is None or cfg is None or engine is None:
-                state = self.state_name()
-                return Outcome.refused(f"the node is {state}, not active: it serves once a lifecycle "
-                                       "manager configures and activates it")
+                return Outcome.refused(self._not_serving())
             from spec_edge.runtime.requests import RequestError
             try:
                 request = to_engine_request(msg)
@@ -310,9 +320,7 @@ def make_node_class():
         def _on_tokenize(self, request, response):
             engine = self.engine
             if not self._active or engine is None:
-                response.success, response.message = False, (
-                    f"the node is {self.state_name()}, not active: it serves once a lifecycle manager "
-                    "configures and activates it")
+                response.success, response.message = False, self._not_serving()
                 return response
             from spec_edge.runtime.requests import RequestError
             try:
@@ -353,7 +361,9 @@ def make_node_class():
             else:
                 depth = worker.queue_depth
                 values.update(self._info)
-                values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
+                used = memory.breakdown()
+                values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes(),
+                              **{f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
                               refused_busy=worker.refused_busy, speculation_off=worker.speculation_off)
