@@ -12,7 +12,7 @@
         def show(feedback):                                # the action: text as it comes
             print(feedback.delta, end="", flush=True)
         result, status = client.stream(show, prompt="Hello", max_new_tokens=32)
-        print(f"\n{status}: {result.finish_reason}")
+        print(f"\\n{status}: {result.finish_reason}")
     rclpy.shutdown()
 
 No call can hang: each first waits until the node has answered this client once (GenerateClient.wait: the
