@@ -116,6 +116,7 @@ def make_node_class():
             self._active = False
             self._diag_timer = None
             self.configuring = False  # on_configure is running (a first start's export can take minutes)
+            self.exiting = False  # the process ends after this shutdown (a signal): exit fast, free nothing more
             self._override_errors: dict[str, str] = {}  # params-file values of the wrong type
             for name, (default, descriptor) in parameters.descriptors(ParameterDescriptor, ParameterType).items():
                 self._declare(name, default, descriptor)
@@ -257,10 +258,10 @@ def make_node_class():
             """Frees the engine as cleanup does: a finalized node may stay up (ros2 lifecycle set ... shutdown
             without a signal), and it answers every request that it is shutting down."""
             self._active = False
-            self._unload()
+            self._unload(release=not self.exiting)  # a process about to end has no heap to hand back
             return TransitionCallbackReturn.SUCCESS
 
-        def _unload(self, timeout: float = 1.0):
+        def _unload(self, timeout: float = 1.0, release: bool = True):
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
@@ -271,8 +272,9 @@ def make_node_class():
                 self.engine.close()
                 self.engine = None
                 self._info = {}
-                memory.release_freed_heap()
-                self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
+                if release:
+                    memory.release_freed_heap()
+                    self.get_logger().info(f"engine freed (RSS now {memory.rss_bytes() / 1e6:.0f} MB)")
 
         def destroy_node(self) -> None:
             """Everything holding the rcl node, so it is finalized and its DDS participant leaves the
@@ -443,6 +445,7 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
             executor.spin_once(timeout_sec=0.05)
         executor.shutdown(timeout_sec=0.5)
     finally:
+        node.exiting = True
         try:
             node.trigger_shutdown()
         except Exception as err:  # already finalized or in an error state: nothing left to free
