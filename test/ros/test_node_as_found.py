@@ -141,6 +141,17 @@ def test_documented_client_example_runs_as_written(server, module_env):
     assert "SUCCEEDED: " in proc.stdout, proc.stdout
 
 
+def test_documented_rclpy_example_runs_as_written(server, module_env):
+    """D5: docs/ros.md's plain rclpy example (another node calling /generate), run as it is written."""
+    doc = (REPO / "docs" / "ros.md").read_text()
+    block = doc[doc.index("From another node (rclpy"):]
+    example = block[block.index("```python\n") + len("```python\n"):block.index("\n```\n")]
+    proc = subprocess.run([sys.executable, "-c", example], env=module_env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tok/s, " in proc.stdout, proc.stdout
+
+
 def test_client_without_a_node_raises_instead_of_hanging(module_env):
     """D5: every call waits for readiness with a timeout and says what to check."""
     code = textwrap.dedent("""
