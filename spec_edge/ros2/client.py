@@ -26,11 +26,13 @@ import json
 import os
 import sys
 import time
+import uuid
 from typing import Any, Callable
 
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty")
 GUIDED_FIELDS = ("json_schema", "grammar", "regex")  # msg/Guided.msg, the request's `guided` field
+FEEDBACK_DRAIN_S = 1.0  # after an action's result: how long feedback still on its way is waited for
 
 
 def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fields: Any) -> Any:
@@ -77,8 +79,19 @@ class GenerateClient:
         self.action = ActionClient(self.node, GenerateAction, ACTION_NAME,
                                    **action_qos_kwargs("feedback_sub_qos_profile"))
         self.action_name = self.node.resolve_service_name(ACTION_NAME)
+        # feedback through a subscription of our own (the action's feedback topic, routed by goal id): rclpy's
+        # ActionClient drops a goal's feedback callback once its result is in, and the result (a service reply)
+        # can overtake the last feedback (a topic message), whose delta would be lost
+        self._feedback_routes: dict[bytes, Callable[[Any], None]] = {}
+        self.node.create_subscription(GenerateAction.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback",
+                                      self._route_feedback, endpoint_qos())
         self.wait_timeout, self.timeout = wait_timeout, timeout
         self._service_ready = self._action_ready = False
+
+    def _route_feedback(self, msg: Any) -> None:
+        route = self._feedback_routes.get(bytes(msg.goal_id.uuid))
+        if route is not None:
+            route(msg)
 
     def __enter__(self) -> "GenerateClient":
         return self
@@ -165,13 +178,18 @@ class GenerateClient:
         its result each wait at most timeout s (default self.timeout; the first call waits for readiness
         first, wait_for_action()).
 
-        Returns (result message, goal status name: SUCCEEDED | CANCELED | ABORTED)."""
+        Once the result is in, feedback still on its way is taken (at most FEEDBACK_DRAIN_S), so the deltas
+        on_feedback saw add up to the result's text. Returns (result message, goal status name: SUCCEEDED |
+        CANCELED | ABORTED)."""
+        import rclpy
         from action_msgs.msg import GoalStatus
+        from unique_identifier_msgs.msg import UUID
         if not self._action_ready:
             self.wait_for_action()
         timeout = self.timeout if timeout is None else timeout
         goal = fill_request(self.action_type.Goal(), **fields)
         state = {"handle": None, "cancel": False, "sent": False}
+        shown: list[str] = []  # the deltas handed to on_feedback
 
         def cancel_if_wanted() -> None:
             # feedback can arrive before the goal handle does: the cancel waits for the handle
@@ -180,17 +198,27 @@ class GenerateClient:
                 state["handle"].cancel_goal_async()
 
         def feedback_cb(msg: Any) -> None:
+            shown.append(msg.feedback.delta)
             if on_feedback is not None and on_feedback(msg.feedback):
                 state["cancel"] = True
             cancel_if_wanted()
 
-        handle = self._spin_until(self.action.send_goal_async(goal, feedback_callback=feedback_cb), timeout,
-                                  "to the goal (accepted or rejected)")
-        if not handle.accepted:
-            raise RuntimeError("the node rejected the goal")
-        state["handle"] = handle
-        cancel_if_wanted()
-        wrapped = self._spin_until(handle.get_result_async(), timeout, "with the goal's result")
+        goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        self._feedback_routes[bytes(goal_id.uuid)] = feedback_cb
+        try:
+            handle = self._spin_until(self.action.send_goal_async(goal, goal_uuid=goal_id), timeout,
+                                      "to the goal (accepted or rejected)")
+            if not handle.accepted:
+                raise RuntimeError("the node rejected the goal")
+            state["handle"] = handle
+            cancel_if_wanted()
+            wrapped = self._spin_until(handle.get_result_async(), timeout, "with the goal's result")
+            # the result can overtake the last feedback: take what is still on its way
+            drain_until = time.monotonic() + FEEDBACK_DRAIN_S
+            while "".join(shown) != wrapped.result.text and time.monotonic() < drain_until:
+                rclpy.spin_once(self.node, timeout_sec=0.05)
+        finally:
+            del self._feedback_routes[bytes(goal_id.uuid)]
         names = {v: k for k, v in vars(GoalStatus).items() if k.startswith("STATUS_")}
         return wrapped.result, names.get(wrapped.status, str(wrapped.status)).removeprefix("STATUS_")
 
