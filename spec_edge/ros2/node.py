@@ -364,8 +364,8 @@ def make_node_class():
                 depth = worker.queue_depth
                 values.update(self._info)
                 used = memory.breakdown()
-                values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes(),
-                              **{f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
+                values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
+                values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
                               refused_busy=worker.refused_busy, speculation_off=worker.speculation_off)
