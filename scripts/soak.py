@@ -10,8 +10,10 @@ number of feedbacks, requests that run past the timeout, and bad requests. Every
 as answered, refused (bad or busy), cancelled, timed out, failed (the engine reported an error) or
 lost (no answer within request_timeout + 60 s: there must be none). Prints the counts, whether the
 repeated greedy answers were identical, p50/p99 time to first token (client side: goal sent ->
-first feedback, queue wait included; and the node's stats.time_to_first_token_s) and the node's RSS
-at start and end, as lines and one JSON object (--json FILE). Exit status 1 on a lost request or
+first feedback, queue wait included; and the node's stats.time_to_first_token_s), the node's memory at
+start and end by kind (VmRSS, Pss, private anonymous, file-backed: docs/ros.md "Which memory to watch") and
+the private anonymous memory from minute 2 (or half the duration) to the end, as lines and one JSON object
+(--json FILE). Exit status 1 on a lost request or
 differing greedy answers. docs/ros.md has the figures of a 10-minute run.
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PARAMS = REPO / "config" / "default.yaml"  # the default profile (= spec_edge/config.py's defaults)
+sys.path.insert(0, str(REPO))  # this checkout's spec_edge, as the node and the client processes get (PYTHONPATH)
 GREEDY = [("Name three tools a robot arm can hold.", 24), ("Which way is the kitchen?", 16),
           ("Say hello to the visitor.", 12), ("List two colours of the rainbow.", 16)]
 LONG = "Write a long story about a robot that learns to paint, with many details about colours."
@@ -41,14 +44,18 @@ KINDS = ("greedy", "long", "guided", "cancel", "timeout", "bad")
 WEIGHTS = (6, 2, 2, 3, 1, 3)
 
 
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+STEADY_S = 120.0  # private memory is compared from here (after warm-up: every kind of request has run) to the end
 
 
-def percentile(values: list[float], q: float) -> float:
+def memory_mb(pid: int) -> dict[str, float]:
+    """The node's memory by kind in MB (spec_edge/ros2/memory.py breakdown(): rss, pss, anon, file)."""
+    from spec_edge.ros2.memory import breakdown
+    return {kind: round(value / 1e6, 1) for kind, value in breakdown(pid).items()}
+
+
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
-        return float("nan")
+        return None  # JSON has no NaN
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
@@ -159,15 +166,22 @@ def soak(duration: float, clients: int, params: str, request_timeout: float, log
             if node.poll() is not None:
                 raise SystemExit(f"the node exited with {node.returncode}:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
-        rss_start = rss_mb(node.pid)
-        deadline = time.time() + duration
+        memory_start = memory_mb(node.pid)
+        started = time.time()
+        deadline = started + duration
         patience = request_timeout + 60.0
         outs = [tmp / f"client{i}.json" for i in range(clients)]
         procs = [subprocess.Popen([sys.executable, __file__, "--client", str(i), "--deadline", str(deadline),
                                    "--patience", str(patience), "--out", str(out)], env=env, cwd=REPO)
                  for i, out in enumerate(outs)]
+        steady = []  # (s since start, private anonymous MB) every 10 s from min(STEADY_S, duration / 2) on
+        while any(p.poll() is None for p in procs):
+            time.sleep(1.0)
+            since = time.time() - started
+            if since >= min(STEADY_S, duration / 2) and (not steady or since - steady[-1][0] >= 10.0):
+                steady.append((round(since), memory_mb(node.pid).get("anon", 0.0)))
         codes = [p.wait() for p in procs]
-        rss_end = rss_mb(node.pid)
+        memory_end = memory_mb(node.pid)
     finally:
         node.send_signal(signal.SIGTERM)
         node.wait(30)
@@ -194,7 +208,12 @@ def soak(duration: float, clients: int, params: str, request_timeout: float, log
                               "n": len(ttft_client)},
             "ttft_server_s": {"p50": percentile(ttft_server, 0.5), "p99": percentile(ttft_server, 0.99),
                               "n": len(ttft_server)},
-            "rss_mb": {"start": round(rss_start, 1), "end": round(rss_end, 1)},
+            "memory_mb": {"start": memory_start, "end": memory_end},
+            "anon_steady_mb": {"from_s": steady[0][0] if steady else None,
+                               "first": steady[0][1] if steady else None,
+                               "min": min(m for _, m in steady) if steady else None,
+                               "max": max(m for _, m in steady) if steady else None,
+                               "end": memory_end.get("anon")},
             "node_exit": node.returncode, "problems": problems[:20], "clients_ok": all(c == 0 for c in codes)}
 
 
@@ -224,13 +243,21 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(summary['greedy_prompts_answered'].values())} distinct texts over {len(GREEDY)} prompts)")
     for side in ("client", "server"):
         t = summary[f"ttft_{side}_s"]
-        print(f"time to first token ({side}): p50 {t['p50']:.3f} s, p99 {t['p99']:.3f} s over {t['n']}")
-    print(f"node RSS: {summary['rss_mb']['start']} MB at start, {summary['rss_mb']['end']} MB at end")
+        if t["n"]:
+            print(f"time to first token ({side}): p50 {t['p50']:.3f} s, p99 {t['p99']:.3f} s over {t['n']}")
+    for when in ("start", "end"):
+        m = summary["memory_mb"][when]
+        print(f"node memory at {when}: VmRSS {m.get('rss')} MB, Pss {m.get('pss')} MB, private anonymous "
+              f"{m.get('anon')} MB, file-backed {m.get('file')} MB")
+    a = summary["anon_steady_mb"]
+    if a["first"]:
+        print(f"private anonymous memory from {a['from_s']} s to the end: {a['first']} MB -> {a['end']} MB "
+              f"({100 * (a['end'] / a['first'] - 1):+.1f} %; range {a['min']}-{a['max']} MB)")
     for problem in summary["problems"]:
         print("problem:", problem)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1))
-    print(json.dumps(summary))
+        Path(args.json).write_text(json.dumps(summary, indent=1, allow_nan=False))
+    print(json.dumps(summary, allow_nan=False))
     ok = c["lost"] == 0 and summary["greedy_identical"] and summary["clients_ok"] and c["failed"] == 0
     return 0 if ok else 1
 

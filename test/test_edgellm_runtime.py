@@ -199,6 +199,18 @@ def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, tiny_models)
     assert result.finish_reason == "error" and "CUDA error 700" in result.message
 
 
+def test_answer_cut_inside_a_character_ends_on_a_whole_one(edge_cfg, script, tiny_models):
+    """As on the CPU path (one StreamDecoder): the runtime's last token is half an emoji; no delta and not the
+    text carries it, the ids keep it."""
+    tok = _tokenizer(tiny_models)
+    ids = tok.encode(" ok 🤖")[:-1]
+    script.reply = lambda call: Reply(ids, reason="LENGTH")
+    pieces = []
+    result = _engine(edge_cfg, script).generate(GenerateRequest(prompt="a"), on_text=lambda d, n: pieces.append(d))
+    assert tok.decode(ids).endswith("\ufffd") and result.token_ids == ids and result.finish_reason == "length"
+    assert result.text == " ok " and "".join(pieces) == result.text
+
+
 def test_cancel_stops_the_request_with_the_callers_reason(edge_cfg, script, tiny_models):
     tok = _tokenizer(tiny_models)
     script.reply = lambda call: Reply(tok.encode(" a b c d e f g h"))

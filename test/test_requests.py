@@ -25,7 +25,11 @@ BAD = [
     (dict(prompt="hi", top_k=-3), "top_k must be >= 0"),
     (dict(prompt="hi", drafter="medusa9"), "unknown drafter 'medusa9'"),
     (dict(prompt="bad \x07 bell"), "control character U\\+0007"),
-    (dict(prompt="bad \udcff byte"), "not valid UTF-8"),
+    (dict(prompt="bad \udcff byte"), r"prompt is not valid UTF-8 \(an undecodable byte at character 4\)"),
+    (dict(messages=(("user", "hi"), ("assistant", "ok\udcff"))), r"messages\[1\] \(assistant\) is not valid UTF-8 "
+                                                                 r"\(an undecodable byte at character 2\)"),
+    (dict(prompt="cut \x00 here"), "control character U\\+0000 at character 4"),  # NUL: refused where it is seen
+    (dict(prompt="hi", seed=-5), r"seed must be >= 0 \(reproducible sampling\) or -1 \(nondeterministic\), got -5"),
     (dict(prompt="hi", stop=("\x00",)), "stop string contains control character"),
     (dict(messages=(("robot", "hi"),)), "messages\\[0\\] has role 'robot': use one of system, user, assistant"),
     (dict(messages=(("user", "hi"), ("User", "again"))), "messages\\[1\\] has role 'User'"),
@@ -48,6 +52,15 @@ def test_bad_request_is_refused_clearly(tiny_engine, fields, message):
         tiny_engine.generate(GenerateRequest(**fields))
     good = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="ngram"))
     assert good.finish_reason in ("length", "eos") and good.token_ids
+
+
+def test_replacement_character_is_text(tiny_engine):
+    """U+FFFD is a character: a prompt holding it is answered, and so is an assistant turn holding it (an
+    answer holds U+FFFD where the model wrote bytes that are not UTF-8; the node test sends one back)."""
+    assert tiny_engine.generate(GenerateRequest(prompt="ok \ufffd", max_new_tokens=5)).token_ids
+    turns = (("user", "ok \ufffd"), ("assistant", "fine \ufffd"), ("user", "and \ufffd again"))
+    assert tiny_engine.generate(GenerateRequest(messages=turns, max_new_tokens=5)).token_ids
+    assert tiny_engine.generate(GenerateRequest(prompt="hi", seed=-1, temperature=0.8, max_new_tokens=3)).token_ids
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tiny_engine, tmp_path):

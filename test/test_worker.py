@@ -92,3 +92,41 @@ def test_stop_refuses_what_waits_and_cancels_what_runs(tiny_engine):
     assert jobs[0].done.is_set() and jobs[0].outcome.finish_reason == "cancelled"
     assert [job.outcome.message for job in jobs[1:]] == [SHUTTING_DOWN] * 2
     assert not tiny_engine.loop.occupied
+
+
+@pytest.mark.parametrize("concurrent,slots", [(True, 3), (False, 3)])
+def test_capacity_is_slots_plus_queue_counted_at_submit(tiny_cfg, concurrent, slots):
+    """D3: a burst of exactly capacity (requests at once) + serve.queue_limit is taken in full, before the
+    worker has moved any of it into a slot; one more is "busy"; once they finished there is room again."""
+    cfg = tiny_cfg.replace(**{"graphs.batch_slots": slots, "serve.queue_limit": 2})
+    backend = WholeRequests(cfg, concurrent)
+    worker = Worker(backend, cfg, Log())
+    try:
+        room = worker.capacity + 2
+        jobs = run_jobs(worker, room)
+        extra = Job(request=GenerateRequest(prompt="one more"))
+        assert not worker.submit(extra)
+        assert extra.outcome.message.startswith(f"busy: {room} requests already run or wait")
+        assert worker.refused_busy == 1
+        backend.release.set()
+        for job in jobs:
+            assert job.done.wait(10) and job.outcome.success
+        assert all(job.outcome.success for job in run_jobs(worker, room) if job.done.wait(10))
+    finally:
+        backend.release.set()
+        worker.stop(5)
+
+
+def test_capacity_over_the_engine_loop(tiny_engine):
+    """The same over the Engine's loop (B=1: capacity 1 slot + queue_limit)."""
+    cfg = tiny_engine.cfg.replace(**{"serve.queue_limit": 2})
+    worker = Worker(tiny_engine, cfg, Log())
+    try:
+        jobs = [Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=20, speculate=False))
+                for _ in range(3)]
+        assert all(worker.submit(job) for job in jobs)
+        assert not worker.submit(Job(request=GenerateRequest(prompt="one more")))
+        for job in jobs:
+            assert job.done.wait(60) and job.outcome.success and job.outcome.num_tokens > 0
+    finally:
+        worker.stop(30)

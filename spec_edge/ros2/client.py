@@ -1,9 +1,23 @@
 """A ROS 2 client of the spec_edge node: `spec-edge ask`, and helpers other Python code can call.
 
+    import rclpy
+
     from spec_edge.ros2.client import GenerateClient
-    with GenerateClient() as client:                       # rclpy.init() must have been called
+
+    rclpy.init()
+    with GenerateClient() as client:
         response = client.call(prompt="Hello", max_new_tokens=32)
         print(response.text, response.stats.tokens_per_s)
+
+        def show(feedback):                                # the action: text as it comes
+            print(feedback.delta, end="", flush=True)
+        result, status = client.stream(show, prompt="Hello", max_new_tokens=32)
+        print(f"\\n{status}: {result.finish_reason}")
+    rclpy.shutdown()
+
+No call can hang: each first waits until the node has answered this client once (GenerateClient.wait: the
+service; wait_for_action: the action's goal and result services), at most wait_timeout seconds, then for the
+answer at most timeout seconds; past either, TimeoutError says which and what to check.
 """
 from __future__ import annotations
 
@@ -12,11 +26,13 @@ import json
 import os
 import sys
 import time
+import uuid
 from typing import Any, Callable
 
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty")
 GUIDED_FIELDS = ("json_schema", "grammar", "regex")  # msg/Guided.msg, the request's `guided` field
+FEEDBACK_DRAIN_S = 1.0  # after an action's result: how long feedback still on its way is waited for
 
 
 def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fields: Any) -> Any:
@@ -44,9 +60,13 @@ def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fi
 
 
 class GenerateClient:
-    """Calls the node's `generate` service (and action, for streaming) from a node of its own."""
+    """Calls the node's `generate` service (and action, for streaming) from a node of its own.
 
-    def __init__(self, namespace: str = "", node_name: str = "spec_edge_client"):
+    wait_timeout: seconds a first call waits for the node to answer this client at all (readiness);
+    timeout: seconds a call waits for its answer (a call's own timeout replaces it)."""
+
+    def __init__(self, namespace: str = "", node_name: str = "spec_edge_client", *, wait_timeout: float = 60.0,
+                 timeout: float = 600.0):
         from rclpy.action import ActionClient
         from rclpy.node import Node
 
@@ -58,6 +78,20 @@ class GenerateClient:
         self.service = self.node.create_client(GenerateSrv, SERVICE_NAME, qos_profile=endpoint_qos())
         self.action = ActionClient(self.node, GenerateAction, ACTION_NAME,
                                    **action_qos_kwargs("feedback_sub_qos_profile"))
+        self.action_name = self.node.resolve_service_name(ACTION_NAME)
+        # feedback through a subscription of our own (the action's feedback topic, routed by goal id): rclpy's
+        # ActionClient drops a goal's feedback callback once its result is in, and the result (a service reply)
+        # can overtake the last feedback (a topic message), whose delta would be lost
+        self._feedback_routes: dict[bytes, Callable[[Any], None]] = {}
+        self.node.create_subscription(GenerateAction.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback",
+                                      self._route_feedback, endpoint_qos())
+        self.wait_timeout, self.timeout = wait_timeout, timeout
+        self._service_ready = self._action_ready = False
+
+    def _route_feedback(self, msg: Any) -> None:
+        route = self._feedback_routes.get(bytes(msg.goal_id.uuid))
+        if route is not None:
+            route(msg)
 
     def __enter__(self) -> "GenerateClient":
         return self
@@ -69,50 +103,93 @@ class GenerateClient:
         self.action.destroy()
         self.node.destroy_node()
 
-    def _spin_until(self, future: Any, timeout: float | None) -> Any:
+    def _spin_until(self, future: Any, timeout: float, what: str) -> Any:
+        """future's result, spinning this client's node at most timeout seconds (TimeoutError naming what)."""
         import rclpy
+        if timeout <= 0:  # rclpy spins forever on a negative timeout
+            raise ValueError(f"timeout must be > 0 s, got {timeout}")
         rclpy.spin_until_future_complete(self.node, future, timeout_sec=timeout)
         if not future.done():
-            raise TimeoutError(f"no answer from {self.node.resolve_service_name(self.service.srv_name)} "
-                               f"within {timeout} s")
+            raise TimeoutError(f"no answer {what} within {timeout} s: is the node still running, or is it busy "
+                               "with longer requests (raise the timeout)?")
         return future.result()
 
-    def wait(self, timeout: float = 30.0, ping_every: float = 1.0) -> None:
-        """Until the node has answered this client once (or TimeoutError).
-
-        wait_for_service only proves the request path: Fast DDS can drop a reply the server sends
-        before its reply writer has matched this client's new reader, and a call would then wait
-        forever. So after the service appears, an empty request (refused at once by validation,
-        no generation) is resent every ping_every seconds until one answer arrives."""
+    def _ping(self, send: Callable[[], Any], timeout: float, ping_every: float, name: str,
+              forget: Callable[[Any], None] = lambda future: None) -> Any:
+        """The answer to send() (a request the node answers at once, without generating), resent every
+        ping_every seconds until one answer arrives (forget(future) drops an unanswered one). Appearing in the
+        graph only proves the request path: Fast DDS can drop a reply the server sends before its reply
+        writer has matched this client's new reader, and a call would then wait forever."""
         import rclpy
-        name = self.node.resolve_service_name(self.service.srv_name)
         deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:  # a negative timeout would make rclpy spin forever
+            future = send()
+            rclpy.spin_until_future_complete(self.node, future, timeout_sec=min(ping_every, left))
+            if future.done():
+                return future.result()
+            forget(future)
+        raise TimeoutError(f"{name} appeared but sent no reply within {timeout} s")
+
+    def wait(self, timeout: float | None = None, ping_every: float = 1.0) -> None:
+        """Until the node's service has answered this client once (or TimeoutError after timeout s, default
+        wait_timeout): an empty request, refused at once by validation, resent every ping_every seconds."""
+        timeout = self.wait_timeout if timeout is None else timeout
+        name = self.node.resolve_service_name(self.service.srv_name)
         if not self.service.wait_for_service(timeout_sec=timeout):
             raise TimeoutError(f"service {name} did not appear within {timeout} s; "
                                "is the node running (same ROS_DOMAIN_ID)?")
-        while (left := deadline - time.monotonic()) > 0:  # a negative timeout would make rclpy spin forever
-            ping = self.service.call_async(self.srv_type.Request())
-            rclpy.spin_until_future_complete(self.node, ping, timeout_sec=min(ping_every, left))
-            if ping.done():
-                return
-            self.service.remove_pending_request(ping)
-        raise TimeoutError(f"service {name} appeared but sent no reply within {timeout} s")
+        self._ping(lambda: self.service.call_async(self.srv_type.Request()), timeout, ping_every,
+                   f"service {name}", forget=self.service.remove_pending_request)
+        self._service_ready = True
+
+    def wait_for_action(self, timeout: float | None = None, ping_every: float = 1.0) -> None:
+        """Until the node's action has answered this client once through its goal service and its result
+        service (or TimeoutError after timeout s, default wait_timeout): an empty goal, which the node aborts
+        at once (validation), resent every ping_every seconds."""
+        timeout = self.wait_timeout if timeout is None else timeout
+        name = f"action {self.action_name}"
+        deadline = time.monotonic() + timeout
+        if not self.action.wait_for_server(timeout_sec=timeout):
+            raise TimeoutError(f"{name} did not appear within {timeout} s; is the node running (same ROS_DOMAIN_ID)?")
+        handle = self._ping(lambda: self.action.send_goal_async(self.action_type.Goal()),
+                            max(deadline - time.monotonic(), 0.1), ping_every, f"{name} (its goal service)")
+        if handle.accepted:  # its result proves the result service's replies reach this client too
+            self._ping(handle.get_result_async, max(deadline - time.monotonic(), 0.1), ping_every,
+                       f"{name} (its result service)")
+        self._action_ready = True
 
     def call(self, timeout: float | None = None, **fields: Any) -> Any:
-        """One service call; returns the Generate response message."""
+        """One service call; returns the Generate response message (TimeoutError after timeout s, default
+        self.timeout; the first call waits for readiness first, wait())."""
+        if not self._service_ready:
+            self.wait()
+        timeout = self.timeout if timeout is None else timeout
         request = fill_request(self.srv_type.Request(), **fields)
-        return self._spin_until(self.service.call_async(request), timeout)
+        future = self.service.call_async(request)
+        try:
+            return self._spin_until(future, timeout, f"from {self.node.resolve_service_name(self.service.srv_name)}")
+        except TimeoutError:
+            self.service.remove_pending_request(future)
+            raise
 
     def stream(self, on_feedback: Callable[[Any], bool | None] | None = None,
                timeout: float | None = None, **fields: Any) -> tuple[Any, str]:
-        """Run the action; on_feedback(feedback) may return True to cancel the goal.
+        """Run the action; on_feedback(feedback) may return True to cancel the goal. The goal's acceptance and
+        its result each wait at most timeout s (default self.timeout; the first call waits for readiness
+        first, wait_for_action()).
 
-        Returns (result message, goal status name: SUCCEEDED | CANCELED | ABORTED)."""
+        Once the result is in, feedback still on its way is taken (at most FEEDBACK_DRAIN_S), so the deltas
+        on_feedback saw add up to the result's text. Returns (result message, goal status name: SUCCEEDED |
+        CANCELED | ABORTED)."""
+        import rclpy
         from action_msgs.msg import GoalStatus
-        if not self.action.wait_for_server(timeout_sec=timeout or 30.0):
-            raise TimeoutError("action server 'generate' did not appear")
+        from unique_identifier_msgs.msg import UUID
+        if not self._action_ready:
+            self.wait_for_action()
+        timeout = self.timeout if timeout is None else timeout
         goal = fill_request(self.action_type.Goal(), **fields)
         state = {"handle": None, "cancel": False, "sent": False}
+        shown: list[str] = []  # the deltas handed to on_feedback
 
         def cancel_if_wanted() -> None:
             # feedback can arrive before the goal handle does: the cancel waits for the handle
@@ -121,16 +198,27 @@ class GenerateClient:
                 state["handle"].cancel_goal_async()
 
         def feedback_cb(msg: Any) -> None:
+            shown.append(msg.feedback.delta)
             if on_feedback is not None and on_feedback(msg.feedback):
                 state["cancel"] = True
             cancel_if_wanted()
 
-        handle = self._spin_until(self.action.send_goal_async(goal, feedback_callback=feedback_cb), timeout)
-        if not handle.accepted:
-            raise RuntimeError("the node rejected the goal")
-        state["handle"] = handle
-        cancel_if_wanted()
-        wrapped = self._spin_until(handle.get_result_async(), timeout)
+        goal_id = UUID(uuid=list(uuid.uuid4().bytes))
+        self._feedback_routes[bytes(goal_id.uuid)] = feedback_cb
+        try:
+            handle = self._spin_until(self.action.send_goal_async(goal, goal_uuid=goal_id), timeout,
+                                      "to the goal (accepted or rejected)")
+            if not handle.accepted:
+                raise RuntimeError("the node rejected the goal")
+            state["handle"] = handle
+            cancel_if_wanted()
+            wrapped = self._spin_until(handle.get_result_async(), timeout, "with the goal's result")
+            # the result can overtake the last feedback: take what is still on its way
+            drain_until = time.monotonic() + FEEDBACK_DRAIN_S
+            while "".join(shown) != wrapped.result.text and time.monotonic() < drain_until:
+                rclpy.spin_once(self.node, timeout_sec=0.05)
+        finally:
+            del self._feedback_routes[bytes(goal_id.uuid)]
         names = {v: k for k, v in vars(GoalStatus).items() if k.startswith("STATUS_")}
         return wrapped.result, names.get(wrapped.status, str(wrapped.status)).removeprefix("STATUS_")
 
@@ -181,25 +269,24 @@ def ask_main(argv: list[str] | None = None) -> int:
                   regex=text_or_file(args.regex), **distribution_fields(args))
     rclpy.init(args=[])
     try:
-        with GenerateClient(namespace=args.namespace) as client:
+        with GenerateClient(namespace=args.namespace, wait_timeout=args.wait, timeout=args.timeout) as client:
             try:
-                client.wait(args.wait)
                 if args.stream:
                     def show(feedback: Any) -> None:
                         if not args.json:
                             print(feedback.delta, end="", flush=True)
-                    response, _ = client.stream(show, timeout=args.timeout, **fields)
+                    response, _ = client.stream(show, **fields)
                     if not args.json:
                         print()
                 else:
-                    response = client.call(timeout=args.timeout, **fields)
+                    response = client.call(**fields)
             except TimeoutError as err:
                 print(f"spec-edge ask: {err}", file=sys.stderr)
                 return 3
     finally:
         rclpy.try_shutdown()
     if args.json:
-        print(json.dumps(response_to_dict(response), ensure_ascii=False))
+        print(json.dumps(response_to_dict(response), ensure_ascii=False, allow_nan=False))
     elif response.success:
         if not args.stream:
             print(response.text)
@@ -212,7 +299,7 @@ def ask_main(argv: list[str] | None = None) -> int:
             print(f"[note: {response.message}]", file=sys.stderr)
     else:
         print(f"spec-edge ask: refused: {response.message}", file=sys.stderr)
-    return 0 if response.success else 1
+    return 0 if response.success else 2  # refused: 2, as `spec-edge generate` (a timeout: 3)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Translation between the Generate / Tokenize messages and the engine: a service request or action
-goal -> GenerateRequest (refusing broken UTF-8), an engine result -> Outcome -> response / action result,
+goal -> GenerateRequest, an engine result -> Outcome -> response / action result,
 a Tokenize request -> ids or text, a response -> plain dict (`spec-edge ask --json`).
 
 No rclpy here: the functions take the message objects they are handed.
@@ -18,28 +18,13 @@ def _optional(values: Any) -> Any:
     return values[0] if len(values) else None
 
 
-def check_decoded(name: str, text: str) -> None:
-    """Refuse text that arrived as broken UTF-8: rclpy decodes a string field with
-    errors="replace", so undecodable bytes reach us as U+FFFD. (Control characters and the rest
-    are the engine's to check.)"""
-    from spec_edge.runtime.requests import RequestError
-    at = text.find("\ufffd")
-    if at >= 0:
-        raise RequestError(f"{name} is not valid UTF-8 (undecodable bytes at character {at}): "
-                           "send UTF-8 text")
-
-
 def to_engine_request(msg: Any):
-    """A Generate service request or action goal -> engine.GenerateRequest (RequestError if bad)."""
+    """A Generate service request or action goal -> engine.GenerateRequest; the engine checks its fields.
+
+    rclpy decodes a string field with errors="replace": bytes that are not UTF-8 arrive as U+FFFD, which the
+    node cannot tell from a U+FFFD the client meant, so both are text here. A NUL ends a ROS string: what
+    follows it never reaches the node."""
     from spec_edge.runtime.requests import GenerateRequest
-    check_decoded("prompt", msg.prompt)
-    check_decoded("system_prompt", msg.system_prompt)
-    for i, m in enumerate(msg.messages):
-        check_decoded(f"messages[{i}]", m.role + m.content)
-    for i, stop in enumerate(msg.stop):
-        check_decoded(f"stop[{i}]", stop)
-    for name in ("json_schema", "grammar", "regex"):
-        check_decoded(f"guided.{name}", getattr(msg.guided, name))
     def number(values: Any) -> float | None:
         value = _optional(values)
         return None if value is None else float(value)
@@ -129,7 +114,6 @@ def tokenize(engine: Any, msg: Any) -> tuple[list[int], str]:
     chat template as a Generate prompt would be, with msg.chat), or the text of msg.ids.
     RequestError with what to change."""
     from spec_edge.runtime.requests import GenerateRequest, RequestError
-    check_decoded("text", msg.text)
     if bool(msg.text) == bool(len(msg.ids)):
         raise RequestError("give text (to tokenize) or ids (to detokenize), not both and not neither")
     if msg.text:

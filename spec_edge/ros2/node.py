@@ -7,15 +7,19 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 - activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate), the
   `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback) and
   `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread, which admits
-  requests into the engine's graphs.batch_slots slots; a request arriving while
-  serve.queue_limit requests wait is answered "busy" at once; a request older than
+  requests into the engine's graphs.batch_slots slots; a request arriving while the node holds
+  batch_slots + serve.queue_limit (running or waiting) is answered "busy" at once; a request older than
   serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
   load (requests in the engine: occupied slots + queued, at each iteration), 0 = target-only:
   stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
 - parameters (spec_edge.ros2.parameters): one typed, described ROS parameter per config key; all are
   read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
+- shutdown (from any state, or on SIGINT / SIGTERM) frees the engine as cleanup does; a finalized node
+  answers every request that it is shutting down.
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s: memory_bytes is
-  the RSS now (memory_peak_bytes the peak); cleanup gives the engine's memory back to the OS.
+  the RSS now (memory_peak_bytes the peak), memory_pss_bytes its Pss, memory_anon_bytes the private
+  anonymous memory (the one to watch, docs/ros.md) and memory_file_bytes the resident pages of mapped files
+  (the weights); cleanup gives the engine's memory back to the OS.
 
 Everything the node knows about generation comes from the Engine; it only translates
 (spec_edge.ros2.messages) and queues (spec_edge.ros2.worker).
@@ -35,7 +39,7 @@ from spec_edge import config as cfgmod
 from spec_edge.ros2 import memory, parameters
 from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request, tokenize
 from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, leave_graph, start_watchdog, unless_stopped
-from spec_edge.ros2.worker import Job, Worker
+from spec_edge.ros2.worker import SHUTTING_DOWN, Job, Worker
 
 NODE_NAME = "spec_edge"
 SERVICE_NAME = "generate"   # relative: /generate, or /<namespace>/generate
@@ -112,6 +116,7 @@ def make_node_class():
             self._active = False
             self._diag_timer = None
             self.configuring = False  # on_configure is running (a first start's export can take minutes)
+            self.exiting = False  # the process ends after this shutdown (a signal): exit fast, free nothing more
             self._override_errors: dict[str, str] = {}  # params-file values of the wrong type
             for name, (default, descriptor) in parameters.descriptors(ParameterDescriptor, ParameterType).items():
                 self._declare(name, default, descriptor)
@@ -250,8 +255,10 @@ def make_node_class():
             return TransitionCallbackReturn.SUCCESS
 
         def on_shutdown(self, state):
+            """Frees the engine as cleanup does: a finalized node may stay up (ros2 lifecycle set ... shutdown
+            without a signal), and it answers every request that it is shutting down."""
             self._active = False
-            self._unload(release=False)  # the process ends next: no heap to hand back
+            self._unload(release=not self.exiting)  # a process about to end has no heap to hand back
             return TransitionCallbackReturn.SUCCESS
 
         def _unload(self, timeout: float = 1.0, release: bool = True):
@@ -286,12 +293,17 @@ def make_node_class():
 
         # -- endpoints ----------------------------------------------------------------------------
 
+        def _not_serving(self) -> str:
+            """Why a request is refused while the node is not active."""
+            state = self.state_name()
+            if state in ("shuttingdown", "finalized"):
+                return SHUTTING_DOWN
+            return f"the node is {state}, not active: it serves once a lifecycle manager configures and activates it"
+
         def _run_job(self, msg: Any, **job_kwargs) -> Outcome:
             worker, cfg, engine = self.worker, self.cfg, self.engine
             if not self._active or worker is None or cfg is None or engine is None:
-                state = self.state_name()
-                return Outcome.refused(f"the node is {state}, not active: it serves once a lifecycle "
-                                       "manager configures and activates it")
+                return Outcome.refused(self._not_serving())
             from spec_edge.runtime.requests import RequestError
             try:
                 request = to_engine_request(msg)
@@ -310,9 +322,7 @@ def make_node_class():
         def _on_tokenize(self, request, response):
             engine = self.engine
             if not self._active or engine is None:
-                response.success, response.message = False, (
-                    f"the node is {self.state_name()}, not active: it serves once a lifecycle manager "
-                    "configures and activates it")
+                response.success, response.message = False, self._not_serving()
                 return response
             from spec_edge.runtime.requests import RequestError
             try:
@@ -353,7 +363,9 @@ def make_node_class():
             else:
                 depth = worker.queue_depth
                 values.update(self._info)
+                used = memory.breakdown()
                 values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
+                values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
                               refused_busy=worker.refused_busy, speculation_off=worker.speculation_off)
@@ -414,10 +426,10 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
             node.trigger_activate()
         else:
             node.get_logger().info("unconfigured: waiting for a lifecycle manager to configure and activate")
-        # one thread runs each request (the queue plus the one generating) and a few answer
-        # "busy", cancel goals and publish diagnostics while all those wait
-        limit = node.cfg.serve.queue_limit if node.cfg else cfgmod.ServeSection().queue_limit
-        executor = MultiThreadedExecutor(num_threads=limit + 4)
+        # one executor thread waits with each request the node holds (its slots + serve.queue_limit) and a
+        # few answer "busy", cancel goals and publish diagnostics while all those wait
+        held = node.get_parameter("graphs.batch_slots").value + node.get_parameter("serve.queue_limit").value
+        executor = MultiThreadedExecutor(num_threads=held + 4)
         executor.add_node(node)
         try:
             while not stop.is_set() and rclpy.ok():
@@ -433,6 +445,7 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
             executor.spin_once(timeout_sec=0.05)
         executor.shutdown(timeout_sec=0.5)
     finally:
+        node.exiting = True
         try:
             node.trigger_shutdown()
         except Exception as err:  # already finalized or in an error state: nothing left to free

@@ -8,7 +8,9 @@ occupied slots + the jobs waiting here (loop.waiting, kept by this thread). A ba
 requests (engine.loop is None: Edge-LLM, backends/edgellm.py) runs each admitted job's generate() on a
 thread of its own, up to graphs.batch_slots at once when it is concurrent, else one.
 
-serve.queue_limit bounds what waits (a request beyond it is answered "busy" at once),
+The node holds at most capacity (the slots: requests running at once) + serve.queue_limit requests, counted
+at submit: a request beyond them is answered "busy" at once (a burst of exactly that many to an idle node is
+served in full, whether or not the thread has moved the first ones into slots yet),
 serve.request_timeout_s how long a request may take from submit to finish (queue wait
 included; past it, finish_reason "error"). cancel and stop are seen before each decode call; stop()
 refuses what waits and cancels what runs. No rclpy here: the node hands in its logger and answers with
@@ -60,6 +62,7 @@ class Worker:
         self._lock = threading.Lock()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}  # id(job) -> job, the jobs in the engine
+        self._held: list[Job] = []  # every job submit accepted that has not finished (waiting, admitted, running)
         self._wake = threading.Condition(self._lock)
         self._stopping = False
         self.current: Job | None = None
@@ -76,19 +79,22 @@ class Worker:
         return len(self._waiting)
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False (and the job answered "busy") when serve.queue_limit are waiting."""
+        """Queue a job; False (and the job answered "busy") when the node already holds capacity +
+        serve.queue_limit unfinished requests (running or waiting)."""
         limit = self.cfg.serve.queue_limit
         with self._lock:
             if self._stopping:
                 job.finish(Outcome.refused(SHUTTING_DOWN))
                 return False
-            if len(self._waiting) >= limit:
+            self._held = [held for held in self._held if not held.done.is_set()]
+            if len(self._held) >= self.capacity + limit:
                 self.refused_busy += 1
                 job.finish(Outcome.refused(
-                    f"busy: {len(self._waiting)} requests already wait (serve.queue_limit={limit}); "
-                    "retry later"))
+                    f"busy: {len(self._held)} requests already run or wait ({self.capacity} slot(s) + "
+                    f"serve.queue_limit={limit}); retry later"))
                 return False
             job.deadline = time.monotonic() + self.cfg.serve.request_timeout_s
+            self._held.append(job)
             self._waiting.append(job)
             self._wake.notify()
         return True

@@ -74,12 +74,16 @@ class GenerateResult:
 
 
 def check_text(name: str, text: str) -> None:
+    """Refuse text that is not UTF-8 (a lone surrogate: how Python holds undecodable bytes, e.g. of argv) or holds
+    a control character other than newline, tab and carriage return (NUL among them: a ROS string ends at it, so
+    through the node it cuts the text before the node sees it). U+FFFD is a character like any other: a
+    client may send it, and the node's own output holding it is accepted back."""
     for i, char in enumerate(text):
         if char in "\n\t\r":
             continue
         category = unicodedata.category(char)
         if category == "Cs":
-            raise RequestError(f"{name} is not valid UTF-8 (undecodable byte at character {i}): send UTF-8 text")
+            raise RequestError(f"{name} is not valid UTF-8 (an undecodable byte at character {i}): send UTF-8 text")
         if category == "Cc":
             raise RequestError(f"{name} contains control character U+{ord(char):04X} at character {i}: "
                                f"remove it (only newline, tab and carriage return are accepted)")

@@ -121,7 +121,9 @@ class TokenLogprobs:
 
 def token_logprobs(processed: np.ndarray, tokens: Sequence[int], n: int) -> list[TokenLogprobs]:
     """tokens[i] chosen from processed row i ((len(tokens), V) processed logits): its log-probability and
-    the n most likely ids of the row (highest first, ties: lower id first)."""
+    the n most likely ids of the row (highest first, ties: lower id first). Only allowed ids are listed: an id
+    the row forbids (-inf: a grammar's mask, ignore_eos) has no log-probability to report, so a row with fewer
+    than n allowed ids lists fewer; every number is finite (JSON has no -Infinity)."""
     given = np.asarray(processed)[:len(tokens)]  # (N, V)
     rows = given.astype(np.float64)
     top = rows.max(axis=-1, keepdims=True)
@@ -132,6 +134,7 @@ def token_logprobs(processed: np.ndarray, tokens: Sequence[int], n: int) -> list
     out = []
     for row, ids, token in zip(logp, best, tokens):
         ids = ids[np.lexsort((ids, -row[ids]))]  # highest first, ties: lower id first
+        ids = ids[np.isfinite(row[ids])]
         out.append(TokenLogprobs(int(token), float(row[token]), tuple(int(i) for i in ids),
                                  tuple(float(row[i]) for i in ids)))
     return out

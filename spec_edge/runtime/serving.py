@@ -50,8 +50,8 @@ def chat_text(tokenizer: Tokenizer, request: GenerateRequest, default_system: st
     if request.messages:
         check_roles(request.messages, chat_roles(tokenizer.chat_template))
         messages = list(request.messages)
-        for role, content in messages:
-            check_text(f"message ({role})", content)
+        for i, (role, content) in enumerate(messages):
+            check_text(f"messages[{i}] ({role})", content)
     else:
         if not request.prompt.strip():
             raise RequestError("prompt is empty: send the text to answer")
@@ -113,10 +113,12 @@ def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int, voca
         raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds {max_context} tokens), "
                            f"got {max_new}")
     seed = defaults.seed if request.seed is None else int(request.seed)
+    if seed < -1:
+        raise RequestError(f"seed must be >= 0 (reproducible sampling) or -1 (nondeterministic), got {seed}")
     drafter = cfg.speculative.drafter if not request.drafter else request.drafter
     if drafter not in DRAFTERS:
         raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
     if not request.speculate:
         drafter = "none"
     k = cfg.speculative.k if not request.k else int(request.k)
-    return params, max_new, (seed if seed is not None and seed >= 0 else None), drafter, k
+    return params, max_new, (seed if seed >= 0 else None), drafter, k

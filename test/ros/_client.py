@@ -84,7 +84,9 @@ def main() -> None:
             from lifecycle_msgs.msg import Transition
             from lifecycle_msgs.srv import ChangeState
             ids = {"configure": Transition.TRANSITION_CONFIGURE, "activate": Transition.TRANSITION_ACTIVATE,
-                   "deactivate": Transition.TRANSITION_DEACTIVATE, "cleanup": Transition.TRANSITION_CLEANUP}
+                   "deactivate": Transition.TRANSITION_DEACTIVATE, "cleanup": Transition.TRANSITION_CLEANUP,
+                   "shutdown_active": Transition.TRANSITION_ACTIVE_SHUTDOWN,
+                   "shutdown_inactive": Transition.TRANSITION_INACTIVE_SHUTDOWN}
             change = client.node.create_client(ChangeState, job["node"] + "/change_state")
             assert change.wait_for_service(timeout_sec=30), "no change_state service"
             out = {"set": []}

@@ -108,8 +108,8 @@ BAD_REQUESTS = [
     ("top_p 2", {"prompt": PROMPT, "top_p": 2.0}, "top_p"),
     ("unknown drafter", {"prompt": PROMPT, "drafter": "telepathy"}, "drafter"),
     ("k without a verify graph", {"prompt": PROMPT, "k": 3}, "k"),
-    # invalid UTF-8 arrives as U+FFFD: rclpy decodes strings with errors="replace"
-    ("non-UTF-8 bytes", {"prompt": "hello \ufffd\ufffd world"}, "UTF-8"),
+    # (U+FFFD is text, also where rclpy made it of bytes that are not UTF-8: test_node_as_found.py)
+    ("seed below -1", {"prompt": PROMPT, "seed": -5}, "seed"),
     ("control characters", {"prompt": "hello \x07\x1b[31m world"}, "control"),
     ("unknown role", {"messages": [["robot", "Say hi."]]}, "role 'robot'"),
     ("prompt + max_new_tokens over the context", {"prompt": PROMPT, "max_new_tokens": 1020}, "exceed the context"),
