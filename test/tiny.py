@@ -309,13 +309,14 @@ def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
 
 
 def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
-                                   params=None, length: int | None = None, constraint=None) -> None:
+                                   params=None, length: int | None = None, constraint=None) -> list:
     """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution of the
     first `length` tokens (default k + 2: a window of k accepted drafts is followed by its bonus token
     inside them; the default top_k=2 keeps the cells few), from the target's own graphs, each row processed
     with its history (sampling.processed_logits) and, with constraint (a (kind, text) grammar), masked by
     the grammar state along the path, vs n seeded runs through the real loop, chi-square below its 0.999
-    quantile (seeds fixed). The runs must speculate (assert_speculated; accepted drafts with must_accept)."""
+    quantile (seeds fixed). The runs must speculate (assert_speculated; accepted drafts with must_accept).
+    Returns the runs' stats."""
     import numpy as np
 
     from spec_edge.runtime import speculative
@@ -358,3 +359,4 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     assert_speculated(*runs, accepted=must_accept)
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df, sorted(counts.items(), key=lambda kv: -kv[1])[:5])
+    return runs
