@@ -176,13 +176,13 @@ def test_constrained_sampling_follows_the_constrained_target(tiny_engine):
     """Speculative sampling under a grammar (the unconstrained target drafting for itself: sampled
     drafts, cut where they stray, their q rows masked and renormalised) keeps the target's
     distribution restricted to the grammar and renormalised: the exact distribution of the first
-    three tokens (k=1: an accepted draft's bonus token among them) vs 600 seeded runs, chi-square below its
-    0.999 quantile (T=2: the drafter's top-3 often holds a forbidden token)."""
+    five tokens (k=3: an accepted window's bonus token among them) vs 800 seeded runs, chi-square below its
+    0.999 quantile (T=2: the drafter's top-2 often holds a forbidden token)."""
     from spec_edge.runtime.backends.ort_runner import b1_runner
 
     drafter = ModelDrafter(b1_runner(tiny_engine.graph_dir), name="self")  # samples from the unmasked target
-    runs = assert_sampling_follows_target(tiny_engine, drafter, must_accept=True, n=600, k=1, length=3,
-                                          params=SamplingParams(temperature=2.0, top_k=3),
+    runs = assert_sampling_follows_target(tiny_engine, drafter, must_accept=True, n=800, k=3, length=5,
+                                          params=SamplingParams(temperature=2.0, top_k=2),
                                           constraint=("regex", r"[a-z ]{1,12}\."))
     assert sum(stats.cut for stats in runs) > 0  # drafts were cut, too
 

@@ -131,3 +131,9 @@ def test_top_p_and_top_k_restrict_support():
     assert np.count_nonzero(probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))) == 2
     assert np.count_nonzero(probabilities(logits, SamplingParams(temperature=1.0, top_k=3))) == 3
     assert np.allclose(probabilities(logits, SamplingParams(temperature=1.0))[0], [0.5, 0.3, 0.15, 0.05])
+
+
+def test_temperature_divides_the_logits():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    want = np.sqrt([0.5, 0.3, 0.15, 0.05])  # softmax(log p / 2) is proportional to sqrt(p)
+    np.testing.assert_allclose(probabilities(logits, SamplingParams(temperature=2.0))[0], want / want.sum())
