@@ -187,6 +187,28 @@ def test_constrained_sampling_follows_the_constrained_target(tiny_engine):
     assert sum(stats.cut for stats in runs) > 0  # drafts were cut, too
 
 
+def test_verify_masks_and_renormalises_the_draft_q(tiny_engine):
+    """The loop's verify rule under a grammar (speculative.accept_rows, a real grammar state): a drafted token a
+    whose drafter row q put half its mass on a forbidden id is judged against q restricted to the grammar and
+    renormalised (q(a) = 1), so it is accepted with p(a) / 1 = 1/2; judged against the raw q(a) = 1/2 it would
+    always be accepted and a would be emitted too often (the constrained chi-square test's grammar seldom
+    meets such a row)."""
+    constraint = tiny_engine.grammars.constraint("regex", ACTION)
+    allowed = np.flatnonzero(constraint.masks([])[0])
+    a, b = int(allowed[0]), int(allowed[1])
+    forbidden = int(np.flatnonzero(~constraint.masks([])[0])[0])
+    vocab = tiny_engine.target.vocab_size
+    logits = np.zeros((2, vocab), np.float32)  # row 0: p(a) = p(b) = 1/2 once masked (top_k=2); row 1: the bonus
+    logits[0, [a, b]] = 5.0
+    q = np.zeros((1, vocab))
+    q[0, [a, forbidden]] = 0.5
+    sampler = speculative.Sampler(SamplingParams(temperature=1.0, top_k=2), seed=0)
+    n = 4000
+    accepted = sum(speculative.accept_rows(logits, speculative.Draft(tokens=[a], q_draft=q), constraint, sampler,
+                                           [a])[0] for _ in range(n))
+    assert abs(accepted / n - 0.5) < 0.04, accepted / n
+
+
 def test_guided_bench_on_tiny(tiny_cfg, tmp_path):
     """spec-edge bench --guided end to end: every guided row valid, the ids identical across drafters
     and variants (exit 0), the forced variant proposing the schema's keys."""

@@ -52,6 +52,8 @@ def fast_tests(engine, self_runner) -> list[tuple[str, object]]:
          lambda: test_speculative.test_eos_inside_a_draft(engine, self_runner)),
         ("test_request_fields.py::test_greedy_speculative_equals_target_only_with_each_option[penalties]",
          lambda: test_request_fields.test_greedy_speculative_equals_target_only_with_each_option(engine, "penalties")),
+        ("test_guided.py::test_verify_masks_and_renormalises_the_draft_q",
+         lambda: test_guided.test_verify_masks_and_renormalises_the_draft_q(engine)),
         guided("self", False), guided("ngram", False), guided("none", True),
         ("test_guided.py::test_eos_outputs_match_the_grammar", lambda: test_guided.test_eos_outputs_match_the_grammar(engine)),
         loop("self"), loop("tempered-self"), loop("greedy-self"), loop("draft"),
