@@ -73,13 +73,14 @@ class GreedySelfDrafter(ModelDrafter):
 
 
 class TemperedSelfDrafter(ModelDrafter):
-    """The target drafting for itself at another temperature and top-k: q overlaps p but differs from it,
-    so drafts are accepted, rejected with a residual max(0, p - q) that is neither p nor one-hot, and
-    followed by bonus tokens. Its draws come from the request's own random stream."""
+    """The target drafting for itself at a lower temperature (T=0.6, top-k 2) than the request's (T=2.5):
+    q overlaps p but is sharper, so its top token is often rejected and the residual max(0, p - q) puts the
+    correction on the others (resampling from p instead moves a quarter of that mass back to the top token).
+    Its draws come from the request's own random stream."""
 
     def __init__(self, runner):
         super().__init__(runner, name="tempered-self")
-        self.params = SamplingParams(temperature=1.7, top_k=3)
+        self.params = SamplingParams(temperature=0.6, top_k=2)
 
     def propose(self, seq, k, sampler):
         own = speculative.Sampler(self.params)
@@ -87,11 +88,12 @@ class TemperedSelfDrafter(ModelDrafter):
         return super().propose(seq, k, own)
 
 
-DRAFTERS = {  # name -> (drafter over the tiny engine, must it get drafts accepted)
-    "draft": (lambda engine: engine.drafter("draft"), False),  # another model: q far from p (rejections)
-    "self": (lambda engine: ModelDrafter(b1_runner(engine.graph_dir)), True),  # q == p: accepts + bonus tokens
-    "tempered-self": (lambda engine: TemperedSelfDrafter(b1_runner(engine.graph_dir)), True),  # the residual
-    "greedy-self": (lambda engine: GreedySelfDrafter(b1_runner(engine.graph_dir)), True),  # one-hot q
+DRAFTERS = {  # name -> (drafter over the tiny engine, must it get drafts accepted, the request's sampling)
+    "draft": (lambda engine: engine.drafter("draft"), False, None),  # another model: q far from p (rejections)
+    "self": (lambda engine: ModelDrafter(b1_runner(engine.graph_dir)), True, None),  # q == p: accepts + bonus
+    "tempered-self": (lambda engine: TemperedSelfDrafter(b1_runner(engine.graph_dir)), True,  # the residual
+                      SamplingParams(temperature=2.5, top_k=2)),
+    "greedy-self": (lambda engine: GreedySelfDrafter(b1_runner(engine.graph_dir)), True, None),  # one-hot q
 }
 
 
@@ -100,8 +102,8 @@ def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
     """Exact distribution of the first five sampled tokens (32 cells at top_k=2, k=3: a fully accepted
     window's bonus token is among them), computed from the target's own graphs, vs speculative sampling
     through the real loop and ONNX Runtime."""
-    make, must_accept = DRAFTERS[drafter_name]
-    assert_sampling_follows_target(tiny_engine, make(tiny_engine), must_accept=must_accept)
+    make, must_accept, params = DRAFTERS[drafter_name]
+    assert_sampling_follows_target(tiny_engine, make(tiny_engine), must_accept=must_accept, params=params)
 
 
 @pytest.mark.parametrize("drafter_name", ["draft", "greedy-self"])
