@@ -41,7 +41,7 @@ def constrained(engine, prompt_ids, drafter, k, kind, text, forced=False, max_ne
 
 def make_drafter(engine, self_runner, name):
     return {"ngram": lambda: NgramDrafter(),
-            "draft": lambda: ModelDrafter(truncated_draft_runner(str(engine.cfg.model.target), str(engine.graph_dir))),
+            "draft": lambda: ModelDrafter(truncated_draft_runner(engine)),
             "layerskip": lambda: engine.drafter("layerskip"), "self": lambda: ModelDrafter(self_runner, name="self"),
             "wrong": lambda: WrongDrafter(self_runner), "none": lambda: None}[name]()
 

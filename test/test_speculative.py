@@ -3,7 +3,7 @@ graphs of tiny random models, for every drafter and k in {1, 3, 4, 7}. Every cas
 (speculated.assert_speculated): verify calls ran and, but for the always-wrong drafter, drafts were accepted."""
 from __future__ import annotations
 
-import functools
+import json
 import shutil
 from pathlib import Path
 
@@ -81,40 +81,42 @@ def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None, sampling=Sampl
         drafter=drafter, k=k, sampling=sampling))
 
 
-@functools.cache
-def truncated_draft_runner(target_dir: str, graph_dir: str):
-    """A draft model of its own (own checkpoint, export and cache): the tiny target's embedding, first two
-    layers, final norm and head, so its greedy drafts agree with the target often (a random draft model
-    never does). Exported once per target through the product's draft-model path."""
+_TRUNCATED: dict = {}  # target folder -> the truncated draft's runner
+
+
+def truncated_draft_runner(engine):
+    """A draft model of its own (own checkpoint, export and cache) for engine's tiny target: its embedding,
+    first two layers, final norm and head, so its greedy drafts agree with the target's now and then (a random
+    draft model never does). Exported once per target through the product's draft-model path, with the
+    engine's own graph settings."""
     from safetensors.torch import load_file, save_file
 
-    from spec_edge.config import Config
     from spec_edge.graphs import export
     from spec_edge.runtime.drafting import ort_graphs
 
-    target = Path(target_dir)
-    path = target.parent / "truncated_draft"
-    if not path.exists():
-        shutil.copytree(target, path)
-        cfg = __import__("json").loads((target / "config.json").read_text())
-        cfg.update(num_hidden_layers=2, _name_or_path="tiny-truncated-draft")
-        (path / "config.json").write_text(__import__("json").dumps(cfg))
-        state = load_file(str(target / "model.safetensors"))
-        save_file({name: tensor for name, tensor in state.items() if not name.startswith("model.layers.")
-                   or int(name.split(".")[2]) < 2}, str(path / "model.safetensors"))
-    cfg = Config().replace(**{"model.target": target_dir, "model.draft": str(path), "graphs.max_context": 128,
-                              "graphs.prefill_chunk": 16, "graphs.k_values": TINY_K_VALUES,
-                              "runtime.engine_dir": str(target.parent / "engines"),
-                              "runtime.profile": "tiny-truncated-draft"})
-    draft_dir = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), lambda message: None)
-    return b1_runner(ort_graphs(cfg, "draft", draft_dir, lambda message: None))
+    target = Path(engine.cfg.model.target)
+    if str(target) not in _TRUNCATED:
+        path = target.parent / "truncated_draft"
+        if not path.exists():
+            shutil.copytree(target, path)
+            cfg = json.loads((target / "config.json").read_text())
+            cfg.update(num_hidden_layers=2, _name_or_path="tiny-truncated-draft")
+            (path / "config.json").write_text(json.dumps(cfg))
+            state = load_file(str(target / "model.safetensors"))
+            save_file({name: tensor for name, tensor in state.items() if not name.startswith("model.layers.")
+                       or int(name.split(".")[2]) < 2}, str(path / "model.safetensors"))
+        cfg = engine.cfg.replace(**{"model.draft": str(path),
+                                    "runtime.profile": f"{engine.cfg.runtime.profile}-truncated-draft"})
+        draft_dir = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), lambda message: None)
+        _TRUNCATED[str(target)] = b1_runner(ort_graphs(cfg, "draft", draft_dir, lambda message: None))
+    return _TRUNCATED[str(target)]
 
 
 def drafters(engine, self_runner, name):
     if name == "ngram":
         return NgramDrafter()
     if name == "draft":
-        return ModelDrafter(truncated_draft_runner(str(engine.cfg.model.target), str(engine.graph_dir)))
+        return ModelDrafter(truncated_draft_runner(engine))
     if name == "layerskip":
         return engine.drafter("layerskip")
     if name == "self":
