@@ -337,11 +337,18 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
 
     exact = {}
 
+    def done(path):  # the grammar admits only EOS after path: the loop ends there (finish eos)
+        if constraint is None:
+            return False
+        state = engine.grammars.constraint(*constraint)
+        state.consume(path)
+        return state.done
+
     def walk(path, prob, logits):
         row = p(logits, path)
         for token in np.flatnonzero(row):
             longer = path + [int(token)]
-            if len(longer) == length:
+            if len(longer) == length or done(longer):
                 exact[tuple(longer)] = prob * row[token]
             else:
                 walk(longer, prob * row[token], runner.forward([int(token)], len(prompt_ids) + len(path))[0])
