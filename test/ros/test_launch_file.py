@@ -16,7 +16,7 @@ import yaml
 import launch_api
 from spec_edge import config as cfgmod
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARGUMENTS = {"params_file", "namespace", "managed", "autostart"}
 
 
