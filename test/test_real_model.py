@@ -14,6 +14,7 @@ import pytest
 from spec_edge.config import Config
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
 EDIT = ("Rewrite the following text, replacing 'robot' with 'rover' and changing nothing else: "
@@ -51,7 +52,7 @@ def test_speculative_greedy_equals_plain(engine, drafter, prompt):
     plain = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=48, speculate=False))
     spec = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=48, drafter=drafter, k=4))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
-    assert spec.stats.drafted > 0 or drafter == "ngram"
+    assert_speculated(spec.stats, accepted=drafter == "ngram" and prompt is EDIT, what=f"{drafter} on {prompt[:20]!r}")
     if prompt is EDIT and drafter == "ngram":
         assert spec.stats.acceptance_rate > 0.5, spec.stats  # copying text is what prompt lookup is for
 
@@ -152,6 +153,7 @@ def test_guided_speculative_equals_guided_plain_and_parses(engine):
             spec = engine.generate(GenerateRequest(**base, drafter="ngram", k=4, forced_drafts=forced))
             assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, "eos"), (forced, spec.text, plain.text)
             assert (spec.stats.forced > 0) == forced and spec.stats.accepted >= spec.stats.forced
+            assert_speculated(spec.stats, accepted=forced, what=f"{entry['id']} forced={forced}")
 
 
 def test_cli_guided(engine, tmp_path):

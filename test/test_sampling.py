@@ -3,7 +3,8 @@
 Threshold: the statistic must stay below the chi-square 0.999 quantile for its degrees of freedom
 (Wilson-Hilferty approximation), so a correct implementation fails about once in a thousand seeds,
 and these seeds are fixed. A wrong residual (e.g. resampling from p_target instead of
-max(0, p - q)) or a wrong acceptance ratio moves the statistic far past it.
+max(0, p - q)), a wrong acceptance ratio or a bonus token drawn from the wrong row moves the statistic
+far past it: test_mutations.py runs these tests with each of those rules broken in the product.
 """
 from __future__ import annotations
 
@@ -47,20 +48,19 @@ def test_one_hot_draft_preserves_p_target():
     assert stat < chi2_critical(df), (stat, df)
 
 
-def test_residual_matters():
-    """The test above can fail: resampling from p_target itself (a classic bug) is detected."""
-    rng = np.random.default_rng(0)
-    vocab, n = 6, 20000
-    p_target = rng.dirichlet(np.ones(vocab), size=2)
-    q_draft = rng.dirichlet(np.ones(vocab) * 0.5, size=1)
+def test_every_draft_accepted_draws_the_bonus_from_row_k():
+    """q == p: every draft is accepted (p_x / q_x = 1), and the bonus token follows the last row p_target[k]."""
+    rng = np.random.default_rng(2)
+    vocab, n, k = 6, 20000, 2
+    p_target = rng.dirichlet(np.ones(vocab), size=k + 1)  # (k+1, V): three different rows
     counts = {}
     for _ in range(n):
-        draft = int(rng.choice(vocab, p=q_draft[0]))
-        accept = rng.random() * q_draft[0, draft] < p_target[0, draft]
-        out = draft if accept else int(rng.choice(vocab, p=p_target[0]))  # wrong: not the residual
-        counts[out] = counts.get(out, 0) + 1
-    stat, df = chi2_statistic(counts, dict(enumerate(p_target[0])), n)
-    assert stat > chi2_critical(df)
+        drafts = [int(rng.choice(vocab, p=p_target[i])) for i in range(k)]
+        n_accepted, token = speculative_accept(p_target, p_target[:k], drafts, rng)
+        assert n_accepted == k
+        counts[token] = counts.get(token, 0) + 1
+    stat, df = chi2_statistic(counts, dict(enumerate(p_target[k])), n)
+    assert stat < chi2_critical(df), (stat, df)
 
 
 class GreedySelfDrafter(ModelDrafter):
@@ -72,21 +72,44 @@ class GreedySelfDrafter(ModelDrafter):
         return None if draft is None else Draft(tokens=draft.tokens, q_draft=None)
 
 
-@pytest.mark.parametrize("drafter_name", ["draft", "self", "greedy-self"])
+class TemperedSelfDrafter(ModelDrafter):
+    """The target drafting for itself at a lower temperature (T=0.6, top-k 2) than the request's (T=2.5):
+    q overlaps p but is sharper, so its top token is often rejected and the residual max(0, p - q) puts the
+    correction on the others (resampling from p instead moves a quarter of that mass back to the top token).
+    Its draws come from the request's own random stream."""
+
+    def __init__(self, runner):
+        super().__init__(runner, name="tempered-self")
+        self.params = SamplingParams(temperature=0.6, top_k=2)
+
+    def propose(self, seq, k, sampler):
+        own = speculative.Sampler(self.params)
+        own.rng = sampler.rng
+        return super().propose(seq, k, own)
+
+
+DRAFTERS = {  # name -> (drafter over the tiny engine, must it get drafts accepted, the request's sampling)
+    "draft": (lambda engine: engine.drafter("draft"), False, None),  # another model: q far from p (rejections)
+    "self": (lambda engine: ModelDrafter(b1_runner(engine.graph_dir)), True, None),  # q == p: accepts + bonus
+    "tempered-self": (lambda engine: TemperedSelfDrafter(b1_runner(engine.graph_dir)), True,  # the residual
+                      SamplingParams(temperature=2.5, top_k=2)),
+    "greedy-self": (lambda engine: GreedySelfDrafter(b1_runner(engine.graph_dir)), True, None),  # one-hot q
+}
+
+
+@pytest.mark.parametrize("drafter_name", list(DRAFTERS))
 def test_generated_tokens_follow_target_distribution(tiny_engine, drafter_name):
-    """Exact distribution of the first three sampled tokens (27 cells at top_k=3), computed from the
-    target's own graphs, vs speculative sampling through the real loop and ONNX Runtime."""
-    # draft: another model, q != p (mostly rejections: the residual path); self: q == p (accepts);
-    # greedy-self: deterministic drafts, the one-hot q path
-    drafter = {"draft": lambda: tiny_engine.drafter("draft"),
-               "self": lambda: ModelDrafter(b1_runner(tiny_engine.graph_dir)),
-               "greedy-self": lambda: GreedySelfDrafter(b1_runner(tiny_engine.graph_dir))}[drafter_name]()
-    assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft")
+    """Exact distribution of the first five sampled tokens (32 cells at top_k=2, k=3: a fully accepted
+    window's bonus token is among them), computed from the target's own graphs, vs speculative sampling
+    through the real loop and ONNX Runtime."""
+    make, must_accept, params = DRAFTERS[drafter_name]
+    assert_sampling_follows_target(tiny_engine, make(tiny_engine), must_accept=must_accept, params=params)
 
 
 @pytest.mark.parametrize("drafter_name", ["draft", "greedy-self"])
 def test_processed_distribution_is_kept(tiny_engine, drafter_name):
-    """With min_p, the three penalties and a logit bias on, the first three sampled tokens follow the processed
+    """With min_p, the three penalties and a logit bias on, the first three sampled tokens (k=1: the bonus token
+    of an accepted draft among them) follow the processed
     target distribution (each row processed with its own history, drafts included) exactly."""
     third = int(np.argsort(-b1_runner(tiny_engine.graph_dir).prefill(
         tiny_engine.prompt_ids(GenerateRequest(prompt="Move the arm")), 0))[2])
@@ -95,7 +118,8 @@ def test_processed_distribution_is_kept(tiny_engine, drafter_name):
                             frequency_penalty=0.7, logit_bias=((third, 1.0),))
     drafter = {"draft": lambda: tiny_engine.drafter("draft"),
                "greedy-self": lambda: GreedySelfDrafter(b1_runner(tiny_engine.graph_dir))}[drafter_name]()
-    assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft", n=800, params=params)
+    assert_sampling_follows_target(tiny_engine, drafter, must_accept=drafter_name != "draft", n=800, params=params,
+                                   k=1, length=3)  # k + 2 tokens: the bonus of an accepted draft among them
 
 
 def test_seed_makes_sampling_reproducible(tiny_engine):
@@ -109,3 +133,9 @@ def test_top_p_and_top_k_restrict_support():
     assert np.count_nonzero(probabilities(logits, SamplingParams(temperature=1.0, top_p=0.7))) == 2
     assert np.count_nonzero(probabilities(logits, SamplingParams(temperature=1.0, top_k=3))) == 3
     assert np.allclose(probabilities(logits, SamplingParams(temperature=1.0))[0], [0.5, 0.3, 0.15, 0.05])
+
+
+def test_temperature_divides_the_logits():
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]]))
+    want = np.sqrt([0.5, 0.3, 0.15, 0.05])  # softmax(log p / 2) is proportional to sqrt(p)
+    np.testing.assert_allclose(probabilities(logits, SamplingParams(temperature=2.0))[0], want / want.sum())

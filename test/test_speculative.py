@@ -1,6 +1,11 @@
 """Speculative greedy output == target-only greedy output, token for token, on real ONNX Runtime
-graphs of tiny random models, for every drafter and k in {1, 3, 4, 7}."""
+graphs of tiny random models, for every drafter and k in {1, 3, 4, 7}. Every case proves it speculated
+(speculated.assert_speculated): verify calls ran and, but for the always-wrong drafter, drafts were accepted."""
 from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +15,10 @@ from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import Draft
+from speculated import assert_speculated
+from test_request_fields import PENALTIES
 from tiny import TINY_K_VALUES
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
@@ -67,17 +75,48 @@ def self_runner(tiny_engine):
     return b1_runner(tiny_engine.graph_dir)
 
 
-def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None):
+def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None, sampling=SamplingParams()):
     return speculative.generate(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
-        drafter=drafter, k=k))
+        drafter=drafter, k=k, sampling=sampling))
+
+
+_TRUNCATED: dict = {}  # target folder -> the truncated draft's runner
+
+
+def truncated_draft_runner(engine):
+    """A draft model of its own (own checkpoint, export and cache) for engine's tiny target: its embedding,
+    first two layers, final norm and head, so its greedy drafts agree with the target's now and then (a random
+    draft model never does). Exported once per target through the product's draft-model path, with the
+    engine's own graph settings."""
+    from safetensors.torch import load_file, save_file
+
+    from spec_edge.graphs import export
+    from spec_edge.runtime.drafting import ort_graphs
+
+    target = Path(engine.cfg.model.target)
+    if str(target) not in _TRUNCATED:
+        path = target.parent / "truncated_draft"
+        if not path.exists():
+            shutil.copytree(target, path)
+            cfg = json.loads((target / "config.json").read_text())
+            cfg.update(num_hidden_layers=2, _name_or_path="tiny-truncated-draft")
+            (path / "config.json").write_text(json.dumps(cfg))
+            state = load_file(str(target / "model.safetensors"))
+            save_file({name: tensor for name, tensor in state.items() if not name.startswith("model.layers.")
+                       or int(name.split(".")[2]) < 2}, str(path / "model.safetensors"))
+        cfg = engine.cfg.replace(**{"model.draft": str(path),
+                                    "runtime.profile": f"{engine.cfg.runtime.profile}-truncated-draft"})
+        draft_dir = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), lambda message: None)
+        _TRUNCATED[str(target)] = b1_runner(ort_graphs(cfg, "draft", draft_dir, lambda message: None))
+    return _TRUNCATED[str(target)]
 
 
 def drafters(engine, self_runner, name):
     if name == "ngram":
         return NgramDrafter()
     if name == "draft":
-        return engine.drafter("draft")
+        return ModelDrafter(truncated_draft_runner(engine))
     if name == "layerskip":
         return engine.drafter("layerskip")
     if name == "self":
@@ -87,22 +126,35 @@ def drafters(engine, self_runner, name):
     raise AssertionError(name)
 
 
+def sampling_for(engine, name, prompt_ids):
+    """Greedy; for prompt lookup, a favoured token (the plain output's first) with penalties, so the output
+    repeats it until the penalties outweigh its bias: lookup drafts the repeats (a random target never
+    repeats itself) and the row where the output moves on is rejected."""
+    if name != "ngram":
+        return SamplingParams()
+    return PENALTIES(run(engine, prompt_ids, None, 0, max_new=1)[0][0])
+
+
 @pytest.mark.parametrize("k", TINY_K_VALUES)
 @pytest.mark.parametrize("name", ["ngram", "draft", "layerskip", "self", "wrong"])
 def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
+    runs = []
     for prompt in PROMPTS:
         prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
-        plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0)
-        spec, spec_finish, stats = run(tiny_engine, prompt_ids, drafters(tiny_engine, self_runner, name), k)
+        sampling = sampling_for(tiny_engine, name, prompt_ids)
+        plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0, sampling=sampling)
+        spec, spec_finish, stats = run(tiny_engine, prompt_ids, drafters(tiny_engine, self_runner, name), k,
+                                       sampling=sampling)
         assert_same(tiny_engine, spec, plain, prompt_ids)
         assert spec_finish == plain_finish
         assert stats.accepted <= stats.drafted == stats.verify_calls * k
+        runs.append(stats)
         if name == "self":
             assert stats.acceptance_rate > 0.95, stats  # the target drafting for itself
             assert stats.mean_accepted_length > k  # k drafts + the bonus token per verify
         if name == "wrong":
-            assert stats.accepted == 0 and stats.verify_calls > 0
-            assert stats.mean_accepted_length == 1.0
+            assert stats.accepted == 0 and stats.mean_accepted_length == 1.0
+    assert_speculated(*runs, accepted=name != "wrong", what=f"{name} k={k}")
 
 
 def test_eos_inside_a_draft(tiny_engine, self_runner):
@@ -175,7 +227,10 @@ def test_stats_are_filled(tiny_engine):
     assert s.new_tokens == len(result.token_ids)
     assert s.tokens_per_s > 0 and s.time_to_first_token_s > 0 and s.target_time_s > 0 and s.draft_time_s > 0
     assert len(s.acceptance_per_position) == 3
-    assert s.verify_calls + s.step_calls + 1 >= 1
+    assert_speculated(s)
+    # every token after the first (the prefill's) came from a step or a verify call: 1 per step, accepted + 1
+    # per verify, less what max_new_tokens cut from the last chunk
+    assert s.step_calls + s.verify_calls + s.accepted >= s.new_tokens - 1 >= s.step_calls + s.verify_calls
     d = s.as_dict()
     for key in ("drafted", "accepted", "acceptance_rate", "mean_accepted_length", "tokens_per_s",
                 "time_to_first_token_s", "acceptance_per_position"):

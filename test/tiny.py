@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from speculated import assert_speculated
+
 CORPUS = [
     "The robot picks up the red box and places it on the shelf.",
     "Move the arm to the left, then open the gripper slowly.",
@@ -123,7 +125,7 @@ def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new
         got, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
         assert got == plain(engine, ids, max_new), f"k={k} prompt={prompt!r}"
-        assert stats.verify_calls > 0
+        assert_speculated(stats, accepted=False, what=f"k={k} prompt={prompt!r}")
 
 
 def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
@@ -230,7 +232,8 @@ def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
     spec = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter=drafter, k=k))
     base = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
     assert spec.token_ids == base.token_ids
-    assert spec.stats.drafter == drafter and spec.stats.drafted > 0
+    assert spec.stats.drafter == drafter
+    assert_speculated(spec.stats, accepted=False, what=drafter)
 
 
 def assert_same_head(loaded: tuple, reloaded: tuple) -> None:
@@ -306,11 +309,14 @@ def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
 
 
 def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
-                                   params=None) -> None:
-    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution
-    of the first three tokens (27 cells at the default top_k=3, from the target's own graphs, each row
-    processed with its history: sampling.processed_logits) vs n seeded runs through the real loop,
-    chi-square below its 0.999 quantile (seeds fixed)."""
+                                   params=None, length: int | None = None, constraint=None) -> list:
+    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution of the
+    first `length` tokens (default k + 2: a window of k accepted drafts is followed by its bonus token
+    inside them; the default top_k=2 keeps the cells few), from the target's own graphs, each row processed
+    with its history (sampling.processed_logits) and, with constraint (a (kind, text) grammar), masked by
+    the grammar state along the path, vs n seeded runs through the real loop, chi-square below its 0.999
+    quantile (seeds fixed). The runs must speculate (assert_speculated; accepted drafts with must_accept).
+    Returns the runs' stats."""
     import numpy as np
 
     from spec_edge.runtime import speculative
@@ -318,33 +324,46 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits
 
-    params = params or SamplingParams(temperature=1.0, top_k=3)
+    params = params or SamplingParams(temperature=1.0, top_k=2)
+    length = length or k + 2
     runner = b1_runner(engine.graph_dir)
     prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
-    pos = len(prompt_ids)
+    reference = None if constraint is None else engine.grammars.constraint(*constraint)
 
-    def p(logits, generated):
-        return probabilities(processed_logits(logits, params, prompt_ids, generated), params)[0]
+    def p(logits, generated):  # (V,) logits of the row after prompt + generated
+        if reference is not None:
+            logits = np.where(reference.masks(list(generated))[-1], logits, -np.inf)
+        return probabilities(processed_logits(logits[None], params, prompt_ids, generated), params)[0]
 
-    p1 = p(runner.prefill(prompt_ids, 0)[None], [])
     exact = {}
-    for t1 in np.flatnonzero(p1):
-        p2 = p(runner.forward([int(t1)], pos), [int(t1)])
-        for t2 in np.flatnonzero(p2):
-            p3 = p(runner.forward([int(t2)], pos + 1), [int(t1), int(t2)])
-            for t3 in np.flatnonzero(p3):
-                exact[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
+
+    def done(path):  # the grammar admits only EOS after path: the loop ends there (finish eos)
+        if constraint is None:
+            return False
+        state = engine.grammars.constraint(*constraint)
+        state.consume(path)
+        return state.done
+
+    def walk(path, prob, logits):
+        row = p(logits, path)
+        for token in np.flatnonzero(row):
+            longer = path + [int(token)]
+            if len(longer) == length or done(longer):
+                exact[tuple(longer)] = prob * row[token]
+            else:
+                walk(longer, prob * row[token], runner.forward([int(token)], len(prompt_ids) + len(path))[0])
+
+    walk([], 1.0, runner.prefill(prompt_ids, 0))
     assert abs(sum(exact.values()) - 1) < 1e-6
     counts: dict = {}
-    accepted = drafted = 0
+    runs = []
     for seed in range(n):
         ids, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
-            prompt_ids=prompt_ids, max_new_tokens=3, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=k))
+            prompt_ids=prompt_ids, max_new_tokens=length, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=k,
+            constraint=None if constraint is None else engine.grammars.constraint(*constraint)))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
-        accepted += stats.accepted
-        drafted += stats.drafted
-    assert drafted > 0  # speculation really happened
-    if must_accept:
-        assert accepted > 0
+        runs.append(stats)
+    assert_speculated(*runs, accepted=must_accept)
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df, sorted(counts.items(), key=lambda kv: -kv[1])[:5])
+    return runs
