@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune_mod.add_args(p)
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("engines", help="list the graph folders (form, size, graphs, last use, users); --prune the unused")
+    p = sub.add_parser("engines", help="list the graph folders (form, size, graphs, last use, users); "
+                       "--prune the unused")
     p.add_argument("--engine-dir", help="the engines folder to list (default: runtime.engine_dir's)")
     p.add_argument("--config", nargs="+", help="more profiles whose folders count as used (besides the defaults "
                    "and config/*.yaml)")

@@ -135,7 +135,8 @@ def report(found: list[Folder], now: float | None = None) -> list[str]:
                      f"    form: {folder.form}\n    used by: {who}")
     total = sum(folder.size for folder in found)
     unused = sum(folder.size for folder in found if not folder.users)
-    lines.append(f"{len(found)} folders, {total / 2**30:.2f} GiB; unused (removed by --prune): {unused / 2**30:.2f} GiB")
+    lines.append(f"{len(found)} folders, {total / 2**30:.2f} GiB; "
+                 f"unused (removed by --prune): {unused / 2**30:.2f} GiB")
     return lines
 
 

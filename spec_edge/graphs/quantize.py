@@ -33,7 +33,8 @@ Draft heads are the one place weights are rounded (graphs.head_weights q8, ensur
 has no GGUF blocks, its drafts are always verified by the target, and its step is small enough that
 reading fp32 weights is most of its cost. Its linear weights become Q8_0 blocks (8-bit MatMulNBits):
 
-    <engine_dir>/<profile>/onnx/eagle3-<form>_fused_q8/   same stems and manifest as its _fused/, plus "head_weights": "q8"
+    <engine_dir>/<profile>/onnx/eagle3-<form>_fused_q8/   same stems and manifest as its _fused/,
+                                                          plus "head_weights": "q8"
 """
 from __future__ import annotations
 
