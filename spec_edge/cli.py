@@ -1,4 +1,4 @@
-"""spec-edge: export | generate | bench | build | plan | serve | ask | tune | train-draft.
+"""spec-edge: export | generate | bench | build | plan | serve | ask | tune | train-draft | engines.
 
 A stable contract: scripts outside the project call these. Progress goes to stderr; with --json,
 stdout holds exactly one JSON object.
@@ -226,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
     from spec_edge.tools import tune as tune_mod
     tune_mod.add_args(p)
     p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("engines", help="list the graph folders (form, size, graphs, last use, users); "
+                       "--prune the unused")
+    p.add_argument("--engine-dir", help="the engines folder to list (default: runtime.engine_dir's)")
+    p.add_argument("--config", nargs="+", help="more profiles whose folders count as used (besides the defaults "
+                   "and config/*.yaml)")
+    p.add_argument("--prune", action="store_true", help="remove the folders no profile uses")
+    p.set_defaults(func=lambda args: __import__("spec_edge.graphs.inventory", fromlist=["main"]).main(args, progress))
 
     for name, module, function, text in (
             ("build", "device.commands", "build_main", "build a profile's TensorRT Edge-LLM engines (--export-only: no GPU)"),

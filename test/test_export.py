@@ -129,7 +129,9 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
                        "    speculative:\n      k: 3\n")
     assert cli.main(["export", "--config", str(profile), "--target", str(folder),
                      "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
-    fused = tmp_path / "e" / "cli" / "onnx" / "target_fused"
+    cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+                              "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "cli"})
+    fused = ort_attention.fused_dir(export.artifact_dir(cfg, "target"))  # onnx/target-c64-p8-float32-<model>_fused
     assert json.loads((fused / "manifest.json").read_text())["attention"] == "fused"
     assert f"ONNX Runtime runs {fused}" in capsys.readouterr().err
 

@@ -1,8 +1,10 @@
 """The export plan of a model and the graph folders made from it, graph by graph.
 
-    <engine_dir>/<profile>/onnx/target/      the torch export (this module): the rows=1 graphs
-      manifest.json             identity (checkpoint fingerprint, shapes, format), "graphs": stem -> spec,
-                                "made": what each run added, with its seconds
+    <engine_dir>/<profile>/onnx/<form>/   the torch export (this module): the rows=1 graphs of one form,
+                                          artifact_dir(): target-c1024-p64-float32[-h1.14.26]-2f786409
+                                          (folders.py: every name, the lock, the atomic writes)
+      manifest.json             identity (checkpoint fingerprint, shapes, hidden states, format), "graphs":
+                                stem -> spec, "made": what each run added, with its seconds
       model.json                the ModelConfig
       tokenizer.json            tokenizers-library file; tokenizer_config.json: chat template, bos/eos
       weights.bin               every weight once, 4 KiB aligned; all graphs point into it
@@ -11,15 +13,16 @@
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
-    target_fused/   the same graphs with fused attention (ort_attention.py), plus graphs.batch_slots = B > 1's
+    <form>_fused/   the same graphs with fused attention (ort_attention.py), plus graphs.batch_slots = B > 1's
       rows<m>_step_1.onnx, rows<m>_verify_<k+1>.onnx   (m, T) for each row count m of row_counts(B), made
                                 from step_1 by the rewrite (gqa_rewrite.rewrite_rows), no torch export
-    target_fused_q4/ (quantize.py), <folder>_packed/ (runtime/backends/onnxruntime.py): the same stems
+    <form>_fused_q4/ (quantize.py), <folder>_packed/ (runtime/backends/onnxruntime.py): the same stems
 
 graph_plan(cfg, role) lists every graph a config runs, each with its row count ("rows": 1 for the
 B=1 graphs). A folder is made graph by graph (ensure_graphs): a plan that grows (a new k, more batch
-slots, a head's hidden states) adds only its missing graphs to the folders, their new weights
-appended to weights.bin; the graphs already there, and the sessions that run them, are untouched.
+slots) adds only its missing graphs to the folders, their new weights appended to weights.bin; the
+graphs already there, and the sessions that run them, are untouched. A plan of another form (a head's
+hidden states, another max_context) has folders of its own: switching back to a form loads its folders.
 
 Graphs come from torch.onnx.export's dynamo exporter (opset 20), which keeps every shape static;
 check_static() proves it on each file. Weights shared by graphs are stored once, so the layer-skip
@@ -38,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
-from spec_edge.graphs import hidden, io_names
+from spec_edge.graphs import folders, hidden, io_names
 
 # format 3: every graph spec has its row count; weights.index.json lets a later run append
 FORMAT_VERSION, ALIGN = 3, 4096
@@ -106,7 +109,9 @@ def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
 def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print) -> Path:
     """The folder of the target's ('target') or draft model's ('draft') exported rows=1 graphs of the
     plan: exported once, graph by graph (ensure_graphs: a grown plan exports only its new graphs; a
-    new checkpoint or shape re-exports the folder). Returns out_dir."""
+    new checkpoint re-exports the folder). out_dir: artifact_dir(cfg, role), named by the form, so a
+    new max_context, prefill chunk, dtype or set of hidden states goes to a folder of its own. Returns
+    out_dir."""
     from spec_edge.graphs import weights
 
     source = cfg.model.target if role == "target" else cfg.model.draft
@@ -114,7 +119,8 @@ def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = pri
         raise ConfigError(f"no {role} model configured (model.{role})")
     g = cfg.graphs
     identity = {"format": FORMAT_VERSION, "role": role, "source": source, "fingerprint": weights.fingerprint(source),
-                "max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "dtype": g.dtype}
+                "max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "dtype": g.dtype,
+                "hidden_layers": list(hidden.target_hidden_layers(cfg)) if role == "target" else []}
     graphs = {stem: spec for stem, spec in graph_plan(cfg, role).items() if spec["rows"] == 1}
 
     def make(todo: dict, folder: Path, store: WeightStore, fresh: bool) -> dict:
@@ -175,13 +181,7 @@ class WeightStore:
 
     def close(self) -> None:
         self.fh.close()
-        _write_atomic(self.index_path, json.dumps(self.offsets))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        folders.write_atomic(self.index_path, json.dumps(self.offsets))
 
 
 def folder_stamp(folder: Path) -> str:
@@ -195,14 +195,16 @@ def folder_stamp(folder: Path) -> str:
 def ensure_graphs(out: Path, identity: dict, graphs: dict[str, dict], make: MakeGraphs, progress: Progress = print,
                   label: str = "[graphs]") -> Path:
     """The graph folder out holding every graph of `graphs` (stem -> spec) made for `identity` (what all
-    its graphs depend on: the checkpoint or source folder's stamp, a pass's format ...). Under a lock
-    beside out (concurrent makers, a CLI and a node, wait for each other):
-      - every graph there with the same spec: nothing runs;
-      - the same identity: make() adds only the missing graphs (or those whose spec changed), in place,
-        appending to weights.bin; the manifest, written last and atomically, then lists them;
+    its graphs depend on: the checkpoint or source folder's stamp, a pass's format ...). Writers hold
+    out's lock (folders.writing: concurrent makers, a CLI and a node, wait for each other; what a killed
+    one left is undone first); a reader never sees a part:
+      - every graph there with the same spec: nothing runs (the folder's last use is noted);
+      - the same identity: make() adds only the missing graphs (or those whose spec changed), each file
+        renamed into place, appending to weights.bin past every blob its index lists; the manifest,
+        written last and atomically, then lists them (killed before that, the folder is as it was);
       - else (a new folder, a new identity, a folder of an older format): make() writes every graph into
-        a temporary folder that then replaces out, so a reader never sees half a folder."""
-    import fcntl
+        a temporary folder that then replaces out (folders.publish).
+    Graphs out holds that `graphs` does not name are left alone: their readers ask for them by stem."""
 
     def state() -> tuple[str, dict, dict]:
         path = out / "manifest.json"
@@ -218,24 +220,17 @@ def ensure_graphs(out: Path, identity: dict, graphs: dict[str, dict], make: Make
         return ("current" if not todo else "extend"), have, todo
 
     if state()[0] == "current":
+        folders.mark_used(out)
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            progress(f"{label} another process is writing {out}; waiting ...")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with folders.writing(out, progress, label):
         kind, have, todo = state()
         if kind == "current":
+            folders.mark_used(out)
             return out
         started = time.monotonic()
         fresh = kind == "fresh"
-        folder = out.parent / f".{out.name}.tmp{os.getpid()}" if fresh else out
+        folder = folders.temporary(out) if fresh else out
         if fresh:
-            for leftover in out.parent.glob(f".{out.name}.tmp*"):  # from an interrupted run
-                _remove_tree(leftover)
-            folder.mkdir()
             have = {}
         store = WeightStore(folder / "weights.bin", append=not fresh)
         try:
@@ -244,23 +239,13 @@ def ensure_graphs(out: Path, identity: dict, graphs: dict[str, dict], make: Make
             store.close()
         made = list(have.get("made", [])) + [{"graphs": list(todo), "seconds": round(time.monotonic() - started, 1)}]
         manifest = dict(identity, **extra, graphs=dict(have.get("graphs", {}), **todo), made=made)
-        _write_atomic(folder / "manifest.json", json.dumps(manifest, indent=1))
+        folders.write_atomic(folder / "manifest.json", json.dumps(manifest, indent=1))
         if fresh:
-            old = out.parent / f".{out.name}.old{os.getpid()}"
-            if out.exists():
-                out.rename(old)
-            folder.rename(out)
-            _remove_tree(old)
+            folders.publish(folder, out)
+        folders.mark_used(out)
     progress(f"{label} {len(todo)} graph{'' if len(todo) == 1 else 's'} "
              f"{'made' if fresh else 'added'} in {made[-1]['seconds']} s ({out})")
     return out
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    if path.exists():
-        shutil.rmtree(path)
 
 
 def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightStore, *, kind: str,
@@ -381,7 +366,23 @@ def check_static(graph, name: str = "graph") -> None:
 
 
 def artifact_dir(cfg: Config, role: str) -> Path:
-    return engine_root(cfg) / cfg.runtime.profile / "onnx" / role
+    """The folder of cfg's form of a role's exported graphs (folders.form_name): 'target' and 'draft' (the
+    models), 'eagle3', 'peagle', 'medusa' (the configured head of that kind)."""
+    from spec_edge.graphs import weights
+
+    g = cfg.graphs
+    if role in ("target", "draft"):
+        source = cfg.model.target if role == "target" else cfg.model.draft
+        if not source:
+            raise ConfigError(f"no {role} model configured (model.{role})")
+        stamp, layers = weights.fingerprint(source), hidden.target_hidden_layers(cfg) if role == "target" else ()
+    else:
+        head = getattr(cfg.speculative, f"{role}_head")
+        if not head:
+            raise ConfigError(f"no {role} head configured (speculative.{role}_head)")
+        stamp, layers = folders.path_stamp(head), ()
+    name = folders.form_name(role, stamp, g.max_context, g.prefill_chunk, g.dtype, layers)
+    return engine_root(cfg) / cfg.runtime.profile / "onnx" / name
 
 
 def head_side_files(folder: Path) -> tuple[str, ...]:

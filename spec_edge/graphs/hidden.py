@@ -123,14 +123,11 @@ def target_hidden_layers(cfg: Config) -> tuple[int, ...]:
 
 
 def returned_hidden_layers(graph_dir: Path) -> tuple[int, ...]:
-    """The hidden states an exported target's graphs return (its manifest), () when none."""
+    """The hidden states an exported target's graphs return (its manifest: the folder's form), () when none."""
     path = Path(graph_dir) / "manifest.json"
     if not path.is_file():
         return ()
-    for spec in json.loads(path.read_text()).get("graphs", {}).values():
-        if spec.get("hidden_layers"):
-            return tuple(spec["hidden_layers"])
-    return ()
+    return tuple(json.loads(path.read_text()).get("hidden_layers", ()))
 
 
 def hidden_columns(have: tuple[int, ...], layers: tuple[int, ...], hidden_size: int):

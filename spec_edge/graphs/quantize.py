@@ -26,14 +26,15 @@ row is matched to its GGUF row by value (the dequantized fp32 row must be identi
 that match is also the proof that no second rounding happened. A weight without an exact match is
 refused, never re-quantized.
 
-    <engine_dir>/<profile>/onnx/target_fused_q4/   the stems of target_fused/ the plan runs, its identity plus
+    <engine_dir>/<profile>/onnx/<form>_fused_q4/   the stems of <form>_fused/ the plan runs, its identity plus
                                                    "weights": "q4" (graphs of m > 1 rows: no two-row step)
 
 Draft heads are the one place weights are rounded (graphs.head_weights q8, ensure_head_q8): a head
 has no GGUF blocks, its drafts are always verified by the target, and its step is small enough that
 reading fp32 weights is most of its cost. Its linear weights become Q8_0 blocks (8-bit MatMulNBits):
 
-    <artifact>/onnx/eagle3_fused_q8/   same stems and manifest as eagle3_fused/, plus "head_weights": "q8"
+    <engine_dir>/<profile>/onnx/eagle3-<form>_fused_q8/   same stems and manifest as its _fused/,
+                                                          plus "head_weights": "q8"
 """
 from __future__ import annotations
 

@@ -154,38 +154,45 @@ def export(out_dir: Path, wanted: dict, write_graph: Callable, head_cfg, draft_i
     """Export a head's graphs into out_dir (its own weights.bin), unless up to date (the manifest
     has every key of wanted and each of wanted["graphs"] is there): write_graph(spec, path, store)
     per graph, then draft_ids.npy, head.json (head_cfg), <name>.npy per arrays and manifest.json,
-    written into a temporary folder that then replaces out_dir."""
-    import shutil
+    written into a temporary folder that then replaces out_dir, under out_dir's writer lock
+    (graphs/folders.py: a concurrent exporter waits, then finds it made)."""
     import time
 
+    from spec_edge.graphs import folders
     from spec_edge.graphs.export import WeightStore
 
     out_dir = Path(out_dir)
-    manifest_path = out_dir / "manifest.json"
-    if manifest_path.is_file():
-        have = json.loads(manifest_path.read_text())
-        if all(have.get(key) == value for key, value in wanted.items()) and all(
-                (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]) and _same_config(out_dir, head_cfg):
+
+    def current() -> bool:
+        try:
+            have = json.loads((out_dir / "manifest.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return False
+        return all(have.get(key) == value for key, value in wanted.items()) and all(
+            (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]) and _same_config(out_dir, head_cfg)
+
+    if current():
+        folders.mark_used(out_dir)
+        return out_dir
+    with folders.writing(out_dir, progress, f"[export] {label}:"):
+        if current():
+            folders.mark_used(out_dir)
             return out_dir
-    started = time.monotonic()
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    tmp_dir.mkdir(parents=True)
-    store = WeightStore(tmp_dir / "weights.bin")
-    for stem, spec in wanted["graphs"].items():
-        progress(f"[export] {label}: {stem} ...")
-        write_graph(spec, tmp_dir / f"{stem}.onnx", store)
-    store.close()
-    np.save(tmp_dir / "draft_ids.npy", draft_ids)
-    (tmp_dir / "head.json").write_text(json.dumps(dataclasses.asdict(head_cfg), indent=1))
-    for name, array in (arrays or {}).items():
-        np.save(tmp_dir / f"{name}.npy", array)
-    manifest = dict(wanted, export_seconds=round(time.monotonic() - started, 1))
-    (tmp_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp_dir.rename(out_dir)
+        started = time.monotonic()
+        tmp_dir = folders.temporary(out_dir)
+        store = WeightStore(tmp_dir / "weights.bin")
+        for stem, spec in wanted["graphs"].items():
+            progress(f"[export] {label}: {stem} ...")
+            write_graph(spec, tmp_dir / f"{stem}.onnx", store)
+        store.close()
+        np.save(tmp_dir / "draft_ids.npy", draft_ids)
+        (tmp_dir / "head.json").write_text(json.dumps(dataclasses.asdict(head_cfg), indent=1))
+        for name, array in (arrays or {}).items():
+            np.save(tmp_dir / f"{name}.npy", array)
+        manifest = dict(wanted, export_seconds=round(time.monotonic() - started, 1))
+        (tmp_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        folders.publish(tmp_dir, out_dir)
+        folders.mark_used(out_dir)
     n = len(wanted["graphs"])
     progress(f"[export] {label}: {n} graph{'' if n == 1 else 's'} in {manifest['export_seconds']} s")
     return out_dir

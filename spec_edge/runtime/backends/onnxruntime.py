@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,11 @@ from spec_edge.graphs import export, ort_attention, quantize
 from spec_edge.runtime.backends.base import BackendError
 
 _POOL_THREADS: int | None = None
+
+
+def to_stderr(message: str) -> None:
+    """Where a load's progress goes when its caller names no place: stderr (stdout may be a --json answer)."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def _init_thread_pool(threads: int) -> int:
@@ -95,7 +101,7 @@ def machine_stamp() -> str:
     return hashlib.sha256(f"{ort.__version__}|{platform.machine()}|{flags}".encode()).hexdigest()[:16]
 
 
-def ensure_packed(graph_dir: Path, threads: int = 0, progress: Callable[[str], None] = print,
+def ensure_packed(graph_dir: Path, threads: int = 0, progress: Callable[[str], None] = to_stderr,
                   graphs: dict[str, dict] | None = None) -> Path:
     """The packed copy of graph_dir (see the module docstring) holding `graphs` (stem -> spec; default
     all of graph_dir's): made graph by graph beside it (<name>_packed/, export.ensure_graphs: a graph
@@ -168,7 +174,7 @@ def _pack(src: Path, stem: str, dst: Path, store, threads: int) -> None:
     data.unlink()
 
 
-def graph_session(graph_dir: Path, stem: str, threads: int = 0, progress: Callable[[str], None] = print):
+def graph_session(graph_dir: Path, stem: str, threads: int = 0, progress: Callable[[str], None] = to_stderr):
     """The session of graph <stem> of a graph folder, loaded from the folder's packed copy (packed now
     if it is not there yet), so all sessions over the folder share one copy of its weights and
     pre-packed weights (module docstring)."""

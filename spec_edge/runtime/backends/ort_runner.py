@@ -117,17 +117,18 @@ class OrtRunner:
         # slot's step row equals the verify rows bit for bit
         two_row = int(self.manifest.get("accuracy_level", 0)) == 4
         self.step_width = 2 if two_row else 1
-        specs = {stem: spec for stem, spec in specs.items() if spec.get("rows", 1) in (1, *self.row_counts)}
+        # the folder's form says which hidden states its graphs return (graphs/folders.py: one form per folder);
+        # a graph of another form there (made by an older version) is not loaded, never a reason to fail
+        form = list(self.manifest.get("hidden_layers", ()))
+        specs = {stem: spec for stem, spec in specs.items() if spec.get("rows", 1) in (1, *self.row_counts)
+                 and (spec["kind"] == "layerskip" or list(spec.get("hidden_layers", ())) == form)}
         verify_widths = {spec["width"] for spec in specs.values() if spec["kind"] == "verify" and spec.get("rows", 1) == 1}
         have = {(spec["width"], spec["rows"]) for spec in specs.values() if spec.get("rows", 1) > 1}
         # the widths the folder serves at every row count (a k exported for B=1 only is not one of them)
         self.widths = frozenset(w for w in {self.step_width} | {w for w in verify_widths if w > 1}
                                 if w == self.step_width or all((w, m) in have for m in self.row_counts))
         specs = {stem: spec for stem, spec in specs.items() if spec["kind"] != "layerskip"}
-        hidden_widths = {len(spec.get("hidden_layers", ())) * cfg.hidden_size for spec in specs.values()}
-        if len(hidden_widths) > 1:
-            raise BackendError(f"{self.graph_dir}: graphs disagree on the hidden states they return: re-export")
-        (hidden_width,) = hidden_widths or {0}
+        hidden_width = len(form) * cfg.hidden_size
         self.hidden = resident_zeros((self.batch, self.max_context, hidden_width)) if hidden_width else None
         self.n_layers = cfg.n_layers  # the layers of the cache this runner's graphs read and write
         self._batched: dict[tuple[int, int], _Graph] = {}   # (width, m) -> graph

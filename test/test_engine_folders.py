@@ -1,0 +1,194 @@
+"""Engine folders that never break (tiny models): one form per folder, so switching between profiles
+reloads and never re-exports; a loader runs only its own form's graphs; two processes making the same
+folder at once both end with it whole; a writer killed with -9 leaves a folder the next command uses;
+`spec-edge engines` lists the folders and --prune removes only those no profile uses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from spec_edge.config import Config
+from spec_edge.graphs import export
+from spec_edge.runtime.engine import Engine
+from spec_edge.runtime.requests import GenerateRequest
+
+REPO = Path(__file__).resolve().parents[1]
+MAKING = ("[export]", "[fused]", "[q4]", "[q8]", "[packed]")  # what a run that makes graphs says
+PROMPT = "Move the arm to the left"
+
+
+def tiny_profile(tiny_models, engines: Path, **extra) -> Config:
+    """A small plan of the session's tiny target (one k, short context), exported into `engines`."""
+    settings = {"model.target": str(tiny_models["target"]), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+                "graphs.k_values": [3], "graphs.layer_skip_layers": 1, "runtime.engine_dir": str(engines),
+                "runtime.profile": "tiny", "speculative.drafter": "ngram", "speculative.k": 3}
+    return Config().replace(**dict(settings, **extra))
+
+
+def write_yaml(path: Path, cfg: Config) -> Path:
+    """cfg as a ROS 2 params file of the keys the tiny profile sets."""
+    g, s, m, r = cfg.graphs, cfg.speculative, cfg.model, cfg.runtime
+    params = {"model": {"target": m.target},
+              "graphs": {"max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "k_values": list(g.k_values),
+                         "layer_skip_layers": g.layer_skip_layers},
+              "runtime": {"engine_dir": r.engine_dir, "profile": r.profile},
+              "speculative": {"drafter": s.drafter, "k": s.k, "eagle3_head": s.eagle3_head}}
+    path.write_text(yaml.safe_dump({"/**": {"ros__parameters": params}}))
+    return path
+
+
+def answer(cfg: Config, drafter: str | None = None) -> tuple[list[int], list[str]]:
+    """(greedy token ids, the load's progress messages) of one request through a freshly loaded engine."""
+    messages: list[str] = []
+    engine = Engine.from_config(cfg, messages.append)
+    result = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=16, drafter=drafter))
+    return list(result.token_ids), messages
+
+
+def made(messages: list[str]) -> list[str]:
+    return [m for m in messages if m.startswith(MAKING)]
+
+
+def cli(*args: str, timeout: int = 600, **kwargs) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "spec_edge.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kwargs)
+
+
+def test_switching_forms_back_and_forth_reloads(tiny_models, tmp_path):
+    """Plain -> a head (its hidden states) -> plain -> the head -> another max_context -> back: each
+    form gets a folder of its own, each switch back loads it without making anything, and every
+    answer is the plain greedy one."""
+    from test_eagle3 import make_head
+
+    head, _ = make_head(tmp_path / "head", tiny_models["target"], scale=20.0)
+    plain = tiny_profile(tiny_models, tmp_path / "engines")
+    with_head = plain.replace(**{"speculative.eagle3_head": str(head), "speculative.drafter": "eagle3"})
+    longer = plain.replace(**{"graphs.max_context": 96})
+    want, first = answer(plain)
+    assert made(first)
+    got, second = answer(with_head, "eagle3")
+    assert got == want and made(second)
+    for cfg, drafter in ((plain, None), (with_head, "eagle3")):
+        got, messages = answer(cfg, drafter)
+        assert got == want and made(messages) == [], messages
+    assert answer(longer)[0] == want
+    got, messages = answer(plain)
+    assert got == want and made(messages) == [], messages
+    names = {export.artifact_dir(cfg, "target").name for cfg in (plain, with_head, longer)}
+    assert len(names) == 3 and any("-h0.1.2-" in name for name in names)
+    for folder in (tmp_path / "engines" / "tiny" / "onnx").glob("[!.]*"):  # one form per folder
+        manifest = json.loads((folder / "manifest.json").read_text())
+        forms = {tuple(spec.get("hidden_layers", ())) for spec in manifest["graphs"].values()
+                 if spec["kind"] in ("prefill", "step", "verify")}
+        assert len(forms) <= 1, (folder.name, forms)
+
+
+def test_a_foreign_graph_is_ignored_and_a_stale_one_remade(tiny_models, tmp_path):
+    """A graph of another form in the folder (as an older version grew folders) is not loaded; a graph the
+    plan runs whose spec differs is made again; neither stops the engine."""
+    cfg = tiny_profile(tiny_models, tmp_path / "engines")
+    want, _ = answer(cfg)
+    exported = export.artifact_dir(cfg, "target")
+    fused = exported.parent / f"{exported.name}_fused"
+    manifest = json.loads((fused / "manifest.json").read_text())
+    manifest["graphs"]["verify_9"] = {"kind": "verify", "width": 9, "rows": 1, "hidden_layers": [0, 1, 2]}
+    (fused / "verify_9.onnx").write_bytes((fused / "verify_4.onnx").read_bytes())
+    (fused / "manifest.json").write_text(json.dumps(manifest))
+    got, messages = answer(cfg)
+    assert got == want
+    manifest = json.loads((exported / "manifest.json").read_text())
+    manifest["graphs"]["verify_4"]["hidden_layers"] = [0, 1, 2]  # not what the plan runs: made again
+    (exported / "manifest.json").write_text(json.dumps(manifest))
+    got, messages = answer(cfg)
+    assert got == want and any("1 graph added" in m for m in messages), messages
+
+
+def test_an_export_and_a_start_of_the_same_profile_at_once(tiny_models, tmp_path):
+    """`spec-edge export` and `spec-edge generate` of one profile started together on an empty engines
+    folder: each graph is made once (whichever process waits for the other's lock then finds it made),
+    both succeed, and a later start loads the folder without making anything and answers the same."""
+    profile = write_yaml(tmp_path / "tiny.yaml", tiny_profile(tiny_models, tmp_path / "engines"))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ask = ["generate", "--config", str(profile), "--prompt", PROMPT, "--max-new-tokens", "16", "--drafter", "none",
+           "--json"]
+    procs = [subprocess.Popen([sys.executable, "-m", "spec_edge.cli", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+             for args in (["export", "--config", str(profile)], ask)]
+    outs = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    later = cli(*ask)
+    assert later.returncode == 0 and not [line for line in later.stderr.splitlines() if line.startswith(MAKING)]
+    assert json.loads(outs[1][0])["token_ids"] == json.loads(later.stdout)["token_ids"]
+    graph_lines = [line for _, err in outs for line in err.splitlines() if line.startswith("[export] target: graph ")]
+    plan = export.graph_plan(tiny_profile(tiny_models, tmp_path), "target")
+    assert len(graph_lines) == len(plan), graph_lines  # each exported once, by one of the two
+
+
+def kill_when(args: list[str], marker: str) -> str:
+    """Start `spec-edge args`, kill -9 it as soon as a stderr line starts with marker; its stderr so far."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith(marker):
+            time.sleep(0.3)  # inside the graph's export
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "".join(seen)
+    return "".join(seen)
+
+
+def test_kill_9_mid_export_leaves_a_folder_the_next_command_uses(tiny_models, tmp_path):
+    """kill -9 while a new folder is made, then while a grown plan (a new k) adds to a made one: each time
+    the next command works without a manual step, and the made folder keeps serving as it was."""
+    cfg = tiny_profile(tiny_models, tmp_path / "engines")
+    profile = write_yaml(tmp_path / "tiny.yaml", cfg)
+    kill_when(["export", "--config", str(profile)], "[export] target: graph 2/")
+    exported = export.artifact_dir(cfg, "target")
+    assert not exported.exists()  # a reader never sees the half-made folder
+    ask = ["generate", "--config", str(profile), "--prompt", PROMPT, "--max-new-tokens", "16", "--json"]
+    first = cli(*ask)
+    assert first.returncode == 0, first.stderr[-2000:]
+    manifest = (exported / "manifest.json").read_text()
+    kill_when(["export", "--config", str(profile), "--k-values", "3", "5"], "[export] target: graph 1/1")
+    assert (exported / "manifest.json").read_text() == manifest  # as it was
+    again = cli(*ask)
+    assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    assert not [line for line in again.stderr.splitlines() if line.startswith(MAKING)], again.stderr
+    grown = cli(*ask, "--k", "5")
+    assert grown.returncode == 0, grown.stderr[-2000:]
+    assert json.loads(grown.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
+    assert not list(exported.parent.glob(".*.tmp*")) and not list(exported.glob(".*.tmp*"))
+
+
+def test_engines_lists_and_prunes_only_unused_folders(tiny_models, tmp_path):
+    engines = tmp_path / "engines"
+    cfg = tiny_profile(tiny_models, engines)
+    profile = write_yaml(tmp_path / "tiny.yaml", cfg)
+    answer(cfg)
+    answer(cfg.replace(**{"graphs.max_context": 96}))  # a form no profile names
+    listed = cli("engines", "--engine-dir", str(engines), "--config", str(profile))
+    assert listed.returncode == 0, listed.stderr
+    used, unused = export.artifact_dir(cfg, "target"), export.artifact_dir(cfg.replace(**{"graphs.max_context": 96}),
+                                                                          "target")
+    for name in (used.name, f"{used.name}_fused_packed", unused.name):
+        assert f"tiny/onnx/{name}\n" in listed.stdout
+    assert f"used by: {profile}" in listed.stdout and "UNUSED" in listed.stdout
+    pruned = cli("engines", "--engine-dir", str(engines), "--config", str(profile), "--prune")
+    assert pruned.returncode == 0, pruned.stderr
+    left = sorted(path.name for path in (engines / "tiny" / "onnx").iterdir() if not path.name.startswith("."))
+    assert left and all(name.startswith(used.name) for name in left), left
+    assert not any(name.startswith(unused.name) for name in left)
+    got, messages = answer(cfg)
+    assert made(messages) == []
