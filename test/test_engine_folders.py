@@ -26,7 +26,8 @@ PROMPT = "Move the arm to the left"
 
 def tiny_profile(tiny_models, engines: Path, **extra) -> Config:
     """A small plan of the session's tiny target (one k, short context), exported into `engines`."""
-    settings = {"model.target": str(tiny_models["target"]), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
+    settings = {"model.target": str(tiny_models["target"]), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+                "graphs.max_context": 64, "graphs.prefill_chunk": 8,
                 "graphs.k_values": [3], "graphs.layer_skip_layers": 1, "runtime.engine_dir": str(engines),
                 "runtime.profile": "tiny", "speculative.drafter": "ngram", "speculative.k": 3}
     return Config().replace(**dict(settings, **extra))
@@ -37,7 +38,8 @@ def write_yaml(path: Path, cfg: Config) -> Path:
     g, s, m, r = cfg.graphs, cfg.speculative, cfg.model, cfg.runtime
     params = {"model": {"target": m.target},
               "graphs": {"max_context": g.max_context, "prefill_chunk": g.prefill_chunk, "k_values": list(g.k_values),
-                         "layer_skip_layers": g.layer_skip_layers},
+                         "layer_skip_layers": g.layer_skip_layers, "weights": g.weights,
+                         "batch_slots": g.batch_slots},
               "runtime": {"engine_dir": r.engine_dir, "profile": r.profile},
               "speculative": {"drafter": s.drafter, "k": s.k, "eagle3_head": s.eagle3_head}}
     path.write_text(yaml.safe_dump({"/**": {"ros__parameters": params}}))
