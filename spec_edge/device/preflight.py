@@ -27,12 +27,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec_edge.config import Config, engine_base
+from spec_edge.config import Config
 from spec_edge.device import checkpoint, memory
 from spec_edge.device.edgellm_layout import EDGELLM_VERSION
 
 CALIBRATION_ENV = "EDGELLM_QUANT_DATASET_CNN_DAILYMAIL"  # Edge-LLM's local override of its default text dataset
-PROMPTS = Path("data") / "train_prompts.txt"  # under engine_base(): the calibration text
+CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout spec_edge runs from (a build runs from one)
+PROMPTS = CHECKOUT / "data" / "train_prompts.txt"  # the calibration text
 QUANTIZE_PYTHON_ENV = "SPEC_EDGE_QUANTIZE_PYTHON"
 QUANTIZE_VENV = ".venv-quantize"  # scripts/setup.sh --thor-quantize
 EXPORT_ONLY = ("`spec-edge build --export-only` runs the stages that need no GPU (plan, checkpoint, quantize, "
@@ -61,7 +62,7 @@ def quantize_python() -> str:
     .venv-quantize (scripts/setup.sh --thor-quantize: Edge-LLM's [tools] pins), else this one."""
     if os.environ.get(QUANTIZE_PYTHON_ENV):
         return os.environ[QUANTIZE_PYTHON_ENV]
-    venv = engine_base() / QUANTIZE_VENV / "bin" / "python"
+    venv = CHECKOUT / QUANTIZE_VENV / "bin" / "python"
     return str(venv) if venv.is_file() else sys.executable
 
 
@@ -82,14 +83,13 @@ def calibration_source() -> tuple[Path | None, str]:
     if os.environ.get(CALIBRATION_ENV):
         path = Path(os.environ[CALIBRATION_ENV])
         return (path if path.exists() else None), f"${CALIBRATION_ENV}={path}"
-    prompts = engine_base() / PROMPTS
-    return (prompts if prompts.is_file() else None), str(prompts)
+    return (PROMPTS if PROMPTS.is_file() else None), str(PROMPTS)
 
 
 def write_calibration(out: Path, lines_per_text: int = 16) -> Path:
     """A calibration set in the layout Edge-LLM's cnn_dailymail loader reads through its local override (JSONL,
     the text in "article"): data/train_prompts.txt, lines_per_text prompts per text. Returns out."""
-    prompts = [line.strip() for line in (engine_base() / PROMPTS).read_text().splitlines()
+    prompts = [line.strip() for line in PROMPTS.read_text().splitlines()
                if line.strip() and not line.startswith("#")]
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as fh:
