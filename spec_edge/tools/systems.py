@@ -79,10 +79,11 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
     """Target-only and drafter x k systems per weights x ort_attention variant. At temperature > 0
     only target-only and the profile's k (else the largest k asked) run: the temperature sweep is
     about acceptance."""
+    from spec_edge.config import speculative_k
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
 
-    temp_k = cfg.speculative.k if cfg.speculative.k in ks else max(ks)
+    temp_k = speculative_k(cfg) if speculative_k(cfg) in ks else max(ks)
 
     systems: list[System] = []
     engines = {}
