@@ -264,7 +264,8 @@ def to_params(cfg: Config) -> dict[str, Any]:
 def from_params(params: dict[str, Any]) -> Config:
     """Config from flat 'section.field' keys; missing keys keep their defaults, unknown ones fail."""
     known = to_params(Config())
-    if (gone := config_retired.message(params, WEIGHTS, SpeculativeSection.k)) is not None:
+    default_k = max(GraphSection.k_values) if SpeculativeSection.k == AUTO_K else SpeculativeSection.k
+    if (gone := config_retired.message(params, WEIGHTS, default_k)) is not None:
         raise ConfigError(gone)
     unknown = sorted(set(params) - set(known))
     if unknown:
