@@ -15,7 +15,7 @@ from spec_edge.runtime.k_choice import CallCosts, KChoice
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import BatchLoop, Draft, SlotRequest
-from tiny import chi2_critical, chi2_statistic, plain
+from tiny import chi2_critical, chi2_statistic, exact_first_three
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40
 Q4 = CallCosts({(1, 2): 10.0, (1, 3): 11.0, (1, 4): 12.6, (1, 5): 14.0})
@@ -80,8 +80,10 @@ def test_costs_observed_and_filled_in():
     assert costs.cost(2, 3, 1) is None  # the step at 2 rows was never timed
     costs.observe(2, 1, 15.0)
     assert costs.cost(2, 5, 1) == 15.0  # an untimed width is tried at the step's cost
-    costs.observe(1, 1, 1000.0)  # a descheduled call counts as 3x at most
-    assert costs.cost(1, 1, 1) == pytest.approx(10.0 + k_choice.FRESH * 20.0)
+    costs.observe(1, 1, 20.0)  # the machine got slower: every width at 1 row, in the measured ratios
+    assert costs.cost(1, 1, 1) == pytest.approx(11.0) and costs.cost(1, 5, 1) == pytest.approx(15.4)
+    costs.observe(1, 5, 14.0 * 1.1 * 100)  # a descheduled call counts as 3x the level at most
+    assert costs.level[1] == pytest.approx(1.1 + k_choice.FRESH * 2 * 1.1)
 
 
 def test_config():
@@ -142,30 +144,32 @@ def decode(loop, request: SlotRequest) -> tuple[list[int], object, list[int]]:
 
 
 def call_ms(loop, stats, step_width: int) -> float:
-    """The target time of a run as the measured call costs price it (a count, not this machine's wall time)."""
+    """The target time of a run's decode calls as the measured call costs price them (a count, not wall time)."""
     return (stats.step_calls * loop.costs.cost(1, step_width, step_width)
             + sum(n * loop.costs.cost(1, k + 1, step_width) for k, n in enumerate(stats.verify_calls_by_k, 1)))
 
 
+def oracle_run(loop, ids: list[int], max_new: int, right: bool):
+    """(target-only's greedy ids, auto's ids, stats, the k of each decode iteration) of ids with an oracle
+    drafter, both to max_new tokens (no EOS)."""
+    want = decode(loop, SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=()))[0]
+    ks = sorted(w - 1 for w in loop.runner.widths if w > 1)
+    got, stats, per_iteration = decode(loop, SlotRequest(
+        prompt_ids=ids, max_new_tokens=max_new, eos_ids=(), k=max(ks), k_choice=KChoice(tuple(ks)),
+        drafter=Oracle(len(ids), want, loop.runner.vocab_size, right)))
+    return want, got, stats, per_iteration
+
+
 @pytest.mark.parametrize("right", [False, True])
 def test_oracle_drafters_in_the_loop(tiny_engine, loop, right):
-    ids = tiny_engine.tokenizer.encode("Move the arm")
-    max_new = 100
-    want = plain(tiny_engine, ids, max_new)
-    ks = sorted(w - 1 for w in tiny_engine.runner.widths if w > 1)
-    choice = KChoice(tuple(ks))
-    got, stats, per_iteration = decode(loop, SlotRequest(
-        prompt_ids=ids, max_new_tokens=max_new, eos_ids=tiny_engine.eos_ids, k=max(ks), k_choice=choice,
-        drafter=Oracle(len(ids), want, tiny_engine.runner.vocab_size, right)))
-    assert got == want
-    if right:  # the largest k at all but a few iterations (the prior takes a verify or two to follow)
-        assert per_iteration[0] == max(ks) and stats.verify_calls_by_k[-1] >= stats.verify_calls - 4, per_iteration
-        return
-    first_off = per_iteration.index(0)
-    assert first_off <= 8 and all(k in (0, min(ks)) for k in per_iteration[first_off:])
-    assert stats.auto_off_steps == per_iteration.count(0) and stats.accepted == 0
-    plain_ms = len(want) * loop.costs.cost(1, loop.step_width, loop.step_width)
-    assert plain_ms / call_ms(loop, stats, loop.step_width) >= 0.95, (per_iteration, loop.costs.ms)
+    """Exact either way; which k runs follows the tiny model's call costs (~0.1 ms, timed here: noisy under
+    load), so the settling and the speed are asserted on the real model (test_k_choice_real.py)."""
+    want, got, stats, per_iteration = oracle_run(loop, tiny_engine.tokenizer.encode("Move the arm"), 100, right)
+    assert got == want and len(got) == 100
+    assert stats.accepted == (stats.drafted if right else 0) and stats.verify_calls > 0
+    assert stats.auto_off_steps == per_iteration.count(0)
+    if right:
+        assert stats.auto_off_steps == 0
 
 
 @pytest.fixture(scope="module")
@@ -192,25 +196,8 @@ def test_engine_measures_costs_and_auto_is_exact(auto_engine, tiny_engine):
 def test_sampling_under_auto_keeps_the_target_distribution(tiny_engine, loop):
     """The first three sampled tokens under auto (a plain step and a probe, or speculation going on, as the
     outcomes go) follow the target's exact distribution (chi-square, as tiny.assert_sampling_follows_target)."""
-    from spec_edge.runtime.backends.ort_runner import b1_runner
-    from spec_edge.runtime.sampling import probabilities, processed_logits
-
     params = SamplingParams(temperature=1.0, top_k=3)
-    runner = b1_runner(tiny_engine.graph_dir)
-    prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
-    pos = len(prompt_ids)
-
-    def p(logits, generated):
-        return probabilities(processed_logits(logits, params, prompt_ids, generated), params)[0]
-
-    p1 = p(runner.prefill(prompt_ids, 0)[None], [])
-    exact = {}
-    for t1 in np.flatnonzero(p1):
-        p2 = p(runner.forward([int(t1)], pos), [int(t1)])
-        for t2 in np.flatnonzero(p2):
-            p3 = p(runner.forward([int(t2)], pos + 1), [int(t1), int(t2)])
-            for t3 in np.flatnonzero(p3):
-                exact[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
+    prompt_ids, exact = exact_first_three(tiny_engine, params)
     drafter = tiny_engine.drafter("draft")
     costs = CallCosts({(1, 1): 10.0, (1, 2): 10.5, (1, 4): 16.0})  # k = 1 pays only when a_1 > ~0.13
     counts: dict = {}

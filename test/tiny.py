@@ -305,20 +305,15 @@ def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
-                                   params=None) -> None:
-    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution
-    of the first three tokens (27 cells at the default top_k=3, from the target's own graphs, each row
-    processed with its history: sampling.processed_logits) vs n seeded runs through the real loop,
-    chi-square below its 0.999 quantile (seeds fixed)."""
+def exact_first_three(engine, params) -> tuple[list[int], dict]:
+    """(the prompt ids of "Move the arm", {(t1, t2, t3): probability}): the exact distribution of the first
+    three tokens from the target's own graphs, each row processed with its history (sampling.processed_logits)."""
     import numpy as np
 
-    from spec_edge.runtime import speculative
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from spec_edge.runtime.requests import GenerateRequest
-    from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits
+    from spec_edge.runtime.sampling import probabilities, processed_logits
 
-    params = params or SamplingParams(temperature=1.0, top_k=3)
     runner = b1_runner(engine.graph_dir)
     prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     pos = len(prompt_ids)
@@ -335,6 +330,19 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
             for t3 in np.flatnonzero(p3):
                 exact[(int(t1), int(t2), int(t3))] = p1[t1] * p2[t2] * p3[t3]
     assert abs(sum(exact.values()) - 1) < 1e-6
+    return prompt_ids, exact
+
+
+def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
+                                   params=None) -> None:
+    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution
+    of the first three tokens (27 cells at the default top_k=3: exact_first_three) vs n seeded runs through
+    the real loop, chi-square below its 0.999 quantile (seeds fixed)."""
+    from spec_edge.runtime import speculative
+    from spec_edge.runtime.sampling import SamplingParams
+
+    params = params or SamplingParams(temperature=1.0, top_k=3)
+    prompt_ids, exact = exact_first_three(engine, params)
     counts: dict = {}
     accepted = drafted = 0
     for seed in range(n):

@@ -5,7 +5,8 @@ Two parts:
 
   CallCosts   ms of one target call by (rows, width): measured when the engine loads (measure_costs: every
               row count 1..B at the step width and every verify width, interleaved round by round), then kept
-              fresh by the loop, which hands it the time of every call it makes (an exponential average).
+              fresh by the loop, which hands it the time of every call it makes (an exponential average of
+              the load level per row count, over the measured ratios between widths).
   KChoice     one request's choice. It keeps a decayed estimate a_i of the chance that draft i is accepted
               when drafts 1..i-1 were (per position, weight WEIGHT per observation: a change in the text is
               followed within a few verifies) and a decayed ms of drafting per draft token. At n decoding
@@ -18,7 +19,8 @@ Two parts:
               the load policy (serve.speculate_k_by_load), and runs the best. Hysteresis: another k > 0
               replaces the running one only when its rate is MARGIN higher, speculation starts only when it
               beats plain by MARGIN and stops once it no longer beats it by KEEP (so a drafter that is always
-              wrong stops within 6 verifies even where a verify of 2 costs a step: q4's two-row step). At k = 0 a probe (one verify at the
+              wrong stops within 6 verifies even where a verify of 2 costs a step: q4's two-row step). At
+              k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot). At k = 0 a probe (one verify at the
               smallest k) runs every `gap` iterations, so a drafter that starts matching again is used again:
               gap = the probe's extra cost over a step / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX] (a cheap
               drafter on q4, where a verify of 2 costs 1.1 steps: every 10 iterations; a layer-skip drafter
@@ -48,7 +50,7 @@ KEEP = 0.05          # speculation goes on while its rate is at least 5 % above 
 PROBE_BUDGET = 0.01  # a probe's extra cost over a step, spread over the plain steps between probes: 1 % of a step
 PROBE_GAP = 8        # at least this many iterations at k = 0 between probes
 PROBE_GAP_MAX = 64   # at most this many
-FRESH = 0.1          # weight of one live call's time in its (rows, width) cost
+FRESH = 0.1          # weight of one live call's time in its row count's level
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,30 +108,41 @@ def forward_call(runner, position: int = 128) -> Call:
 
 @dataclass
 class CallCosts:
-    """ms of one target call by (rows, width), as measured (measure_costs) and kept fresh (observe)."""
-    ms: Costs = field(default_factory=dict)
+    """ms of one target call by (rows, width) = its base cost x the live level at that row count. The base
+    costs are measured together, interleaved (measure_costs), so their ratios (what a verify costs in steps)
+    hold; every live call moves its row count's level (the machine's load now) by FRESH toward its own
+    time over its base, so a width the choice stopped using is never left at a stale price."""
+    ms: Costs = field(default_factory=dict)            # (rows, width) -> base ms
+    level: dict[int, float] = field(default_factory=dict)  # rows -> live ms / base ms (1 until a live call)
 
     def observe(self, rows: int, width: int, ms: float) -> None:
-        """A live call's time: its entry moves by FRESH toward it (a first one is taken as it is; one
-        more than 3x the entry, e.g. a call the OS descheduled, counts as 3x)."""
-        old = self.ms.get((rows, width))
-        self.ms[(rows, width)] = ms if old is None else old + FRESH * (min(ms, 3 * old) - old)
+        """A live call's time. A width without a base takes it (at the current level); otherwise the level
+        moves by FRESH toward ms / base, one call counting at most 3x or a third of it (a call the OS
+        descheduled)."""
+        level = self.level.get(rows, 1.0)
+        base = self.ms.get((rows, width))
+        if base is None:
+            self.ms[(rows, width)] = ms / level
+            return
+        self.level[rows] = level + FRESH * (min(max(ms / base, level / 3), 3 * level) - level)
 
     def cost(self, rows: int, width: int, step_width: int) -> float | None:
-        """ms of a call of rows x width, never less than the step's (more rows cost no less: a timing below
+        """ms of a call of rows x width, never less than the step's (more tokens cost no less: a timing below
         it is noise): measured, else a line through the measured widths at these rows, else the step's cost
-        (a width never timed is tried as if it cost a step: its first live call corrects it); None when the
+        (a width never timed is tried as if it cost a step: its first live call sets it); None when the
         step at these rows was never timed."""
         step = self.ms.get((rows, step_width))
         if step is None:
             return None
         if (rows, width) in self.ms:
-            return max(self.ms[(rows, width)], step)
-        at_rows = {w: ms for (j, w), ms in self.ms.items() if j == rows}
-        return max(verify_cost(at_rows, width), step) if len(at_rows) >= 2 else step
+            base = max(self.ms[(rows, width)], step)
+        else:
+            at_rows = {w: ms for (j, w), ms in self.ms.items() if j == rows}
+            base = max(verify_cost(at_rows, width), step) if len(at_rows) >= 2 else step
+        return base * self.level.get(rows, 1.0)
 
 
-def measure_costs(runner, rounds: int = 3) -> CallCosts:
+def measure_costs(runner, rounds: int = 5) -> CallCosts:
     """The costs of every row count 1..runner.batch at every width the runner has (step and verify), each
     the median of `rounds` calls after a warm-up. Forgets what the slots' regions held (forward_call)."""
     costs, _ = occupancy_costs(forward_call(runner), range(1, runner.batch + 1), sorted(runner.widths), rounds)
@@ -138,11 +151,12 @@ def measure_costs(runner, rounds: int = 3) -> CallCosts:
 
 def describe(costs: CallCosts, step_width: int) -> str:
     """One row's call costs in words (for info / diagnostics): 'step 9.3 ms, verify[3] 1.12 steps, ...'."""
-    step = costs.ms.get((1, step_width))
+    step = costs.cost(1, step_width, step_width)
     if not step:
         return "not measured yet"
     widths = sorted(w for (j, w) in costs.ms if j == 1 and w != step_width)
-    return f"step {step:.1f} ms" + "".join(f", verify[{w}] {costs.ms[(1, w)] / step:.2f} steps" for w in widths)
+    return f"step {step:.1f} ms" + "".join(f", verify[{w}] {costs.cost(1, w, step_width) / step:.2f} steps"
+                                           for w in widths)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,6 +173,7 @@ class KChoice:
     k: int = 0                 # the running k (0 = plain steps); starts at the largest
     since_probe: int = 0       # iterations at k = 0 since the last probe (or since k became 0)
     probing: bool = False      # this iteration's k is a probe
+    probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
     probes: int = 0
     switches: int = 0          # changes of the running k
     verifies: int = 0          # verify outcomes observed
@@ -193,13 +208,13 @@ class KChoice:
     def choose(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> int:
         """This iteration's k (0 = a plain step) at most cap (the load policy's k), for rows decoding slots."""
         rates = self.rates(cap, costs, rows, step_width)
-        self.probing = False
+        probed, self.probing, self.probed = self.probed, False, False
         if len(rates) < 2 or not self.verifies:  # nothing timed or seen yet (or no k under the cap): the largest
             return max((k for k in self.ks if k <= cap), default=0)
         best = max(rates, key=lambda k: (rates[k], -k))
         running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
-        if running == 0:
-            new = best if best and rates[best] > rates[0] * (1 + MARGIN) else 0
+        if running == 0:  # only new evidence restarts speculation, not a cost that moved
+            new = best if probed and best and rates[best] > rates[0] * (1 + MARGIN) else 0
         elif rates[running] < rates[0] * (1 + KEEP):
             new = 0
         elif best and rates[best] > rates[running] * (1 + MARGIN):
@@ -233,6 +248,7 @@ class KChoice:
         position accepted+1 (when drafted) rejected; later positions were not tried (when all were accepted,
         they move toward the last one's estimate, so a k larger than the running one gets tried)."""
         self.verifies += 1
+        self.probed = self.probing
         for i in range(min(accepted + 1, drafted)):
             self.accept[i] += WEIGHT * ((1.0 if i < accepted else 0.0) - self.accept[i])
         if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (at half weight)
