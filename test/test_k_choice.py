@@ -153,7 +153,7 @@ def oracle_run(loop, ids: list[int], max_new: int, right: bool):
     """(target-only's greedy ids, auto's ids, stats, the k of each decode iteration) of ids with an oracle
     drafter, both to max_new tokens (no EOS)."""
     want = decode(loop, SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=()))[0]
-    ks = sorted(w - 1 for w in loop.runner.widths if w > 1)
+    ks = sorted(w - 1 for w in loop.verify_widths)
     got, stats, per_iteration = decode(loop, SlotRequest(
         prompt_ids=ids, max_new_tokens=max_new, eos_ids=(), k=max(ks), k_choice=KChoice(tuple(ks)),
         drafter=Oracle(len(ids), want, loop.runner.vocab_size, right)))
@@ -216,3 +216,27 @@ def test_sampling_under_auto_keeps_the_target_distribution(tiny_engine, loop):
     assert all(used.values()), used  # every kind of iteration ran
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
+
+
+def test_q4_never_verifies_with_its_two_row_step(tiny_cfg, tiny_engine, tmp_path_factory):
+    """q4 without a k = 1 graph: width 2 is the step, which feeds its one token twice (graphs/two_rows.py).
+    A one-token draft (k = 1, a short proposal, a probe) is verified in the next verify width, so the
+    output stays target-only's (it took the draft as fed before: wrong tokens)."""
+    from spec_edge.graphs import export, ort_attention, quantize
+    from spec_edge.runtime.backends.ort_runner import b1_runner
+    from test_quantize import _fresh_blocks
+
+    cfg = tiny_cfg.replace(**{"graphs.k_values": [3], "speculative.k": 3})
+    plan = export.graph_plan(cfg, "target")
+    fused = ort_attention.ensure_fused(tiny_engine.graph_dir, lambda m: None, graphs=plan)
+    folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4k3") / "q4", _fresh_blocks,
+                                     accuracy_level=quantize.ACCURACY_LEVELS["q4"], stamp="tiny",
+                                     source="tiny blocks", progress=lambda m: None, graphs=plan)
+    runner = b1_runner(folder).runner  # the slotted runner of one slot
+    loop = BatchLoop(runner)
+    assert runner.step_width == 2 and runner.widths == {2, 4} and loop.verify_widths == {4}
+    ids = tiny_engine.tokenizer.encode("Move the arm")
+    want = decode(loop, SlotRequest(prompt_ids=ids, max_new_tokens=30, eos_ids=()))[0]
+    got, stats, _ = decode(loop, SlotRequest(prompt_ids=ids, max_new_tokens=30, eos_ids=(), k=1,
+                                             drafter=Oracle(len(ids), want, runner.vocab_size, True)))
+    assert got == want and stats.accepted == stats.drafted == stats.verify_calls > 0

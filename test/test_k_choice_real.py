@@ -29,7 +29,7 @@ def test_oracle_drafters(engine, right):
     ids = engine.prompt_ids(GenerateRequest(prompt="Write a short story about a small robot that learns to paint."))
     want, got, stats, per_iteration = oracle_run(loop, ids, 96, right)
     assert got == want
-    ks = sorted(w - 1 for w in engine.runner.widths if w > 1)
+    ks = sorted(w - 1 for w in engine.loop.verify_widths)
     if right:  # the largest k at every iteration (verify[k+1] costs ~1.4 steps here: k+1 tokens for it)
         assert set(per_iteration[:-2]) == {max(ks)}, (per_iteration, loop.costs.ms)
         return

@@ -176,11 +176,11 @@ class Engine:
         speculating = k > 0 and (drafting or forced)
         choice = None
         if speculating and not request.k and self.cfg.speculative.k == AUTO_K:  # every exported k it can propose
-            ks = [x for x in sorted(w - 1 for w in self.runner.widths if w > 1) if x <= k
+            ks = [x for x in sorted(w - 1 for w in self.loop.verify_widths) if x <= k
                   and (not drafting or self._proposes(drafter_name, x))]
             if not ks:
                 raise RequestError(f"speculative.k auto: drafter {drafter_name} can propose none of the exported k "
-                                   f"{sorted(w - 1 for w in self.runner.widths if w > 1)}: send a k it can, or none")
+                                   f"{sorted(w - 1 for w in self.loop.verify_widths)}: send a k it can, or none")
             k, choice = ks[-1], k_choice.KChoice(tuple(ks))
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self._drafters.check_k(drafter_name, self.loop.policy_ks(k))  # every k the load policy can give it

@@ -51,8 +51,8 @@ empties every record.
 k per slot and the load policy (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always
 the request's k): the load is the requests in the engine, the occupied slots + `waiting` (what waits in
 the caller's queue, which the caller sets); at each iteration a slot drafts k_at(table, load, its k), 0 =
-no drafts. A verify call runs the smallest graph that holds the longest window of its rows (cut, forced
-or smaller-k drafts are shorter): a shorter window is padded with its last token (rows past it are read
+no drafts. A verify call runs the smallest verify graph that holds the longest window of its rows (cut,
+forced or smaller-k drafts are shorter; never q4's two-row step, which feeds its one token twice): a shorter window is padded with its last token (rows past it are read
 by nobody, like rejected drafts). A slot's stats count its verify calls by k and the steps the policy
 took (greedy output is the same; `spec-edge tune` measures the table).
 
@@ -288,6 +288,8 @@ class BatchLoop:
                  costs: CallCosts | None = None):
         self.step_width = runner.step_width  # 2: q4's two-row step (ort_runner.py)
         runner.check_width(self.step_width)
+        # the widths that verify: every row its own token (q4's two-row step feeds its one token twice)
+        self.verify_widths = frozenset(w for w in runner.widths if w > 1 and w != self.step_width)
         self.runner = runner
         self.costs = costs or CallCosts()  # ms per call by (rows, width): k_choice's costs, every call fed back
         self.k_by_load = tuple(k_by_load)
@@ -441,7 +443,7 @@ class BatchLoop:
     def _width(self, rows: list[int]) -> int:
         """The smallest verify graph holding the longest window [pending, drafts] of the slots rows."""
         longest = max(len(self.slots[i].draft.tokens) + 1 for i in rows)
-        return min(w for w in self.runner.widths if w >= longest)
+        return min(w for w in self.verify_widths if w >= longest)
 
     def _propose(self, slot: _Slot) -> None:
         """slot.draft for this iteration (None: a plain step): grammar-forced tokens, else the drafter's
