@@ -41,7 +41,7 @@ def test_always_wrong_settles_at_plain_and_probes_rarely(costs, step_width):
     assert first_off < 8 and ks[0] == 4  # starts at the largest k, plain within 8 iterations
     probes = [i for i in range(first_off, len(ks)) if ks[i]]
     assert all(ks[i] == 2 for i in probes)  # a probe drafts the smallest k
-    gap = KChoice((2,)).gap(2, costs, 1, step_width)  # the probe's extra cost over a step, 1 % per iteration
+    gap = KChoice((2,)).gap(2, costs, 1, step_width)  # the probe's extra cost over a step, 2 % per iteration
     assert k_choice.PROBE_GAP <= gap <= k_choice.PROBE_GAP_MAX
     assert set(np.diff(probes).tolist()) == {gap} and len(probes) <= 200 // gap
 

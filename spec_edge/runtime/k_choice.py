@@ -23,8 +23,8 @@ Two parts:
               k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot). At k = 0 a probe (one verify at the
               smallest k) runs every `gap` iterations, so a drafter that starts matching again is used again:
               gap = the probe's extra cost over a step / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX] (a cheap
-              drafter on q4, where a verify of 2 costs 1.1 steps: every 10 iterations; a layer-skip drafter
-              costing a quarter step per draft: every 64).
+              drafter whose probe verify costs 1.2 steps: every 10 iterations; a layer-skip drafter costing a
+              quarter step per draft: every 30 or more).
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
@@ -47,8 +47,8 @@ WEIGHT = 0.4         # weight of one verify's outcome in a position's acceptance
 PRIOR = 0.5          # a position's acceptance before its first outcome
 MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
 KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
-PROBE_BUDGET = 0.01  # a probe's extra cost over a step, spread over the plain steps between probes: 1 % of a step
-PROBE_GAP = 8        # at least this many iterations at k = 0 between probes
+PROBE_BUDGET = 0.02  # a probe's extra cost over a step, spread over the plain steps between probes: 2 % of a step
+PROBE_GAP = 4        # at least this many iterations at k = 0 between probes
 PROBE_GAP_MAX = 64   # at most this many
 FRESH = 0.1          # weight of one live call's time in its row count's level
 
