@@ -17,7 +17,8 @@ The load policy (serve.speculate_k_by_load): at each iteration a slot drafts the
 stats count the verify calls by k and the steps without speculation, and speculation_off_reason says
 when the policy gave the request less than its k. speculative.k auto (the default): a request without
 its own k drafts up to the largest exported k its drafter can propose, each iteration's k (0 included)
-chosen by its runtime/k_choice.KChoice from its acceptance and the call costs measured as the engine loads.
+chosen by its runtime/k_choice.KChoice from its acceptance and the call costs measured as the engine loads
+(starting from the estimates the previous request with the same drafter ended with).
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg, progress)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
+        self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
         self._lock = threading.Lock()
 
     @classmethod
@@ -181,13 +183,15 @@ class Engine:
             if not ks:
                 raise RequestError(f"speculative.k auto: drafter {drafter_name} can propose none of the exported k "
                                    f"{sorted(w - 1 for w in self.loop.verify_widths)}: send a k it can, or none")
-            k, choice = ks[-1], k_choice.KChoice(tuple(ks))
+            k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self._drafters.check_k(drafter_name, self.loop.policy_ks(k))  # every k the load policy can give it
         table = self.loop.k_by_load
         decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
 
         def done(new_ids: list[int], finish: str, stats) -> None:
+            if choice is not None and drafting:
+                self._k_last[drafter_name] = choice  # the next request with this drafter starts from it
             tail = decoder.finish()
             if tail and on_text is not None:
                 on_text(tail, len(decoder.ids))

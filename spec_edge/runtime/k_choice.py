@@ -15,16 +15,20 @@ Two parts:
                   tokens(k) = 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k      ms(k) = c(n, k+1) + k d
                   rate(k)   = tokens(k) / ms(k)                        rate(0) = 1 / c(n, step width)
 
-              (the largest k until its first verify is seen) over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
-              the load policy (serve.speculate_k_by_load), and runs the best. Hysteresis: another k > 0
-              replaces the running one only when its rate is MARGIN higher, speculation starts only when it
-              beats plain by MARGIN and stops once it no longer beats it by KEEP (so a drafter that is always
-              wrong stops within 6 verifies even where a verify of 2 costs a step: q4's two-row step). At
-              k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot). At k = 0 a probe (one verify at the
-              smallest k) runs every `gap` iterations, so a drafter that starts matching again is used again:
-              gap = the probe's extra cost over a step / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX] (a cheap
-              drafter whose probe verify costs 1.2 steps: every 10 iterations; a layer-skip drafter costing a
-              quarter step per draft: every 30 or more).
+              over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
+              the load policy (serve.speculate_k_by_load), and runs the best (the largest k until its first
+              verify is seen). Hysteresis: another k > 0 replaces the running one only when its rate is MARGIN
+              higher, speculation starts only when it beats plain by MARGIN and stops once it no longer beats
+              it by KEEP (a drafter that is always wrong stops within 7 verifies where the cheapest verify
+              costs 1.1 steps or more; one rejection alone does not stop a drafter accepted half the time).
+              At k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot): a
+              probe (one verify at the smallest k) runs every `gap` iterations, so a drafter that starts
+              matching again is used again: gap = the probe's extra cost over a step / PROBE_BUDGET, in
+              [PROBE_GAP, PROBE_GAP_MAX] (a cheap drafter whose probe verify costs 1.2 steps: every 10
+              iterations; a layer-skip drafter costing a quarter step per draft: every 30 or more).
+              A request starts from the estimates the previous request with the same drafter ended with
+              (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
+              with one probe, so it costs a request at most about one verify.
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
@@ -43,7 +47,7 @@ import numpy as np
 Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
 Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
-WEIGHT = 0.4         # weight of one verify's outcome in a position's acceptance estimate
+WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate
 PRIOR = 0.5          # a position's acceptance before its first outcome
 MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
 KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
@@ -170,13 +174,14 @@ class KChoice:
     ks: tuple[int, ...]
     accept: list[float] = field(default_factory=list)  # (max k,) a_i: P(draft i accepted | 1..i-1 were)
     draft_ms: float = 0.0      # decayed ms of drafting per draft token
-    k: int = 0                 # the running k (0 = plain steps); starts at the largest
+    k: int = -1                # the running k (0 = plain steps); -1: start at the largest
     since_probe: int = 0       # iterations at k = 0 since the last probe (or since k became 0)
     probing: bool = False      # this iteration's k is a probe
     probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
     probes: int = 0
     switches: int = 0          # changes of the running k
     verifies: int = 0          # verify outcomes observed
+    streak: int = 0            # consecutive iterations speculating (not probes) up to this one
     why: str = ""              # the last decision in words (speculation_off_reason)
 
     def __post_init__(self):
@@ -184,7 +189,21 @@ class KChoice:
             raise ValueError("KChoice needs at least one k")
         self.ks = tuple(sorted(self.ks))
         self.accept = self.accept or [PRIOR] * self.ks[-1]
-        self.k = self.k or self.ks[-1]
+        self.k = self.ks[-1] if self.k < 0 else self.k
+
+    @classmethod
+    def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
+        """A new request's choice, starting from where the previous request with the same drafter left its
+        estimates (acceptance per position, drafting cost, running k): a drafter that was not repaid starts
+        at plain decoding, with a probe at its first iteration (the new text may match), one that was
+        starts at its k. None: the first request (the prior, the largest k)."""
+        if previous is None:
+            return cls(tuple(ks))
+        ks = tuple(sorted(ks))
+        accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
+        k = previous.k if previous.k in (0, *ks) else ks[-1]
+        return cls(ks, accept=accept, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
+                   since_probe=PROBE_GAP_MAX)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k."""
@@ -227,6 +246,7 @@ class KChoice:
             if new == 0:
                 self.since_probe = 0
         self.k = new
+        self.streak = self.streak + 1 if new else 0
         if new:
             return new
         self.since_probe += 1
@@ -257,8 +277,10 @@ class KChoice:
                 self.accept[i] += WEIGHT / 2 * (last - self.accept[i])
 
     def drafted(self, k: int, ms: float) -> None:
-        """A proposal of at most k drafts took ms (the drafter's catch-up included)."""
-        if k > 0:
+        """A proposal of at most k drafts took ms. Counted only while speculation runs on (a proposal after
+        plain steps, a probe's or the first, also catches the drafter up on the tokens it has not seen:
+        a cost of switching, not of drafting)."""
+        if k > 0 and self.streak >= 2:
             self.draft_ms += WEIGHT * (ms / k - self.draft_ms)
 
     def _words(self, rates: dict[int, float], new: int) -> str:
