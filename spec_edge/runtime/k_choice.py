@@ -28,7 +28,7 @@ Two parts:
               iterations; a layer-skip drafter costing a quarter step per draft: every 30 or more).
               A request starts from the estimates the previous request with the same drafter ended with
               (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
-              with one probe, so it costs a request at most about one verify.
+              and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
@@ -194,16 +194,16 @@ class KChoice:
     @classmethod
     def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
         """A new request's choice, starting from where the previous request with the same drafter left its
-        estimates (acceptance per position, drafting cost, running k): a drafter that was not repaid starts
-        at plain decoding, with a probe at its first iteration (the new text may match), one that was
-        starts at its k. None: the first request (the prior, the largest k)."""
+        estimates (acceptance per position, drafting cost, running k, the probes' cadence): a drafter that
+        was not repaid starts at plain decoding and probes on schedule, one that was starts at its k. None:
+        the first request (the prior, the largest k)."""
         if previous is None:
             return cls(tuple(ks))
         ks = tuple(sorted(ks))
         accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
         k = previous.k if previous.k in (0, *ks) else ks[-1]
         return cls(ks, accept=accept, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
-                   since_probe=PROBE_GAP_MAX)
+                   since_probe=previous.since_probe)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k."""
@@ -275,6 +275,11 @@ class KChoice:
             last = self.accept[drafted - 1]
             for i in range(drafted, len(self.accept)):
                 self.accept[i] += WEIGHT / 2 * (last - self.accept[i])
+
+    def silent(self) -> None:
+        """The drafter proposed nothing this iteration: a probe that drafted nothing probes again next time."""
+        if self.probing:
+            self.since_probe, self.probes = PROBE_GAP_MAX, self.probes - 1
 
     def drafted(self, k: int, ms: float) -> None:
         """A proposal of at most k drafts took ms. Counted only while speculation runs on (a proposal after

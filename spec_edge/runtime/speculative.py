@@ -466,6 +466,8 @@ class BatchLoop:
             stats.draft_time_s += time.perf_counter() - t0
             if request.k_choice is not None:
                 request.k_choice.drafted(k, (time.perf_counter() - t0) * 1000)
+                if slot.draft is None:
+                    request.k_choice.silent()
             if slot.draft is not None and constraint is not None:
                 slot.draft = cut_draft(slot.draft, constraint, stats, drafter)
 
