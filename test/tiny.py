@@ -308,24 +308,17 @@ def chi2_statistic(counts: dict, probs: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
-                                   params=None, length: int | None = None, constraint=None) -> list:
-    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution of the
-    first `length` tokens (default k + 2: a window of k accepted drafts is followed by its bonus token
-    inside them; the default top_k=2 keeps the cells few), from the target's own graphs, each row processed
-    with its history (sampling.processed_logits) and, with constraint (a (kind, text) grammar), masked by
-    the grammar state along the path, vs n seeded runs through the real loop, chi-square below its 0.999
-    quantile (seeds fixed). The runs must speculate (assert_speculated; accepted drafts with must_accept).
-    Returns the runs' stats."""
+def exact_first(engine, params, length: int, constraint=None) -> tuple[list[int], dict]:
+    """(the prompt ids of "Move the arm", {path: probability}): the exact distribution of the first `length`
+    tokens from the target's own graphs, each row processed with its history (sampling.processed_logits) and,
+    with constraint (a (kind, text) grammar), masked by the grammar state along the path (a path the grammar
+    completes ends there: the loop finishes with eos)."""
     import numpy as np
 
-    from spec_edge.runtime import speculative
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from spec_edge.runtime.requests import GenerateRequest
-    from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits
+    from spec_edge.runtime.sampling import probabilities, processed_logits
 
-    params = params or SamplingParams(temperature=1.0, top_k=2)
-    length = length or k + 2
     runner = b1_runner(engine.graph_dir)
     prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
     reference = None if constraint is None else engine.grammars.constraint(*constraint)
@@ -355,6 +348,22 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
 
     walk([], 1.0, runner.prefill(prompt_ids, 0))
     assert abs(sum(exact.values()) - 1) < 1e-6
+    return prompt_ids, exact
+
+
+def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
+                                   params=None, length: int | None = None, constraint=None) -> list:
+    """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution of the
+    first `length` tokens (default k + 2: a window of k accepted drafts is followed by its bonus token
+    inside them; the default top_k=2 keeps the cells few; exact_first) vs n seeded runs through the real
+    loop, chi-square below its 0.999 quantile (seeds fixed). The runs must speculate (assert_speculated;
+    accepted drafts with must_accept). Returns the runs' stats."""
+    from spec_edge.runtime import speculative
+    from spec_edge.runtime.sampling import SamplingParams
+
+    params = params or SamplingParams(temperature=1.0, top_k=2)
+    length = length or k + 2
+    prompt_ids, exact = exact_first(engine, params, length, constraint)
     counts: dict = {}
     runs = []
     for seed in range(n):

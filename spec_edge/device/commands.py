@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spec_edge.config import Config, ConfigError, load
+from spec_edge.config import Config, ConfigError, load, speculative_k
 from spec_edge.device import edgellm_build, memory, preflight, projection
 from spec_edge.device.edgellm_build import BuildError
 from spec_edge.device.edgellm_layout import ManifestError, batch_engine_dir, engine_dirs
@@ -143,9 +143,9 @@ def write_profile_docs(config_dir: Path, doc_path: Path) -> None:
         c = projection.draft_cost(p.inputs)
         draft = (f"eagle3 {Path(cfg.speculative.eagle3_head).name}" if cfg.speculative.drafter == "eagle3"
                  else cfg.speculative.drafter)
-        speed = f"{projection.speedup(alpha, cfg.speculative.k, c):.2f}x ({alpha})" if c is not None else "-"
+        speed = f"{projection.speedup(alpha, speculative_k(cfg), c):.2f}x ({alpha})" if c is not None else "-"
         sections.append(f"| {path.stem} | {Path(cfg.model.target).name} + {draft} | {_precision(cfg)} | "
-                        f"{cfg.speculative.k} | {cfg.graphs.batch_slots} | {cfg.graphs.max_context} | "
+                        f"{speculative_k(cfg)} | {cfg.graphs.batch_slots} | {cfg.graphs.max_context} | "
                         f"{p.total / memory.GIB:.1f} | {p.largest_max_context} | {speed} |")
         details.append(f"\n## {path.stem}\n\n```\n{report}\n```\n")
         text = path.read_text()

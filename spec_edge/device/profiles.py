@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spec_edge.config import Config, ConfigError, ModelConfig
+from spec_edge.config import Config, ConfigError, ModelConfig, speculative_k
 from spec_edge.device.presets import HEAD_PRESETS, MODEL_PRESETS
 from spec_edge.device import memory
 
@@ -70,7 +70,7 @@ def plan_inputs(cfg: Config) -> memory.PlanInputs:
     drafter = cfg.speculative.drafter
     head = head_config(cfg.speculative.eagle3_head, target) if drafter == "eagle3" else None
     return memory.PlanInputs(target=target, graphs=cfg.graphs, memory=cfg.memory, drafter=drafter,
-                             k=cfg.speculative.k, head=head)
+                             k=speculative_k(cfg), head=head)
 
 
 def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None) -> memory.Plan:

@@ -11,7 +11,8 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   batch_slots + serve.queue_limit (running or waiting) is answered "busy" at once; a request older than
   serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
   load (requests in the engine: occupied slots + queued, at each iteration), 0 = target-only:
-  stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table.
+  stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table (and
+  with speculative.k auto the call costs each request's k is chosen from, k_choice).
 - parameters (spec_edge.ros2.parameters): one typed, described ROS parameter per config key; all are
   read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
 - shutdown (from any state, or on SIGINT / SIGTERM) frees the engine as cleanup does; a finalized node
@@ -364,13 +365,15 @@ def make_node_class():
                 depth = worker.queue_depth
                 values.update(self._info)
                 used = memory.breakdown()
+                if "k_choice" in self._info and self.engine is not None:  # speculative.k auto: the call costs as the loop keeps them now
+                    values["k_choice"] = self.engine.info()["k_choice"]
                 values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
                 values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
                               running=worker.current is not None, served=worker.served,
                               refused_busy=worker.refused_busy, speculation_off=worker.speculation_off)
                 values.update({f"last_{k}": v for k, v in worker.last_stats.items()
-                               if isinstance(v, (int, float, str))})
+                               if isinstance(v, (int, float, str, list))})  # verify_calls_by_k too
                 if depth >= cfg.serve.queue_limit:
                     status.level, status.message = DiagnosticStatus.WARN, "queue full"
                 else:

@@ -85,11 +85,13 @@ def descriptors(descriptor_cls: Any, types: Any) -> dict[str, tuple[Any, Any]]:
 
 def coerce(value: Any, type_id: int, types: Any) -> Any:
     """A value as set from the command line or a params file -> the declared type where that is
-    lossless: an integer for a double (`request_timeout_s: 120`), an empty array of any element
+    lossless: an integer for a double (`request_timeout_s: 120`) or for a string (`speculative.k: 4`), an empty array of any element
     type for a typed array (ros2cli sends `[]` as a bool array; a params file's `[]` arrives unset,
     None). None: no lossless conversion."""
     if type_id == types.PARAMETER_DOUBLE and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if type_id == types.PARAMETER_STRING and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)  # speculative.k: 4 (a string parameter: "auto" or a number)
     if type_id == types.PARAMETER_DOUBLE_ARRAY and isinstance(value, (list, tuple)) \
             and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return [float(v) for v in value]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig
+from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig, speculative_k
 from spec_edge.graphs import export, hidden, ort_attention, quantize
 from spec_edge.runtime.backends.base import Runner
 from spec_edge.runtime.backends.onnxruntime import ort_graphs
@@ -175,7 +175,7 @@ class Drafters:
             heads = OrtMedusaHeads(self._export_head("medusa", "medusa", "Medusa heads", medusa.export_heads),
                                    self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
-                MedusaDrafter(self.targets[0], heads).check_k(self.cfg.speculative.k)  # the profile's k must fit
+                MedusaDrafter(self.targets[0], heads).check_k(speculative_k(self.cfg))  # the profile's k must fit
             self.medusa_heads = heads
         return self.medusa_heads
 

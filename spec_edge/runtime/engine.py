@@ -15,7 +15,10 @@ longest prefix of its prompt; warm() prefills the system prompt's chat prefix in
 The load policy (serve.speculate_k_by_load): at each iteration a slot drafts the table's k at the load
 (requests in the engine: occupied slots + the caller's queue), capped at its request's k; the result's
 stats count the verify calls by k and the steps without speculation, and speculation_off_reason says
-when the policy gave the request less than its k.
+when the policy gave the request less than its k. speculative.k auto (the default): a request without
+its own k drafts up to the largest exported k its drafter can propose, each iteration's k (0 included)
+chosen by its runtime/k_choice.KChoice from its acceptance and the call costs measured as the engine loads
+(starting from the estimates the previous request with the same drafter ended with).
 """
 from __future__ import annotations
 
@@ -25,12 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge import speculation_policy
-from spec_edge.config import Config, ConfigError
+from spec_edge.config import AUTO_K, Config, ConfigError
 from spec_edge.graphs import export
 from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.drafting import Drafters, refusal, slotted
+from spec_edge.runtime import k_choice
 from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
 from spec_edge.runtime.serving import RequestBackend, chat_text, resolve_fields
@@ -78,6 +82,7 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg, progress)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
+        self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
         self._lock = threading.Lock()
 
     @classmethod
@@ -101,6 +106,9 @@ class Engine:
         engine = cls(cfg, runner, targets, Tokenizer(graph_dir), graph_dir, progress)
         if cfg.speculative.drafter != "none":
             engine._drafters.load(cfg.speculative.drafter)  # now, not on the first request
+        if cfg.speculative.k == AUTO_K:  # the call costs k_choice weighs (the slots' regions are empty now)
+            engine.loop.costs = k_choice.measure_costs(runner)
+            progress(f"[engine] speculative.k auto: call costs {k_choice.describe(engine.loop.costs, runner.step_width)}")
         progress(f"[engine] {cfg.runtime.backend}, {slots} batch slot(s), ready in {time.monotonic() - started:.1f} s "
                  f"(max context {runner.max_context}, widths {sorted(runner.widths)})")
         return engine
@@ -168,12 +176,22 @@ class Engine:
         forced = constraint is not None and forced and request.speculate and k + 1 in self.runner.widths
         drafting = drafter_name != "none"
         speculating = k > 0 and (drafting or forced)
+        choice = None
+        if speculating and not request.k and self.cfg.speculative.k == AUTO_K:  # every exported k it can propose
+            ks = [x for x in sorted(w - 1 for w in self.loop.verify_widths) if x <= k
+                  and (not drafting or self._proposes(drafter_name, x))]
+            if not ks:
+                raise RequestError(f"speculative.k auto: drafter {drafter_name} can propose none of the exported k "
+                                   f"{sorted(w - 1 for w in self.loop.verify_widths)}: send a k it can, or none")
+            k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self._drafters.check_k(drafter_name, self.loop.policy_ks(k))  # every k the load policy can give it
         table = self.loop.k_by_load
         decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
 
         def done(new_ids: list[int], finish: str, stats) -> None:
+            if choice is not None and drafting:
+                self._k_last[drafter_name] = choice  # the next request with this drafter starts from it
             tail = decoder.finish()
             if tail and on_text is not None:
                 on_text(tail, len(decoder.ids))
@@ -181,7 +199,7 @@ class Engine:
                 new_ids = self._trim_to_stop(new_ids, request.stop)
             result = GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
                                     prompt_tokens=len(prompt_ids), queued_at_start=slot_request.occupancy,
-                                    speculation_off_reason=speculation_policy.reason(stats, table),
+                                    speculation_off_reason=speculation_policy.reason(stats, table, choice),
                                     message=incomplete_message(constraint, finish, max_new))
             if on_result is not None:
                 on_result(result)
@@ -193,8 +211,16 @@ class Engine:
                                    sampling=params, seed=seed, k=k if speculating else 0,
                                    make_drafter=make_drafter if drafting and speculating else None,
                                    emit=text_emitter(decoder, on_text), cancel=cancel, constraint=constraint,
-                                   forced_drafts=forced, on_done=done)
+                                   forced_drafts=forced, on_done=done, k_choice=choice)
         return slot_request
+
+    def _proposes(self, drafter_name: str, k: int) -> bool:
+        """Whether drafter drafter_name can propose k tokens (Medusa: its head count, P-EAGLE: its graphs)."""
+        try:
+            self._drafters.check_k(drafter_name, [k])
+        except RequestError:
+            return False
+        return True
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
@@ -256,7 +282,10 @@ class Engine:
                 "max_context": self.runner.max_context, "k_values": sorted(w - 1 for w in self.runner.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
                 "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
-                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load)}
+                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load)} | (
+            {"k_choice": "per request and iteration from its acceptance and the call costs: "
+                         + k_choice.describe(self.loop.costs, self.runner.step_width)}
+            if self.cfg.speculative.k == AUTO_K else {})
 
     def close(self) -> None:
         """Drop the runners (and with them the sessions and caches)."""

@@ -7,7 +7,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
-from spec_edge.config import DRAFTERS, Config, sampling_problem
+from spec_edge.config import DRAFTERS, Config, sampling_problem, speculative_k
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, chat_roles, check_roles, check_text
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import BatchLoop
@@ -120,5 +120,5 @@ def resolve_fields(cfg: Config, request: GenerateRequest, max_context: int, voca
         raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
     if not request.speculate:
         drafter = "none"
-    k = cfg.speculative.k if not request.k else int(request.k)
+    k = speculative_k(cfg) if not request.k else int(request.k)  # auto: the largest exported k
     return params, max_new, (seed if seed >= 0 else None), drafter, k

@@ -51,10 +51,15 @@ empties every record.
 k per slot and the load policy (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always
 the request's k): the load is the requests in the engine, the occupied slots + `waiting` (what waits in
 the caller's queue, which the caller sets); at each iteration a slot drafts k_at(table, load, its k), 0 =
-no drafts. A verify call runs the smallest graph that holds the longest window of its rows (cut, forced
-or smaller-k drafts are shorter): a shorter window is padded with its last token (rows past it are read
+no drafts. A verify call runs the smallest verify graph that holds the longest window of its rows (cut,
+forced or smaller-k drafts are shorter; never q4's two-row step, which feeds its one token twice): a shorter window is padded with its last token (rows past it are read
 by nobody, like rejected drafts). A slot's stats count its verify calls by k and the steps the policy
 took (greedy output is the same; `spec-edge tune` measures the table).
+
+speculative.k: auto (SlotRequest.k_choice, runtime/k_choice.py): under the load policy's cap, the slot's
+KChoice picks the k (0 included) with the highest expected tokens per second from its live acceptance and
+the loop's call costs (BatchLoop.costs: measured at load, every call's time fed back), at the number of
+decoding slots; its plain steps count in stats.auto_off_steps. The output is the same at every k.
 
 Guided decoding per slot (SlotRequest.constraint, runtime/grammar.py: one matcher per request): every
 logits row a slot chooses from is masked by its grammar state along the path, a draft is cut at its
@@ -75,6 +80,7 @@ from spec_edge import speculation_policy
 from spec_edge.runtime.backends.base import BackendError, common_prefix
 from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
+from spec_edge.runtime.k_choice import CallCosts, KChoice
 from spec_edge.runtime.sampling import (SamplingParams, TokenLogprobs, greedy_accept, probabilities, processed_logits,
                                         sample, speculative_accept, token_logprobs)
 
@@ -149,6 +155,7 @@ class Stats:
     # [i]: verify calls that could carry i+1 drafts (the k the load policy chose for the call; len k)
     verify_calls_by_k: list[int] = field(default_factory=list)
     policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (in step_calls)
+    auto_off_steps: int = 0        # speculative.k auto: plain steps where k = 0 was expected fastest (in step_calls)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0     # verify + step calls (prefill excluded)
     draft_time_s: float = 0.0
@@ -232,6 +239,7 @@ class SlotRequest:
     # on_done(token_ids, finish_reason, stats): called once, from the loop's thread, when it leaves
     on_done: Callable[[list[int], str, Stats], None] | None = None
     occupancy: int = 0  # set by BatchLoop.add: the load as it joined, itself included (1 = alone)
+    k_choice: KChoice | None = None  # speculative.k auto: chooses each iteration's k <= k (None: always k)
 
     @property
     def speculating(self) -> bool:
@@ -258,7 +266,8 @@ class _Slot:
     new_tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     draft: Draft | None = None          # this iteration's proposal
-    k_now: int = 0                      # this iteration's k (the load policy's cap on stats.k)
+    k_now: int = 0                      # this iteration's k (<= k_cap; the k_choice's under auto)
+    k_cap: int = 0                      # this iteration's load policy cap on stats.k
     proposed: bool = False              # the draft is the drafter's (not grammar-forced): it hears the outcome
     drafting: bool = False              # the drafter was started (finish() it as the slot leaves)
 
@@ -275,10 +284,14 @@ class _Slot:
 class BatchLoop:
     """B slots over one slotted runner; the caller adds requests and calls iterate() until idle."""
 
-    def __init__(self, runner: Slotted, *, k_by_load: Sequence[int] = (), reuse: bool = False):
+    def __init__(self, runner: Slotted, *, k_by_load: Sequence[int] = (), reuse: bool = False,
+                 costs: CallCosts | None = None):
         self.step_width = runner.step_width  # 2: q4's two-row step (ort_runner.py)
         runner.check_width(self.step_width)
+        # the widths that verify: every row its own token (q4's two-row step feeds its one token twice)
+        self.verify_widths = frozenset(w for w in runner.widths if w > 1 and w != self.step_width)
         self.runner = runner
+        self.costs = costs or CallCosts()  # ms per call by (rows, width): k_choice's costs, every call fed back
         self.k_by_load = tuple(k_by_load)
         self.reuse = reuse  # prefix reuse per slot (runner.held)
         self.waiting = 0  # requests waiting in the caller's queue (the caller keeps it): part of the load
@@ -409,7 +422,9 @@ class BatchLoop:
             return
         for i in decoding:
             slot = self.slots[i]
-            slot.k_now = speculation_policy.k_at(self.k_by_load, load, slot.stats.k)
+            slot.k_cap = slot.k_now = speculation_policy.k_at(self.k_by_load, load, slot.stats.k)
+            if slot.request.k_choice is not None and slot.k_cap:
+                slot.k_now = slot.request.k_choice.choose(slot.k_cap, self.costs, len(decoding), self.step_width)
             self._propose(slot)
         verifying = [i for i in decoding if self.slots[i].draft is not None]
         stepping = [i for i in decoding if self.slots[i].draft is None]
@@ -428,7 +443,7 @@ class BatchLoop:
     def _width(self, rows: list[int]) -> int:
         """The smallest verify graph holding the longest window [pending, drafts] of the slots rows."""
         longest = max(len(self.slots[i].draft.tokens) + 1 for i in rows)
-        return min(w for w in self.runner.widths if w >= longest)
+        return min(w for w in self.verify_widths if w >= longest)
 
     def _propose(self, slot: _Slot) -> None:
         """slot.draft for this iteration (None: a plain step): grammar-forced tokens, else the drafter's
@@ -438,7 +453,10 @@ class BatchLoop:
         slot.draft, slot.proposed = None, False
         room = slot.pos + k + 1 <= self.runner.max_context
         if stats.k and not k:
-            stats.policy_off_steps += 1
+            if slot.k_cap:
+                stats.auto_off_steps += 1
+            else:
+                stats.policy_off_steps += 1
         elif constraint is not None and request.forced_drafts and room and (forced := constraint.forced()[:k]):
             slot.draft = Draft(tokens=forced, q_draft=None)
             stats.forced += len(forced)
@@ -446,6 +464,10 @@ class BatchLoop:
             t0 = time.perf_counter()
             slot.draft, slot.proposed = drafter.propose(slot.seq, k, slot.sampler), True
             stats.draft_time_s += time.perf_counter() - t0
+            if request.k_choice is not None:
+                request.k_choice.drafted(k, (time.perf_counter() - t0) * 1000)
+                if slot.draft is None:
+                    request.k_choice.silent()
             if slot.draft is not None and constraint is not None:
                 slot.draft = cut_draft(slot.draft, constraint, stats, drafter)
 
@@ -461,6 +483,7 @@ class BatchLoop:
         out = (runner.argmax if greedy else runner.forward)(rows, tokens, positions)  # (n, T) ids or (n, T, V)
         self.calls["verify" if any(slot.draft is not None for slot in slots) else "step"] += 1
         spent = time.perf_counter() - t0
+        self.costs.observe(len(rows), width, spent * 1000)
         for j, (slot, window) in enumerate(zip(slots, windows)):
             slot.stats.target_time_s += spent
             draft, constraint = slot.draft, slot.request.constraint
@@ -483,6 +506,8 @@ class BatchLoop:
                 if slot.proposed:
                     slot.request.drafter.observe(len(draft.tokens), n_accepted)
                 slot.stats.verified(slot.k_now, len(draft.tokens), n_accepted)
+                if slot.request.k_choice is not None:
+                    slot.request.k_choice.observe(len(draft.tokens), n_accepted)
                 chunk = draft.tokens[:n_accepted] + [next_token]
                 slot.pos += n_accepted + 1
             slot.seq.extend(chunk)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from spec_edge.config import speculative_k
+
 HELDOUT_TEXT = Path(__file__).resolve().parents[2] / "bench" / "heldout.txt"
 
 
@@ -92,7 +94,7 @@ def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dic
             for name, overrides in drafters.items():
                 spec_engine = engine if not overrides else _with(engine, cfg, form, overrides, progress)
                 drafter = spec_engine.drafter(name)
-                got, _ = _greedy(spec_engine, ids, max_new, drafter, spec_engine.cfg.speculative.k)
+                got, _ = _greedy(spec_engine, ids, max_new, drafter, speculative_k(spec_engine.cfg))
                 base = own if spec_engine is engine else _greedy(spec_engine, ids, max_new)[0]
                 hit, total = row.exact.get(name, (0, 0))
                 row.exact[name] = (hit + (got == base), total + 1)

@@ -36,6 +36,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from spec_edge.config import AUTO_K
 from spec_edge.tools.peers import hf_systems, llama_systems
 from spec_edge.tools.prompts import load_prompts
 from spec_edge.tools.report import format_report, plot, summarize
@@ -48,7 +49,10 @@ def main(cfg, args, progress) -> int:
     full = getattr(args, "full", False)
     temperatures = getattr(args, "temperatures", None) or ([0.0, 0.7, 1.0] if full else [0.0])
     repeats = args.repeats or (3 if full else 1)
-    ks = sorted(set(args.ks or cfg.graphs.k_values))
+    asked = args.ks or [*cfg.graphs.k_values, *([AUTO_K] if cfg.speculative.k == AUTO_K else [])]
+    auto = AUTO_K in asked  # also each drafter with speculative.k auto (k chosen per iteration, runtime/k_choice.py)
+    ks = sorted({k for k in asked if k != AUTO_K} or set(cfg.graphs.k_values))
+    fixed = [k for k in ks if k in asked]
     weights = getattr(args, "weights", None) or (["fp32", "q4"] if full else [cfg.graphs.weights])
     peers = getattr(args, "peers", None) or ["transformers", "llama.cpp"]
     if getattr(args, "hf_baseline", False) and "transformers" not in peers:
@@ -61,12 +65,13 @@ def main(cfg, args, progress) -> int:
     if set(ks) - set(cfg.graphs.k_values):
         cfg = cfg.replace(**{"graphs.k_values": sorted(set(cfg.graphs.k_values) | set(ks))})
     load_start = tune.machine_load()
-    progress(f"[bench] {'full' if full else 'quick'} mode: {len(prompts)} prompts, k {ks}, drafters {args.drafters}, "
+    progress(f"[bench] {'full' if full else 'quick'} mode: {len(prompts)} prompts, k {fixed + ([AUTO_K] if auto else [])}, "
+             f"drafters {args.drafters}, "
              f"weights {weights}, temperatures {temperatures}, {repeats} repeat(s), max_new_tokens {max_new}; "
              f"load {load_start}")
     notes: list[str] = []
     attentions = tuple(getattr(args, "ort_attention", None) or [cfg.graphs.ort_attention])
-    systems, engines = spec_systems(cfg, weights, list(args.drafters), ks, progress, attentions)
+    systems, engines = spec_systems(cfg, weights, list(args.drafters), fixed, progress, attentions, auto)
     ref_engine = engines.get("fp32") or next(iter(engines.values()))
     eos_ids = tuple(ref_engine.eos_ids)
     from spec_edge.runtime.requests import GenerateRequest

@@ -39,6 +39,7 @@ def load_schema_prompts(path: Path | None = None, quick: bool = False) -> list[d
 
 
 def main(cfg, args, progress) -> int:
+    from spec_edge.config import speculative_k
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.tools.schema_check import valid_json
@@ -47,7 +48,7 @@ def main(cfg, args, progress) -> int:
     prompts = load_schema_prompts(Path(args.prompts) if args.prompts else None, quick=not full)
     repeats = args.repeats or (3 if full else 1)
     drafters = ["none"] + [d for d in args.drafters if d != "none"]
-    k = (args.ks or [cfg.speculative.k])[0]
+    k = (args.ks or [speculative_k(cfg)])[0]
     engine = Engine.from_config(cfg, progress)
     progress(f"[bench] guided: {len(prompts)} prompts, drafters {drafters}, k {k}, {repeats} repeat(s), "
              f"max_new_tokens {args.max_new_tokens}")

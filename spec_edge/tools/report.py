@@ -213,8 +213,8 @@ def plot(report: dict, path: Path) -> bool:
     for w in sorted({r["weights"] for r in rows0 if r["family"] == "spec_edge"}):
         plain = next((r for r in rows0 if r["family"] == "spec_edge" and r["weights"] == w and r["drafter"] == "none"), None)
         for d in sorted({r["drafter"] for r in rows0 if r["family"] == "spec_edge" and r["drafter"] != "none"}):
-            pts = sorted((r["k"], r["tokens_per_s"]) for r in rows0
-                         if r["family"] == "spec_edge" and r["weights"] == w and r["drafter"] == d)
+            pts = sorted((r["k"], r["tokens_per_s"]) for r in rows0 if r["family"] == "spec_edge" and r["weights"] == w
+                         and r["drafter"] == d and r["note"] != "k auto")
             if pts:
                 xs, ys = zip(*pts)
                 if plain:

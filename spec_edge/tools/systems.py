@@ -75,14 +75,16 @@ INEXACT_VARIANTS = ("q4+graph",)
 
 
 def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], progress,
-                 attentions: tuple[str, ...] = ("fused",)) -> tuple[list[System], dict]:
-    """Target-only and drafter x k systems per weights x ort_attention variant. At temperature > 0
-    only target-only and the profile's k (else the largest k asked) run: the temperature sweep is
-    about acceptance."""
+                 attentions: tuple[str, ...] = ("fused",), auto: bool = False) -> tuple[list[System], dict]:
+    """Target-only and drafter x k systems per weights x ort_attention variant (auto: also each drafter
+    with speculative.k auto, named 'k=auto', its k 0 in the report). At temperature > 0 only target-only
+    and the profile's k (else the largest k asked; auto when asked) run: the temperature sweep is about
+    acceptance."""
+    from spec_edge.config import AUTO_K, speculative_k
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
 
-    temp_k = cfg.speculative.k if cfg.speculative.k in ks else max(ks)
+    temp_k = speculative_k(cfg) if speculative_k(cfg) in ks else max(ks, default=0)
 
     systems: list[System] = []
     engines = {}
@@ -91,7 +93,8 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
         # serve.reuse_prefix off: every run is a cold request (the same prompt runs once per system, so
         # reuse would prefill one token for all but the first)
         engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
-                                                   "speculative.drafter": "none", "serve.reuse_prefix": False}),
+                                                   "speculative.drafter": "none", "serve.reuse_prefix": False,
+                                                   "speculative.k": AUTO_K if auto else speculative_k(cfg)}),
                                     progress)
         w = variant_label(weights_name, attention)  # the report's label of this variant
         engines[w] = engine
@@ -122,7 +125,10 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
                 continue
             for k in ks:
                 systems.append(System(f"spec_edge[{w}] {drafter} k={k}", "spec_edge", w, drafter, k, plain_name,
-                                      make(engine, drafter, k), temperatures=k == temp_k))
+                                      make(engine, drafter, k), temperatures=k == temp_k and not auto))
+            if auto:  # the request's k unset: the engine's speculative.k auto
+                systems.append(System(f"spec_edge[{w}] {drafter} k=auto", "spec_edge", w, drafter, 0, plain_name,
+                                      make(engine, drafter), note="k auto"))
         mem = rss_mb() - before
         for s in systems:
             if s.weights == w and s.family == "spec_edge":

@@ -31,19 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from spec_edge.config import DRAFTERS
-
-Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
-Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
+# the call costs by (rows, width) and their measurement are the runtime's (speculative.k auto weighs them live)
+from spec_edge.runtime.k_choice import Call, Costs, forward_call, occupancy_costs, verify_cost
 
 # ---------------------------------------------------------------------------------------------
 # Pure formulas (tested in test/test_tune.py)
@@ -62,17 +60,6 @@ def expected_tokens(p_accept: Sequence[float], k: int) -> float:
             ratio = p[-1] / p[-2] if len(p) >= 2 and p[-2] > 0 else p[-1]
             total += p[-1] * ratio ** (i - len(p) + 1)
     return total
-
-
-def verify_cost(costs: dict[int, float], k: int) -> float:
-    """c_verify(k) from measured widths; between or beyond them a least-squares line in k."""
-    if k in costs:
-        return costs[k]
-    ks = sorted(costs)
-    if len(ks) == 1:
-        return costs[ks[0]]
-    slope, intercept = np.polyfit(ks, [costs[x] for x in ks], 1)
-    return float(intercept + slope * k)
 
 
 def rate(costs: Costs, n: int, k: int, step_width: int, p_accept: Sequence[float], verify_share: float,
@@ -169,29 +156,6 @@ def depth_text(per_depth: dict[int, tuple[float, float]]) -> str:
 # Measurements
 
 
-def call_costs(calls: dict, rounds: int) -> dict:
-    """key -> median ms of calls[key](), every call warmed up once, then called round by round in a
-    rotating order so load changes hit every call alike."""
-    keys = list(calls)
-    times: dict = {key: [] for key in keys}
-    for key in keys:  # warm-up
-        calls[key]()
-    for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            t0 = time.perf_counter()
-            calls[key]()
-            times[key].append((time.perf_counter() - t0) * 1000)
-    return {key: statistics.median(values) for key, values in times.items()}
-
-
-def occupancy_costs(call: Call, occupancies: Sequence[int], widths: Sequence[int], rounds: int = 10,
-                    extra: dict | None = None) -> tuple[Costs, dict[str, float]]:
-    """((rows j, width w) -> median ms of call(j, w) for every j and w; name -> median ms of extra[name]())."""
-    calls: dict = {(j, w): (lambda j=j, w=w: call(j, w)) for j in occupancies for w in sorted(set(widths))}
-    med = call_costs({**calls, **(extra or {})}, rounds)
-    return {key: med[key] for key in calls}, {name: med[name] for name in (extra or {})}
-
-
 def one_row_call(runner, position: int = 256) -> Call:
     """call(1, width) on a B=1 Runner: width tokens at position (the cache rows below it as they are)."""
     position = min(position, runner.max_context - max(runner.widths) - 2)
@@ -199,21 +163,6 @@ def one_row_call(runner, position: int = 256) -> Call:
     def call(rows: int, width: int):
         assert rows == 1, "a B=1 runner runs one row"
         return runner.forward(list(range(10, 10 + width)), position)
-    return call
-
-
-def forward_call(runner, position: int = 128) -> Call:
-    """call(j, width) on an OrtRunner (ort_runner.py): greedy ids of slots 0..j-1, every slot's cache
-    prefilled to position."""
-    batch = runner.batch
-    position = min(position, runner.max_context - max(runner.widths) - 1)
-    runner.held = [()] * batch  # the calls below rewrite every region
-    for slot in range(batch):
-        runner.prefill(slot, list(range(10, 10 + position)), 0)
-    tokens = {width: np.full((batch, width), 11, np.int64) for width in runner.widths}
-
-    def call(rows: int, width: int):
-        return runner.argmax(list(range(rows)), tokens[width][:rows], [position] * rows)
     return call
 
 

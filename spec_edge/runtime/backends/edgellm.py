@@ -52,7 +52,7 @@ from pathlib import Path
 from types import ModuleType
 
 from spec_edge import speculation_policy
-from spec_edge.config import Config, ConfigError
+from spec_edge.config import Config, ConfigError, speculative_k
 from spec_edge.device import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
@@ -289,9 +289,9 @@ class EdgeLLMEngine:
         if drafter == "eagle3" and self.runtime is not None and self.cfg.speculative.drafter != "eagle3":
             raise RequestError("this Edge-LLM runtime was started without the EAGLE-3 draft engine "
                                "(speculative.drafter none): send drafter none, or restart with drafter eagle3")
-        if drafter == "eagle3" and k != self.cfg.speculative.k:
-            raise RequestError(f"the Edge-LLM runtime drafts a chain of k={self.cfg.speculative.k} (speculative.k, "
-                               f"fixed at load): send k=0 or k={self.cfg.speculative.k}")
+        if drafter == "eagle3" and k != speculative_k(self.cfg):
+            raise RequestError(f"the Edge-LLM runtime drafts a chain of k={speculative_k(self.cfg)} (speculative.k, "
+                               f"fixed at load): send k=0 or k={speculative_k(self.cfg)}")
         if request.forced_drafts:
             raise RequestError("forced drafts (a grammar's forced tokens as the draft) run on runtime.backend: "
                                "onnxruntime only: send forced_drafts unset or false")
@@ -337,7 +337,7 @@ class EdgeLLMEngine:
             call.sampling_seed = seed
         call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE if self.cfg.serve.reuse_prefix
                                             else rt.ContextCacheLookupPolicy.BYPASS)
-        asked = self.cfg.speculative.k if drafter == "eagle3" else 0
+        asked = speculative_k(self.cfg) if drafter == "eagle3" else 0
         k, off_reason = asked, ""
         if self.batcher is not None and drafter != "none":
             k, off_reason = 0, (f"graphs.batch_slots={self.cfg.graphs.batch_slots}: Edge-LLM's RequestEngine (in-flight "
@@ -511,7 +511,7 @@ class EdgeLLMEngine:
                 "mode": "RequestEngine" if self.batcher is not None else "LLMRuntime",
                 "engine_dir": str(self.dirs.engine_dir), "max_context": self.max_context,
                 "max_input_len": self.dirs.max_input_len, "drafter": self.cfg.speculative.drafter,
-                "k": self.cfg.speculative.k, "k_values": [self.cfg.speculative.k],
+                "k": self.cfg.speculative.k, "k_values": [speculative_k(self.cfg)],
                 "batch_slots": self.cfg.graphs.batch_slots,
                 "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
                 "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),

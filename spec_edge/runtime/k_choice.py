@@ -1,0 +1,295 @@
+"""speculative.k: auto - each request's k (0 included) chosen at every iteration of the loop from its own live
+acceptance and the runner's measured call costs, so a drafter that is not repaid is not run.
+
+Two parts:
+
+  CallCosts   ms of one target call by (rows, width): measured when the engine loads (measure_costs: every
+              row count 1..B at the step width and every verify width, interleaved round by round), then kept
+              fresh by the loop, which hands it the time of every call it makes (an exponential average of
+              the load level per row count, over the measured ratios between widths).
+  KChoice     one request's choice. It keeps a decayed estimate a_i of the chance that draft i is accepted
+              when drafts 1..i-1 were (per position, weight WEIGHT per observation: a change in the text is
+              followed within a few verifies) and a decayed ms of drafting per draft token. At n decoding
+              slots (the call's rows) it expects, per iteration,
+
+                  tokens(k) = 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k      ms(k) = c(n, k+1) + k d
+                  rate(k)   = tokens(k) / ms(k)                        rate(0) = 1 / c(n, step width)
+
+              over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
+              the load policy (serve.speculate_k_by_load), and runs the best (the largest k until its first
+              verify is seen). Hysteresis: another k > 0 replaces the running one only when its rate is MARGIN
+              higher, speculation starts only when it beats plain by MARGIN and stops once it no longer beats
+              it by KEEP (a drafter that is always wrong stops within 7 verifies where the cheapest verify
+              costs 1.1 steps or more; one rejection alone does not stop a drafter accepted half the time).
+              At k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot): a
+              probe (one verify at the smallest k) runs every `gap` iterations, so a drafter that starts
+              matching again is used again: gap = the probe's extra cost over a step / PROBE_BUDGET, in
+              [PROBE_GAP, PROBE_GAP_MAX] (a cheap drafter whose probe verify costs 1.2 steps: every 10
+              iterations; a layer-skip drafter costing a quarter step per draft: every 30 or more).
+              A request starts from the estimates the previous request with the same drafter ended with
+              (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
+              and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
+
+Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
+distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
+arithmetic on numbers the loop hands in; the one measurement here (measure_costs) runs the runner's own
+calls, shared with `spec-edge tune` (tools/tune.py), which writes the load policy from the same costs.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
+Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
+
+WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate
+PRIOR = 0.5          # a position's acceptance before its first outcome
+MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
+KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
+PROBE_BUDGET = 0.02  # a probe's extra cost over a step, spread over the plain steps between probes: 2 % of a step
+PROBE_GAP = 4        # at least this many iterations at k = 0 between probes
+PROBE_GAP_MAX = 64   # at most this many
+FRESH = 0.1          # weight of one live call's time in its row count's level
+
+
+# ---------------------------------------------------------------------------------------------
+# Call costs
+
+
+def verify_cost(costs: dict[int, float], k: int) -> float:
+    """c_verify(k) from measured widths; between or beyond them a least-squares line in k."""
+    if k in costs:
+        return costs[k]
+    ks = sorted(costs)
+    if len(ks) == 1:
+        return costs[ks[0]]
+    slope, intercept = np.polyfit(ks, [costs[x] for x in ks], 1)
+    return float(intercept + slope * k)
+
+
+def call_costs(calls: dict, rounds: int) -> dict:
+    """key -> median ms of calls[key](), every call warmed up once, then called round by round in a
+    rotating order so load changes hit every call alike."""
+    keys = list(calls)
+    times: dict = {key: [] for key in keys}
+    for key in keys:  # warm-up
+        calls[key]()
+    for r in range(rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            t0 = time.perf_counter()
+            calls[key]()
+            times[key].append((time.perf_counter() - t0) * 1000)
+    return {key: statistics.median(values) for key, values in times.items()}
+
+
+def occupancy_costs(call: Call, occupancies: Sequence[int], widths: Sequence[int], rounds: int = 10,
+                    extra: dict | None = None) -> tuple[Costs, dict[str, float]]:
+    """((rows j, width w) -> median ms of call(j, w) for every j and w; name -> median ms of extra[name]())."""
+    calls: dict = {(j, w): (lambda j=j, w=w: call(j, w)) for j in occupancies for w in sorted(set(widths))}
+    med = call_costs({**calls, **(extra or {})}, rounds)
+    return {key: med[key] for key in calls}, {name: med[name] for name in (extra or {})}
+
+
+def forward_call(runner, position: int = 128) -> Call:
+    """call(j, width) on a slotted runner (ort_runner.OrtRunner): greedy ids of slots 0..j-1, every slot's
+    cache prefilled to position (what the slots' regions held is forgotten: runner.held emptied)."""
+    batch = runner.batch
+    position = min(position, runner.max_context - max(runner.widths) - 1)
+    runner.held = [()] * batch  # the calls below rewrite every region
+    for slot in range(batch):
+        runner.prefill(slot, list(range(10, 10 + position)), 0)
+    tokens = {width: np.full((batch, width), 11, np.int64) for width in runner.widths}
+
+    def call(rows: int, width: int):
+        return runner.argmax(list(range(rows)), tokens[width][:rows], [position] * rows)
+    return call
+
+
+@dataclass
+class CallCosts:
+    """ms of one target call by (rows, width) = its base cost x the live level at that row count. The base
+    costs are measured together, interleaved (measure_costs), so their ratios (what a verify costs in steps)
+    hold; every live call moves its row count's level (the machine's load now) by FRESH toward its own
+    time over its base, so a width the choice stopped using is never left at a stale price."""
+    ms: Costs = field(default_factory=dict)            # (rows, width) -> base ms
+    level: dict[int, float] = field(default_factory=dict)  # rows -> live ms / base ms (1 until a live call)
+
+    def observe(self, rows: int, width: int, ms: float) -> None:
+        """A live call's time. A width without a base takes it (at the current level); otherwise the level
+        moves by FRESH toward ms / base, one call counting at most 3x or a third of it (a call the OS
+        descheduled)."""
+        level = self.level.get(rows, 1.0)
+        base = self.ms.get((rows, width))
+        if base is None:
+            self.ms[(rows, width)] = ms / level
+            return
+        self.level[rows] = level + FRESH * (min(max(ms / base, level / 3), 3 * level) - level)
+
+    def cost(self, rows: int, width: int, step_width: int) -> float | None:
+        """ms of a call of rows x width, never less than the step's (more tokens cost no less: a timing below
+        it is noise): measured, else a line through the measured widths at these rows, else the step's cost
+        (a width never timed is tried as if it cost a step: its first live call sets it); None when the
+        step at these rows was never timed."""
+        step = self.ms.get((rows, step_width))
+        if step is None:
+            return None
+        if (rows, width) in self.ms:
+            base = max(self.ms[(rows, width)], step)
+        else:
+            at_rows = {w: ms for (j, w), ms in self.ms.items() if j == rows}
+            base = max(verify_cost(at_rows, width), step) if len(at_rows) >= 2 else step
+        return base * self.level.get(rows, 1.0)
+
+
+def measure_costs(runner, rounds: int = 5) -> CallCosts:
+    """The costs of every row count 1..runner.batch at every width the runner has (step and verify), each
+    the median of `rounds` calls after a warm-up. Forgets what the slots' regions held (forward_call)."""
+    costs, _ = occupancy_costs(forward_call(runner), range(1, runner.batch + 1), sorted(runner.widths), rounds)
+    return CallCosts(dict(costs))
+
+
+def describe(costs: CallCosts, step_width: int) -> str:
+    """One row's call costs in words (for info / diagnostics): 'step 9.3 ms, verify[3] 1.12 steps, ...'."""
+    step = costs.cost(1, step_width, step_width)
+    if not step:
+        return "not measured yet"
+    widths = sorted(w for (j, w) in costs.ms if j == 1 and w != step_width)
+    return f"step {step:.1f} ms" + "".join(f", verify[{w}] {costs.cost(1, w, step_width) / step:.2f} steps"
+                                           for w in widths)
+
+
+# ---------------------------------------------------------------------------------------------
+# One request's k
+
+
+@dataclass
+class KChoice:
+    """One request's k at every iteration (speculative.k: auto). ks: the k a verify call can carry (the
+    runner has its width and the drafter can propose it), ascending, non-empty."""
+    ks: tuple[int, ...]
+    accept: list[float] = field(default_factory=list)  # (max k,) a_i: P(draft i accepted | 1..i-1 were)
+    draft_ms: float = 0.0      # decayed ms of drafting per draft token
+    k: int = -1                # the running k (0 = plain steps); -1: start at the largest
+    since_probe: int = 0       # iterations at k = 0 since the last probe (or since k became 0)
+    probing: bool = False      # this iteration's k is a probe
+    probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
+    probes: int = 0
+    switches: int = 0          # changes of the running k
+    verifies: int = 0          # verify outcomes observed
+    streak: int = 0            # consecutive iterations speculating (not probes) up to this one
+    why: str = ""              # the last decision in words (speculation_off_reason)
+
+    def __post_init__(self):
+        if not self.ks:
+            raise ValueError("KChoice needs at least one k")
+        self.ks = tuple(sorted(self.ks))
+        self.accept = self.accept or [PRIOR] * self.ks[-1]
+        self.k = self.ks[-1] if self.k < 0 else self.k
+
+    @classmethod
+    def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
+        """A new request's choice, starting from where the previous request with the same drafter left its
+        estimates (acceptance per position, drafting cost, running k, the probes' cadence): a drafter that
+        was not repaid starts at plain decoding and probes on schedule, one that was starts at its k. None:
+        the first request (the prior, the largest k)."""
+        if previous is None:
+            return cls(tuple(ks))
+        ks = tuple(sorted(ks))
+        accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
+        k = previous.k if previous.k in (0, *ks) else ks[-1]
+        return cls(ks, accept=accept, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
+                   since_probe=previous.since_probe)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k."""
+        total, reach = 1.0, 1.0
+        for a in self.accept[:k]:
+            reach *= a
+            total += reach
+        return total
+
+    def rates(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> dict[int, float]:
+        """k -> expected tokens per ms for k = 0 and every k <= cap ({} when the step was never timed)."""
+        step = costs.cost(rows, step_width, step_width)
+        if not step:
+            return {}
+        out = {0: 1.0 / step}
+        for k in self.ks:
+            if k <= cap and (ms := costs.cost(rows, k + 1, step_width)):
+                out[k] = self.expected_tokens(k) / (ms + k * self.draft_ms)
+        return out
+
+    def choose(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> int:
+        """This iteration's k (0 = a plain step) at most cap (the load policy's k), for rows decoding slots."""
+        rates = self.rates(cap, costs, rows, step_width)
+        probed, self.probing, self.probed = self.probed, False, False
+        if len(rates) < 2 or not self.verifies:  # nothing timed or seen yet (or no k under the cap): the largest
+            return max((k for k in self.ks if k <= cap), default=0)
+        best = max(rates, key=lambda k: (rates[k], -k))
+        running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
+        if running == 0:  # only new evidence restarts speculation, not a cost that moved
+            new = best if probed and best and rates[best] > rates[0] * (1 + MARGIN) else 0
+        elif rates[running] < rates[0] * (1 + KEEP):
+            new = 0
+        elif best and rates[best] > rates[running] * (1 + MARGIN):
+            new = best
+        else:
+            new = running
+        if new != self.k:
+            self.switches += 1
+            self.why = self._words(rates, new)
+            if new == 0:
+                self.since_probe = 0
+        self.k = new
+        self.streak = self.streak + 1 if new else 0
+        if new:
+            return new
+        self.since_probe += 1
+        probe = min(k for k in rates if k)
+        if self.since_probe >= self.gap(probe, costs, rows, step_width):  # does it match again?
+            self.since_probe, self.probing = 0, True
+            self.probes += 1
+            return probe
+        return 0
+
+    def gap(self, k: int, costs: CallCosts, rows: int, step_width: int) -> int:
+        """Iterations at k = 0 between probes at k: the probe's extra cost over a step / PROBE_BUDGET."""
+        step = costs.cost(rows, step_width, step_width)
+        extra = (costs.cost(rows, k + 1, step_width) + k * self.draft_ms - step) / step
+        return min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` drafts accepted the first `accepted`: positions 1..accepted were accepted,
+        position accepted+1 (when drafted) rejected; later positions were not tried (when all were accepted,
+        they move toward the last one's estimate, so a k larger than the running one gets tried)."""
+        self.verifies += 1
+        self.probed = self.probing
+        for i in range(min(accepted + 1, drafted)):
+            self.accept[i] += WEIGHT * ((1.0 if i < accepted else 0.0) - self.accept[i])
+        if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (at half weight)
+            last = self.accept[drafted - 1]
+            for i in range(drafted, len(self.accept)):
+                self.accept[i] += WEIGHT / 2 * (last - self.accept[i])
+
+    def silent(self) -> None:
+        """The drafter proposed nothing this iteration: a probe that drafted nothing probes again next time."""
+        if self.probing:
+            self.since_probe, self.probes = PROBE_GAP_MAX, self.probes - 1
+
+    def drafted(self, k: int, ms: float) -> None:
+        """A proposal of at most k drafts took ms. Counted only while speculation runs on (a proposal after
+        plain steps, a probe's or the first, also catches the drafter up on the tokens it has not seen:
+        a cost of switching, not of drafting)."""
+        if k > 0 and self.streak >= 2:
+            self.draft_ms += WEIGHT * (ms / k - self.draft_ms)
+
+    def _words(self, rates: dict[int, float], new: int) -> str:
+        acceptance = " ".join(f"{a:.2f}" for a in self.accept)
+        expected = ", ".join(f"k={k} {rates[k] * 1000:.0f}" for k in sorted(rates))
+        return (f"{'plain decoding' if not new else f'k={new}'} expected fastest (tok/s {expected}; acceptance per "
+                f"position {acceptance}; drafting {self.draft_ms:.2f} ms per token)")
