@@ -29,7 +29,7 @@ def test_default_profile_is_the_embedded_default_in_4_bits_over_4_slots():
     cfg = Config()
     assert cfg.model.target == config.EMBEDDED and cfg.runtime.backend == "onnxruntime"
     assert (cfg.graphs.weights, cfg.graphs.batch_slots) == ("q4", 4)
-    assert (cfg.speculative.drafter, cfg.speculative.k) == ("ngram", 4)
+    assert (cfg.speculative.drafter, cfg.speculative.k) == ("ngram", "auto")
 
 
 @pytest.mark.parametrize("key,value,message", [

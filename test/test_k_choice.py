@@ -92,8 +92,8 @@ def test_config():
     with pytest.raises(ConfigError, match="speculative.k must be auto or an integer"):
         from_params({"speculative.k": "fast"})
     with pytest.raises(ConfigError, match="Edge-LLM drafts a fixed chain per engine"):
-        from_params({"runtime.backend": "tensorrt", "graphs.dtype": "float16", "speculative.drafter": "eagle3",
-                     "speculative.eagle3_head": "h"})
+        from_params({"runtime.backend": "tensorrt", "graphs.dtype": "float16", "graphs.weights": "fp32",
+                     "graphs.batch_slots": 1, "speculative.drafter": "eagle3", "speculative.eagle3_head": "h"})
 
 
 # ---------------------------------------------------------------------------------------------
