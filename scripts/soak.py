@@ -6,14 +6,18 @@ Starts the node (`spec-edge serve --params FILE`, default config/default.yaml wi
 serve.request_timeout_s=--request-timeout), then N client processes that each, until the duration
 is over, send a random mix: short greedy requests (a fixed set of prompts: every answer to one must be
 the same text), long sampled requests, guided JSON requests, action goals cancelled after a random
-number of feedbacks, requests that run past the timeout, and bad requests. Every request is counted
-as answered, refused (bad or busy), cancelled, timed out, failed (the engine reported an error) or
-lost (no answer within request_timeout + 60 s: there must be none). Prints the counts, whether the
+number of feedbacks, requests that run past the timeout, and bad requests. Every --burst-every seconds
+the clients pause after their current request and a burst of exactly slots + serve.queue_limit service
+calls is sent at once (the node's documented capacity: each must be served, none answered busy). Every
+request is counted as answered, refused (a bad request), busy, cancelled, timed out, failed (the engine
+reported an error) or lost (no answer within request_timeout + 60 s: there must be none). 8 clients hold at
+most 8 requests and a burst runs while they pause, so the node is never past its capacity: any busy answer
+is a fault. Prints the counts, whether the
 repeated greedy answers were identical, p50/p99 time to first token (client side: goal sent ->
 first feedback, queue wait included; and the node's stats.time_to_first_token_s), the node's memory at
 start and end by kind (VmRSS, Pss, private anonymous, file-backed: docs/ros.md "Which memory to watch") and
 the private anonymous memory from minute 2 (or half the duration) to the end, as lines and one JSON object
-(--json FILE). Exit status 1 on a lost request or
+(--json FILE). Exit status 1 on a lost, failed or busy request, a burst answer that was not served, or
 differing greedy answers. docs/ros.md has the figures of a 10-minute run.
 """
 from __future__ import annotations
@@ -41,6 +45,8 @@ SCHEMA = json.dumps({"type": "object", "properties": {"room": {"type": "string",
 BAD = [{"prompt": ""}, {"prompt": "hi", "top_p": 2.0}, {"messages": [["robot", "hi"]]},
        {"prompt": "hi", "max_new_tokens": 100000}, {"prompt": "hi", "drafter": "telepathy"}]
 KINDS = ("greedy", "long", "guided", "cancel", "timeout", "bad")
+COUNTS = ("sent", "answered", "refused", "busy", "cancelled", "timed_out", "failed", "lost")
+BURST_REQUEST = {"prompt": "Say hello to the visitor.", "max_new_tokens": 8, "temperature": 0.0}
 WEIGHTS = (6, 2, 2, 3, 1, 3)
 
 
@@ -84,18 +90,20 @@ def classify(answer) -> str:
     if answer.success:
         return "cancelled" if answer.finish_reason == "cancelled" else "answered"
     if answer.finish_reason == "":
-        return "refused"
+        return "busy" if answer.message.startswith("busy") else "refused"
     if answer.finish_reason == "cancelled":
         return "cancelled"
     return "timed_out" if answer.message.startswith("timed out") else "failed"
 
 
 def client_main(index: int, deadline: float, patience: float, out_path: str) -> None:
+    """One client: requests of the mix until the deadline; while <out dir>/pause exists (a burst), it waits
+    between requests and says so with <out dir>/paused<index>."""
     import rclpy
 
     from spec_edge.ros2.client import GenerateClient
     rng = random.Random(index)
-    counts = {k: 0 for k in ("sent", "answered", "refused", "cancelled", "timed_out", "failed", "lost")}
+    counts = {k: 0 for k in COUNTS}
     greedy: dict[str, list[str]] = {}
     ttft_client: list[float] = []
     ttft_server: list[float] = []
@@ -103,7 +111,14 @@ def client_main(index: int, deadline: float, patience: float, out_path: str) -> 
     rclpy.init(args=[])
     client = GenerateClient(node_name=f"soak_client_{index}")
     client.wait(120.0)
+    pause, paused = Path(out_path).parent / "pause", Path(out_path).parent / f"paused{index}"
     while time.time() < deadline:
+        while pause.exists() and time.time() < deadline:
+            paused.touch()
+            time.sleep(0.2)
+        if time.time() >= deadline:  # released by the deadline, not by the burst's end: send nothing more
+            break
+        paused.unlink(missing_ok=True)
         kind = rng.choices(KINDS, WEIGHTS)[0]
         fields = request_for(kind, rng)
         if "guided" in fields:
@@ -145,12 +160,59 @@ def client_main(index: int, deadline: float, patience: float, out_path: str) -> 
                                           "ttft_server": ttft_server, "problems": problems}))
 
 
+def burster_main(size: int, folder: str) -> None:
+    """The burst process: on each <folder>/go<n>, `size` service calls at once; their outcomes to done<n>."""
+    import rclpy
+
+    from spec_edge.ros2.client import GenerateClient, fill_request
+    rclpy.init(args=[])
+    client = GenerateClient(node_name="soak_burster")
+    client.wait(120.0)
+    (Path(folder) / "burster_ready").touch()
+    n = 0
+    while not (Path(folder) / "stop").exists():
+        if not (Path(folder) / f"go{n}").exists():
+            time.sleep(0.1)
+            continue
+        futures = [client.service.call_async(fill_request(client.srv_type.Request(), **BURST_REQUEST))
+                   for _ in range(size)]
+        limit = time.monotonic() + 300.0
+        while not all(f.done() for f in futures) and time.monotonic() < limit:
+            rclpy.spin_once(client.node, timeout_sec=0.1)
+        outcomes = [classify(f.result()) if f.done() else "lost" for f in futures]
+        (Path(folder) / f"done{n}").write_text(json.dumps(outcomes))
+        n += 1
+    client.close()
+    rclpy.try_shutdown()
+
+
+def burst(tmp: Path, n: int, clients: int, patience: float) -> list[str]:
+    """Pause the clients (each after its current request), send burst n, resume; the burst's outcomes."""
+    pause = tmp / "pause"
+    pause.touch()
+    try:
+        limit = time.time() + patience
+        while time.time() < limit and sum((tmp / f"paused{i}").exists() or (tmp / f"client{i}.json").exists()
+                                          for i in range(clients)) < clients:
+            time.sleep(0.2)
+        time.sleep(1.0)  # a cancelled goal leaves the node's queue
+        (tmp / f"go{n}").touch()
+        while not (tmp / f"done{n}").exists() and time.time() < limit + 300.0:
+            time.sleep(0.2)
+        return json.loads((tmp / f"done{n}").read_text()) if (tmp / f"done{n}").exists() else ["lost"]
+    finally:
+        pause.unlink(missing_ok=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 
 
-def soak(duration: float, clients: int, params: str, request_timeout: float, log_path: Path) -> dict:
+def soak(duration: float, clients: int, params: str, request_timeout: float, log_path: Path,
+         burst_every: float) -> dict:
     import yaml
+
+    from spec_edge.config import load
     env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
     tmp = Path(tempfile.mkdtemp(prefix="spec_edge_soak_"))
@@ -158,6 +220,8 @@ def soak(duration: float, clients: int, params: str, request_timeout: float, log
     tree["/**"]["ros__parameters"].setdefault("serve", {})["request_timeout_s"] = float(request_timeout)
     node_params = tmp / "params.yaml"
     node_params.write_text(yaml.safe_dump(tree))
+    cfg = load(node_params)
+    capacity = cfg.graphs.batch_slots + cfg.serve.queue_limit  # what the node holds before it answers busy
     log = log_path.open("w")
     node = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(node_params)],
                             env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -166,6 +230,14 @@ def soak(duration: float, clients: int, params: str, request_timeout: float, log
             if node.poll() is not None:
                 raise SystemExit(f"the node exited with {node.returncode}:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.5)
+        burster = subprocess.Popen([sys.executable, __file__, "--burst-size", str(capacity), "--out", str(tmp)],
+                                   env=env, cwd=REPO)
+        ready_by = time.time() + 120.0
+        while not (tmp / "burster_ready").exists():
+            if burster.poll() is not None or time.time() > ready_by:
+                raise SystemExit("the burst client did not reach the node (exit status "
+                                 f"{burster.poll()}); see {log_path}")
+            time.sleep(0.2)
         memory_start = memory_mb(node.pid)
         started = time.time()
         deadline = started + duration
@@ -175,19 +247,25 @@ def soak(duration: float, clients: int, params: str, request_timeout: float, log
                                    "--patience", str(patience), "--out", str(out)], env=env, cwd=REPO)
                  for i, out in enumerate(outs)]
         steady = []  # (s since start, private anonymous MB) every 10 s from min(STEADY_S, duration / 2) on
+        bursts: list[list[str]] = []
         while any(p.poll() is None for p in procs):
             time.sleep(1.0)
             since = time.time() - started
+            if burst_every > 0 and since >= burst_every * (len(bursts) + 1) and time.time() < deadline - 10:
+                bursts.append(burst(tmp, len(bursts), clients, patience))
             if since >= min(STEADY_S, duration / 2) and (not steady or since - steady[-1][0] >= 10.0):
                 steady.append((round(since), memory_mb(node.pid).get("anon", 0.0)))
         codes = [p.wait() for p in procs]
         memory_end = memory_mb(node.pid)
+        (tmp / "stop").touch()
+        burster.wait(60)
     finally:
+        (tmp / "stop").touch()
         node.send_signal(signal.SIGTERM)
         node.wait(30)
         log.close()
     results = [json.loads(out.read_text()) if out.exists() else None for out in outs]
-    counts = {k: 0 for k in ("sent", "answered", "refused", "cancelled", "timed_out", "failed", "lost")}
+    counts = {k: 0 for k in COUNTS}
     greedy: dict[str, set[str]] = {}
     ttft_client, ttft_server, problems = [], [], []
     for i, (code, result) in enumerate(zip(codes, results)):
@@ -202,7 +280,12 @@ def soak(duration: float, clients: int, params: str, request_timeout: float, log
         ttft_server += result["ttft_server"]
         problems += [f"client {i}: {p}" for p in result["problems"]]
     return {"duration_s": duration, "clients": clients, "params": params, "request_timeout_s": request_timeout,
-            "counts": counts, "greedy_identical": all(len(t) == 1 for t in greedy.values()),
+            "counts": counts, "capacity": capacity,
+            "bursts": {"n": len(bursts), "size": capacity,
+                       "served": sum(o.count("answered") for o in bursts), "not_served": [
+                           f"burst {i}: {o.count('answered')} of {len(o)} served ({sorted(set(o))})"
+                           for i, o in enumerate(bursts) if o.count("answered") != len(o)]},
+            "greedy_identical": all(len(t) == 1 for t in greedy.values()),
             "greedy_prompts_answered": {k: len(t) for k, t in greedy.items()},
             "ttft_client_s": {"p50": percentile(ttft_client, 0.5), "p99": percentile(ttft_client, 0.99),
                               "n": len(ttft_client)},
@@ -224,20 +307,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default=str(DEFAULT_PARAMS), help="the node's profile (default: the default profile)")
     parser.add_argument("--request-timeout", type=float, default=20.0,
                         help="serve.request_timeout_s of the node (the 900-token requests run past it)")
+    parser.add_argument("--burst-every", type=float, default=120.0,
+                        help="seconds between bursts of slots + serve.queue_limit calls (0: none)")
     parser.add_argument("--log", default="soak_node.log", help="the node's log")
     parser.add_argument("--json", help="write the summary here too")
     parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--patience", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--burst-size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.burst_size is not None:
+        burster_main(args.burst_size, args.out)
+        return 0
     if args.client is not None:
         client_main(args.client, args.deadline, args.patience, args.out)
         return 0
     os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
-    summary = soak(args.duration, args.clients, args.params, args.request_timeout, Path(args.log))
+    summary = soak(args.duration, args.clients, args.params, args.request_timeout, Path(args.log), args.burst_every)
     c = summary["counts"]
-    print(f"requests sent {c['sent']}: answered {c['answered']}, refused {c['refused']}, cancelled "
+    print(f"requests sent {c['sent']}: answered {c['answered']}, refused (bad) {c['refused']}, busy {c['busy']}, cancelled "
           f"{c['cancelled']}, timed out {c['timed_out']}, failed {c['failed']}, lost {c['lost']}")
     print(f"repeated greedy answers identical: {summary['greedy_identical']} "
           f"({sum(summary['greedy_prompts_answered'].values())} distinct texts over {len(GREEDY)} prompts)")
@@ -253,12 +342,16 @@ def main(argv: list[str] | None = None) -> int:
     if a["first"]:
         print(f"private anonymous memory from {a['from_s']} s to the end: {a['first']} MB -> {a['end']} MB "
               f"({100 * (a['end'] / a['first'] - 1):+.1f} %; range {a['min']}-{a['max']} MB)")
+    b = summary["bursts"]
+    print(f"bursts of {b['size']} (slots + queue_limit) to a paused load: {b['n']}, served {b['served']} of "
+          f"{b['n'] * b['size']}" + "".join(f"; {line}" for line in b["not_served"]))
     for problem in summary["problems"]:
         print("problem:", problem)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, allow_nan=False))
     print(json.dumps(summary, allow_nan=False))
-    ok = c["lost"] == 0 and summary["greedy_identical"] and summary["clients_ok"] and c["failed"] == 0
+    ok = (c["lost"] == 0 and c["failed"] == 0 and c["busy"] == 0 and not summary["bursts"]["not_served"]
+          and summary["greedy_identical"] and summary["clients_ok"])
     return 0 if ok else 1
 
 
