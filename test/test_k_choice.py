@@ -255,3 +255,25 @@ def test_the_next_request_starts_where_the_last_left():
     right = KChoice((2, 4))
     settle(right, Q4, 2, lambda d: d, iterations=10)
     assert KChoice.after(right, (2, 4)).choose(4, Q4, 1, 2) == 4 and KChoice.after(None, (2, 4)).k == 4
+
+
+def test_auto_at_plain_keeps_the_grammar_forced_drafts(tiny_engine, loop):
+    """A drafter auto has turned off (k = 0) never turns off the grammar's forced tokens: they need no drafter
+    and are all accepted; the output stays the constrained target-only one."""
+    from spec_edge.runtime.requests import GenerateRequest as Request
+    schema = r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."
+    prompt_ids = tiny_engine.prompt_ids(Request(prompt="Move the arm"))
+
+    def run(k, choice):
+        return decode(loop, SlotRequest(prompt_ids=prompt_ids, max_new_tokens=24, eos_ids=tiny_engine.eos_ids,
+                                        drafter=tiny_engine.drafter("draft") if k else None, k=k, k_choice=choice,
+                                        constraint=tiny_engine.grammars.constraint("regex", schema),
+                                        forced_drafts=True))
+
+    plain_ids, _, _ = run(0, None)
+    choice = KChoice((1, 3), accept=[0.0, 0.0, 0.0])
+    choice.k, choice.since_probe, choice.verifies = 0, -10 ** 6, 1  # settled at plain, no probe due
+    ids, stats, ks = run(3, choice)
+    assert ids == plain_ids and choice.k == 0 and choice.probes == 0
+    assert stats.forced > 0 and stats.verify_calls > 0 and stats.accepted >= stats.forced, stats
+    assert stats.drafted == stats.forced  # the drafter itself never ran

@@ -451,6 +451,11 @@ class BatchLoop:
         request, stats, k = slot.request, slot.stats, slot.k_now
         constraint, drafter = request.constraint, request.drafter
         slot.draft, slot.proposed = None, False
+        if (not k and slot.k_cap and request.k_choice is not None and constraint is not None
+                and request.forced_drafts and constraint.forced()):
+            # auto's plain step never drops grammar-forced tokens: no drafter runs and, the grammar allowing
+            # nothing else, the target accepts them all
+            k = slot.k_now = slot.k_cap
         room = slot.pos + k + 1 <= self.runner.max_context
         if stats.k and not k:
             if slot.k_cap:

@@ -101,9 +101,11 @@ def run_client(env: dict[str, str], job: dict, timeout: float = 300.0):
 
 
 def test_params(**overrides) -> dict:
-    """The test servers' parameters: the embedded default in fp32 with one slot (the default profile runs q4 over
-    4 slots; test_node_batch.py serves slots), graphs cached in the repo's engines/."""
-    params = {"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32", "graphs.batch_slots": 1}
+    """The test servers' parameters: the embedded default in fp32 with one slot and a fixed k=4 (the default profile
+    runs q4 over 4 slots with k auto, whose choices follow live call timings: a node's stats would not equal the
+    in-process engine's; test_node_batch.py serves slots), graphs cached in the repo's engines/."""
+    params = {"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+              "speculative.k": 4}
     params.update(overrides)
     return params
 
