@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def assert_speculated(*stats, accepted: bool = True, what: str = "") -> None:
-    """stats: speculative.Stats (or dicts of their fields) of the runs of one test. Fails unless they made
+    """stats: runtime.stats.Stats (or dicts of their fields) of the runs of one test. Fails unless they made
     verify calls, and (accepted=True) accepted at least one draft."""
     def get(s, name):
         return s[name] if isinstance(s, dict) else getattr(s, name)

@@ -20,7 +20,7 @@ def test_k_at_load():
 
 
 def test_reason():
-    from spec_edge.runtime.speculative import Stats
+    from spec_edge.runtime.stats import Stats
 
     def stats(k, by_k, off=0):
         return Stats(k=k, verify_calls_by_k=by_k, policy_off_steps=off)
@@ -126,7 +126,7 @@ def test_the_load_policy_caps_auto(tiny_engine):
 
 def test_reason_under_auto():
     from spec_edge.runtime.k_choice import KChoice
-    from spec_edge.runtime.speculative import Stats
+    from spec_edge.runtime.stats import Stats
 
     choice = KChoice((2, 4))
     choice.probes, choice.why = 3, "plain decoding expected fastest (...)"

@@ -12,7 +12,7 @@ import pytest
 
 from spec_edge.ros2.worker import Job, Worker
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult
-from spec_edge.runtime.speculative import Stats
+from spec_edge.runtime.stats import Stats
 
 
 class Log:

@@ -8,7 +8,7 @@ import unicodedata
 from dataclasses import dataclass
 
 from spec_edge.runtime.sampling import TokenLogprobs
-from spec_edge.runtime.speculative import Stats
+from spec_edge.runtime.stats import Stats
 
 FINISH_REASONS = ("eos", "stop", "length", "context_full", "cancelled", "error")
 

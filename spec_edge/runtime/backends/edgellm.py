@@ -58,7 +58,7 @@ from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
 from spec_edge.runtime.serving import chat_text, resolve_fields
-from spec_edge.runtime.speculative import Stats
+from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
 EDGELLM_VERSION = edgellm_layout.EDGELLM_VERSION
