@@ -83,8 +83,9 @@ class GenerateClient:
         # ActionClient drops a goal's feedback callback once its result is in, and the result (a service reply)
         # can overtake the last feedback (a topic message), whose delta would be lost
         self._feedback_routes: dict[bytes, Callable[[Any], None]] = {}
-        self.node.create_subscription(GenerateAction.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback",
-                                      self._route_feedback, endpoint_qos())
+        self._feedback_sub = self.node.create_subscription(
+            GenerateAction.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback", self._route_feedback,
+            endpoint_qos())
         self.wait_timeout, self.timeout = wait_timeout, timeout
         self._service_ready = self._action_ready = False
 
@@ -146,11 +147,18 @@ class GenerateClient:
         """Until the node's action has answered this client once through its goal service and its result
         service (or TimeoutError after timeout s, default wait_timeout): an empty goal, which the node aborts
         at once (validation), resent every ping_every seconds."""
+        import rclpy
         timeout = self.wait_timeout if timeout is None else timeout
         name = f"action {self.action_name}"
         deadline = time.monotonic() + timeout
         if not self.action.wait_for_server(timeout_sec=timeout):
             raise TimeoutError(f"{name} did not appear within {timeout} s; is the node running (same ROS_DOMAIN_ID)?")
+        # our own feedback subscription must be matched too, or a fresh process loses a goal's first deltas
+        # (wait_for_server counts only the ActionClient's own feedback subscription)
+        while self._feedback_sub.get_publisher_count() < 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: its feedback topic did not reach this client within {timeout} s")
+            rclpy.spin_once(self.node, timeout_sec=0.05)
         handle = self._ping(lambda: self.action.send_goal_async(self.action_type.Goal()),
                             max(deadline - time.monotonic(), 0.1), ping_every, f"{name} (its goal service)")
         if handle.accepted:  # its result proves the result service's replies reach this client too
