@@ -119,7 +119,8 @@ def cmd_generate(args) -> int:
     on_text = None if args.json else (lambda delta, n_tokens: print(delta, end="", flush=True))
     result = engine.generate(request, on_text=on_text)
     if args.json:
-        print(json.dumps({**result.as_dict(), **answered_by(args, cfg)}, allow_nan=False))  # strict JSON: no NaN / Infinity
+        # strict JSON: no NaN / Infinity
+        print(json.dumps({**result.as_dict(), **answered_by(args, cfg)}, allow_nan=False))
         return 0
     s = result.stats
     print()

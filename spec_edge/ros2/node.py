@@ -365,7 +365,8 @@ def make_node_class():
                 depth = worker.queue_depth
                 values.update(self._info)
                 used = memory.breakdown()
-                if "k_choice" in self._info and self.engine is not None:  # speculative.k auto: the call costs as the loop keeps them now
+                # speculative.k auto: the call costs as the loop keeps them now
+                if "k_choice" in self._info and self.engine is not None:
                     values["k_choice"] = self.engine.info()["k_choice"]
                 values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
                 values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})

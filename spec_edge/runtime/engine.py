@@ -108,7 +108,8 @@ class Engine:
             engine._drafters.load(cfg.speculative.drafter)  # now, not on the first request
         if cfg.speculative.k == AUTO_K:  # the call costs k_choice weighs (the slots' regions are empty now)
             engine.loop.costs = k_choice.measure_costs(runner)
-            progress(f"[engine] speculative.k auto: call costs {k_choice.describe(engine.loop.costs, runner.step_width)}")
+            costs = k_choice.describe(engine.loop.costs, runner.step_width)
+            progress(f"[engine] speculative.k auto: call costs {costs}")
         progress(f"[engine] {cfg.runtime.backend}, {slots} batch slot(s), ready in {time.monotonic() - started:.1f} s "
                  f"(max context {runner.max_context}, widths {sorted(runner.widths)})")
         return engine

@@ -52,9 +52,10 @@ k per slot and the load policy (serve.speculate_k_by_load, spec_edge/speculation
 the request's k): the load is the requests in the engine, the occupied slots + `waiting` (what waits in
 the caller's queue, which the caller sets); at each iteration a slot drafts k_at(table, load, its k), 0 =
 no drafts. A verify call runs the smallest verify graph that holds the longest window of its rows (cut,
-forced or smaller-k drafts are shorter; never q4's two-row step, which feeds its one token twice): a shorter window is padded with its last token (rows past it are read
-by nobody, like rejected drafts). A slot's stats count its verify calls by k and the steps the policy
-took (greedy output is the same; `spec-edge tune` measures the table).
+forced or smaller-k drafts are shorter; never q4's two-row step, which feeds its one token twice): a
+shorter window is padded with its last token (rows past it are read by nobody, like rejected drafts). A
+slot's stats count its verify calls by k and the steps the policy took (greedy output is the same;
+`spec-edge tune` measures the table).
 
 speculative.k: auto (SlotRequest.k_choice, runtime/k_choice.py): under the load policy's cap, the slot's
 KChoice picks the k (0 included) with the highest expected tokens per second from its live acceptance and
