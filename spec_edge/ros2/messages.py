@@ -7,10 +7,10 @@ No rclpy here: the functions take the message objects they are handed.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
-REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
+from spec_edge.runtime.scheduler import Outcome
+
 
 
 def _optional(values: Any) -> Any:
@@ -53,30 +53,6 @@ def to_engine_request(msg: Any):
         grammar=msg.guided.grammar,
         regex=msg.guided.regex,
     )
-
-
-@dataclass
-class Outcome:
-    """What the node answers: the fields of the service response / action result."""
-    success: bool
-    message: str = ""
-    text: str = ""
-    num_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)  # sampling.TokenLogprobs per token (when asked)
-    finish_reason: str = REFUSED
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def refused(cls, message: str) -> "Outcome":
-        return cls(success=False, message=message)
-
-
-def result_stats(result: Any) -> dict[str, Any]:
-    """The GenerationStats fields of an engine result: the loop's stats plus the queue's decision."""
-    stats = result.stats.as_dict()
-    stats.update(queued_at_start=result.queued_at_start, speculation_off_reason=result.speculation_off_reason)
-    return stats
 
 
 def fill_response(resp: Any, outcome: Outcome) -> Any:

@@ -23,7 +23,7 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   (the weights); cleanup gives the engine's memory back to the OS.
 
 Everything the node knows about generation comes from the Engine; it only translates
-(spec_edge.ros2.messages) and queues (spec_edge.ros2.worker).
+(spec_edge.ros2.messages) and queues (spec_edge.runtime.scheduler).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from spec_edge import config as cfgmod
 from spec_edge.ros2 import memory, parameters
 from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request, tokenize
 from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, leave_graph, start_watchdog, unless_stopped
-from spec_edge.ros2.worker import SHUTTING_DOWN, Job, Worker
+from spec_edge.runtime.scheduler import SHUTTING_DOWN, Job, Scheduler
 
 NODE_NAME = "spec_edge"
 SERVICE_NAME = "generate"   # relative: /generate, or /<namespace>/generate
@@ -112,7 +112,7 @@ def make_node_class():
             self._group = ReentrantCallbackGroup()
             self.cfg: cfgmod.Config | None = None
             self.engine: Any = None
-            self.worker: Worker | None = None
+            self.worker: Scheduler | None = None
             self._info: dict[str, Any] = {}
             self._active = False
             self._diag_timer = None
@@ -235,7 +235,7 @@ def make_node_class():
                 self.get_logger().error(f"configure: engine did not load: {err}")
                 self.engine = None
                 return TransitionCallbackReturn.FAILURE
-            self.worker = Worker(self.engine, self.cfg, self.get_logger())
+            self.worker = Scheduler(self.engine, self.cfg, self.get_logger())
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)
             self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info} "

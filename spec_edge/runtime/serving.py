@@ -23,7 +23,7 @@ class RequestBackend(Protocol):
     finish reason; queued: requests in the caller's queue as it starts, itself included (the load policy).
     concurrent: generate may be called from several threads at once (else the caller serialises).
     loop: the Engine's speculative loop (runtime/speculative.BatchLoop), which a caller serving many requests
-    drives itself (Engine.start, loop.add, loop.iterate: ros2/worker.py); None for a backend that serves
+    drives itself (Engine.start, loop.add, loop.iterate: runtime/scheduler.py); None for a backend that serves
     whole requests only (Edge-LLM)."""
 
     cfg: Config

@@ -1,5 +1,6 @@
 """spec_edge_interfaces: the service and the action carry the same request and response fields."""
-from spec_edge.ros2.messages import Outcome, fill_response, response_to_dict
+from spec_edge.ros2.messages import fill_response, response_to_dict
+from spec_edge.runtime.scheduler import Outcome
 
 
 def test_service_and_action_share_their_fields():

@@ -1,5 +1,6 @@
-"""The queue in front of the engine: a Job per request, and the Worker, one thread that admits the
-jobs first in first out as the engine has room, and answers each as soon as its request ends.
+"""The one scheduler every door (the ROS node, the HTTP door, the CLI) hands its requests to: a Job per request,
+and the Scheduler, one thread that admits the jobs first in first out as the engine has room, and answers each
+with an Outcome as soon as its request ends.
 
 The engine's loop (engine.loop, runtime/engine.py, any graphs.batch_slots = B): waiting jobs join free
 slots at each iteration boundary (their prefill chunks between the other slots' decode calls) and the
@@ -8,13 +9,13 @@ occupied slots + the jobs waiting here (loop.waiting, kept by this thread). A ba
 requests (engine.loop is None: Edge-LLM, backends/edgellm.py) runs each admitted job's generate() on a
 thread of its own, up to graphs.batch_slots at once when it is concurrent, else one.
 
-The node holds at most capacity (the slots: requests running at once) + serve.queue_limit requests, counted
+A scheduler holds at most capacity (the slots: requests running at once) + serve.queue_limit requests, counted
 at submit: a request beyond them is answered "busy" at once (a burst of exactly that many to an idle node is
 served in full, whether or not the thread has moved the first ones into slots yet),
 serve.request_timeout_s how long a request may take from submit to finish (queue wait
 included; past it, finish_reason "error"). cancel and stop are seen before each decode call; stop()
-refuses what waits and cancels what runs. No rclpy here: the node hands in its logger and answers with
-the Outcome a job ends with.
+refuses what waits and cancels what runs. No door here: a door hands in its logger and answers with the
+Outcome a job ends with.
 """
 from __future__ import annotations
 
@@ -28,9 +29,33 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from spec_edge import config as cfgmod
-from spec_edge.ros2.messages import Outcome, result_stats
 
 SHUTTING_DOWN = "the node is shutting down; retry on its successor"
+REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
+
+
+@dataclass
+class Outcome:
+    """What a door answers: the fields of the ROS service response / action result, the HTTP door's choice."""
+    success: bool
+    message: str = ""
+    text: str = ""
+    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # sampling.TokenLogprobs per token (when asked)
+    finish_reason: str = REFUSED
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def refused(cls, message: str) -> "Outcome":
+        return cls(success=False, message=message)
+
+
+def result_stats(result: Any) -> dict[str, Any]:
+    """The GenerationStats fields of an engine result: the loop's stats plus the queue's decision."""
+    stats = result.stats.as_dict()
+    stats.update(queued_at_start=result.queued_at_start, speculation_off_reason=result.speculation_off_reason)
+    return stats
 
 
 @dataclass
@@ -49,7 +74,7 @@ class Job:
         self.done.set()
 
 
-class Worker:
+class Scheduler:
     """One thread that admits queued jobs into the engine, first in first out, and serves them."""
 
     def __init__(self, engine: Any, cfg: cfgmod.Config, logger: Any):

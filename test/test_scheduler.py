@@ -1,4 +1,4 @@
-"""The node's one Worker (spec_edge/ros2/worker.py) without rclpy: over the Engine's loop it admits queued jobs
+"""The one Scheduler (spec_edge/runtime/scheduler.py) without a door: over the Engine's loop it admits queued jobs
 into free slots (B=1: one at a time, first in first out) and tells the loop what waits; over a backend that
 serves whole requests (Edge-LLM: engine.loop is None, a double of the RequestBackend protocol here, as the
 real runtime needs a GPU) it runs up to graphs.batch_slots of them at once on threads when the backend is
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from spec_edge.ros2.worker import Job, Worker
+from spec_edge.runtime.scheduler import Job, Scheduler
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult
 from spec_edge.runtime.stats import Stats
 
@@ -57,7 +57,7 @@ def run_jobs(worker, n):
 def test_whole_request_backend_runs_up_to_its_slots_at_once(tiny_cfg, concurrent, slots, most):
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": slots})
     backend = WholeRequests(cfg, concurrent)
-    worker = Worker(backend, cfg, Log())
+    worker = Scheduler(backend, cfg, Log())
     try:
         jobs = run_jobs(worker, 5)
         deadline = time.monotonic() + 5
@@ -78,9 +78,9 @@ def test_whole_request_backend_runs_up_to_its_slots_at_once(tiny_cfg, concurrent
 def test_stop_refuses_what_waits_and_cancels_what_runs(tiny_engine):
     """Over the Engine's loop (B=1: one slot): the first job runs, the others wait and are refused on stop;
     the running one ends cancelled."""
-    from spec_edge.ros2.worker import SHUTTING_DOWN
+    from spec_edge.runtime.scheduler import SHUTTING_DOWN
 
-    worker = Worker(tiny_engine, tiny_engine.cfg, Log())
+    worker = Scheduler(tiny_engine, tiny_engine.cfg, Log())
     started = threading.Event()
     jobs = [Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=100, speculate=False),
                 on_text=lambda delta, n: started.set()) for _ in range(3)]
@@ -100,7 +100,7 @@ def test_capacity_is_slots_plus_queue_counted_at_submit(tiny_cfg, concurrent, sl
     worker has moved any of it into a slot; one more is "busy"; once they finished there is room again."""
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": slots, "serve.queue_limit": 2})
     backend = WholeRequests(cfg, concurrent)
-    worker = Worker(backend, cfg, Log())
+    worker = Scheduler(backend, cfg, Log())
     try:
         room = worker.capacity + 2
         jobs = run_jobs(worker, room)
@@ -120,7 +120,7 @@ def test_capacity_is_slots_plus_queue_counted_at_submit(tiny_cfg, concurrent, sl
 def test_capacity_over_the_engine_loop(tiny_engine):
     """The same over the Engine's loop (B=1: capacity 1 slot + queue_limit)."""
     cfg = tiny_engine.cfg.replace(**{"serve.queue_limit": 2})
-    worker = Worker(tiny_engine, cfg, Log())
+    worker = Scheduler(tiny_engine, cfg, Log())
     try:
         jobs = [Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=20, speculate=False))
                 for _ in range(3)]
