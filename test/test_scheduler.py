@@ -34,6 +34,9 @@ class WholeRequests:
         self.queued: list[int] = []
         self._lock = threading.Lock()
 
+    def validate(self, request):
+        """Every request is one it serves."""
+
     def generate(self, request, on_text=None, cancel=None, queued=1):
         with self._lock:
             self.running += 1

@@ -304,16 +304,9 @@ def make_node_class():
         def _run_job(self, msg: Any, **job_kwargs) -> Outcome:
             worker, cfg, engine = self.worker, self.cfg, self.engine
             if not self._active or worker is None or cfg is None or engine is None:
-                return Outcome.refused(self._not_serving())
-            from spec_edge.runtime.requests import RequestError
-            try:
-                request = to_engine_request(msg)
-                # refused at once, not after waiting in the queue (and without taking a slot of it)
-                engine.validate(request)
-            except RequestError as err:
-                return Outcome.refused(str(err))
-            job = Job(request, **job_kwargs)
-            if worker.submit(job):
+                return Outcome.refused(self._not_serving(), "unavailable")
+            job = Job(to_engine_request(msg), **job_kwargs)
+            if worker.submit(job):  # a bad request is refused at once, without taking a place in the queue
                 # the worker always finishes a job; the margin only guards against a hung engine
                 if not job.done.wait(cfg.serve.request_timeout_s + 30.0):
                     return Outcome(success=False, finish_reason="error",

@@ -45,10 +45,11 @@ class Outcome:
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprobs per token (when asked)
     finish_reason: str = REFUSED
     stats: dict[str, Any] = field(default_factory=dict)
+    refusal: str = ""  # why a request never ran: "invalid" (the request), "busy" (full), "unavailable" (not serving)
 
     @classmethod
-    def refused(cls, message: str) -> "Outcome":
-        return cls(success=False, message=message)
+    def refused(cls, message: str, refusal: str = "invalid") -> "Outcome":
+        return cls(success=False, message=message, refusal=refusal)
 
 
 def result_stats(result: Any) -> dict[str, Any]:
@@ -104,19 +105,27 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False (and the job answered "busy") when the node already holds capacity +
-        serve.queue_limit unfinished requests (running or waiting)."""
+        """Check the job's request and queue it; False (the job answered at once) for a request the engine refuses
+        (refusal "invalid": in the caller's thread, without taking a queue place), when stopping ("unavailable"),
+        and when the node already holds capacity + serve.queue_limit unfinished requests ("busy")."""
+        from spec_edge.runtime.requests import RequestError
+
         limit = self.cfg.serve.queue_limit
+        try:
+            self.engine.validate(job.request)
+        except RequestError as err:
+            job.finish(Outcome.refused(str(err)))
+            return False
         with self._lock:
             if self._stopping:
-                job.finish(Outcome.refused(SHUTTING_DOWN))
+                job.finish(Outcome.refused(SHUTTING_DOWN, "unavailable"))
                 return False
             self._held = [held for held in self._held if not held.done.is_set()]
             if len(self._held) >= self.capacity + limit:
                 self.refused_busy += 1
                 job.finish(Outcome.refused(
                     f"busy: {len(self._held)} requests already run or wait ({self.capacity} slot(s) + "
-                    f"serve.queue_limit={limit}); retry later"))
+                    f"serve.queue_limit={limit}); retry later", "busy"))
                 return False
             job.deadline = time.monotonic() + self.cfg.serve.request_timeout_s
             self._held.append(job)
@@ -131,7 +140,7 @@ class Scheduler:
             waiting, self._waiting = list(self._waiting), collections.deque()
             self._wake.notify_all()
         for job in waiting:
-            job.finish(Outcome.refused(SHUTTING_DOWN))
+            job.finish(Outcome.refused(SHUTTING_DOWN, "unavailable"))
         self._thread.join(timeout)
 
     def _run(self) -> None:
