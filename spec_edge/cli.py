@@ -1,4 +1,4 @@
-"""spec-edge: export | generate | bench | build | plan | serve | ask | tune | train-draft | engines.
+"""spec-edge: export | generate | bench | build | plan | serve | http | ask | tune | train-draft | engines.
 
 A stable contract: scripts outside the project call these. Progress goes to stderr; with --json,
 stdout holds exactly one JSON object.
@@ -148,6 +148,15 @@ def cmd_bench(args) -> int:
     return bench.main(config_from_args(args), args, progress)
 
 
+def cmd_http(args) -> int:
+    from spec_edge.http import door
+
+    cfg = config_from_args(args)
+    cfg = cfg.replace(**{key: value for key, value in (("http.host", args.host), ("http.port", args.port))
+                         if value is not None})
+    return door.run(cfg, progress)
+
+
 def cmd_tune(args) -> int:
     from spec_edge.tools import tune
 
@@ -223,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", nargs="+", choices=("transformers", "transformers-early-exit", "llama.cpp", "none"),
                    help="peer systems (default: transformers llama.cpp; skipped with a note when not installed)")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("http", help="serve an OpenAI-compatible HTTP API (/v1/chat/completions ...) without ROS")
+    add_config_args(p)
+    p.add_argument("--host", help="address to bind (http.host, default 127.0.0.1; another needs http.api_key)")
+    p.add_argument("--port", type=int, help="port (http.port, default 8000; 0: any free port)")
+    p.set_defaults(func=cmd_http)
 
     p = sub.add_parser("tune", help="pick k from measured verify/step costs and acceptance; write a profile")
     add_config_args(p)

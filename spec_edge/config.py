@@ -200,6 +200,17 @@ class ServeSection:
 
 
 @dataclass(frozen=True)
+class HttpSection:
+    """The OpenAI-compatible HTTP door (spec_edge/http/, docs/http.md): `spec-edge http` runs it alone, the node beside
+    its ROS interfaces when enabled."""
+    enabled: bool = False             # the node serves it too (launch argument http:=true)
+    host: str = "127.0.0.1"           # any address but loopback needs api_key (refused at start without one)
+    port: int = 8000
+    api_key: str = ""                 # clients send `Authorization: Bearer <api_key>`; "" = none asked (loopback only)
+    max_body_bytes: int = 1048576     # a request body past this is answered 413
+
+
+@dataclass(frozen=True)
 class MemorySection:
     device_memory_gb: float = 128.0   # Thor: 128 GB unified; read from the device when available
     os_ros_reserve_gb: float = 12.0   # kept free for the OS, ROS 2 and the robot's other nodes
@@ -215,6 +226,7 @@ class Config:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
     serve: ServeSection = field(default_factory=ServeSection)
     memory: MemorySection = field(default_factory=MemorySection)
+    http: HttpSection = field(default_factory=HttpSection)
 
     def replace(self, **dotted: Any) -> "Config":
         """Copy with some fields changed: cfg.replace(**{"speculative.k": 3})."""
@@ -462,3 +474,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")
     if (problem := speculation_policy.check(cfg)) is not None:
         raise ConfigError(problem)
+    if not 0 <= cfg.http.port <= 65535 or cfg.http.max_body_bytes < 1024:
+        raise ConfigError(f"http.port must be in [0, 65535] (0: any free port) and http.max_body_bytes >= 1024, got "
+                          f"{cfg.http.port} and {cfg.http.max_body_bytes}")

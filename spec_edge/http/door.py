@@ -1,0 +1,337 @@
+"""The HTTP door: an OpenAI-compatible API (FastAPI on uvicorn) onto the one Scheduler, the second door beside the
+ROS node (docs/http.md).
+
+Door(cfg, logger).start() binds http.host:http.port and serves from a thread of its own; until serve(scheduler,
+engine) it answers 503 (loading, or whatever `pause(reason)` said), so the ROS node can run it beside its ROS
+interfaces and `spec-edge http` alone. Every request is a scheduler Job: refused at submit (400 invalid, 429 busy,
+503 unavailable, each with the scheduler's message, the ROS door's words), or streamed / answered when it ends. A
+client that goes away cancels its job (checked every POLL_S), so its slot frees before the next decode call.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import socket
+import threading
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from spec_edge import config as cfgmod
+from spec_edge.http import schema
+from spec_edge.http.metrics import Metrics
+from spec_edge.runtime.requests import RequestError
+from spec_edge.runtime.scheduler import Job, Outcome
+
+POLL_S = 0.02           # how often a waiting request looks at its job and its client
+LOADING = "the model is loading; retry shortly"
+STATUS = {"invalid": (400, "invalid_request_error"), "busy": (429, "rate_limit_error"),
+          "unavailable": (503, "service_unavailable"), "": (500, "server_error")}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.code, self.param = status, kind, message, code, param
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status, headers=headers)
+
+
+def refusal(outcome: Outcome) -> ApiError:
+    """The error of a job that did not succeed (no file path or traceback: a failed engine says where to look)."""
+    status, kind = STATUS[outcome.refusal]
+    message = outcome.message
+    if status == 500 and not message.startswith("timed out"):
+        message = "generation failed; the server's log has the details"
+    return ApiError(status, kind, message, code=outcome.refusal or outcome.finish_reason or None)
+
+
+class BodyLimit:
+    """ASGI middleware: a body past limit bytes (as declared or as read) raises HTTPException 413 where the endpoint
+    reads it (Starlette's own limit answers in plain text, not in OpenAI's shape)."""
+
+    def __init__(self, app: Any, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = int(dict(scope["headers"]).get(b"content-length", b"0") or 0)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if max(seen, declared) > self.limit:
+                raise HTTPException(413)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def check_binding(cfg: cfgmod.HttpSection) -> None:
+    """Refuse a reachable address without an api_key (ConfigError saying what to set)."""
+    try:
+        loopback = cfg.host == "localhost" or ipaddress.ip_address(cfg.host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not cfg.api_key:
+        raise cfgmod.ConfigError(
+            f"http.host={cfg.host} is reachable from other machines and http.api_key is empty: anyone who reaches "
+            f"port {cfg.port} could run the model. Set http.api_key (clients send it as `Authorization: Bearer "
+            f"<key>`), or bind http.host: 127.0.0.1")
+
+
+class Door:
+    """The HTTP door; see the module docstring."""
+
+    def __init__(self, cfg: cfgmod.Config, logger: Any):
+        self.cfg, self.logger = cfg, logger
+        self.model = cfg.runtime.profile    # the model id /v1/models lists and requests name
+        self.metrics = Metrics()
+        self.in_flight = 0
+        self.scheduler: Any = None
+        self.engine: Any = None
+        self.unavailable = LOADING
+        self.app = self._make_app()
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.port = cfg.http.port           # the bound port (http.port 0: the one the OS chose)
+
+    # -- life ---------------------------------------------------------------------------------
+
+    def serve(self, scheduler: Any, engine: Any) -> None:
+        self.scheduler, self.engine = scheduler, engine
+
+    def pause(self, reason: str) -> None:
+        """Answer 503 with reason until serve() again (the node inactive, shutting down)."""
+        self.unavailable = reason
+        self.scheduler = self.engine = None
+
+    def start(self) -> "Door":
+        """Bind (OSError / ConfigError here, in the caller's thread) and serve on a thread."""
+        import uvicorn
+
+        check_binding(self.cfg.http)
+        host = self.cfg.http.host
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, self.cfg.http.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=1,
+                                lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, name="spec_edge-http",
+                                        daemon=True)
+        self._thread.start()
+        while not self._server.started and self._thread.is_alive():
+            self._thread.join(0.01)
+        self.logger.info(f"HTTP door on http://{host}:{self.port}/v1 (model {self.model})")
+        return self
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self.pause("the server is shutting down")
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout)
+            self._server = None
+
+    # -- the app ------------------------------------------------------------------------------
+
+    def _make_app(self) -> FastAPI:
+        app = FastAPI(title="spec_edge", docs_url="/docs", redoc_url=None)
+        app.add_middleware(BodyLimit, limit=self.cfg.http.max_body_bytes)
+
+        @app.exception_handler(ApiError)
+        async def api_error(request: Request, err: ApiError):
+            return err.response()
+
+        @app.exception_handler(HTTPException)
+        async def http_error(request: Request, err: HTTPException):
+            if err.status_code == 413:
+                return ApiError(413, "invalid_request_error", f"the request body is larger than "
+                                f"http.max_body_bytes={self.cfg.http.max_body_bytes}", "body_too_large").response()
+            return ApiError(err.status_code, "invalid_request_error", str(err.detail)).response()
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(request: Request, err: RequestValidationError):
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"] if part != "body")
+            return ApiError(400, "invalid_request_error", f"{where}: {first['msg']}", "invalid_field",
+                            where or None).response()
+
+        @app.middleware("http")
+        async def authorize(request: Request, call_next):
+            key = self.cfg.http.api_key
+            if key and request.url.path != "/health":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                    self.metrics.count("unauthorized")
+                    return ApiError(401, "invalid_request_error", "missing or wrong API key: send "
+                                    "`Authorization: Bearer <http.api_key>`", "invalid_api_key").response()
+            return await call_next(request)
+
+        @app.get("/health")
+        async def health():
+            if self.scheduler is None:
+                return ApiError(503, "service_unavailable", self.unavailable, "unavailable").response()
+            return {"status": "ok", "model": self.model}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                "owned_by": "spec_edge"}]}
+
+        @app.get("/metrics")
+        async def metrics():
+            scheduler = self.scheduler
+            text = self.metrics.render(scheduler.queue_depth if scheduler else 0, self.in_flight,
+                                       scheduler.capacity if scheduler else 0)
+            return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: schema.ChatBody, request: Request):
+            return await self._generate(body, request)
+
+        @app.post("/v1/completions")
+        async def completions(body: schema.CompletionBody, request: Request):
+            return await self._generate(body, request)
+
+        return app
+
+    # -- one request ----------------------------------------------------------------------------
+
+    async def _generate(self, body: schema.ChatBody | schema.CompletionBody, request: Request):
+        if body.model not in (None, self.model):
+            self.metrics.count("not_found")
+            raise ApiError(404, "invalid_request_error", f"model {body.model!r} is not served here; this server "
+                           f"serves {self.model!r} (GET /v1/models)", "model_not_found", "model")
+        scheduler, engine = self.scheduler, self.engine
+        if scheduler is None:
+            self.metrics.count("unavailable")
+            raise ApiError(503, "service_unavailable", self.unavailable, "unavailable")
+        try:
+            engine_request = body.request()
+        except RequestError as err:
+            self.metrics.count("invalid")
+            raise ApiError(400, "invalid_request_error", str(err), "invalid") from None
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[str] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def on_text(delta: str, n_tokens: int) -> None:
+            try:
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+            except RuntimeError:  # the door's loop is gone (shutting down): the job is being cancelled
+                cancelled.set()
+
+        job = Job(engine_request, on_text=on_text if body.stream else None, cancel_requested=cancelled.is_set)
+        self.in_flight += 1
+        if not await run_in_threadpool(scheduler.submit, job):  # the checks tokenize, compile grammars: off the loop
+            self.in_flight -= 1
+            self.metrics.count(job.outcome.refusal)
+            raise refusal(job.outcome)
+        rid, created = schema.new_id(body)
+        head = schema.envelope(body, rid, created, self.model)
+
+        def piece(token_id: int) -> str:
+            return engine.tokenizer.decode([token_id])
+
+        if not body.stream:
+            try:
+                while not job.done.is_set():
+                    await asyncio.sleep(POLL_S)
+                    if await request.is_disconnected():
+                        cancelled.set()
+            finally:
+                self.in_flight -= 1
+            return self._answer(body, job.outcome, head, piece)
+
+        async def events():
+            sent = ""
+            try:
+                yield _sse(head | {"choices": [schema.choice(body, None, "", piece)]} if isinstance(body, schema.ChatBody)
+                           else None)
+                while not job.done.is_set():
+                    try:
+                        delta = await asyncio.wait_for(deltas.get(), POLL_S)
+                    except asyncio.TimeoutError:
+                        continue
+                    sent += delta
+                    yield _sse(head | {"choices": [schema.choice(body, None, delta, piece)]})
+                outcome = job.outcome
+                self._count(outcome)
+                if not outcome.success:
+                    yield _sse(json.loads(refusal(outcome).response().body))
+                else:
+                    last = head | {"choices": [schema.choice(body, outcome, outcome.text[len(sent):], piece)],
+                                   "spec_edge": schema.ours(outcome)}
+                    yield _sse(last)
+                    if body.stream_options is not None and body.stream_options.include_usage:
+                        yield _sse(head | {"choices": [], "usage": schema.usage(outcome)})
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (the task cancelled) or the stream ended
+                cancelled.set()
+                self.in_flight -= 1
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def _count(self, outcome: Outcome) -> None:
+        kind = "success" if outcome.success and outcome.finish_reason != "cancelled" else (
+            "cancelled" if outcome.success else outcome.refusal or "error")
+        self.metrics.count(kind, outcome.stats, outcome.num_tokens)
+
+    def _answer(self, body, outcome: Outcome, head: dict, piece) -> JSONResponse:
+        self._count(outcome)
+        if not outcome.success:
+            raise refusal(outcome)
+        return JSONResponse(head | {"choices": [schema.choice(body, outcome, outcome.text, piece)],
+                                    "usage": schema.usage(outcome), "spec_edge": schema.ours(outcome)})
+
+
+def _sse(event: dict | None) -> str:
+    return "" if event is None else f"data: {json.dumps(event, allow_nan=False)}\n\n"
+
+
+def run(cfg: cfgmod.Config, progress: Any) -> int:
+    """`spec-edge http`: the door alone (no ROS), answering 503 while the engine loads, until SIGINT / SIGTERM."""
+    import logging
+    import signal
+
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.scheduler import Scheduler
+
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    logger = logging.getLogger("http")
+    door = Door(cfg, logger).start()
+    engine = scheduler = None
+    stop = threading.Event()
+    try:
+        engine = Engine.from_config(cfg, progress)
+        if cfg.serve.warm_system_prompt:
+            progress(f"[http] warmed the cache with the system prompt: {engine.warm()} tokens")
+        scheduler = Scheduler(engine, cfg, logger)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        door.serve(scheduler, engine)
+        progress(f"[http] serving {door.model} on http://{cfg.http.host}:{door.port}/v1")
+        stop.wait()
+    finally:
+        door.pause("the server is shutting down")
+        if scheduler is not None:
+            scheduler.stop(1.0)
+        door.stop()
+        if engine is not None:
+            engine.close()
+    return 0

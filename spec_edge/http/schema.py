@@ -1,0 +1,185 @@
+"""The OpenAI request bodies the door takes (pydantic) and their translation: a body -> GenerateRequest, an
+Outcome -> a response or stream chunk. Field names are OpenAI's; the project's own fields are extra body fields
+named as vLLM / llama.cpp's servers name them (top_k, min_p, repetition_penalty, ignore_eos) or as ours are (drafter,
+k, speculate, grammar, regex). A field the door does not know is refused (400), not ignored."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.scheduler import Outcome
+
+# our finish reasons -> OpenAI's ("error" and "cancelled" never reach a client as a finished choice)
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: str
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class JsonSchema(Strict):
+    name: str = ""
+    description: str = ""
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class Common(Strict):
+    """The fields /v1/chat/completions and /v1/completions share."""
+    model: str | None = None           # None: the model this door serves
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None            # OpenAI's end-user id: accepted, not used
+    # the project's own (vLLM / llama.cpp names where they have them)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    drafter: str | None = None
+    k: int | None = None
+    speculate: bool = True
+    grammar: str = ""
+    regex: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The GenerateRequest fields both endpoints share."""
+        if self.n != 1:
+            raise RequestError(f"n={self.n}: this server returns one choice per request (n=1): send n requests")
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                bias.append((int(key), float(value)))
+            except ValueError:
+                raise RequestError(f"logit_bias key {key!r} is not a token id: use token ids as strings, "
+                                   "e.g. {\"42\": -100}") from None
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, logit_bias=tuple(bias), ignore_eos=self.ignore_eos,
+                    seed=self.seed, stop=stop, speculate=self.speculate, drafter=self.drafter, k=self.k,
+                    grammar=self.grammar, regex=self.regex)
+
+
+class ChatBody(Common):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    def request(self) -> GenerateRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true")
+        messages = []
+        for i, message in enumerate(self.messages):
+            content = message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
+            messages.append(("system" if message.role == "developer" else message.role, content))
+        schema = ""
+        if self.response_format is not None and self.response_format.type == "json_object":
+            schema = json.dumps({"type": "object"})
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is None:
+                raise RequestError("response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}")
+            schema = json.dumps(self.response_format.json_schema.schema_)
+        max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return GenerateRequest(messages=tuple(messages), max_new_tokens=max_new, json_schema=schema,
+                               logprobs=max(self.top_logprobs or 0, 1) if self.logprobs else 0, **self.fields())
+
+
+class CompletionBody(Common):
+    prompt: str | list[str]
+    logprobs: int | None = None        # the top N of each token (OpenAI: at most 5; here at most 20)
+    echo: Literal[False] = False
+
+    def request(self) -> GenerateRequest:
+        prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        if len(prompts) != 1:
+            raise RequestError(f"prompt holds {len(prompts)} prompts: send one per request")
+        return GenerateRequest(prompt=prompts[0], chat=False, max_new_tokens=self.max_tokens,
+                               logprobs=max(self.logprobs, 1) if self.logprobs is not None else 0, **self.fields())
+
+
+def usage(outcome: Outcome) -> dict[str, int]:
+    prompt = int(outcome.stats.get("prompt_tokens", 0))
+    return {"prompt_tokens": prompt, "completion_tokens": outcome.num_tokens,
+            "total_tokens": prompt + outcome.num_tokens}
+
+
+def ours(outcome: Outcome) -> dict[str, Any]:
+    """The `spec_edge` object beside OpenAI's fields: our finish reason, the token ids and the speculation stats."""
+    return {"finish_reason": outcome.finish_reason, "message": outcome.message, "token_ids": outcome.token_ids,
+            "stats": outcome.stats}
+
+
+def chat_logprobs(outcome: Outcome, top: int, piece) -> dict[str, Any]:
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = piece(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [entry(e.token_id, e.logprob) | {"top_logprobs": [
+        entry(t, lp) for t, lp in zip(e.top_ids[:top], e.top_logprobs[:top])]} for e in outcome.logprobs]}
+
+
+def completion_logprobs(outcome: Outcome, top: int, piece) -> dict[str, Any]:
+    tokens = [piece(e.token_id) for e in outcome.logprobs]
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in outcome.logprobs],
+            "top_logprobs": [{piece(t): lp for t, lp in zip(e.top_ids[:top], e.top_logprobs[:top])}
+                             for e in outcome.logprobs], "text_offset": offsets}
+
+
+def choice(body: ChatBody | CompletionBody, outcome: Outcome | None, text: str, piece) -> dict[str, Any]:
+    """One choice of a response (outcome given) or of a stream chunk carrying text (outcome None)."""
+    chat = isinstance(body, ChatBody)
+    out: dict[str, Any] = {"index": 0, "finish_reason": None if outcome is None else FINISH.get(outcome.finish_reason),
+                           "logprobs": None}
+    if outcome is not None and outcome.logprobs:
+        out["logprobs"] = (chat_logprobs(outcome, body.top_logprobs or 0, piece) if chat
+                           else completion_logprobs(outcome, body.logprobs or 0, piece))
+    if not chat:
+        return out | {"text": text}
+    if body.stream:
+        return out | {"delta": {"content": text} if text or outcome is not None else {"role": "assistant", "content": ""}}
+    return out | {"message": {"role": "assistant", "content": text}}
+
+
+def envelope(body: ChatBody | CompletionBody, rid: str, created: int, model: str) -> dict[str, Any]:
+    kind = "chat.completion" if isinstance(body, ChatBody) else "text_completion"
+    return {"id": rid, "object": kind + (".chunk" if body.stream and kind == "chat.completion" else ""),
+            "created": created, "model": model}
+
+
+def new_id(body: ChatBody | CompletionBody) -> tuple[str, int]:
+    return ("chatcmpl-" if isinstance(body, ChatBody) else "cmpl-") + f"{time.time_ns():x}", int(time.time())

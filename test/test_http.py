@@ -1,0 +1,231 @@
+"""The HTTP door with real clients (the official `openai` client sync, async and streaming; LangChain's ChatOpenAI)
+against a real uvicorn on 127.0.0.1: the same tokens as the engine alone, the OpenAI error shape with the ROS door's
+words, 401 / 404 / 413 / 429, and a client that goes away frees its slot. One engine and one door for the module;
+the expected answers are the engine's own (engine.generate, what `spec-edge generate` runs), taken before the
+scheduler owns it. No network: LangChain's token counting (tiktoken) is never reached (a tripwire says so)."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from spec_edge import config as cfgmod
+from spec_edge.runtime.requests import GenerateRequest, RequestError
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "test-key"
+PROMPT = "List three colours of the rainbow."
+COPY = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
+# the ROS tests' configuration (test/ros/rosutil.py test_params: fp32, one slot, k=4), with a queue of one, so the
+# third request at once is busy
+PARAMS = {"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+          "speculative.k": 4, "serve.queue_limit": 1, "http.port": 0, "http.api_key": KEY,
+          "http.max_body_bytes": 65536}
+
+
+def ros_bad_requests() -> list:
+    """The refusals test/ros/test_generate_node.py sends through the ROS door (read from it, not copied)."""
+    sys.path.insert(0, str(REPO / "test" / "ros"))
+    spec = importlib.util.spec_from_file_location("ros_generate_cases", REPO / "test" / "ros" / "test_generate_node.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.BAD_REQUESTS
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(door, expected answers): greedy answers of the engine alone, then the door serving the same engine."""
+    from spec_edge.http.door import Door
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.scheduler import Scheduler
+
+    cfg = cfgmod.from_params(PARAMS)
+    engine = Engine.from_config(cfg, progress=lambda m: None)
+    alone = {name: engine.generate(request) for name, request in {
+        "chat": GenerateRequest(messages=(("user", PROMPT),), max_new_tokens=24),
+        "copy": GenerateRequest(messages=(("system", "You copy text."), ("user", COPY)), max_new_tokens=20),
+        "raw": GenerateRequest(prompt=COPY, chat=False, max_new_tokens=16),
+        "logprobs": GenerateRequest(messages=(("user", PROMPT),), max_new_tokens=6, logprobs=3),
+    }.items()}
+    logger = logging.getLogger("test_http")
+    door = Door(cfg, logger).start()
+    assert httpx.get(f"http://127.0.0.1:{door.port}/health").status_code == 503  # loading: no scheduler yet
+    scheduler = Scheduler(engine, cfg, logger)
+    door.serve(scheduler, engine)
+    yield door, alone
+    scheduler.stop(1.0)
+    door.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def base(served) -> str:
+    return f"http://127.0.0.1:{served[0].port}/v1"
+
+
+def client(base: str, **kwargs):
+    import openai
+
+    return openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, **kwargs)
+
+
+def test_openai_sync_and_streamed_equal_the_engine_alone(served, base):
+    door, alone = served
+    c = client(base)
+    answer = c.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=24, temperature=0)
+    want = alone["chat"]
+    assert answer.choices[0].message.content == want.text
+    assert answer.model_extra["spec_edge"]["token_ids"] == want.token_ids
+    assert answer.usage.completion_tokens == len(want.token_ids) and answer.usage.prompt_tokens == want.prompt_tokens
+    assert answer.choices[0].finish_reason == "length"
+    stream = c.chat.completions.create(model="smollm2-135m", stream=True, stream_options={"include_usage": True},
+                                       messages=[{"role": "system", "content": "You copy text."},
+                                                 {"role": "user", "content": COPY}], max_completion_tokens=20)
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == alone["copy"].text and len([ch for ch in chunks if ch.choices]) > 2
+    assert chunks[-1].usage.completion_tokens == len(alone["copy"].token_ids) and chunks[-1].choices == []
+    stats = next(ch.model_extra["spec_edge"] for ch in chunks if ch.model_extra.get("spec_edge"))
+    assert stats["token_ids"] == alone["copy"].token_ids and stats["stats"]["drafted"] > 0  # n-gram speculated
+    raw = c.completions.create(model="smollm2-135m", prompt=COPY, max_tokens=16)
+    assert raw.choices[0].text == alone["raw"].text
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(prompt=COPY, max_tokens=16, stream=True,
+                                                                          model="smollm2-135m"))
+    assert streamed == alone["raw"].text
+    assert [m.id for m in c.models.list().data] == ["smollm2-135m"]
+
+
+def test_logprobs_are_the_engines(served, base):
+    door, alone = served
+    answer = client(base).chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=6, logprobs=True, top_logprobs=3)
+    want = alone["logprobs"]
+    content = answer.choices[0].logprobs.content
+    assert [len(e.top_logprobs) for e in content] == [3] * len(want.logprobs)
+    for got, entry in zip(content, want.logprobs):
+        assert abs(got.logprob - entry.logprob) < 1e-4 and abs(got.top_logprobs[0].logprob - entry.top_logprobs[0]) < 1e-4
+
+
+def test_openai_async_client(served, base):
+    import openai
+
+    async def ask():
+        c = openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0)
+        answer = await c.chat.completions.create(model="smollm2-135m", max_tokens=24,
+                                                 messages=[{"role": "user", "content": PROMPT}])
+        stream = await c.chat.completions.create(model="smollm2-135m", max_tokens=24, stream=True,
+                                                 messages=[{"role": "user", "content": PROMPT}])
+        text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+        await c.close()
+        return answer.choices[0].message.content, text
+
+    assert asyncio.run(ask()) == (served[1]["chat"].text,) * 2
+
+
+def test_langchain_chat_openai_offline(served, base, tmp_path, monkeypatch):
+    import tiktoken
+    from langchain_openai import ChatOpenAI
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("tiktoken asked for an encoding (it downloads it): LangChain counted tokens")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken, "get_encoding", no_download)
+    monkeypatch.setattr(tiktoken, "encoding_for_model", no_download)
+    llm = ChatOpenAI(base_url=base, api_key=KEY, model="smollm2-135m", max_tokens=24, temperature=0, max_retries=0)
+    assert llm.invoke(PROMPT).content == served[1]["chat"].text
+    assert "".join(chunk.content for chunk in llm.stream(PROMPT)) == served[1]["chat"].text
+    assert list(tmp_path.iterdir()) == []
+
+
+def expected_refusal(door, fields: dict) -> str:
+    """The message the ROS door gives for fields: the scheduler's check of the same request (engine.validate)."""
+    fields = dict(fields)
+    messages = fields.pop("messages", None) or [["user", fields.pop("prompt", "")]]
+    fields.pop("prompt", None)
+    request = GenerateRequest(messages=tuple(map(tuple, messages)), **fields)
+    with pytest.raises(RequestError) as err:
+        door.engine.validate(request)
+    return str(err.value)
+
+
+def test_bad_requests_get_the_ros_doors_words(served, base):
+    door, alone = served
+    cases = ros_bad_requests()
+    assert len(cases) >= 10
+    for what, fields, hint in cases:
+        body = {"model": "smollm2-135m"}
+        body["messages"] = [{"role": r, "content": c} for r, c in fields.get("messages", [])] or \
+            [{"role": "user", "content": fields.get("prompt", "")}]
+        names = {"max_new_tokens": "max_tokens"}
+        body |= {names.get(k, k): v for k, v in fields.items() if k not in ("prompt", "messages")}
+        response = httpx.post(f"{base}/chat/completions", content=json.dumps(body),
+                              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert response.status_code == 400, (what, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["message"] == expected_refusal(door, fields), what
+        hint = "messages are empty" if fields.get("prompt") == "" else hint  # the prompt went as a user message
+        assert hint.lower() in error["message"].lower(), what
+    n = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
+    unknown = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"messages": [{"role": "user", "content": "hi"}], "tools_of_mars": 1})
+    assert n.status_code == unknown.status_code == 400
+    assert "n=1" in n.json()["error"]["message"] and "tools_of_mars" in unknown.json()["error"]["message"]
+    for response in (n, unknown):
+        assert "/" not in response.json()["error"]["message"] and "Traceback" not in response.text
+
+
+def test_key_model_and_body_limit(served, base):
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError) as err:
+        client(base).chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.APIStatusError) as err:
+        client(base).chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "x" * 70000}])
+    assert err.value.status_code == 413 and "max_body_bytes" in err.value.body["message"]
+    assert httpx.get(f"{base[:-3]}/health").status_code == 200
+    metrics = httpx.get(f"{base[:-3]}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'spec_edge_http_requests_total{outcome="success"}' in metrics
+    assert "spec_edge_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_busy_and_a_client_that_leaves_frees_its_slot(served, base):
+    import openai
+
+    door, alone = served
+    c = client(base)
+    long = dict(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}], max_tokens=600,
+                extra_body={"ignore_eos": True}, stream=True)
+    running = c.chat.completions.create(**long)
+    next(iter(running))
+    waiting = c.chat.completions.create(**long)  # the queue's one place
+    with pytest.raises(openai.RateLimitError) as err:
+        c.chat.completions.create(**long)
+    assert err.value.response.headers["Retry-After"] and err.value.body["message"].startswith("busy")
+    waiting.close()
+    running.close()
+    left = time.monotonic()
+    while True:  # busy until the server saw both clients go (their jobs end at their next decode call)
+        try:
+            answer = c.chat.completions.create(model="smollm2-135m", max_tokens=24,
+                                               messages=[{"role": "user", "content": PROMPT}])
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() - left < 1.0, "still busy 1 s after both clients went away"
+            time.sleep(0.02)
+    waited = time.monotonic() - left - answer.model_extra["spec_edge"]["stats"]["total_time_s"]
+    assert answer.choices[0].message.content == alone["chat"].text
+    assert waited < 1.0, f"the slot of the streams that went away was free only after {waited:.2f} s"
