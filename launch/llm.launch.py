@@ -1,5 +1,5 @@
 """Start the spec_edge node: `ros2 launch spec_edge llm.launch.py [params_file:=FILE] [namespace:=NS]
-[managed:=true [autostart:=false]]`.
+[managed:=true [autostart:=false]] [http:=true]`.
 
 params_file defaults to the installed share/spec_edge/config/default.yaml: the default profile, the
 defaults of spec_edge/config.py that `spec-edge serve` and the CLI run without options.
@@ -8,6 +8,8 @@ defaults of spec_edge/config.py that `spec-edge serve` and the CLI run without o
 - managed:=true: the node starts unconfigured as a launch LifecycleNode; with autostart:=true (the
   default) launch drives it through configure and activate once at start, with autostart:=false it waits for a
   lifecycle manager (e.g. nav2_lifecycle_manager with node_names: [spec_edge]).
+- http:=true: the node also serves the OpenAI-compatible HTTP door (http.enabled; http.host, http.port and
+  http.api_key from the params file). Under launch this argument sets http.enabled, whatever the params file says.
 """
 import os
 
@@ -29,7 +31,8 @@ def generate_launch_description():
     launch_drives = IfCondition(PythonExpression(
         ["'", managed, "'.lower() == 'true' and '", LaunchConfiguration("autostart"), "'.lower() == 'true'"]))
     common = dict(package="spec_edge", executable="generate_server", name="spec_edge",
-                  namespace=LaunchConfiguration("namespace"), parameters=[LaunchConfiguration("params_file")],
+                  namespace=LaunchConfiguration("namespace"),
+                  parameters=[LaunchConfiguration("params_file"), {"http.enabled": LaunchConfiguration("http")}],
                   output="screen",
                   # a pipe, not a pseudo-terminal: progress arrives as plain lines (no redrawn bars)
                   additional_env={"PYTHONUNBUFFERED": "1"})
@@ -50,6 +53,8 @@ def generate_launch_description():
                                           "LifecycleNode driven by launch (autostart) or a lifecycle manager"),
         DeclareLaunchArgument("autostart", default_value="true", choices=["true", "false"],
                               description="with managed:=true, launch configures and activates the node"),
+        DeclareLaunchArgument("http", default_value="false", choices=["true", "false"],
+                              description="true: also serve the OpenAI-compatible HTTP door (http.enabled)"),
         node,
         lifecycle_node,
         # configured -> activate, once: only after the configure emitted below (a manager's later

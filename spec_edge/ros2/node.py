@@ -17,6 +17,8 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
 - shutdown (from any state, or on SIGINT / SIGTERM) frees the engine as cleanup does; a finalized node
   answers every request that it is shutting down.
+- http.enabled: the OpenAI-compatible HTTP door (spec_edge/http/) on http.host:http.port, from configure to cleanup,
+  onto the same scheduler as the ROS interfaces (503 while the engine loads and while the node is not active).
 - `/diagnostics` (diagnostic_msgs/DiagnosticArray) every serve.diagnostics_period_s: memory_bytes is
   the RSS now (memory_peak_bytes the peak), memory_pss_bytes its Pss, memory_anon_bytes the private
   anonymous memory (the one to watch, docs/ros.md) and memory_file_bytes the resident pages of mapped files
@@ -50,6 +52,7 @@ TOKENIZE_NAME = "~/tokenize"  # private: /spec_edge/tokenize, or /<namespace>/sp
 # ROS's default of 10 drops requests when more than 10 arrive at once (they are taken only as
 # executor threads free up) and drops feedback deltas a slow client has not read yet.
 QOS_DEPTH = 256
+INACTIVE = "the node is not active: it serves once a lifecycle manager activates it"
 # Parameters ROS itself may receive as overrides without the node declaring them
 ROS_PARAMETER_PREFIXES = ("qos_overrides.", "use_sim_time", "start_type_description_service")
 
@@ -113,6 +116,7 @@ def make_node_class():
             self.cfg: cfgmod.Config | None = None
             self.engine: Any = None
             self.worker: Scheduler | None = None
+            self.door: Any = None  # the HTTP door (http.enabled), from configure to cleanup
             self._info: dict[str, Any] = {}
             self._active = False
             self._diag_timer = None
@@ -225,6 +229,13 @@ def make_node_class():
             self.get_logger().info(f"loading engine: target={self.cfg.model.target} backend={self.cfg.runtime.backend} "
                                    f"drafter={self.cfg.speculative.drafter} k={self.cfg.speculative.k}")
             started = time.monotonic()
+            if self.cfg.http.enabled:  # up while the engine loads (answering 503), so a client sees it coming
+                from spec_edge.http.door import Door
+                try:
+                    self.door = Door(self.cfg, self.get_logger()).start()
+                except (cfgmod.ConfigError, OSError) as err:
+                    self.get_logger().error(f"configure: the HTTP door did not start: {err}")
+                    return TransitionCallbackReturn.FAILURE
             try:
                 from spec_edge.runtime.engine import Engine
                 self.engine = Engine.from_config(self.cfg, progress=self.get_logger().info)
@@ -234,8 +245,11 @@ def make_node_class():
             except Exception as err:  # a missing model, a refused memory plan, a failed build
                 self.get_logger().error(f"configure: engine did not load: {err}")
                 self.engine = None
+                self._unload()
                 return TransitionCallbackReturn.FAILURE
             self.worker = Scheduler(self.engine, self.cfg, self.get_logger())
+            if self.door is not None:
+                self.door.pause(INACTIVE)
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)
             self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info} "
@@ -244,11 +258,15 @@ def make_node_class():
 
         def on_activate(self, state):
             self._active = True
+            if self.door is not None:
+                self.door.serve(self.worker, self.engine)
             self.get_logger().info(f"serving {self.resolve_service_name(SERVICE_NAME)} (service and action)")
             return super().on_activate(state)
 
         def on_deactivate(self, state):
             self._active = False
+            if self.door is not None:
+                self.door.pause(INACTIVE)
             return super().on_deactivate(state)
 
         def on_cleanup(self, state):
@@ -266,9 +284,14 @@ def make_node_class():
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
+            if self.door is not None:
+                self.door.pause(SHUTTING_DOWN)
             if self.worker is not None:
                 self.worker.stop(timeout)
                 self.worker = None
+            if self.door is not None:
+                self.door.stop()
+                self.door = None
             if self.engine is not None:
                 self.engine.close()
                 self.engine = None
@@ -289,6 +312,8 @@ def make_node_class():
 
         def stop_generation(self, timeout: float) -> None:
             """For signal handling: refuse waiting requests, cancel the running one, join."""
+            if self.door is not None:
+                self.door.pause(SHUTTING_DOWN)
             if self.worker is not None:
                 self.worker.stop(timeout)
 

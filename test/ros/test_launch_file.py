@@ -17,7 +17,7 @@ import launch_api
 from spec_edge import config as cfgmod
 
 REPO = Path(__file__).resolve().parents[2]
-ARGUMENTS = {"params_file", "namespace", "managed", "autostart"}
+ARGUMENTS = {"params_file", "namespace", "managed", "autostart", "http"}
 
 
 @pytest.fixture
@@ -91,6 +91,7 @@ def test_launch_file_declares_arguments_params_file_and_node(installed_share, mo
     cfgmod.load(default)  # every key known (a typo is refused with the key's name)
     assert declared["managed"]["default_value"] == "false" and declared["autostart"]["default_value"] == "true"
     assert declared["managed"]["choices"] == declared["autostart"]["choices"] == ["true", "false"]
+    assert declared["http"]["default_value"] == "false" == str(cfgmod.HttpSection.enabled).lower()
 
     def config_name(substitution):
         return substitution.given["variable_name"]
@@ -102,7 +103,8 @@ def test_launch_file_declares_arguments_params_file_and_node(installed_share, mo
     for node in nodes:  # the generate_server executable of ros/spec_edge/setup.py, named spec_edge
         g = node.given
         assert (g["package"], g["executable"], g["name"]) == ("spec_edge", "generate_server", "spec_edge")
-        assert [config_name(p) for p in g["parameters"]] == ["params_file"]
+        params_file, http = g["parameters"]  # http:=true sets http.enabled over the params file's
+        assert config_name(params_file) == "params_file" and config_name(http["http.enabled"]) == "http"
         assert config_name(g["namespace"]) == "namespace"
     assert "generate_server = spec_edge.ros2.node:main" in (REPO / "ros" / "spec_edge" / "setup.py").read_text()
     # managed:=false runs the self-configuring node, managed:=true the LifecycleNode that waits (--no-autostart)
