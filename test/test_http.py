@@ -229,3 +229,13 @@ def test_busy_and_a_client_that_leaves_frees_its_slot(served, base):
     waited = time.monotonic() - left - answer.model_extra["spec_edge"]["stats"]["total_time_s"]
     assert answer.choices[0].message.content == alone["chat"].text
     assert waited < 1.0, f"the slot of the streams that went away was free only after {waited:.2f} s"
+
+
+def test_a_reachable_address_needs_a_key(served, capsys):
+    """Refused at start, before any engine loads, with the setting to change; a port in use says so too."""
+    from spec_edge import cli
+
+    assert cli.main(["http", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "http.api_key" in capsys.readouterr().err
+    assert cli.main(["http", "--port", str(served[0].port)]) == 2  # the module's door holds it
+    assert "cannot bind" in capsys.readouterr().err

@@ -127,7 +127,12 @@ class Door:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, self.cfg.http.port))
+        try:
+            sock.bind((host, self.cfg.http.port))
+        except OSError as err:
+            sock.close()
+            raise cfgmod.ConfigError(f"the HTTP door cannot bind http.host={host} http.port={self.cfg.http.port}: "
+                                     f"{err.strerror}; pick another http.port (0: any free one)") from None
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=1,
                                 lifespan="off")

@@ -233,7 +233,7 @@ def make_node_class():
                 from spec_edge.http.door import Door
                 try:
                     self.door = Door(self.cfg, self.get_logger()).start()
-                except (cfgmod.ConfigError, OSError) as err:
+                except cfgmod.ConfigError as err:  # a reachable address without api_key, a port in use
                     self.get_logger().error(f"configure: the HTTP door did not start: {err}")
                     return TransitionCallbackReturn.FAILURE
             try:

@@ -1,0 +1,226 @@
+"""One node through each of its doors, side by side in one run: in process (a Scheduler over the engine, no door),
+the ROS door (the action, streamed: bench/_stream_client.py processes), the HTTP door (the official `openai` client,
+streamed, one thread per client) of the same node process, and llama.cpp's own OpenAI server (`python -m
+llama_cpp.server`, llama-cpp-python) on the same GGUF with the same HTTP clients where it is installed.
+
+    ROS_DOMAIN_ID=74 PYTHONPATH=$PWD .venv/bin/python bench/doors.py [--params config/default.yaml]
+        [--clients 1 4] [--prompts 4] [--max-new-tokens 64] [--out bench/results/doors.json]
+
+Per system and N clients: N clients start at one instant, each streaming the prompts i, i+N, ... of the first
+--prompts quick prompts of bench/prompts.jsonl (greedy) one after another. TTFT (median, first text), decode tok/s
+per request (median; tokens after the first over the time after the first), total tok/s (all tokens / wall time of
+the row) and the answers equal to the in-process answer of the same prompt; the 1-minute load average after each
+row. The systems run one after another, each alone on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+CLIENT = Path(__file__).with_name("_stream_client.py")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def summary(name: str, n: int, answers: list[dict], wall: float, reference: dict[int, str]) -> dict:
+    tokens = sum(a["tokens"] for a in answers)
+    return {"system": name, "clients": n, "requests": len(answers), "tokens": tokens,
+            "ttft_ms": 1000 * statistics.median(a["ttft_s"] for a in answers),
+            "decode_tok_s": statistics.median(a["decode_tok_s"] for a in answers),
+            "total_tok_s": tokens / wall, "equal": sum(reference.get(a["prompt"]) == a["text"] for a in answers),
+            "load1": os.getloadavg()[0]}
+
+
+def timed(prompt: int, started: float, first: float | None, text: str, tokens: int) -> dict:
+    done = time.perf_counter()
+    first = first or done
+    return {"prompt": prompt, "text": text, "tokens": tokens, "ttft_s": first - started,
+            "decode_tok_s": (tokens - 1) / (done - first) if tokens > 1 and done > first else 0.0}
+
+
+def at_once(n: int, prompts: list[str], one) -> tuple[list[dict], float]:
+    """n threads, thread j running one(i) for i = j, j+n, ...; (answers, wall seconds)."""
+    answers: list[dict] = []
+
+    def client(j: int) -> None:
+        for i in range(j, len(prompts), n):
+            answers.append(one(i))
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(j,)) for j in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers, time.perf_counter() - started
+
+
+def in_process(cfg, prompts: list[str], counts: list[int], max_new: int) -> tuple[list[dict], dict[int, str]]:
+    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import Job, Scheduler
+
+    engine = Engine.from_config(cfg, progress=lambda m: None)
+    scheduler = Scheduler(engine, cfg, __import__("logging").getLogger("bench"))
+
+    def one(i: int) -> dict:
+        first: list[float] = []
+        job = Job(GenerateRequest(messages=(("user", prompts[i]),), max_new_tokens=max_new),
+                  on_text=lambda delta, n: first or first.append(time.perf_counter()))
+        started = time.perf_counter()
+        scheduler.submit(job)
+        job.done.wait()
+        return timed(i, started, first[0] if first else None, job.outcome.text, job.outcome.num_tokens)
+
+    at_once(1, prompts, one)  # warm-up
+    reference = {a["prompt"]: a["text"] for a in at_once(1, prompts, one)[0]}
+    rows = [summary("in process", n, *at_once(n, prompts, one), reference) for n in counts]
+    scheduler.stop(1.0)
+    engine.close()
+    return rows, reference
+
+
+def http_rows(name: str, base: str, model: str, key: str, prompts: list[str], counts: list[int], max_new: int,
+              reference: dict[int, str]) -> list[dict]:
+    import openai
+
+    client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=600)
+
+    def one(i: int) -> dict:
+        started, first, text, usage = time.perf_counter(), None, "", None
+        for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompts[i]}],
+                                                    max_tokens=max_new, temperature=0, stream=True,
+                                                    stream_options={"include_usage": True}):
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.perf_counter()
+                text += chunk.choices[0].delta.content
+            usage = chunk.usage or usage
+        return timed(i, started, first, text, usage.completion_tokens if usage else 0)
+
+    at_once(1, prompts[:1], one)  # warm-up
+    return [summary(name, n, *at_once(n, prompts, one), reference) for n in counts]
+
+
+def ros_rows(prompts: list[str], counts: list[int], max_new: int, reference: dict[int, str]) -> list[dict]:
+    rows = []
+    for n in counts:
+        start_at = time.time() + 8
+        procs = [subprocess.Popen([sys.executable, str(CLIENT), json.dumps(
+            {"index": j, "start_at": start_at, "seconds": None, "prompts": [[i, prompts[i]] for i in
+                                                                             range(j, len(prompts), n)],
+             "request": {"max_new_tokens": max_new}})], stdout=subprocess.PIPE, text=True) for j in range(n)]
+        lines = [json.loads(line) for p in procs for line in p.communicate()[0].splitlines() if line.startswith("{")]
+        answers = [{"prompt": a["prompt"], "text": a["text"], "tokens": a["num_tokens"], "ttft_s": a["ttft_s"],
+                    "decode_tok_s": (a["num_tokens"] - 1) / (a["latency_s"] - a["ttft_s"])
+                    if a["num_tokens"] > 1 else 0.0} for a in lines]
+        rows.append(summary("ROS door", n, answers, max(a["done_s"] for a in lines), reference))
+    return rows
+
+
+def node_rows(params: Path, prompts: list[str], counts: list[int], max_new: int, reference: dict[int, str],
+              tmp: Path) -> list[dict]:
+    doc = yaml.safe_load(params.read_text())
+    port, key = free_port(), "bench"
+    doc["/**"]["ros__parameters"]["http"] = {"enabled": True, "port": port, "api_key": key}
+    (tmp / "node.yaml").write_text(yaml.safe_dump(doc))
+    log = (tmp / "node.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(tmp / "node.yaml")],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "serving" not in (tmp / "node.log").read_text():
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the node did not start:\n{(tmp / 'node.log').read_text()}")
+            time.sleep(0.5)
+        model = doc["/**"]["ros__parameters"].get("runtime", {}).get("profile", "smollm2-135m")
+        rows = http_rows("HTTP door", f"http://127.0.0.1:{port}/v1", model, key, prompts, counts, max_new, reference)
+        return rows + ros_rows(prompts, counts, max_new, reference)
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(30)
+
+
+def llama_rows(gguf: Path, prompts: list[str], counts: list[int], max_new: int, reference: dict[int, str],
+               tmp: Path) -> tuple[list[dict], str]:
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as err:
+        return [], f"llama.cpp server skipped: {err} (pip install 'llama-cpp-python[server]' builds llama.cpp)"
+    port = free_port()
+    log = (tmp / "llama.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
+                               "--n_ctx", "1024", "--model_alias", "smollm2"], stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                return [], f"llama.cpp server did not start:\n{(tmp / 'llama.log').read_text()[-2000:]}"
+            time.sleep(0.5)
+        return http_rows("llama.cpp server", f"http://127.0.0.1:{port}/v1", "smollm2", "none", prompts, counts,
+                         max_new, reference), ""
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(30)
+
+
+def main() -> int:
+    from spec_edge import config as cfgmod
+    from spec_edge.graphs.weights import resolve
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", default=str(ROOT / "config" / "default.yaml"))
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", help="write the rows as JSON here")
+    args = parser.parse_args()
+    params = Path(args.params)
+    cfg = cfgmod.load(params)
+    lines = [json.loads(line) for line in (ROOT / "bench" / "prompts.jsonl").read_text().splitlines() if line.strip()]
+    prompts = [p["prompt"] for p in lines if p.get("quick")][:args.prompts]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, reference = in_process(cfg, prompts, args.clients, args.max_new_tokens)
+        rows += node_rows(params, prompts, args.clients, args.max_new_tokens, reference, Path(tmp))
+        more, note = llama_rows(resolve(cfg.model.target), prompts, args.clients, args.max_new_tokens, reference,
+                                Path(tmp))
+        rows += more
+    print(f"{'system':18} {'N':>2} {'req':>4} {'TTFT ms':>8} {'decode tok/s':>12} {'total tok/s':>11} "
+          f"{'= in process':>12} {'load1':>6}")
+    for r in rows:
+        print(f"{r['system']:18} {r['clients']:>2} {r['requests']:>4} {r['ttft_ms']:>8.0f} {r['decode_tok_s']:>12.1f} "
+              f"{r['total_tok_s']:>11.1f} {r['equal']:>5}/{r['requests']:<6} {r['load1']:>6.2f}")
+    if note:
+        print(note)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "note": note, "prompts": prompts}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
