@@ -114,6 +114,16 @@ def test_logprobs_are_the_engines(served, base):
         assert abs(got.logprob - entry.logprob) < 1e-4 and abs(got.top_logprobs[0].logprob - entry.top_logprobs[0]) < 1e-4
 
 
+def test_response_format_is_guided_decoding(served, base):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    answer = client(base).chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Pick a colour as JSON."}], max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    assert json.loads(answer.choices[0].message.content)["colour"] in ("red", "green", "blue")
+    assert answer.choices[0].finish_reason == "stop"
+
+
 def test_openai_async_client(served, base):
     import openai
 
@@ -202,33 +212,43 @@ def test_key_model_and_body_limit(served, base):
     assert "spec_edge_time_to_first_token_seconds_bucket" in metrics
 
 
+def served_soon_after(c, want: str) -> None:
+    """The next request is taken (not busy) and starts within 1 s of the clients before it going away."""
+    import openai
+
+    left = time.monotonic()
+    while True:  # busy until the server saw the clients go (their jobs end at their next decode call)
+        try:
+            answer = c.chat.completions.create(model="smollm2-135m", max_tokens=24,
+                                               messages=[{"role": "user", "content": PROMPT}])
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() - left < 1.0, "still busy 1 s after the clients went away"
+            time.sleep(0.02)
+    waited = time.monotonic() - left - answer.model_extra["spec_edge"]["stats"]["total_time_s"]
+    assert answer.choices[0].message.content == want
+    assert waited < 1.0, f"the slot of the clients that went away was free only after {waited:.2f} s"
+
+
 def test_busy_and_a_client_that_leaves_frees_its_slot(served, base):
     import openai
 
     door, alone = served
     c = client(base)
     long = dict(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}], max_tokens=600,
-                extra_body={"ignore_eos": True}, stream=True)
-    running = c.chat.completions.create(**long)
+                extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APITimeoutError):  # a client that stops waiting for a whole answer goes away
+        client(base, timeout=1.0).chat.completions.create(**long)
+    served_soon_after(c, alone["chat"].text)
+    running = c.chat.completions.create(**long, stream=True)
     next(iter(running))
-    waiting = c.chat.completions.create(**long)  # the queue's one place
+    waiting = c.chat.completions.create(**long, stream=True)  # the queue's one place
     with pytest.raises(openai.RateLimitError) as err:
-        c.chat.completions.create(**long)
+        c.chat.completions.create(**long, stream=True)
     assert err.value.response.headers["Retry-After"] and err.value.body["message"].startswith("busy")
     waiting.close()
     running.close()
-    left = time.monotonic()
-    while True:  # busy until the server saw both clients go (their jobs end at their next decode call)
-        try:
-            answer = c.chat.completions.create(model="smollm2-135m", max_tokens=24,
-                                               messages=[{"role": "user", "content": PROMPT}])
-            break
-        except openai.RateLimitError:
-            assert time.monotonic() - left < 1.0, "still busy 1 s after both clients went away"
-            time.sleep(0.02)
-    waited = time.monotonic() - left - answer.model_extra["spec_edge"]["stats"]["total_time_s"]
-    assert answer.choices[0].message.content == alone["chat"].text
-    assert waited < 1.0, f"the slot of the streams that went away was free only after {waited:.2f} s"
+    served_soon_after(c, alone["chat"].text)
 
 
 def test_a_reachable_address_needs_a_key(served, capsys):

@@ -17,7 +17,7 @@ import socket
 import threading
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -48,11 +48,12 @@ class ApiError(Exception):
 
 def refusal(outcome: Outcome) -> ApiError:
     """The error of a job that did not succeed (no file path or traceback: a failed engine says where to look)."""
-    status, kind = STATUS[outcome.refusal]
+    reason = outcome.refusal or ("unavailable" if outcome.finish_reason == "cancelled" else "")  # the node stopped
+    status, kind = STATUS[reason]
     message = outcome.message
     if status == 500 and not message.startswith("timed out"):
         message = "generation failed; the server's log has the details"
-    return ApiError(status, kind, message, code=outcome.refusal or outcome.finish_reason or None)
+    return ApiError(status, kind, message, code=reason or outcome.finish_reason or None)
 
 
 class BodyLimit:
@@ -155,7 +156,18 @@ class Door:
     # -- the app ------------------------------------------------------------------------------
 
     def _make_app(self) -> FastAPI:
-        app = FastAPI(title="spec_edge", docs_url="/docs", redoc_url=None)
+        def authorize(request: Request) -> None:
+            """Every path but /health needs the key when there is one (a dependency, not an http middleware:
+            Starlette's BaseHTTPMiddleware hides a client's disconnect from the endpoint)."""
+            key = self.cfg.http.api_key
+            if key and request.url.path != "/health":
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                    self.metrics.count("unauthorized")
+                    raise ApiError(401, "invalid_request_error", "missing or wrong API key: send "
+                                   "`Authorization: Bearer <http.api_key>`", "invalid_api_key")
+
+        app = FastAPI(title="spec_edge", docs_url="/docs", redoc_url=None, dependencies=[Depends(authorize)])
         app.add_middleware(BodyLimit, limit=self.cfg.http.max_body_bytes)
 
         @app.exception_handler(ApiError)
@@ -175,17 +187,6 @@ class Door:
             where = ".".join(str(part) for part in first["loc"] if part != "body")
             return ApiError(400, "invalid_request_error", f"{where}: {first['msg']}", "invalid_field",
                             where or None).response()
-
-        @app.middleware("http")
-        async def authorize(request: Request, call_next):
-            key = self.cfg.http.api_key
-            if key and request.url.path != "/health":
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                    self.metrics.count("unauthorized")
-                    return ApiError(401, "invalid_request_error", "missing or wrong API key: send "
-                                    "`Authorization: Bearer <http.api_key>`", "invalid_api_key").response()
-            return await call_next(request)
 
         @app.get("/health")
         async def health():
