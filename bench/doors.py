@@ -4,13 +4,14 @@ streamed, one thread per client) of the same node process, and llama.cpp's own O
 llama_cpp.server`, llama-cpp-python) on the same GGUF with the same HTTP clients where it is installed.
 
     ROS_DOMAIN_ID=74 PYTHONPATH=$PWD .venv/bin/python bench/doors.py [--params config/default.yaml]
-        [--clients 1 4] [--prompts 4] [--max-new-tokens 64] [--out bench/results/doors.json]
+        [--clients 1 4] [--prompts 4] [--max-new-tokens 64] [--rounds 3] [--out bench/results/doors.json]
 
 Per system and N clients: N clients start at one instant, each streaming the prompts i, i+N, ... of the first
 --prompts quick prompts of bench/prompts.jsonl (greedy) one after another. TTFT (median, first text), decode tok/s
 per request (median; tokens after the first over the time after the first), total tok/s (all tokens / wall time of
-the row) and the answers equal to the in-process answer of the same prompt; the 1-minute load average after each
-row. The systems run one after another, each alone on the machine.
+the row), the answers equal to the in-process answer of the same prompt alone, the 1-minute load average after the
+row. The in-process engine and the node are loaded together (idle while the other serves); rows run one at a time,
+interleaved over --rounds (every system at every N per round), and the table gives their medians.
 """
 from __future__ import annotations
 
@@ -73,13 +74,16 @@ def at_once(n: int, prompts: list[str], one) -> tuple[list[dict], float]:
     return answers, time.perf_counter() - started
 
 
-def in_process(cfg, prompts: list[str], counts: list[int], max_new: int) -> tuple[list[dict], dict[int, str]]:
+def in_process(cfg, prompts: list[str], max_new: int):
+    """(run(n) -> (answers, wall), stop()) over a Scheduler in this process."""
+    import logging
+
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.scheduler import Job, Scheduler
 
     engine = Engine.from_config(cfg, progress=lambda m: None)
-    scheduler = Scheduler(engine, cfg, __import__("logging").getLogger("bench"))
+    scheduler = Scheduler(engine, cfg, logging.getLogger("bench"))
 
     def one(i: int) -> dict:
         first: list[float] = []
@@ -90,16 +94,16 @@ def in_process(cfg, prompts: list[str], counts: list[int], max_new: int) -> tupl
         job.done.wait()
         return timed(i, started, first[0] if first else None, job.outcome.text, job.outcome.num_tokens)
 
+    def stop_here() -> None:
+        scheduler.stop(1.0)
+        engine.close()
+
     at_once(1, prompts, one)  # warm-up
-    reference = {a["prompt"]: a["text"] for a in at_once(1, prompts, one)[0]}
-    rows = [summary("in process", n, *at_once(n, prompts, one), reference) for n in counts]
-    scheduler.stop(1.0)
-    engine.close()
-    return rows, reference
+    return (lambda n: at_once(n, prompts, one)), stop_here
 
 
-def http_rows(name: str, base: str, model: str, key: str, prompts: list[str], counts: list[int], max_new: int,
-              reference: dict[int, str]) -> list[dict]:
+def http_system(base: str, model: str, key: str, prompts: list[str], max_new: int):
+    """run(n) -> (answers, wall) through an OpenAI-compatible server (the `openai` client, streamed)."""
     import openai
 
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=600)
@@ -116,75 +120,68 @@ def http_rows(name: str, base: str, model: str, key: str, prompts: list[str], co
         return timed(i, started, first, text, usage.completion_tokens if usage else 0)
 
     at_once(1, prompts[:1], one)  # warm-up
-    return [summary(name, n, *at_once(n, prompts, one), reference) for n in counts]
+    return lambda n: at_once(n, prompts, one)
 
 
-def ros_rows(prompts: list[str], counts: list[int], max_new: int, reference: dict[int, str]) -> list[dict]:
-    rows = []
-    for n in counts:
-        start_at = time.time() + 8
+def ros_system(prompts: list[str], max_new: int):
+    """run(n) -> (answers, wall) through the ROS door: n client processes (the action, streamed) from one instant."""
+    def run(n: int) -> tuple[list[dict], float]:
+        start_at = time.time() + 6
         procs = [subprocess.Popen([sys.executable, str(CLIENT), json.dumps(
-            {"index": j, "start_at": start_at, "seconds": None, "prompts": [[i, prompts[i]] for i in
-                                                                             range(j, len(prompts), n)],
-             "request": {"max_new_tokens": max_new}})], stdout=subprocess.PIPE, text=True) for j in range(n)]
+            {"index": j, "start_at": start_at, "seconds": None, "request": {"max_new_tokens": max_new},
+             "prompts": [[i, prompts[i]] for i in range(j, len(prompts), n)]})], stdout=subprocess.PIPE, text=True)
+            for j in range(n)]
         lines = [json.loads(line) for p in procs for line in p.communicate()[0].splitlines() if line.startswith("{")]
         answers = [{"prompt": a["prompt"], "text": a["text"], "tokens": a["num_tokens"], "ttft_s": a["ttft_s"],
                     "decode_tok_s": (a["num_tokens"] - 1) / (a["latency_s"] - a["ttft_s"])
                     if a["num_tokens"] > 1 else 0.0} for a in lines]
-        rows.append(summary("ROS door", n, answers, max(a["done_s"] for a in lines), reference))
-    return rows
+        return answers, max(a["done_s"] for a in lines)
+    return run
 
 
-def node_rows(params: Path, prompts: list[str], counts: list[int], max_new: int, reference: dict[int, str],
-              tmp: Path) -> list[dict]:
+def start_node(params: Path, tmp: Path) -> tuple[subprocess.Popen, str, str]:
+    """The node (`spec-edge serve`) on params with its HTTP door on a free port: (process, base URL, model)."""
     doc = yaml.safe_load(params.read_text())
-    port, key = free_port(), "bench"
-    doc["/**"]["ros__parameters"]["http"] = {"enabled": True, "port": port, "api_key": key}
+    port = free_port()
+    doc["/**"]["ros__parameters"]["http"] = {"enabled": True, "port": port, "api_key": "bench"}
     (tmp / "node.yaml").write_text(yaml.safe_dump(doc))
-    log = (tmp / "node.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(tmp / "node.yaml")],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while "serving" not in (tmp / "node.log").read_text():
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the node did not start:\n{(tmp / 'node.log').read_text()}")
-            time.sleep(0.5)
-        model = doc["/**"]["ros__parameters"].get("runtime", {}).get("profile", "smollm2-135m")
-        rows = http_rows("HTTP door", f"http://127.0.0.1:{port}/v1", model, key, prompts, counts, max_new, reference)
-        return rows + ros_rows(prompts, counts, max_new, reference)
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(30)
+                              cwd=ROOT, stdout=(tmp / "node.log").open("w"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    deadline = time.monotonic() + 600
+    while "serving" not in (tmp / "node.log").read_text():
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the node did not start:\n{(tmp / 'node.log').read_text()}")
+        time.sleep(0.5)
+    profile = doc["/**"]["ros__parameters"].get("runtime", {}).get("profile", "smollm2-135m")
+    return server, f"http://127.0.0.1:{port}/v1", profile
 
 
-def llama_rows(gguf: Path, prompts: list[str], counts: list[int], max_new: int, reference: dict[int, str],
-               tmp: Path) -> tuple[list[dict], str]:
+def llama_server(gguf: Path, tmp: Path) -> tuple[subprocess.Popen | None, str]:
+    """llama.cpp's OpenAI server on the GGUF: (process, base URL), or (None, why not)."""
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError as err:
-        return [], f"llama.cpp server skipped: {err} (pip install 'llama-cpp-python[server]' builds llama.cpp)"
-    port = free_port()
-    log = (tmp / "llama.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
-                               "--n_ctx", "1024", "--model_alias", "smollm2"], stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
-    try:
-        import httpx
+        return None, f"llama.cpp server skipped: {err} (pip install 'llama-cpp-python[server]' builds llama.cpp)"
+    import httpx
 
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                return [], f"llama.cpp server did not start:\n{(tmp / 'llama.log').read_text()[-2000:]}"
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
+                               "--n_ctx", "1024", "--model_alias", "smollm2"], stdout=(tmp / "llama.log").open("w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while server.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
+                return server, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
             time.sleep(0.5)
-        return http_rows("llama.cpp server", f"http://127.0.0.1:{port}/v1", "smollm2", "none", prompts, counts,
-                         max_new, reference), ""
-    finally:
+    stop(server)
+    return None, f"llama.cpp server did not start:\n{(tmp / 'llama.log').read_text()[-2000:]}"
+
+
+def stop(server: subprocess.Popen) -> None:
+    if server.poll() is None:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(30)
 
@@ -198,23 +195,46 @@ def main() -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every system at every N)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     params = Path(args.params)
     cfg = cfgmod.load(params)
     lines = [json.loads(line) for line in (ROOT / "bench" / "prompts.jsonl").read_text().splitlines() if line.strip()]
     prompts = [p["prompt"] for p in lines if p.get("quick")][:args.prompts]
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows, reference = in_process(cfg, prompts, args.clients, args.max_new_tokens)
-        rows += node_rows(params, prompts, args.clients, args.max_new_tokens, reference, Path(tmp))
-        more, note = llama_rows(resolve(cfg.model.target), prompts, args.clients, args.max_new_tokens, reference,
-                                Path(tmp))
-        rows += more
+        run_here, stop_here = in_process(cfg, prompts, args.max_new_tokens)
+        reference = {a["prompt"]: a["text"] for a in run_here(1)[0]}
+        node, base, model = start_node(params, Path(tmp))
+        llama, note = llama_server(resolve(cfg.model.target), Path(tmp))
+        try:
+            systems = {"in process": run_here,
+                       "HTTP door": http_system(base, model, "bench", prompts, args.max_new_tokens),
+                       "ROS door": ros_system(prompts, args.max_new_tokens)}
+            if llama is not None:
+                systems["llama.cpp server"] = http_system(note, "smollm2", "none", prompts, args.max_new_tokens)
+                note = ""
+            for r in range(args.rounds):  # interleaved: the machine's drift falls on every system alike
+                for n in args.clients:
+                    for name, run in systems.items():
+                        rows.append(summary(name, n, *run(n), reference) | {"round": r})
+        finally:
+            stop_here()
+            stop(node)
+            if llama is not None:
+                stop(llama)
+    print(f"medians over {args.rounds} interleaved rounds; answers equal to the in-process answer alone")
     print(f"{'system':18} {'N':>2} {'req':>4} {'TTFT ms':>8} {'decode tok/s':>12} {'total tok/s':>11} "
-          f"{'= in process':>12} {'load1':>6}")
-    for r in rows:
-        print(f"{r['system']:18} {r['clients']:>2} {r['requests']:>4} {r['ttft_ms']:>8.0f} {r['decode_tok_s']:>12.1f} "
-              f"{r['total_tok_s']:>11.1f} {r['equal']:>5}/{r['requests']:<6} {r['load1']:>6.2f}")
+          f"{'equal':>8} {'load1':>6}")
+    for n in args.clients:
+        for name in systems:
+            mine = [r for r in rows if r["system"] == name and r["clients"] == n]
+            med = {key: statistics.median(r[key] for r in mine)
+                   for key in ("ttft_ms", "decode_tok_s", "total_tok_s", "load1")}
+            equal, requests = sum(r["equal"] for r in mine), sum(r["requests"] for r in mine)
+            print(f"{name:18} {n:>2} {requests:>4} {med['ttft_ms']:>8.0f} {med['decode_tok_s']:>12.1f} "
+                  f"{med['total_tok_s']:>11.1f} {equal:>4}/{requests:<3} {med['load1']:>6.2f}")
     if note:
         print(note)
     if args.out:
