@@ -65,3 +65,9 @@ def test_http_streams_and_ros_calls_at_once(door_url, module_env):
     assert all(a["success"] for a in answers), answers
     assert [a["text"] for a in answers] == alone[8:]  # the ROS door: the HTTP door's answer alone
     assert max(a["stats"]["queued_at_start"] for a in answers) >= 4  # the slots were shared
+
+
+def test_a_reachable_address_without_a_key_fails_configure(server_factory):
+    """Refused at configure, before the engine loads, with the setting to change."""
+    with pytest.raises(RuntimeError, match="http.api_key is empty"):
+        server_factory({"http.enabled": True, "http.host": "0.0.0.0", "http.port": 0}, name="open")
