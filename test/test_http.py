@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from spec_edge import config as cfgmod
-from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import Job
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -157,14 +158,13 @@ def test_langchain_chat_openai_offline(served, base, tmp_path, monkeypatch):
 
 
 def expected_refusal(door, fields: dict) -> str:
-    """The message the ROS door gives for fields: the scheduler's check of the same request (engine.validate)."""
+    """The message the ROS door gives for fields: the scheduler's check of the same request (its node calls submit)."""
     fields = dict(fields)
     messages = fields.pop("messages", None) or [["user", fields.pop("prompt", "")]]
     fields.pop("prompt", None)
-    request = GenerateRequest(messages=tuple(map(tuple, messages)), **fields)
-    with pytest.raises(RequestError) as err:
-        door.engine.validate(request)
-    return str(err.value)
+    job = Job(GenerateRequest(messages=tuple(map(tuple, messages)), **fields))
+    assert not door.scheduler.submit(job) and job.outcome.refusal == "invalid", fields
+    return job.outcome.message
 
 
 def test_bad_requests_get_the_ros_doors_words(served, base):
@@ -249,6 +249,7 @@ def test_busy_and_a_client_that_leaves_frees_its_slot(served, base):
     waiting.close()
     running.close()
     served_soon_after(c, alone["chat"].text)
+    assert door.in_flight == 0  # every request the door took was answered or let go
 
 
 def test_a_reachable_address_needs_a_key(served, capsys):

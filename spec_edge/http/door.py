@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
@@ -264,6 +265,11 @@ class Door:
                 self.in_flight -= 1
             return self._answer(body, job.outcome, head, piece)
 
+        def leave() -> None:  # once, from the stream's end or the response's (a client gone before it began)
+            if not cancelled.is_set():
+                cancelled.set()
+                self.in_flight -= 1
+
         async def events():
             sent = ""
             try:
@@ -288,10 +294,10 @@ class Door:
                         yield _sse(head | {"choices": [], "usage": schema.usage(outcome)})
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (the task cancelled) or the stream ended
-                cancelled.set()
-                self.in_flight -= 1
+                leave()
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(leave))
 
     def _count(self, outcome: Outcome) -> None:
         kind = "success" if outcome.success and outcome.finish_reason != "cancelled" else (
