@@ -53,7 +53,7 @@ def run_batched(engine, requests, join_at, loop=None):
     while waiting or loop.occupied:
         while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
             i = waiting.pop(0)
-            loop.add(engine.start(requests[i], on_result=lambda result, i=i: results.setdefault(i, result)))
+            loop.add(engine.start(engine.front.prepare(requests[i]), on_result=lambda result, i=i: results.setdefault(i, result)))
         loop.iterate()
     return [results[i] for i in range(len(requests))]
 

@@ -34,7 +34,7 @@ def cold(tiny_cfg):
 
 
 def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:
-    return engine.prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
+    return engine.front.prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
 
 
 def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> speculative.SlotRequest:
@@ -131,7 +131,8 @@ def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     engine.warm(SYSTEM)
     results = {}
     for i, turn in enumerate(TURNS):
-        engine.loop.add(engine.start(GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K),
+        request = GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)
+        engine.loop.add(engine.start(engine.front.prepare(request),
                                      on_result=lambda result, i=i: results.setdefault(i, result)))
     engine.loop.run()
     for i, turn in enumerate(TURNS):

@@ -39,7 +39,7 @@ def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models,
     engine = Engine.from_config(cfg, progress=lambda message: None)
     try:
         for prompt in ("Move the arm", "def add(a, b):"):
-            ids = engine.prompt_ids(GenerateRequest(prompt=prompt))
+            ids = engine.front.prompt_ids(GenerateRequest(prompt=prompt))
             plain, _, _ = speculative.generate(engine.runner, speculative.SlotRequest(
                 prompt_ids=ids, max_new_tokens=24, eos_ids=engine.eos_ids))
             result = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=24, drafter="draft", k=3))

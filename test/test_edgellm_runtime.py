@@ -93,7 +93,7 @@ def test_chat_prompt_is_the_cpu_paths(tiny_engine, edge_cfg, script):
         [item] = sent.requests
         [message] = item.messages
         assert message.role == "user" and [c.type for c in message.contents] == ["text"]
-        assert engine.tokenizer.encode(message.contents[0].content) == tiny_engine.prompt_ids(request)
+        assert engine.tokenizer.encode(message.contents[0].content) == tiny_engine.front.prompt_ids(request)
 
 
 def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
@@ -147,16 +147,16 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", logit_bias=((10 ** 7, 1.0),)): "outside the vocabulary",
     }
     for request, words in cases.items():
-        for call in (engine.validate, engine.generate):
+        for call in (engine.front.prepare, engine.generate):
             with pytest.raises(RequestError, match=words.replace("[", r"\[").replace("]", r"\]")):
                 call(request)
     script.validate = lambda params: (False, "the guide is too large")
     with pytest.raises(RequestError, match="too large"):
-        engine.validate(GenerateRequest(prompt="a", regex="a+"))
+        engine.front.prepare(GenerateRequest(prompt="a", regex="a+"))
     plain = _engine(edge_cfg, script, **{"speculative.drafter": "none"})
     assert "draft_top_k" not in script.runtimes[-1]._kwargs  # the vanilla constructor
-    with pytest.raises(RequestError, match="without the EAGLE-3 draft engine"):
-        plain.validate(GenerateRequest(prompt="a", drafter="eagle3"))
+    with pytest.raises(RequestError, match="started without drafter eagle3"):
+        plain.front.prepare(GenerateRequest(prompt="a", drafter="eagle3"))
 
 
 def test_drafters_other_than_eagle3_and_none_are_refused_at_configure(edge_cfg):

@@ -62,7 +62,7 @@ def test_greedy_constrained_speculative_equals_constrained_plain(tiny_engine, se
     runs = []
     for kind, text in GRAMMARS:
         for prompt in PROMPTS:
-            prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
+            prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
             plain, plain_finish, plain_stats = constrained(tiny_engine, prompt_ids, None, 0, kind, text)
             assert plain_stats.verify_calls == 0 and plain_finish == "eos"
             for k in (3, 7):
@@ -158,7 +158,7 @@ def test_grammar_that_cannot_complete_ends_with_length(tiny_engine):
 ])
 def test_invalid_grammar_is_refused(tiny_engine, fields, message):
     with pytest.raises(RequestError, match=re.escape(message)) as err:
-        tiny_engine.validate(GenerateRequest(prompt="hi", **fields))
+        tiny_engine.front.prepare(GenerateRequest(prompt="hi", **fields))
     assert "\n" not in str(err.value)
     got = tiny_engine.generate(GenerateRequest(prompt="hi", grammar='root ::= "yes" | "no"', max_new_tokens=8))
     assert got.finish_reason == "eos" and got.text in ("yes", "no")  # the engine keeps serving

@@ -51,7 +51,7 @@ def engines(tiny_cfg, profiles):
 def ask(engine, drafter, **fields):
     request = GenerateRequest(max_new_tokens=12, drafter=drafter, k=K, speculate=drafter != "none",
                               system_prompt=fields.pop("system_prompt", SYSTEM), **fields)
-    return engine.generate(request), engine.prompt_ids(request)
+    return engine.generate(request), engine.front.prompt_ids(request)
 
 
 def same_as_cold(engine, cold, drafter, **fields):
@@ -120,7 +120,7 @@ def test_the_record_is_the_fed_sequence(tiny_engine):
 def test_warm_prefills_the_system_prompt(engines):
     engine, cold = engines("ngram")
     n = engine.warm(SYSTEM)
-    ids = engine.prompt_ids(GenerateRequest(prompt="Report the battery", system_prompt=SYSTEM))
+    ids = engine.front.prompt_ids(GenerateRequest(prompt="Report the battery", system_prompt=SYSTEM))
     assert engine.target.held == tuple(ids[:n]) and n > 10
     got, _ = same_as_cold(engine, cold, "ngram", prompt="Report the battery")
     assert got.stats.prompt_tokens_reused == n

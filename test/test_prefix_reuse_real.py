@@ -46,7 +46,7 @@ def test_dialog_reused_equals_cold(engine, system):
         cold = answer(engine, False, request)
         assert cold.stats.prompt_tokens_reused == 0
         assert reused.stats.prompt_tokens_reused > len(engine.tokenizer.encode(system))
-        prompt = engine.prompt_ids(request)
+        prompt = engine.front.prompt_ids(request)
         try:
             assert_same_but_near_ties(reused.token_ids, cold.token_ids, engine.target, prompt)
         finally:
@@ -73,7 +73,7 @@ def test_batched_dialogs_reused_equal_cold(engine, batch_engine):
         requests = [GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16) for history in histories]
         results: dict = {}
         for i, request in enumerate(requests):
-            slot = batch_engine.loop.add(batch_engine.start(request, on_result=lambda r, i=i: results.setdefault(i, r)))
+            slot = batch_engine.loop.add(batch_engine.start(batch_engine.front.prepare(request), on_result=lambda r, i=i: results.setdefault(i, r)))
             assert slot == i  # dialog i's history lives in slot i (the warmed prefix: the tie goes to slot 0)
         batch_engine.loop.run()
         for i, request in enumerate(requests):
@@ -82,7 +82,7 @@ def test_batched_dialogs_reused_equal_cold(engine, batch_engine):
             cold = answer(engine, False, request)
             try:
                 assert_same_but_near_ties(results[i].token_ids, cold.token_ids, engine.target,
-                                          engine.prompt_ids(request))
+                                          engine.front.prompt_ids(request))
             finally:
                 engine.target.held = ()  # the rule's reference prefill rewrote the cache
             histories[i] = request.messages + (("assistant", results[i].text),)

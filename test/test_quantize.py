@@ -223,7 +223,7 @@ def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
 
     self_drafter = ModelDrafter(b1_runner(tiny_q4.runner.graph_dir), name="self")
     for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
-        ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
+        ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
         plain, _, _ = speculative.generate(tiny_q4.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids))
         for drafter, k in ((NgramDrafter(), 4), (self_drafter, 3), (self_drafter, 7)):

@@ -34,10 +34,15 @@ class WholeRequests:
         self.queued: list[int] = []
         self._lock = threading.Lock()
 
-    def validate(self, request):
-        """Every request is one it serves."""
+    @property
+    def front(self):
+        return self
 
-    def generate(self, request, on_text=None, cancel=None, queued=1):
+    def prepare(self, request):
+        """Every request is one it serves, prepared as it is."""
+        return request
+
+    def serve(self, request, on_text=None, cancel=None, queued=1):
         with self._lock:
             self.running += 1
             self.most = max(self.most, self.running)
@@ -131,5 +136,27 @@ def test_capacity_over_the_engine_loop(tiny_engine):
         assert not worker.submit(Job(request=GenerateRequest(prompt="one more")))
         for job in jobs:
             assert job.done.wait(60) and job.outcome.success and job.outcome.num_tokens > 0
+    finally:
+        worker.stop(30)
+
+
+def test_a_request_is_tokenized_and_its_grammar_compiled_once(tiny_engine, monkeypatch):
+    """Through the scheduler a request goes through the front once (at submit): one tokenization, one grammar
+    compile, and the engine starts from what the front prepared."""
+    counts = {"encode": 0, "compile": 0}
+
+    def counted(name, call):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return call(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tiny_engine.tokenizer, "encode", counted("encode", tiny_engine.tokenizer.encode))
+    monkeypatch.setattr(tiny_engine.grammars, "compile", counted("compile", tiny_engine.grammars.compile))
+    worker = Scheduler(tiny_engine, tiny_engine.cfg, Log())
+    try:
+        job = Job(request=GenerateRequest(prompt="Move the arm", regex="(left|right) [0-9]{1,3} once", max_new_tokens=8))
+        assert worker.submit(job) and job.done.wait(60) and job.outcome.success, job.outcome
+        assert counts == {"encode": 1, "compile": 1}
     finally:
         worker.stop(30)

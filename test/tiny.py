@@ -320,7 +320,7 @@ def exact_first(engine, params, length: int, constraint=None) -> tuple[list[int]
     from spec_edge.runtime.sampling import probabilities, processed_logits
 
     runner = b1_runner(engine.graph_dir)
-    prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
+    prompt_ids = engine.front.prompt_ids(GenerateRequest(prompt="Move the arm"))
     reference = None if constraint is None else engine.grammars.constraint(*constraint)
 
     def p(logits, generated):  # (V,) logits of the row after prompt + generated

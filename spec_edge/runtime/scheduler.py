@@ -61,7 +61,7 @@ def result_stats(result: Any) -> dict[str, Any]:
 
 @dataclass
 class Job:
-    request: Any                                    # engine.GenerateRequest
+    request: Any                                    # requests.GenerateRequest
     on_text: Callable[[str, int], None] | None = None
     cancel_requested: Callable[[], bool] = lambda: False
     deadline: float = math.inf                      # time.monotonic() past which it ends as error
@@ -69,6 +69,7 @@ class Job:
     outcome: Outcome | None = None
     timed_out: bool = False
     queued_at_start: int = 0                        # the load as it started: requests in the engine, itself included
+    prepared: Any = None                            # front.Prepared: the request as submit checked and prepared it
 
     def finish(self, outcome: Outcome) -> None:
         self.outcome = outcome
@@ -105,14 +106,15 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, job: Job) -> bool:
-        """Check the job's request and queue it; False (the job answered at once) for a request the engine refuses
-        (refusal "invalid": in the caller's thread, without taking a queue place), when stopping ("unavailable"),
-        and when the node already holds capacity + serve.queue_limit unfinished requests ("busy")."""
+        """Prepare the job's request (the engine's front: every check, the tokenization, the grammar compile, once)
+        and queue it; False (the job answered at once) for a request the front refuses (refusal "invalid": in the
+        caller's thread, without taking a queue place), when stopping ("unavailable"), and when the node already
+        holds capacity + serve.queue_limit unfinished requests ("busy")."""
         from spec_edge.runtime.requests import RequestError
 
         limit = self.cfg.serve.queue_limit
         try:
-            self.engine.validate(job.request)
+            job.prepared = self.engine.front.prepare(job.request)
         except RequestError as err:
             job.finish(Outcome.refused(str(err)))
             return False
@@ -180,7 +182,7 @@ class Scheduler:
             job.finish(early)
             return
         try:
-            request = self.engine.start(job.request, on_text=job.on_text, cancel=lambda: self._cancel_reason(job),
+            request = self.engine.start(job.prepared, on_text=job.on_text, cancel=lambda: self._cancel_reason(job),
                                         on_result=lambda result: self._done(job, result))
             self.loop.add(request)
         except RequestError as err:
@@ -237,8 +239,8 @@ class Scheduler:
         if (early := self._early_outcome(job)) is not None:
             return early
         try:
-            result = self.engine.generate(job.request, on_text=job.on_text,
-                                          cancel=lambda: self._cancel_reason(job), queued=job.queued_at_start)
+            result = self.engine.serve(job.prepared, on_text=job.on_text,
+                                       cancel=lambda: self._cancel_reason(job), queued=job.queued_at_start)
         except RequestError as err:
             return Outcome.refused(str(err))
         except Exception as err:  # the engine failed on a valid request: report it, keep serving

@@ -257,12 +257,8 @@ class BatchLoop:
         return {k, *(min(k, entry) for entry in self.k_by_load)} - {0} if k > 0 else set()
 
     def add(self, request: SlotRequest) -> int:
-        """Put request into a free slot (it starts prefilling at the next iteration); returns the slot."""
-        if not request.prompt_ids:
-            raise BackendError("a request needs at least one prompt token")
-        if len(request.prompt_ids) >= self.runner.max_context:
-            raise BackendError(f"the prompt ({len(request.prompt_ids)} tokens) leaves no room in the "
-                               f"{self.runner.max_context}-token cache")
+        """Put request into a free slot (it starts prefilling at the next iteration); returns the slot. Its prompt
+        is 1 .. max_context - 1 tokens (runtime/front.py checked it)."""
         free = [i for i, slot in enumerate(self.slots) if slot is None]
         if not free:
             raise BackendError(f"all {self.runner.batch} batch slots are busy")
