@@ -14,6 +14,7 @@ from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.serving import Collect
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the battery level", "def add(a, b):"]
@@ -129,12 +130,10 @@ def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     assert first.stats.prompt_tokens_reused == n
     assert first.token_ids == cold_answer(cold, ids_of(engine, TURNS[0]), eos_ids=engine.eos_ids)
     engine.warm(SYSTEM)
-    results = {}
-    for i, turn in enumerate(TURNS):
-        request = GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)
-        engine.loop.add(engine.start(engine.front.prepare(request),
-                                     on_result=lambda result, i=i: results.setdefault(i, result)))
+    sinks = [Collect() for _ in TURNS]
+    for turn, sink in zip(TURNS, sinks):
+        engine.add(engine.front.prepare(GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)), sink)
     engine.loop.run()
-    for i, turn in enumerate(TURNS):
-        assert results[i].stats.prompt_tokens_reused == n
-        assert results[i].token_ids == cold_answer(cold, ids_of(engine, turn), eos_ids=engine.eos_ids)
+    for sink, turn in zip(sinks, TURNS):
+        assert sink.result.stats.prompt_tokens_reused == n
+        assert sink.result.token_ids == cold_answer(cold, ids_of(engine, turn), eos_ids=engine.eos_ids)

@@ -1,14 +1,14 @@
 """The engine: one target model (and its drafters) behind a request -> result call (ONNX Runtime; on
 runtime.backend tensorrt, Engine.from_config returns backends/edgellm.py's EdgeLLMEngine instead: both are
-a serving.RequestBackend).
+a serving.Decoder the scheduler drives).
 
 This is what the CLI and the ROS node use, for every graphs.batch_slots = B. Its front (runtime/front.py,
 over capabilities()) checks and prepares a request; the engine turns tokens into text (streamed, UTF-8 safe,
 stop strings honoured). It owns one loop (runtime/speculative.BatchLoop) over a target of B slots
-(drafting.slotted: an ort_runner.OrtRunner; B=1 is a runner of one slot): start() turns a prepared request
-into a SlotRequest the caller adds to the loop (the scheduler admits requests into free slots and iterates
-the loop from one thread); generate() is the front, start() and the loop run with that request alone. Each request drafts with its own
-drafter, made for the slot it takes (runtime/drafting.py).
+(drafting.slotted: an ort_runner.OrtRunner; B=1 is a runner of one slot): as a decoder, add(prepared, sink)
+puts a request into a free slot (start() makes its SlotRequest) and iterate() is one loop iteration (the
+scheduler admits requests and iterates from one thread; serving.generate runs one alone). Each request drafts
+with its own drafter, made for the slot it takes (runtime/drafting.py).
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
 longest prefix of its prompt; warm() prefills the system prompt's chat prefix into every free slot.
@@ -22,7 +22,6 @@ chosen by its runtime/k_choice.KChoice from its acceptance and the call costs me
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,17 +37,17 @@ from spec_edge.runtime import k_choice
 from spec_edge.runtime.front import Capabilities, Front, Prepared
 from spec_edge.runtime.grammar import Constraint, Grammars
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
-from spec_edge.runtime.serving import RequestBackend
+from spec_edge.runtime import serving
+from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.speculative import BatchLoop, Emit, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
 
-def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None] | None) -> Emit:
+def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None]) -> Emit:
     """The loop's emit: feed a chunk of tokens to the stream decoder, hand on_text the safe-to-show
     text and the tokens so far; True once a stop string has shown up."""
     def emit(chunk: list[int]) -> bool:
-        delta = decoder.push(chunk)
-        if delta and on_text is not None:
+        if delta := decoder.push(chunk):
             on_text(delta, len(decoder.ids))
         return decoder.stopped
     return emit
@@ -65,7 +64,6 @@ def incomplete_message(constraint: Constraint | None, finish: str, max_new: int)
 class Engine:
     """The loop over a target of B slots and the request handling around it. runner: the slotted target
     the loop drives; targets: its slots as B=1 Runners (slot_views.SlotRunner; target = slot 0)."""
-    concurrent = False  # one loop: the caller admits requests into it (start) and iterates it from one thread
 
     def __init__(self, cfg: Config, runner: Slotted, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
                  progress: Callable[[str], None] = print):
@@ -84,10 +82,10 @@ class Engine:
         self.loop = BatchLoop(runner, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
         self.front = Front(cfg, tokenizer, self.capabilities(), self.grammars.constraint)
         self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
-        self._lock = threading.Lock()
+        self.capacity = runner.batch  # requests at once: one per slot
 
     @classmethod
-    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> RequestBackend:
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> Decoder:
         """Load the target (and a configured drafter) once; the graphs are exported first if missing or
         stale (B > 1: with the graphs of several rows). runtime.backend tensorrt: the Edge-LLM engines `spec-edge build`
         made, served end to end by backends/edgellm.py (the same request -> result calls as this class)."""
@@ -130,13 +128,10 @@ class Engine:
                             max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
                             vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids)
 
-    def start(self, prepared: Prepared, on_text: Callable[[str, int], None] | None = None,
-              cancel: Callable[[], str | None] | None = None,
-              on_result: Callable[[GenerateResult], None] | None = None) -> SlotRequest:
+    def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
         """The SlotRequest of a prepared request, for self.loop.add (RequestError for a drafter that cannot
-        propose its k; nothing runs yet). on_text(delta, n_tokens) receives each piece of safe-to-show text and
-        the number of tokens generated so far; cancel() is asked before each decode call; on_result
-        (GenerateResult) is called from the loop's thread when the request leaves its slot."""
+        propose its k; nothing runs yet): its text goes to sink.on_text, sink.cancel_reason is asked before each
+        decode call, sink.done gets its result from the loop's thread as it leaves its slot."""
         request, drafter_name, k, constraint = prepared.request, prepared.drafter, prepared.k, prepared.guide
         drafting = drafter_name != "none"
         speculating = k > 0 and (drafting or prepared.forced_drafts)
@@ -156,16 +151,13 @@ class Engine:
         def done(new_ids: list[int], finish: str, stats) -> None:
             if choice is not None and drafting:
                 self._k_last[drafter_name] = choice  # the next request with this drafter starts from it
-            tail = decoder.finish()
-            if tail and on_text is not None:
-                on_text(tail, len(decoder.ids))
-            result = GenerateResult(text=decoder.text, token_ids=decoder.kept_ids(), finish_reason=finish,
+            if tail := decoder.finish():
+                sink.on_text(tail, len(decoder.ids))
+            sink.done(GenerateResult(text=decoder.text, token_ids=decoder.kept_ids(), finish_reason=finish,
                                     stats=stats, prompt_tokens=len(prepared.prompt_ids),
                                     queued_at_start=slot_request.occupancy,
                                     speculation_off_reason=speculation_policy.reason(stats, table, choice),
-                                    message=incomplete_message(constraint, finish, prepared.max_new_tokens))
-            if on_result is not None:
-                on_result(result)
+                                    message=incomplete_message(constraint, finish, prepared.max_new_tokens)))
 
         def make_drafter(slot: int):
             return self._drafters.drafter(drafter_name, slot)
@@ -174,7 +166,8 @@ class Engine:
                                    eos_ids=self.eos_ids, sampling=prepared.sampling, seed=prepared.seed,
                                    k=k if speculating else 0,
                                    make_drafter=make_drafter if drafting and speculating else None,
-                                   emit=text_emitter(decoder, on_text), cancel=cancel, constraint=constraint,
+                                   emit=text_emitter(decoder, sink.on_text), cancel=sink.cancel_reason,
+                                   constraint=constraint,
                                    forced_drafts=prepared.forced_drafts, on_done=done, k_choice=choice)
         return slot_request
 
@@ -188,29 +181,30 @@ class Engine:
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """Serve one request alone through the loop (the CLI's path; the scheduler runs many at once
-        through start()). Raises RequestError for a bad request (nothing is run). queued: the load as it
-        runs, itself included (the caller's queue: what serve.speculate_k_by_load gives a k for)."""
-        return self.serve(self.front.prepare(request), on_text, cancel, queued)
+        """One request alone through this decoder (serving.generate: the CLI's path)."""
+        return serving.generate(self, request, on_text, cancel, queued)
 
-    def serve(self, prepared: Prepared, on_text: Callable[[str, int], None] | None = None,
-              cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """generate() of a request the front prepared."""
-        out: list[GenerateResult] = []
-        with self._lock:
-            if self.loop.occupied:
-                raise RuntimeError("generate() runs a request alone, but the loop is serving others (start())")
-            slot_request = self.start(prepared, on_text, cancel, out.append)
-            self.loop.waiting = queued - 1
-            try:
-                self.loop.add(slot_request)
-                self.loop.run()
-            except BaseException:
-                self.loop.clear()  # the failed request leaves its slot (the loop emptied the prefix records)
-                raise
-            finally:
-                self.loop.waiting = 0
-        return out[0]
+    # -- the decoder (serving.Decoder): the loop's slots --------------------------------------
+    @property
+    def occupied(self) -> int:
+        return self.loop.occupied
+
+    @property
+    def waiting(self) -> int:
+        return self.loop.waiting
+
+    @waiting.setter
+    def waiting(self, n: int) -> None:
+        self.loop.waiting = n
+
+    def add(self, prepared: Prepared, sink: Sink) -> None:
+        self.loop.add(self.start(prepared, sink))
+
+    def iterate(self) -> None:
+        self.loop.iterate()
+
+    def clear(self) -> None:
+        self.loop.clear()
 
     def warm(self, system_prompt: str = "") -> int:
         """Prefill the chat prefix every request with this system prompt ("" = serve.system_prompt,
@@ -222,19 +216,18 @@ class Engine:
         one, two = (self.front.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
         shared = list(one[:common_prefix(one, two, len(one))])
         runner = self.runner
-        with self._lock:
-            free = [i for i, slot in enumerate(self.loop.slots) if slot is None]
-            if not shared or not free:
-                return len(shared)
-            first = max(free, key=lambda i: (common_prefix(runner.held[i], shared, len(shared) - 1), -i))
-            reused = common_prefix(runner.held[first], shared, len(shared) - 1)
-            for i in free:
-                runner.held[i] = ()
-            runner.prefill(first, shared[reused:], reused)
-            for i in free:
-                if i != first:
-                    runner.copy_prefix(first, i, len(shared))
-                runner.held[i] = tuple(shared)
+        free = [i for i, slot in enumerate(self.loop.slots) if slot is None]
+        if not shared or not free:
+            return len(shared)
+        first = max(free, key=lambda i: (common_prefix(runner.held[i], shared, len(shared) - 1), -i))
+        reused = common_prefix(runner.held[first], shared, len(shared) - 1)
+        for i in free:
+            runner.held[i] = ()
+        runner.prefill(first, shared[reused:], reused)
+        for i in free:
+            if i != first:
+                runner.copy_prefix(first, i, len(shared))
+            runner.held[i] = tuple(shared)
         return len(shared)
 
     def info(self) -> dict:

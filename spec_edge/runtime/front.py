@@ -52,7 +52,6 @@ class Prepared:
     drafter: str                    # "none": it does not draft (speculate false, or none asked)
     k: int                          # drafts per verify call asked (speculative_k of the config when unset)
     guide: Any = None               # the decoder's compiled grammar for this request (None: unguided)
-    guide_kind: str = ""            # json_schema | grammar | regex ("" unguided)
     forced_drafts: bool = False     # the grammar's forced tokens are drafts (only with a guide, k and speculate)
 
 
@@ -152,13 +151,12 @@ class Front:
                                f"exceed the context of {caps.max_context} tokens: ask for at most "
                                f"{caps.max_context - len(ids)} new tokens, shorten the prompt, or export with a "
                                "larger graphs.max_context")
-        guide, kind = self._guide(request)
+        guide = self._guide(request)
         forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
         # forced drafts are speculation too: off with speculate=false
         forced = (guide is not None and forced and request.speculate and caps.forced_drafts and k in caps.k_values)
         return Prepared(request=request, text=text, prompt_ids=ids, sampling=params, max_new_tokens=max_new,
-                        seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, guide_kind=kind,
-                        forced_drafts=forced)
+                        seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced)
 
     def _sampling(self, request: GenerateRequest) -> SamplingParams:
         caps, defaults = self.caps, self.cfg.sampling
@@ -214,18 +212,18 @@ class Front:
             raise RequestError(f"k={k} has no verify graph in this engine (built for k in {list(caps.k_values)}): "
                                + caps.k_remedy.format(k=k))
 
-    def _guide(self, request: GenerateRequest) -> tuple[Any, str]:
-        """(the decoder's grammar state, kind) of the request's json_schema / grammar / regex ((None, "") without)."""
+    def _guide(self, request: GenerateRequest) -> Any:
+        """The decoder's grammar state for the request's json_schema / grammar / regex (None without)."""
         try:
             spec = grammar_spec(request.json_schema, request.grammar, request.regex)
             if spec is None:
-                return None, ""
+                return None
             kind, text = spec
             read_text(kind, text)
             if (which := kind if kind != "grammar" else "gbnf" if "::=" in text else "lark") not in self.caps.guided:
                 raise RequestError(f"a {which} {kind} runs on runtime.backend: onnxruntime only (this {self.caps.name} "
                                    f"engine takes {', '.join(self.caps.guided)}): rewrite it, or send it to a node "
                                    "with runtime.backend: onnxruntime")
-            return self.compile(kind, text), kind
+            return self.compile(kind, text)
         except GrammarError as err:
             raise RequestError(str(err)) from None

@@ -1,4 +1,5 @@
-"""The RequestBackend protocol the CLI, the ROS node and the tools call (runtime/scheduler.py drives it)."""
+"""The decoder protocol the one scheduler (runtime/scheduler.py) drives, the sink a request's output goes to, and
+generate: one request alone through a decoder (the CLI's and the tools' path)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,34 +8,93 @@ from typing import Protocol
 from spec_edge.config import Config
 from spec_edge.runtime.front import Front, Prepared
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult
-from spec_edge.runtime.speculative import BatchLoop
 
 
-class RequestBackend(Protocol):
-    """What the CLI, the ROS node and the tools call: a whole request in, its result out. Two kinds
-    satisfy it: engine.Engine (ONNX Runtime: the speculative loop here, over step-level Runners) and
-    edgellm.EdgeLLMEngine (runtime.backend tensorrt: NVIDIA's Edge-LLM runtime serves the request end to
-    end). front.prepare checks a request (requests.RequestError: refused, nothing run); generate is front.prepare
-    then serve; on_text(delta, n_tokens) gets each piece of safe-to-show text; cancel() is polled and its
-    non-empty answer becomes the finish reason; queued: requests in the caller's queue as it starts, itself
-    included (the load policy). concurrent: serve may be called from several threads at once (else the caller
-    serialises). loop: the Engine's speculative loop (runtime/speculative.BatchLoop), which a caller serving
-    many requests drives itself (Engine.start, loop.add, loop.iterate: runtime/scheduler.py); None for a
-    backend that serves whole requests only (Edge-LLM)."""
+class Sink(Protocol):
+    """One request's way out of a decoder: on_text(delta, n_tokens) gets each piece of safe-to-show text (from any
+    thread); cancel_reason() is asked between decode calls (None: go on; else the finish reason); done(result) is
+    called once as it ends, or failed(err) when the decoder failed on it alone (a RequestError: refused)."""
+
+    def on_text(self, delta: str, n_tokens: int) -> None: ...
+
+    def cancel_reason(self) -> str | None: ...
+
+    def done(self, result: GenerateResult) -> None: ...
+
+    def failed(self, err: Exception) -> None: ...
+
+
+class Decoder(Protocol):
+    """What the scheduler drives: engine.Engine (the slot loop over ONNX Runtime) or edgellm.EdgeLLMEngine (NVIDIA's
+    Edge-LLM runtime). front: its Front (its Capabilities; prepare). capacity: requests it runs at once; occupied:
+    those in it; waiting: those queued outside it (its caller sets it; the load policy's load is occupied +
+    waiting). add(prepared, sink) starts a request while occupied < capacity (RequestError: refused, nothing
+    run); iterate() moves the requests in it on (one loop iteration; Edge-LLM: waits a poll for one to end) and
+    calls their sinks' done from the caller's thread; an exception out of iterate leaves every request in it
+    unanswered, and clear() drops them."""
 
     cfg: Config
     front: Front
-    concurrent: bool
-    loop: BatchLoop | None
+    capacity: int
+    waiting: int
 
-    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult: ...
+    @property
+    def occupied(self) -> int: ...
 
-    def serve(self, prepared: Prepared, on_text: Callable[[str, int], None] | None = None,
-              cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult: ...
+    def add(self, prepared: Prepared, sink: Sink) -> None: ...
+
+    def iterate(self) -> None: ...
+
+    def clear(self) -> None: ...
 
     def warm(self, system_prompt: str = "") -> int: ...
 
     def info(self) -> dict: ...
 
     def close(self) -> None: ...
+
+
+class Collect:
+    """A sink that keeps its request's result (or failure): generate's, and a test's."""
+
+    def __init__(self, on_text: Callable[[str, int], None] | None = None,
+                 cancel: Callable[[], str | None] | None = None):
+        self._on_text, self._cancel = on_text, cancel
+        self.result: GenerateResult | None = None
+        self.error: Exception | None = None
+
+    def on_text(self, delta: str, n_tokens: int) -> None:
+        if self._on_text is not None:
+            self._on_text(delta, n_tokens)
+
+    def cancel_reason(self) -> str | None:
+        return self._cancel() if self._cancel is not None else None
+
+    def done(self, result: GenerateResult) -> None:
+        self.result = result
+
+    def failed(self, err: Exception) -> None:
+        self.error = err
+
+
+def generate(decoder: Decoder, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+             cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
+    """Serve one request alone through an idle decoder (RequestError for a bad request: nothing run). queued: the
+    load as it runs, itself included (what serve.speculate_k_by_load gives a k for)."""
+    prepared = decoder.front.prepare(request)
+    if decoder.occupied:
+        raise RuntimeError("generate() runs a request alone, but the decoder is serving others (the scheduler's)")
+    sink = Collect(on_text, cancel)
+    decoder.waiting = queued - 1
+    try:
+        decoder.add(prepared, sink)
+        while decoder.occupied:
+            decoder.iterate()
+    except BaseException:
+        decoder.clear()  # the failed request leaves the decoder
+        raise
+    finally:
+        decoder.waiting = 0
+    if sink.error is not None:
+        raise sink.error
+    return sink.result

@@ -1,6 +1,6 @@
 """runtime.backend tensorrt: a whole request served by NVIDIA TensorRT Edge-LLM (`tensorrt-edgellm`, pinned
-EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.RequestBackend: the CLI, the
-ROS node and the action call it exactly as they call engine.Engine.
+EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.Decoder: the scheduler (every
+door) and the CLI drive it exactly as they drive engine.Engine.
 
 Two Edge-LLM objects, picked by graphs.batch_slots:
   1      LLMRuntime: speculative.drafter eagle3 over the base and draft engines, drafting the chain of k
@@ -44,6 +44,7 @@ by the exact Jetson L4T / GPU); tests pass a stand-in generated from the real si
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +56,9 @@ from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, speculative_k
 from spec_edge.device import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime import serving
 from spec_edge.runtime.front import Capabilities, Front, Prepared
+from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -179,10 +182,9 @@ def guide(rt: ModuleType, kind: str, text: str):
 
 
 class EdgeLLMEngine:
-    """A serving.RequestBackend over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
+    """A serving.Decoder over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
     batch_slots > 1), the tokenizer of the engine folder (our chat template and stream decoding), the builder
-    limits, and a lock serialising LLMRuntime requests."""
-    loop = None  # it serves whole requests (the worker runs generate, on threads when concurrent)
+    limits, a lock serialising LLMRuntime requests, and the requests running on their threads."""
 
     def __init__(self, cfg: Config, rt: ModuleType, dirs: EdgeLLMDirs, progress: Callable[[str], None] = print):
         self.cfg, self.rt, self.dirs, self.progress = cfg, rt, dirs, progress
@@ -205,8 +207,11 @@ class EdgeLLMEngine:
             self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
         if self.runtime is not None and not self.runtime.capture_decoding_cuda_graph():
             progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
-        self.concurrent = self.batcher is not None
+        self.capacity = slots if self.batcher is not None else 1  # LLMRuntime: one request at a time
+        self.waiting = 0  # requests queued outside (the load as a request starts: occupied + waiting)
         self._lock = threading.Lock()
+        self._running = 0  # requests added whose end iterate() has not delivered yet
+        self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (sink, result or exception) as each request ends
         k = speculative_k(cfg)
         drafters = EDGELLM_DRAFTERS if self.batcher is not None or speculative.drafter == "eagle3" else ("none",)
         self.front = Front(cfg, self.tokenizer, Capabilities(
@@ -258,12 +263,46 @@ class EdgeLLMEngine:
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """Serve one request (see the module docstring for the mapping). RequestError: refused, nothing ran."""
-        return self.serve(self.front.prepare(request), on_text, cancel, queued)
+        """One request alone through this decoder (serving.generate: the CLI's path)."""
+        return serving.generate(self, request, on_text, cancel, queued)
 
-    def serve(self, prepared: Prepared, on_text: Callable[[str, int], None] | None = None,
-              cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """generate() of a request the front prepared."""
+    # -- the decoder (serving.Decoder): each request on a thread of its own -------------------------
+    @property
+    def occupied(self) -> int:
+        return self._running
+
+    def add(self, prepared: Prepared, sink: Sink) -> None:
+        """Start the request on a thread of its own (Edge-LLM's calls block it); iterate() delivers its end."""
+        queued = self._running + self.waiting + 1  # the load as it starts, itself included
+        self._running += 1
+
+        def run() -> None:
+            try:
+                self._ended.put((sink, self._serve(prepared, sink.on_text, sink.cancel_reason, queued)))
+            except Exception as err:  # this request's failure (RequestError: refused), answered through its sink
+                self._ended.put((sink, err))
+
+        threading.Thread(target=run, name="edgellm-request", daemon=True).start()
+
+    def iterate(self) -> None:
+        """Wait up to POLL_MS for a request to end; hand its result to its sink."""
+        try:
+            sink, outcome = self._ended.get(timeout=POLL_MS / 1000)
+        except queue.Empty:
+            return
+        self._running -= 1
+        if isinstance(outcome, Exception):
+            sink.failed(outcome)
+        else:
+            sink.done(outcome)
+
+    def clear(self) -> None:
+        """Forget the requests in it (their threads still end; nothing is delivered)."""
+        self._running, self._ended = 0, queue.SimpleQueue()
+
+    def _serve(self, prepared: Prepared, on_text: Callable[[str, int], None] | None,
+               cancel: Callable[[], str | None] | None, queued: int) -> GenerateResult:
+        """A prepared request through Edge-LLM, on the calling thread (see the module docstring for the mapping)."""
         request, params, drafter, max_new = prepared.request, prepared.sampling, prepared.drafter, prepared.max_new_tokens
         n_prompt = len(prepared.prompt_ids)
         room = self.max_context - n_prompt  # KV capacity left after the prompt
