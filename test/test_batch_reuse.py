@@ -15,6 +15,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.serving import Collect
+from tiny import run_together
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the battery level", "def add(a, b):"]
@@ -45,7 +46,7 @@ def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **
 
 def cold_answer(cold, ids, max_new: int = 16, eos_ids: tuple[int, ...] = ()) -> list[int]:
     cold.held = [()] * SLOTS
-    ids_out, _, stats = speculative.generate_all(cold, [request(ids, max_new, eos_ids)])[0]
+    ids_out, _, stats = run_together(cold, [request(ids, max_new, eos_ids)])[0]
     assert stats.prompt_tokens_reused == 0
     return ids_out
 
@@ -86,7 +87,7 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     assert off.add(request(p[2])) == 0  # slot 1 holds p[2], but reuse is off
     off.run()
     assert runner.held[0][:len(p[2])] == tuple(p[2])
-    cold_run = speculative.generate_all(runner, [request(p[2])])[0]  # reuse=False
+    cold_run = run_together(runner, [request(p[2])])[0]  # reuse=False
     assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"][0]
 
 
@@ -102,7 +103,7 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     slot = loop.add(cut)
     loop.run()
     assert len(runner.held[slot]) > len(ids)  # prompt + the tokens fed before the cancel
-    after = speculative.generate_all(runner, [request(ids)], reuse=True)[0]
+    after = run_together(runner, [request(ids)], reuse=True)[0]
     assert after[2].prompt_tokens_reused == len(ids) - 1 and after[0] == cold_answer(cold, ids)
 
     def fail(tokens):
@@ -114,7 +115,7 @@ def test_after_cancel_and_after_a_failure(engine, cold):
         loop.run()
     assert runner.held == [()] * SLOTS
     loop.clear()
-    again = speculative.generate_all(runner, [request(ids)], reuse=True)[0]
+    again = run_together(runner, [request(ids)], reuse=True)[0]
     assert again[2].prompt_tokens_reused == 0 and again[0] == cold_answer(cold, ids)
 
 

@@ -20,7 +20,7 @@ from spec_edge.runtime.sampling import SamplingParams
 from speculated import assert_speculated
 from test_prefix_reuse import profiles  # noqa: F401 (a fixture: the tiny heads' settings, made once)
 from test_speculative import WrongDrafter, truncated_draft_runner
-from tiny import assert_sampling_follows_target, engine_with
+from tiny import assert_sampling_follows_target, engine_with, run_alone
 
 ACTION = r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."
 COMMAND = json.dumps({
@@ -34,7 +34,7 @@ PROMPTS = ["Move the arm to the left", "The robot picks up the red box and place
 
 
 def constrained(engine, prompt_ids, drafter, k, kind, text, forced=False, max_new=60, **kw):
-    return speculative.generate(engine.runner, speculative.SlotRequest(
+    return run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k,
         constraint=engine.grammars.constraint(kind, text), forced_drafts=forced, **kw))
 

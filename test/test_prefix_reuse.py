@@ -9,7 +9,7 @@ import pytest
 from test_eagle3 import make_head as make_eagle3_head
 from test_medusa import make_heads as make_medusa_heads
 from test_peagle import make_head as make_peagle_head
-from tiny import engine_with
+from tiny import engine_with, run_alone
 
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
@@ -106,13 +106,13 @@ def test_the_record_is_the_fed_sequence(tiny_engine):
     """After a request the target holds exactly prompt + answer but the last (pending, never fed) token;
     reuse=False prefills from 0 whatever the record says."""
     ids = tiny_engine.tokenizer.encode("Move the arm to the left")
-    out, finish, stats = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+    out, finish, stats = run_alone(tiny_engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=9, eos_ids=()))
     assert finish == "length" and tiny_engine.target.held == tuple(ids + out[:-1])
-    _, _, again = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+    _, _, again = run_alone(tiny_engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=9, eos_ids=()))
     assert again.prompt_tokens_reused == 0
-    _, _, reused = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+    _, _, reused = run_alone(tiny_engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=9, eos_ids=()), reuse=True)
     assert reused.prompt_tokens_reused == len(ids) - 1
 

@@ -14,6 +14,7 @@ import pytest
 from spec_edge.config import Config
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from tiny import run_alone
 from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,9 +133,9 @@ def test_q4_carries_every_linear_layer(engine):
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     edit = engine.front.prompt_ids(GenerateRequest(prompt=EDIT))
-    plain, _, _ = speculative.generate(q4.runner, speculative.SlotRequest(
+    plain, _, _ = run_alone(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids))
-    spec, _, stats = speculative.generate(q4.runner, speculative.SlotRequest(
+    spec, _, stats = run_alone(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids, drafter=NgramDrafter(), k=4))
     assert spec == plain and stats.accepted > 0
 

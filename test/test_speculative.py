@@ -19,7 +19,7 @@ from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import Draft
 from speculated import assert_speculated
 from test_request_fields import PENALTIES
-from tiny import TINY_K_VALUES
+from tiny import TINY_K_VALUES, run_alone
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
            "The robot picks up the red box and places it on the shelf. The robot picks up the"]
@@ -76,7 +76,7 @@ def self_runner(tiny_engine):
 
 
 def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None, sampling=SamplingParams()):
-    return speculative.generate(engine.runner, speculative.SlotRequest(
+    return run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
         drafter=drafter, k=k, sampling=sampling))
 

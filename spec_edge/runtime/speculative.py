@@ -514,38 +514,3 @@ def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None,
     if sampler.params.greedy:
         return (*greedy_accept(np.argmax(logits, axis=-1), draft.tokens), logits)
     return (*speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng), logits)
-
-
-def generate_all(runner: Slotted, requests: list[SlotRequest], *, join_at: list[int] | None = None,
-                 k_by_load: Sequence[int] = (), reuse: bool = False) -> list[tuple[list[int], str, Stats]]:
-    """Run requests through one BatchLoop, request i joining at iteration join_at[i] (default 0) or
-    as soon as a slot is free after it; returns (token ids, finish reason, stats) per request."""
-    join_at = join_at or [0] * len(requests)
-    results: list = [None] * len(requests)
-    loop = BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
-    waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
-    for i in waiting:
-        previous = requests[i].on_done
-
-        def done(ids, finish, stats, i=i, previous=previous):
-            results[i] = (ids, finish, stats)
-            if previous is not None:
-                previous(ids, finish, stats)
-        requests[i].on_done = done
-    while waiting or loop.occupied:
-        while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
-            loop.add(requests[waiting.pop(0)])
-        loop.iterate()
-    return results
-
-
-def generate(runner: Slotted, request: SlotRequest, *, reuse: bool = False) -> tuple[list[int], str, Stats]:
-    """Decode request alone, in slot 0 of runner (the lowest free slot of a new loop; a drafter made for
-    slot 0 drafts it). Returns (new token ids without EOS, finish_reason in eos | stop | length |
-    context_full | <cancel's reason>, stats). reuse (a runner of one slot): keep the cache rows the last
-    request left that match a prefix of its prompt."""
-    if reuse and runner.batch != 1:
-        raise BackendError(f"generate(reuse=True) runs in slot 0 of a one-slot runner; this one has {runner.batch} "
-                           f"slots (use generate_all)")
-    (result,) = generate_all(runner, [request], reuse=reuse)
-    return result
