@@ -212,19 +212,19 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     policy of no drafts at two occupied slots no draft is verified, and greedy output stays the same."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "ngram", "ngram"], [40, 40, 40])
     loop = speculative.BatchLoop(batch_runner, k_by_load=[K, 0])
-    done = {}
     requests = [speculative.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
-        request.on_done = lambda ids, finish, stats, i=i: done.setdefault(i, (ids, finish, stats))
-    requests[0].cancel = lambda: "cancelled" if loop.iterations > 4 else None
+        request.sink = speculative.Keep(cancel=(lambda: "cancelled" if loop.iterations > 4 else None) if i == 0 else None)
     loop.add(requests[0])
     loop.add(requests[1])
-    while 0 not in done:
+    while requests[0].sink.result is None:
         loop.iterate()
+    done = {i: request.sink.result for i, request in enumerate(requests)}
     assert loop.calls["verify"] == 0 and done[0][1] == "cancelled" and 0 < len(done[0][0]) < 40
     assert done[0][2].policy_off_steps == len(done[0][0]) - 1  # every step after the first token
     assert loop.add(requests[2]) == 2  # a slot never taken before the freed one (its record is kept)
     loop.run()
+    done = {i: request.sink.result for i, request in enumerate(requests)}
     for i in (1, 2):
         assert done[i][0] == solo(batch_runner, tiny_engine, factories[i])[0]
 

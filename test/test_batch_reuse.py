@@ -62,7 +62,8 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     answers: dict = {}
 
     def add(ids, key):
-        return loop.add(request(ids, on_done=lambda out, finish, stats: answers.setdefault(key, (out, stats))))
+        answers[key] = speculative.Keep()
+        return loop.add(request(ids, sink=answers[key]))
 
     assert add(p[0], "a") == 0  # all records empty: the lowest index
     loop.run()
@@ -70,25 +71,25 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     assert add(p[2], "c") == 1  # slot 0 busy, the other records empty: the lowest free slot
     loop.run()  # b and c together
     system = common_prefix(p[0], p[1], len(p[1]))
-    assert answers["b"][1].prompt_tokens_reused == system > 10 and answers["c"][1].prompt_tokens_reused == 0
+    assert answers["b"].result[2].prompt_tokens_reused == system > 10 and answers["c"].result[2].prompt_tokens_reused == 0
     assert add(p[2], "c2") == 1 and add(p[1], "b2") == 0  # back to the slots holding all of them
     assert add(p[3], "d") == 2  # slots 0 and 1 busy, 2 and 3 empty: the lower
     loop.run()
-    assert answers["c2"][1].prompt_tokens_reused == len(p[2]) - 1
-    assert answers["b2"][1].prompt_tokens_reused == len(p[1]) - 1
+    assert answers["c2"].result[2].prompt_tokens_reused == len(p[2]) - 1
+    assert answers["b2"].result[2].prompt_tokens_reused == len(p[1]) - 1
     tie = ids_of(engine, "Open the gripper")
     shares = [common_prefix(runner.held[b], tie, len(tie)) for b in range(SLOTS)]
     assert shares[0] == shares[1] == shares[2] == system and shares[3] == 0
     assert add(tie, "tie") == 1  # equal records: the least recently taken (0 took b2 after 1 took c2)
     loop.run()
     for key, ids in (("a", p[0]), ("b", p[1]), ("c", p[2]), ("c2", p[2]), ("b2", p[1]), ("d", p[3]), ("tie", tie)):
-        assert answers[key][0] == cold_answer(cold, ids), key
+        assert answers[key].result[0] == cold_answer(cold, ids), key
     off = speculative.BatchLoop(runner, reuse=False)
     assert off.add(request(p[2])) == 0  # slot 1 holds p[2], but reuse is off
     off.run()
     assert runner.held[0][:len(p[2])] == tuple(p[2])
     cold_run = run_together(runner, [request(p[2])])[0]  # reuse=False
-    assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"][0]
+    assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"].result[0]
 
 
 def test_after_cancel_and_after_a_failure(engine, cold):
@@ -99,7 +100,7 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     loop = speculative.BatchLoop(runner, reuse=True)
     loop.clear()
     ids = ids_of(engine, TURNS[0])
-    cut = request(ids, 40, cancel=lambda: "cancelled" if loop.iterations > 5 else None)
+    cut = request(ids, 40, sink=speculative.Keep(cancel=lambda: "cancelled" if loop.iterations > 5 else None))
     slot = loop.add(cut)
     loop.run()
     assert len(runner.held[slot]) > len(ids)  # prompt + the tokens fed before the cancel
@@ -109,7 +110,7 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     def fail(tokens):
         raise RuntimeError("the client went away")
 
-    loop.add(request(ids_of(engine, TURNS[1]), emit=fail))
+    loop.add(request(ids_of(engine, TURNS[1]), sink=speculative.Keep(emit=fail)))
     loop.add(request(ids))
     with pytest.raises(RuntimeError, match="went away"):
         loop.run()

@@ -130,7 +130,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     try:
         out, finish, stats = run_alone(head_engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=100, eos_ids=head_engine.eos_ids, drafter=drafter, k=k,
-            cancel=lambda: "cut" if len(seen) >= 2 else None))
+            sink=speculative.Keep(cancel=lambda: "cut" if len(seen) >= 2 else None)))
     finally:
         head.ingest, eagle.propose = real_ingest, real_propose
     assert finish == "cut" and out == want[:len(out)]

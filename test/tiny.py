@@ -384,20 +384,15 @@ def run_together(runner, requests, join_at=None, k_by_load=(), reuse=False) -> l
     from spec_edge.runtime import speculative
 
     join_at = join_at or [0] * len(requests)
-    results: list = [None] * len(requests)
     loop = speculative.BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
     waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
-    for i in waiting:
-        def done(ids, finish, stats, i=i, previous=requests[i].on_done):
-            results[i] = (ids, finish, stats)
-            if previous is not None:
-                previous(ids, finish, stats)
-        requests[i].on_done = done
+    for request in requests:
+        request.sink = request.sink or speculative.Keep()
     while waiting or loop.occupied:
         while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
             loop.add(requests[waiting.pop(0)])
         loop.iterate()
-    return results
+    return [request.sink.result for request in requests]
 
 
 def run_alone(runner, request, reuse=False):

@@ -39,18 +39,8 @@ from spec_edge.runtime.grammar import Constraint, Grammars
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 from spec_edge.runtime import serving
 from spec_edge.runtime.serving import Decoder, Sink
-from spec_edge.runtime.speculative import BatchLoop, Emit, SlotRequest
+from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
-
-
-def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None]) -> Emit:
-    """The loop's emit: feed a chunk of tokens to the stream decoder, hand on_text the safe-to-show
-    text and the tokens so far; True once a stop string has shown up."""
-    def emit(chunk: list[int]) -> bool:
-        if delta := decoder.push(chunk):
-            on_text(delta, len(decoder.ids))
-        return decoder.stopped
-    return emit
 
 
 def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
@@ -59,6 +49,39 @@ def incomplete_message(constraint: Constraint | None, finish: str, max_new: int)
         return ""
     return (f"finish_reason {finish}: the output is not complete under the {constraint.kind} (it does not parse yet"
             + (f"; raise max_new_tokens above {max_new})" if finish == "length" else ")"))
+
+
+class InLoop:
+    """A request in the loop: its speculative.SlotSink. Its tokens go as text (UTF-8 safe, stop strings cut) to its
+    serving.Sink, its drafter (drafter: its name, "none" without) is made for the slot it takes, and its
+    GenerateResult goes to the sink as it leaves; choice: its speculative.k auto KChoice."""
+
+    def __init__(self, engine: Engine, prepared: Prepared, sink: Sink, drafter: str, choice: k_choice.KChoice | None):
+        self.engine, self.prepared, self.sink, self.drafter_name, self.choice = engine, prepared, sink, drafter, choice
+        self.text = StreamDecoder(engine.tokenizer, tuple(prepared.request.stop))
+
+    def drafter(self, slot: int):
+        return None if self.drafter_name == "none" else self.engine.drafter(self.drafter_name, slot)
+
+    def emit(self, chunk: list[int]) -> bool:
+        if delta := self.text.push(chunk):
+            self.sink.on_text(delta, len(self.text.ids))
+        return self.text.stopped
+
+    def cancel_reason(self) -> str | None:
+        return self.sink.cancel_reason()
+
+    def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats) -> None:
+        prepared, choice = self.prepared, self.choice
+        if choice is not None and self.drafter_name != "none":
+            self.engine._k_last[self.drafter_name] = choice  # the next request with this drafter starts from it
+        if tail := self.text.finish():
+            self.sink.on_text(tail, len(self.text.ids))
+        self.sink.done(GenerateResult(
+            text=self.text.text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats,
+            prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,
+            speculation_off_reason=speculation_policy.reason(stats, self.engine.loop.k_by_load, choice),
+            message=incomplete_message(prepared.guide, finish, prepared.max_new_tokens)))
 
 
 class Engine:
@@ -130,8 +153,7 @@ class Engine:
 
     def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
         """The SlotRequest of a prepared request, for self.loop.add (RequestError for a drafter that cannot
-        propose its k; nothing runs yet): its text goes to sink.on_text, sink.cancel_reason is asked before each
-        decode call, sink.done gets its result from the loop's thread as it leaves its slot."""
+        propose its k; nothing runs yet), its output going to sink (through an InLoop)."""
         request, drafter_name, k, constraint = prepared.request, prepared.drafter, prepared.k, prepared.guide
         drafting = drafter_name != "none"
         speculating = k > 0 and (drafting or prepared.forced_drafts)
@@ -145,31 +167,11 @@ class Engine:
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self._drafters.check_k(drafter_name, self.loop.policy_ks(k))  # every k the load policy can give it
-        table = self.loop.k_by_load
-        decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
-
-        def done(new_ids: list[int], finish: str, stats) -> None:
-            if choice is not None and drafting:
-                self._k_last[drafter_name] = choice  # the next request with this drafter starts from it
-            if tail := decoder.finish():
-                sink.on_text(tail, len(decoder.ids))
-            sink.done(GenerateResult(text=decoder.text, token_ids=decoder.kept_ids(), finish_reason=finish,
-                                    stats=stats, prompt_tokens=len(prepared.prompt_ids),
-                                    queued_at_start=slot_request.occupancy,
-                                    speculation_off_reason=speculation_policy.reason(stats, table, choice),
-                                    message=incomplete_message(constraint, finish, prepared.max_new_tokens)))
-
-        def make_drafter(slot: int):
-            return self._drafters.drafter(drafter_name, slot)
-
-        slot_request = SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens,
-                                   eos_ids=self.eos_ids, sampling=prepared.sampling, seed=prepared.seed,
-                                   k=k if speculating else 0,
-                                   make_drafter=make_drafter if drafting and speculating else None,
-                                   emit=text_emitter(decoder, sink.on_text), cancel=sink.cancel_reason,
-                                   constraint=constraint,
-                                   forced_drafts=prepared.forced_drafts, on_done=done, k_choice=choice)
-        return slot_request
+        made = drafter_name if drafting and speculating else "none"
+        return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
+                           sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
+                           sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,
+                           forced_drafts=prepared.forced_drafts, k_choice=choice)
 
     def _proposes(self, drafter_name: str, k: int) -> bool:
         """Whether drafter drafter_name can propose k tokens (Medusa: its head count, P-EAGLE: its graphs)."""
