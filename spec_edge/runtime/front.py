@@ -70,12 +70,6 @@ def check_text(name: str, text: str) -> None:
                                f"remove it (only newline, tab and carriage return are accepted)")
 
 
-def chat_roles(template: str) -> tuple[str, ...]:
-    """The roles a conversation may hold: system, user, assistant, and tool where the model's chat
-    template handles tool turns (it names the role; SmolLM2's ChatML template does not)."""
-    return CHAT_ROLES + (("tool",) if "tool" in template else ())
-
-
 class Front:
     """prepare(request) for one decoder: its config, tokenizer, Capabilities and grammar compiler (compile(kind,
     text) -> the per-request grammar state it runs with; GrammarError or RequestError for one it cannot use)."""
@@ -88,7 +82,8 @@ class Front:
         (the request's, else serve.system_prompt, else the template's default) first, rendered through the
         chat template (request.chat) or joined by newlines."""
         if request.messages:
-            roles = chat_roles(self.tokenizer.chat_template)
+            # tool where the model's chat template handles tool turns (it names the role; SmolLM2's does not)
+            roles = CHAT_ROLES + (("tool",) if "tool" in self.tokenizer.chat_template else ())
             for i, (role, content) in enumerate(request.messages):
                 if role not in roles:
                     raise RequestError(f"messages[{i}] has role '{role}': use one of {', '.join(roles)} "
