@@ -74,7 +74,7 @@ def main() -> int:
             request = GenerateRequest(prompt=p["prompt"], max_new_tokens=args.max_new_tokens, temperature=0.0,
                                       speculate=False)
             result = engine.generate(request)
-            data[key][p["id"]] = {"prompt_ids": engine.prompt_ids(request), "out": result.token_ids,
+            data[key][p["id"]] = {"prompt_ids": engine.front.prompt_ids(request), "out": result.token_ids,
                                   "kind": p["kind"]}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(data))

@@ -20,6 +20,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
+from tiny import run_alone, run_together
 
 SLOTS, K = 4, 3  # row counts (2, 3, 4)
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
@@ -95,7 +96,7 @@ def test_subset_calls_equal_b1_rows_and_leave_other_slots_alone(batch_runner, ti
 
 def solo(runner, engine, request_args):
     """The request alone in the batched loop."""
-    return speculative.generate_all(runner, [speculative.SlotRequest(**request_args())])[0]
+    return run_together(runner, [speculative.SlotRequest(**request_args())])[0]
 
 
 def target_only(request_args) -> speculative.SlotRequest:
@@ -132,14 +133,14 @@ def test_each_output_equals_its_solo_output(batch_runner, tiny_engine):
     target-only."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "draft", None, "ngram", None], [40, 12, 30, 25, 20])
     calls = dict(batch_runner.calls)
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 5, 0, 3])
     used = {key for key, count in batch_runner.calls.items() if count > calls.get(key, 0)}
     assert {rows for _, rows in used} == {1, 2, 3, 4}, used
     for f, (ids, finish, stats) in zip(factories, together):
         alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f)
         assert (ids, finish) == (alone_ids, alone_finish)
-        plain, plain_finish, _ = speculative.generate(tiny_engine.runner, target_only(f))
+        plain, plain_finish, _ = run_alone(tiny_engine.runner, target_only(f))
         assert (ids, finish) == (plain, plain_finish)
     assert_speculated(*[stats for _, _, stats in together], accepted=False, what="batch of drafters")
 
@@ -148,7 +149,7 @@ def test_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
     """With sampling each request's tokens depend on its seed only, not on what shares the batch."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     factories = make_requests(tiny_engine, batch_runner, ["ngram", None, "draft"], [20, 20, 20], sampling, [11, 12, 13])
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 2, 0])
     for f, (ids, _, _) in zip(factories, together):
         assert ids == solo(batch_runner, tiny_engine, f)[0]
@@ -184,11 +185,11 @@ def test_guided_slots_equal_their_b1_output(batch_runner, tiny_engine):
     joining mid-stream: each greedy output == the same request through the B=1 loop (speculative.generate)
     token for token, and the grammar-forced and cut drafts were in play."""
     factories = guided_requests(tiny_engine)
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, stats) in zip(factories, together):
         args = f()
-        alone = speculative.generate(tiny_engine.runner, speculative.SlotRequest(**args))
+        alone = run_alone(tiny_engine.runner, speculative.SlotRequest(**args))
         assert (ids, finish) == alone[:2]
         assert (stats.forced, stats.cut, stats.verify_calls) == (alone[2].forced, alone[2].cut, alone[2].verify_calls)
     grammar_ends = [finish for f, (_, finish, _) in zip(factories, together) if "constraint" in f()]
@@ -200,7 +201,7 @@ def test_guided_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
     """Seeded sampling under grammars: each request's tokens in a busy batch == the same request alone."""
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     factories = guided_requests(tiny_engine, sampling, [21, 22, 23, 24, 25])
-    together = speculative.generate_all(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 2, 0, 4, 1])
     for f, (ids, finish, _) in zip(factories, together):
         assert (ids, finish) == solo(batch_runner, tiny_engine, f)[:2]
@@ -211,19 +212,19 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     policy of no drafts at two occupied slots no draft is verified, and greedy output stays the same."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "ngram", "ngram"], [40, 40, 40])
     loop = speculative.BatchLoop(batch_runner, k_by_load=[K, 0])
-    done = {}
     requests = [speculative.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
-        request.on_done = lambda ids, finish, stats, i=i: done.setdefault(i, (ids, finish, stats))
-    requests[0].cancel = lambda: "cancelled" if loop.iterations > 4 else None
+        request.sink = speculative.Keep(cancel=(lambda: "cancelled" if loop.iterations > 4 else None) if i == 0 else None)
     loop.add(requests[0])
     loop.add(requests[1])
-    while 0 not in done:
+    while requests[0].sink.result is None:
         loop.iterate()
+    done = {i: request.sink.result for i, request in enumerate(requests)}
     assert loop.calls["verify"] == 0 and done[0][1] == "cancelled" and 0 < len(done[0][0]) < 40
     assert done[0][2].policy_off_steps == len(done[0][0]) - 1  # every step after the first token
     assert loop.add(requests[2]) == 2  # a slot never taken before the freed one (its record is kept)
     loop.run()
+    done = {i: request.sink.result for i, request in enumerate(requests)}
     for i in (1, 2):
         assert done[i][0] == solo(batch_runner, tiny_engine, factories[i])[0]
 
@@ -276,10 +277,10 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
         filled(batched, tiny_engine, PROMPTS[:SLOTS])
     batched.row_counts = exported
     factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
-    together = speculative.generate_all(batched, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(batched, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 3, 0, 6])
     for f, (ids, finish, _) in zip(factories, together):
-        plain = speculative.generate(single.runner, target_only(f))
+        plain = run_alone(single.runner, target_only(f))
         assert (ids, finish) == plain[:2]
 
 
@@ -298,11 +299,11 @@ def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engi
     B=1 target-only output, whatever k its iterations ran at; the stats count the verify calls by k."""
     table = [K, 2, 0]
     factories = make_requests(tiny_engine, policy_runner, ["draft", "ngram", "draft", "draft"], [40, 12, 30, 25])
-    together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 4, 8, 12], k_by_load=table)
     by_k = [0] * K
     for f, (ids, finish, stats) in zip(factories, together):
-        plain = speculative.generate(tiny_engine.runner, target_only(f))
+        plain = run_alone(tiny_engine.runner, target_only(f))
         assert (ids, finish) == plain[:2]
         if stats.k:
             assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
@@ -342,10 +343,10 @@ def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
     ks = [K, 1, 2, K]
     factories = make_requests(tiny_engine, policy_runner, ["draft", "draft", "draft", "ngram"], [30, 25, 20, 15],
                               ks=ks)
-    together = speculative.generate_all(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
+    together = run_together(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 2, 3])
     for f, k, (ids, finish, stats) in zip(factories, ks, together):
-        plain = speculative.generate(tiny_engine.runner, target_only(f))
+        plain = run_alone(tiny_engine.runner, target_only(f))
         assert (ids, finish) == plain[:2]
         assert stats.k == k and len(stats.verify_calls_by_k) == k and stats.drafted <= k * stats.verify_calls
         if f()["drafter"].name == "draft":  # a draft model proposes at every iteration
@@ -364,10 +365,10 @@ def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_eng
     short = prompt_ids(tiny_engine, PROMPTS[0])
     requests = [speculative.SlotRequest(prompt_ids=ids, max_new_tokens=40, eos_ids=(), drafter=draft(), k=k)
                 for ids, k in ((long, 1), (short, K))]
-    together = speculative.generate_all(policy_runner, requests)
+    together = run_together(policy_runner, requests)
     assert together[0][1] == "context_full"
     for request, (ids, finish, _) in zip(requests, together):
-        plain = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+        plain = run_alone(tiny_engine.runner, speculative.SlotRequest(
             prompt_ids=request.prompt_ids, max_new_tokens=40, eos_ids=()))
         assert (ids, finish) == plain[:2]
 

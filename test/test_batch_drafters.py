@@ -13,6 +13,7 @@ import pytest
 from test_batch import PROMPTS
 
 from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.serving import Collect
 
 K, SLOTS = 3, 3
 HEAD_DRAFTERS = ("draft", "eagle3", "hybrid", "medusa", "peagle")
@@ -49,13 +50,13 @@ def run_batched(engine, requests, join_at, loop=None):
     """The requests through the engine's loop, request i joining at iteration join_at[i] (or once a slot is
     free after it); their GenerateResults."""
     loop = loop or engine.loop
-    results, waiting = {}, sorted(range(len(requests)), key=lambda i: join_at[i])
+    sinks, waiting = [Collect() for _ in requests], sorted(range(len(requests)), key=lambda i: join_at[i])
     while waiting or loop.occupied:
         while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
             i = waiting.pop(0)
-            loop.add(engine.start(requests[i], on_result=lambda result, i=i: results.setdefault(i, result)))
+            loop.add(engine.start(engine.front.prepare(requests[i]), sinks[i]))
         loop.iterate()
-    return [results[i] for i in range(len(requests))]
+    return [sink.result for sink in sinks]
 
 
 def same(batched, alone) -> None:

@@ -14,6 +14,8 @@ from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.serving import Collect
+from tiny import run_together
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the battery level", "def add(a, b):"]
@@ -34,7 +36,7 @@ def cold(tiny_cfg):
 
 
 def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:
-    return engine.prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
+    return engine.front.prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
 
 
 def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> speculative.SlotRequest:
@@ -44,7 +46,7 @@ def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **
 
 def cold_answer(cold, ids, max_new: int = 16, eos_ids: tuple[int, ...] = ()) -> list[int]:
     cold.held = [()] * SLOTS
-    ids_out, _, stats = speculative.generate_all(cold, [request(ids, max_new, eos_ids)])[0]
+    ids_out, _, stats = run_together(cold, [request(ids, max_new, eos_ids)])[0]
     assert stats.prompt_tokens_reused == 0
     return ids_out
 
@@ -60,7 +62,8 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     answers: dict = {}
 
     def add(ids, key):
-        return loop.add(request(ids, on_done=lambda out, finish, stats: answers.setdefault(key, (out, stats))))
+        answers[key] = speculative.Keep()
+        return loop.add(request(ids, sink=answers[key]))
 
     assert add(p[0], "a") == 0  # all records empty: the lowest index
     loop.run()
@@ -68,25 +71,25 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     assert add(p[2], "c") == 1  # slot 0 busy, the other records empty: the lowest free slot
     loop.run()  # b and c together
     system = common_prefix(p[0], p[1], len(p[1]))
-    assert answers["b"][1].prompt_tokens_reused == system > 10 and answers["c"][1].prompt_tokens_reused == 0
+    assert answers["b"].result[2].prompt_tokens_reused == system > 10 and answers["c"].result[2].prompt_tokens_reused == 0
     assert add(p[2], "c2") == 1 and add(p[1], "b2") == 0  # back to the slots holding all of them
     assert add(p[3], "d") == 2  # slots 0 and 1 busy, 2 and 3 empty: the lower
     loop.run()
-    assert answers["c2"][1].prompt_tokens_reused == len(p[2]) - 1
-    assert answers["b2"][1].prompt_tokens_reused == len(p[1]) - 1
+    assert answers["c2"].result[2].prompt_tokens_reused == len(p[2]) - 1
+    assert answers["b2"].result[2].prompt_tokens_reused == len(p[1]) - 1
     tie = ids_of(engine, "Open the gripper")
     shares = [common_prefix(runner.held[b], tie, len(tie)) for b in range(SLOTS)]
     assert shares[0] == shares[1] == shares[2] == system and shares[3] == 0
     assert add(tie, "tie") == 1  # equal records: the least recently taken (0 took b2 after 1 took c2)
     loop.run()
     for key, ids in (("a", p[0]), ("b", p[1]), ("c", p[2]), ("c2", p[2]), ("b2", p[1]), ("d", p[3]), ("tie", tie)):
-        assert answers[key][0] == cold_answer(cold, ids), key
+        assert answers[key].result[0] == cold_answer(cold, ids), key
     off = speculative.BatchLoop(runner, reuse=False)
     assert off.add(request(p[2])) == 0  # slot 1 holds p[2], but reuse is off
     off.run()
     assert runner.held[0][:len(p[2])] == tuple(p[2])
-    cold_run = speculative.generate_all(runner, [request(p[2])])[0]  # reuse=False
-    assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"][0]
+    cold_run = run_together(runner, [request(p[2])])[0]  # reuse=False
+    assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"].result[0]
 
 
 def test_after_cancel_and_after_a_failure(engine, cold):
@@ -97,23 +100,23 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     loop = speculative.BatchLoop(runner, reuse=True)
     loop.clear()
     ids = ids_of(engine, TURNS[0])
-    cut = request(ids, 40, cancel=lambda: "cancelled" if loop.iterations > 5 else None)
+    cut = request(ids, 40, sink=speculative.Keep(cancel=lambda: "cancelled" if loop.iterations > 5 else None))
     slot = loop.add(cut)
     loop.run()
     assert len(runner.held[slot]) > len(ids)  # prompt + the tokens fed before the cancel
-    after = speculative.generate_all(runner, [request(ids)], reuse=True)[0]
+    after = run_together(runner, [request(ids)], reuse=True)[0]
     assert after[2].prompt_tokens_reused == len(ids) - 1 and after[0] == cold_answer(cold, ids)
 
     def fail(tokens):
         raise RuntimeError("the client went away")
 
-    loop.add(request(ids_of(engine, TURNS[1]), emit=fail))
+    loop.add(request(ids_of(engine, TURNS[1]), sink=speculative.Keep(emit=fail)))
     loop.add(request(ids))
     with pytest.raises(RuntimeError, match="went away"):
         loop.run()
     assert runner.held == [()] * SLOTS
     loop.clear()
-    again = speculative.generate_all(runner, [request(ids)], reuse=True)[0]
+    again = run_together(runner, [request(ids)], reuse=True)[0]
     assert again[2].prompt_tokens_reused == 0 and again[0] == cold_answer(cold, ids)
 
 
@@ -129,11 +132,10 @@ def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     assert first.stats.prompt_tokens_reused == n
     assert first.token_ids == cold_answer(cold, ids_of(engine, TURNS[0]), eos_ids=engine.eos_ids)
     engine.warm(SYSTEM)
-    results = {}
-    for i, turn in enumerate(TURNS):
-        engine.loop.add(engine.start(GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K),
-                                     on_result=lambda result, i=i: results.setdefault(i, result)))
+    sinks = [Collect() for _ in TURNS]
+    for turn, sink in zip(TURNS, sinks):
+        engine.add(engine.front.prepare(GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)), sink)
     engine.loop.run()
-    for i, turn in enumerate(TURNS):
-        assert results[i].stats.prompt_tokens_reused == n
-        assert results[i].token_ids == cold_answer(cold, ids_of(engine, turn), eos_ids=engine.eos_ids)
+    for sink, turn in zip(sinks, TURNS):
+        assert sink.result.stats.prompt_tokens_reused == n
+        assert sink.result.token_ids == cold_answer(cold, ids_of(engine, turn), eos_ids=engine.eos_ids)

@@ -12,6 +12,7 @@ from spec_edge.runtime import speculative
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.training import draft_model
+from tiny import run_alone
 
 
 def test_layer_choice_spreads_first_to_last():
@@ -39,8 +40,8 @@ def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models,
     engine = Engine.from_config(cfg, progress=lambda message: None)
     try:
         for prompt in ("Move the arm", "def add(a, b):"):
-            ids = engine.prompt_ids(GenerateRequest(prompt=prompt))
-            plain, _, _ = speculative.generate(engine.runner, speculative.SlotRequest(
+            ids = engine.front.prompt_ids(GenerateRequest(prompt=prompt))
+            plain, _, _ = run_alone(engine.runner, speculative.SlotRequest(
                 prompt_ids=ids, max_new_tokens=24, eos_ids=engine.eos_ids))
             result = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=24, drafter="draft", k=3))
             assert result.token_ids == plain[:len(result.token_ids)] and len(result.token_ids) == len(plain)

@@ -22,6 +22,7 @@ from spec_edge.device import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.scheduler import Job, Scheduler
 from spec_edge.runtime.tokenizer import Tokenizer
 
 CAPACITY = 128  # graphs.max_context of tiny_cfg: max_input_len = max_kv_cache_capacity of every engine
@@ -93,7 +94,7 @@ def test_chat_prompt_is_the_cpu_paths(tiny_engine, edge_cfg, script):
         [item] = sent.requests
         [message] = item.messages
         assert message.role == "user" and [c.type for c in message.contents] == ["text"]
-        assert engine.tokenizer.encode(message.contents[0].content) == tiny_engine.prompt_ids(request)
+        assert engine.tokenizer.encode(message.contents[0].content) == tiny_engine.front.prompt_ids(request)
 
 
 def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
@@ -147,16 +148,16 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", logit_bias=((10 ** 7, 1.0),)): "outside the vocabulary",
     }
     for request, words in cases.items():
-        for call in (engine.validate, engine.generate):
+        for call in (engine.front.prepare, engine.generate):
             with pytest.raises(RequestError, match=words.replace("[", r"\[").replace("]", r"\]")):
                 call(request)
     script.validate = lambda params: (False, "the guide is too large")
     with pytest.raises(RequestError, match="too large"):
-        engine.validate(GenerateRequest(prompt="a", regex="a+"))
+        engine.front.prepare(GenerateRequest(prompt="a", regex="a+"))
     plain = _engine(edge_cfg, script, **{"speculative.drafter": "none"})
     assert "draft_top_k" not in script.runtimes[-1]._kwargs  # the vanilla constructor
-    with pytest.raises(RequestError, match="without the EAGLE-3 draft engine"):
-        plain.validate(GenerateRequest(prompt="a", drafter="eagle3"))
+    with pytest.raises(RequestError, match="started without drafter eagle3"):
+        plain.front.prepare(GenerateRequest(prompt="a", drafter="eagle3"))
 
 
 def test_drafters_other_than_eagle3_and_none_are_refused_at_configure(edge_cfg):
@@ -244,22 +245,31 @@ def test_stats_are_what_the_runtime_reports(edge_cfg, script, tiny_models):
     assert busy.stats.drafter == "none"
 
 
+class Log:
+    def error(self, message):
+        raise AssertionError(message)
+
+    def info(self, message):
+        pass
+
+
 def test_batch_slots_use_the_request_engine_without_speculation(edge_cfg, script, tiny_models):
     tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script, **{"graphs.batch_slots": 3})
     [batcher] = script.runtimes
     assert type(batcher).__name__ == "RequestEngine" and batcher._kwargs["max_batch_size"] == 3
-    assert engine.concurrent is True and engine.info()["mode"] == "RequestEngine"
+    assert engine.capacity == 3 and engine.info()["mode"] == "RequestEngine"
     script.reply = lambda call: Reply(tok.encode(" fine"))
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(engine.generate(GenerateRequest(prompt="a"))))
-               for _ in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert [r.text.strip() for r in results] == ["fine"] * 3
-    assert all("RequestEngine" in r.speculation_off_reason and r.stats.drafter == "none" for r in results)
+    worker = Scheduler(engine, engine.cfg, Log())  # the one scheduler every door uses: 3 at once, 2 queued
+    jobs = [Job(request=GenerateRequest(prompt="a")) for _ in range(5)]
+    try:
+        assert all(worker.submit(job) for job in jobs)
+        assert all(job.done.wait(10) for job in jobs)
+    finally:
+        worker.stop(5)
+    assert [job.outcome.text.strip() for job in jobs] == ["fine"] * 5 and worker.served == 5
+    assert all("RequestEngine" in job.outcome.stats["speculation_off_reason"] for job in jobs)
+    assert all(job.outcome.stats["drafter"] == "none" for job in jobs)
     assert all(call.disable_spec_decode is True for call in script.calls)
     engine.close()
     assert batcher._shutdown.name == "CANCEL"

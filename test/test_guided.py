@@ -20,7 +20,7 @@ from spec_edge.runtime.sampling import SamplingParams
 from speculated import assert_speculated
 from test_prefix_reuse import profiles  # noqa: F401 (a fixture: the tiny heads' settings, made once)
 from test_speculative import WrongDrafter, truncated_draft_runner
-from tiny import assert_sampling_follows_target, engine_with
+from tiny import assert_sampling_follows_target, engine_with, run_alone
 
 ACTION = r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."
 COMMAND = json.dumps({
@@ -34,7 +34,7 @@ PROMPTS = ["Move the arm to the left", "The robot picks up the red box and place
 
 
 def constrained(engine, prompt_ids, drafter, k, kind, text, forced=False, max_new=60, **kw):
-    return speculative.generate(engine.runner, speculative.SlotRequest(
+    return run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k,
         constraint=engine.grammars.constraint(kind, text), forced_drafts=forced, **kw))
 
@@ -62,7 +62,7 @@ def test_greedy_constrained_speculative_equals_constrained_plain(tiny_engine, se
     runs = []
     for kind, text in GRAMMARS:
         for prompt in PROMPTS:
-            prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
+            prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
             plain, plain_finish, plain_stats = constrained(tiny_engine, prompt_ids, None, 0, kind, text)
             assert plain_stats.verify_calls == 0 and plain_finish == "eos"
             for k in (3, 7):
@@ -158,7 +158,7 @@ def test_grammar_that_cannot_complete_ends_with_length(tiny_engine):
 ])
 def test_invalid_grammar_is_refused(tiny_engine, fields, message):
     with pytest.raises(RequestError, match=re.escape(message)) as err:
-        tiny_engine.validate(GenerateRequest(prompt="hi", **fields))
+        tiny_engine.front.prepare(GenerateRequest(prompt="hi", **fields))
     assert "\n" not in str(err.value)
     got = tiny_engine.generate(GenerateRequest(prompt="hi", grammar='root ::= "yes" | "no"', max_new_tokens=8))
     assert got.finish_reason == "eos" and got.text in ("yes", "no")  # the engine keeps serving

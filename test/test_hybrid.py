@@ -14,7 +14,7 @@ from spec_edge.runtime.drafters.hybrid import HybridDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import Draft, Sampler
-from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain
+from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain, run_alone
 
 REPEAT = "Ünïcödé 🤖 robot robot robot robot"  # lookup finds matches (the random target rarely agrees)
 NO_REPEAT = "Move the arm to the left"
@@ -30,7 +30,7 @@ def head_engine(tiny_models, tiny_cfg):
 
 def run(engine, drafter, prompt, k, max_new=48, **kwargs):
     ids = engine.tokenizer.encode(prompt)
-    out, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
+    out, _, stats = run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k, **kwargs))
     return ids, out, stats
 
@@ -128,9 +128,9 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     drafter = HybridDrafter(Gap(30, len(ids), want), eagle)
     head.ingest, eagle.propose = ingest, propose
     try:
-        out, finish, stats = speculative.generate(head_engine.runner, speculative.SlotRequest(
+        out, finish, stats = run_alone(head_engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=100, eos_ids=head_engine.eos_ids, drafter=drafter, k=k,
-            cancel=lambda: "cut" if len(seen) >= 2 else None))
+            sink=speculative.Keep(cancel=lambda: "cut" if len(seen) >= 2 else None)))
     finally:
         head.ingest, eagle.propose = real_ingest, real_propose
     assert finish == "cut" and out == want[:len(out)]
@@ -217,7 +217,7 @@ def test_hybrid_sampling_keeps_target_distribution(head_engine):
     one request: the first three tokens follow the target's exact distribution (chi-square)."""
     from spec_edge.runtime.requests import GenerateRequest
 
-    ids = head_engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
+    ids = head_engine.front.prompt_ids(GenerateRequest(prompt="Move the arm"))
     guess = plain(head_engine, ids, 4)[1:]  # the greedy continuation: often accepted at top_k=3
     eagle = head_engine.drafter("eagle3")
     head_drafts = []

@@ -14,7 +14,7 @@ from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.k_choice import CallCosts, KChoice
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import BatchLoop, Draft, SlotRequest
+from spec_edge.runtime.speculative import BatchLoop, Draft, Keep, SlotRequest
 from tiny import chi2_critical, chi2_statistic, exact_first
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40
@@ -132,15 +132,14 @@ def loop(tiny_engine):
 
 def decode(loop, request: SlotRequest) -> tuple[list[int], object, list[int]]:
     """(token ids, stats, the k of each decode iteration) of request alone in loop."""
-    out, ks = [], []
-    request.on_done = lambda ids, finish, stats: out.append((ids, stats))
+    ks, request.sink = [], Keep()
     index = loop.add(request)
     while loop.occupied:
         slot = loop.slots[index]
         loop.iterate()
         if slot.pos:  # it decoded (the iteration its prompt went in included)
             ks.append(slot.k_now)
-    return out[0][0], out[0][1], ks
+    return request.sink.result[0], request.sink.result[2], ks
 
 
 def call_ms(loop, stats, step_width: int) -> float:
@@ -262,7 +261,7 @@ def test_auto_at_plain_keeps_the_grammar_forced_drafts(tiny_engine, loop):
     and are all accepted; the output stays the constrained target-only one."""
     from spec_edge.runtime.requests import GenerateRequest as Request
     schema = r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."
-    prompt_ids = tiny_engine.prompt_ids(Request(prompt="Move the arm"))
+    prompt_ids = tiny_engine.front.prompt_ids(Request(prompt="Move the arm"))
 
     def run(k, choice):
         return decode(loop, SlotRequest(prompt_ids=prompt_ids, max_new_tokens=24, eos_ids=tiny_engine.eos_ids,

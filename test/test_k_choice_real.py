@@ -26,7 +26,7 @@ def engine():
 @pytest.mark.parametrize("right", [False, True])
 def test_oracle_drafters(engine, right):
     loop = engine.loop  # its costs measured at load (Engine.from_config), every call fed back
-    ids = engine.prompt_ids(GenerateRequest(prompt="Write a short story about a small robot that learns to paint."))
+    ids = engine.front.prompt_ids(GenerateRequest(prompt="Write a short story about a small robot that learns to paint."))
     want, got, stats, per_iteration = oracle_run(loop, ids, 96, right)
     assert got == want
     ks = sorted(w - 1 for w in engine.loop.verify_widths)

@@ -9,7 +9,7 @@ import pytest
 from test_eagle3 import make_head as make_eagle3_head
 from test_medusa import make_heads as make_medusa_heads
 from test_peagle import make_head as make_peagle_head
-from tiny import engine_with
+from tiny import engine_with, run_alone
 
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
@@ -51,7 +51,7 @@ def engines(tiny_cfg, profiles):
 def ask(engine, drafter, **fields):
     request = GenerateRequest(max_new_tokens=12, drafter=drafter, k=K, speculate=drafter != "none",
                               system_prompt=fields.pop("system_prompt", SYSTEM), **fields)
-    return engine.generate(request), engine.prompt_ids(request)
+    return engine.generate(request), engine.front.prompt_ids(request)
 
 
 def same_as_cold(engine, cold, drafter, **fields):
@@ -106,13 +106,13 @@ def test_the_record_is_the_fed_sequence(tiny_engine):
     """After a request the target holds exactly prompt + answer but the last (pending, never fed) token;
     reuse=False prefills from 0 whatever the record says."""
     ids = tiny_engine.tokenizer.encode("Move the arm to the left")
-    out, finish, stats = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+    out, finish, stats = run_alone(tiny_engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=9, eos_ids=()))
     assert finish == "length" and tiny_engine.target.held == tuple(ids + out[:-1])
-    _, _, again = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+    _, _, again = run_alone(tiny_engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=9, eos_ids=()))
     assert again.prompt_tokens_reused == 0
-    _, _, reused = speculative.generate(tiny_engine.runner, speculative.SlotRequest(
+    _, _, reused = run_alone(tiny_engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=9, eos_ids=()), reuse=True)
     assert reused.prompt_tokens_reused == len(ids) - 1
 
@@ -120,7 +120,7 @@ def test_the_record_is_the_fed_sequence(tiny_engine):
 def test_warm_prefills_the_system_prompt(engines):
     engine, cold = engines("ngram")
     n = engine.warm(SYSTEM)
-    ids = engine.prompt_ids(GenerateRequest(prompt="Report the battery", system_prompt=SYSTEM))
+    ids = engine.front.prompt_ids(GenerateRequest(prompt="Report the battery", system_prompt=SYSTEM))
     assert engine.target.held == tuple(ids[:n]) and n > 10
     got, _ = same_as_cold(engine, cold, "ngram", prompt="Report the battery")
     assert got.stats.prompt_tokens_reused == n

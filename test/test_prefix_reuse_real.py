@@ -13,6 +13,7 @@ from near_ties import assert_same_but_near_ties
 from spec_edge.config import Config
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.serving import Collect
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ["You control RB-7, a mobile robot with a 6-axis arm and a gripper (payload 2 kg). Tools: move_base(x, y), "
@@ -46,7 +47,7 @@ def test_dialog_reused_equals_cold(engine, system):
         cold = answer(engine, False, request)
         assert cold.stats.prompt_tokens_reused == 0
         assert reused.stats.prompt_tokens_reused > len(engine.tokenizer.encode(system))
-        prompt = engine.prompt_ids(request)
+        prompt = engine.front.prompt_ids(request)
         try:
             assert_same_but_near_ties(reused.token_ids, cold.token_ids, engine.target, prompt)
         finally:
@@ -71,21 +72,21 @@ def test_batched_dialogs_reused_equal_cold(engine, batch_engine):
     batch_engine.warm(SYSTEMS[0])
     for t, turn in enumerate(TURNS):
         requests = [GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16) for history in histories]
-        results: dict = {}
+        results = [Collect() for _ in requests]
         for i, request in enumerate(requests):
-            slot = batch_engine.loop.add(batch_engine.start(request, on_result=lambda r, i=i: results.setdefault(i, r)))
+            slot = batch_engine.loop.add(batch_engine.start(batch_engine.front.prepare(request), results[i]))
             assert slot == i  # dialog i's history lives in slot i (the warmed prefix: the tie goes to slot 0)
         batch_engine.loop.run()
         for i, request in enumerate(requests):
             if t > 0 or i == 0:
-                assert results[i].stats.prompt_tokens_reused > len(engine.tokenizer.encode(SYSTEMS[i]))
+                assert results[i].result.stats.prompt_tokens_reused > len(engine.tokenizer.encode(SYSTEMS[i]))
             cold = answer(engine, False, request)
             try:
-                assert_same_but_near_ties(results[i].token_ids, cold.token_ids, engine.target,
-                                          engine.prompt_ids(request))
+                assert_same_but_near_ties(results[i].result.token_ids, cold.token_ids, engine.target,
+                                          engine.front.prompt_ids(request))
             finally:
                 engine.target.held = ()  # the rule's reference prefill rewrote the cache
-            histories[i] = request.messages + (("assistant", results[i].text),)
+            histories[i] = request.messages + (("assistant", results[i].result.text),)
 
 
 def test_near_tie_rule_fails_on_a_real_difference():

@@ -14,6 +14,7 @@ import pytest
 from spec_edge.graphs import gguf_blocks, quantize
 from spec_edge.graphs.gguf_blocks import QuantizeError
 from spec_edge.runtime.backends.onnxruntime import cpu_session
+from tiny import run_alone
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -223,11 +224,11 @@ def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
 
     self_drafter = ModelDrafter(b1_runner(tiny_q4.runner.graph_dir), name="self")
     for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
-        ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
-        plain, _, _ = speculative.generate(tiny_q4.runner, speculative.SlotRequest(
+        ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
+        plain, _, _ = run_alone(tiny_q4.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids))
         for drafter, k in ((NgramDrafter(), 4), (self_drafter, 3), (self_drafter, 7)):
-            spec, _, stats = speculative.generate(tiny_q4.runner, speculative.SlotRequest(
+            spec, _, stats = run_alone(tiny_q4.runner, speculative.SlotRequest(
                 prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, drafter=drafter, k=k))
             assert spec == plain, (prompt, drafter.name, k)
             if drafter is self_drafter:

@@ -14,6 +14,7 @@ import pytest
 from spec_edge.config import Config
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from tiny import run_alone
 from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def test_logits_match_transformers(engine):
 
     path = embedded_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32").eval()
-    ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
+    ids = engine.front.prompt_ids(GenerateRequest(prompt=FREE))
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0, -1].numpy()
     got = engine.target.prefill(ids, 0)
@@ -122,7 +123,7 @@ def test_q4_carries_every_linear_layer(engine):
     assert len(attention) == n_layers and all(list(n.input[1:3]) == ["", ""] for n in attention)  # packed QKV
     assert sum(n.op_type == "Split" for n in step.graph.node) == n_layers  # gate/up only
     q4 = b1_runner(q4_dir)
-    ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
+    ids = engine.front.prompt_ids(GenerateRequest(prompt=FREE))
     want = engine.target.prefill(ids, 0)
     got = q4.prefill(ids, 0)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
@@ -131,10 +132,10 @@ def test_q4_carries_every_linear_layer(engine):
     from spec_edge.runtime import speculative
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
-    edit = engine.prompt_ids(GenerateRequest(prompt=EDIT))
-    plain, _, _ = speculative.generate(q4.runner, speculative.SlotRequest(
+    edit = engine.front.prompt_ids(GenerateRequest(prompt=EDIT))
+    plain, _, _ = run_alone(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids))
-    spec, _, stats = speculative.generate(q4.runner, speculative.SlotRequest(
+    spec, _, stats = run_alone(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids, drafter=NgramDrafter(), k=4))
     assert spec == plain and stats.accepted > 0
 

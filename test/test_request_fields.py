@@ -18,6 +18,7 @@ from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits, token_logprobs
+from tiny import run_alone, run_together
 
 PROMPTS = ["The robot picks up the red box and places it on the shelf. The robot picks up the",
            "Move the arm to the left, move the arm to the right, move the arm",
@@ -53,7 +54,7 @@ def ids_of(engine, text):
 
 
 def run(engine, prompt_ids, params, drafter=None, k=0, eos_ids=None):
-    return speculative.generate(engine.runner, speculative.SlotRequest(
+    return run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=list(prompt_ids), max_new_tokens=MAX_NEW, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
         sampling=params, drafter=drafter, k=k if drafter is not None else 0))
 
@@ -122,7 +123,7 @@ def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
         prompt_ids=ids_of(tiny_engine, text), max_new_tokens=MAX_NEW, eos_ids=eos_ids, sampling=params,
         drafter={"ngram": NgramDrafter(), "draft": ModelDrafter(b1_runner(draft_dir), name="draft"),
                  None: None}[name], k=K if name else 0) for text, params, eos_ids, name in cases]
-    together = speculative.generate_all(runner, requests, join_at=[0, 0, 2, 0, 4, 6])
+    together = run_together(runner, requests, join_at=[0, 0, 2, 0, 4, 6])
     for (text, params, eos_ids, _), (ids, finish, stats) in zip(cases, together):
         alone, alone_finish, alone_stats = run(tiny_engine, ids_of(tiny_engine, text), params, eos_ids=eos_ids)
         assert (ids, finish) == (alone, alone_finish), text

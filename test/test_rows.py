@@ -18,6 +18,7 @@ from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.onnxruntime import packed_dir, target_graphs
 from spec_edge.runtime.backends.ort_runner import OrtRunner, b1_runner
+from tiny import run_alone
 
 
 def files(folder):
@@ -114,10 +115,10 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
                                     model_cfg.head_dim)
     rng = np.random.default_rng(4)
     prompt = [int(t) for t in rng.integers(3, model_cfg.vocab_size, 21)]  # prefill chunks 16 + 5 (padded)
-    plain, _, _ = speculative.generate(runner, speculative.SlotRequest(prompt_ids=prompt, max_new_tokens=30, eos_ids=()))
+    plain, _, _ = run_alone(runner, speculative.SlotRequest(prompt_ids=prompt, max_new_tokens=30, eos_ids=()))
     self_drafter = ModelDrafter(b1_runner(folder), name="self")
     for drafter in (NgramDrafter(), self_drafter):
-        spec, _, stats = speculative.generate(runner, speculative.SlotRequest(
+        spec, _, stats = run_alone(runner, speculative.SlotRequest(
             prompt_ids=prompt, max_new_tokens=30, eos_ids=(), drafter=drafter, k=3))
         assert spec == plain, drafter.name
         assert_speculated(stats, accepted=False, what=drafter.name)

@@ -1,8 +1,7 @@
-"""The one Scheduler (spec_edge/runtime/scheduler.py) without a door: over the Engine's loop it admits queued jobs
-into free slots (B=1: one at a time, first in first out) and tells the loop what waits; over a backend that
-serves whole requests (Edge-LLM: engine.loop is None, a double of the RequestBackend protocol here, as the
-real runtime needs a GPU) it runs up to graphs.batch_slots of them at once on threads when the backend is
-concurrent, else one."""
+"""The one Scheduler (spec_edge/runtime/scheduler.py) without a door, over a decoder (serving.Decoder): it adds
+queued jobs while the decoder has room (the Engine's loop: free slots, B=1 one at a time, first in first out;
+a double here of capacity N) and tells it what waits; every request goes through the front once. (Edge-LLM's
+decoder through the scheduler: test_edgellm_runtime.py.)"""
 from __future__ import annotations
 
 import threading
@@ -23,30 +22,38 @@ class Log:
         pass
 
 
-class WholeRequests:
-    """A RequestBackend that serves whole requests (loop None), each blocking until released."""
-    loop = None
+class Held:
+    """A serving.Decoder of capacity requests at once whose requests end only once released (each answers its
+    prompt): the scheduler's admission and load without a model."""
 
-    def __init__(self, cfg, concurrent: bool):
-        self.cfg, self.concurrent = cfg, concurrent
+    def __init__(self, cfg, capacity: int):
+        self.cfg, self.capacity, self.front, self.waiting = cfg, capacity, self, 0
         self.release = threading.Event()
-        self.running = self.most = 0
-        self.queued: list[int] = []
-        self._lock = threading.Lock()
+        self.sinks: list = []
+        self.most = 0
+        self.queued: list[int] = []  # the load as each request started, itself included
 
-    def validate(self, request):
-        """Every request is one it serves."""
+    def prepare(self, request):
+        """Every request is one it serves, prepared as it is."""
+        return request
 
-    def generate(self, request, on_text=None, cancel=None, queued=1):
-        with self._lock:
-            self.running += 1
-            self.most = max(self.most, self.running)
-            self.queued.append(queued)
-        self.release.wait(10)
-        with self._lock:
-            self.running -= 1
-        return GenerateResult(text=request.prompt, token_ids=[1], finish_reason="length", stats=Stats(),
-                              prompt_tokens=1, queued_at_start=queued)
+    @property
+    def occupied(self) -> int:
+        return len(self.sinks)
+
+    def add(self, prepared, sink):
+        self.sinks.append((prepared, sink))
+        self.most = max(self.most, self.occupied)
+        self.queued.append(self.occupied + self.waiting)
+
+    def iterate(self):
+        if self.release.wait(0.01):
+            sinks, self.sinks = self.sinks, []
+            for request, sink in sinks:
+                sink.done(GenerateResult(text=request.prompt, token_ids=[1], finish_reason="length", stats=Stats()))
+
+    def clear(self):
+        self.sinks = []
 
 
 def run_jobs(worker, n):
@@ -56,22 +63,21 @@ def run_jobs(worker, n):
     return jobs
 
 
-@pytest.mark.parametrize("concurrent,slots,most", [(True, 3, 3), (False, 3, 1)])
-def test_whole_request_backend_runs_up_to_its_slots_at_once(tiny_cfg, concurrent, slots, most):
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": slots})
-    backend = WholeRequests(cfg, concurrent)
-    worker = Scheduler(backend, cfg, Log())
+@pytest.mark.parametrize("capacity", [3, 1])
+def test_a_decoder_runs_up_to_its_capacity_at_once(tiny_cfg, capacity):
+    backend = Held(tiny_cfg, capacity)
+    worker = Scheduler(backend, tiny_cfg, Log())
     try:
         jobs = run_jobs(worker, 5)
         deadline = time.monotonic() + 5
-        while backend.running < most and time.monotonic() < deadline:
+        while backend.occupied < capacity and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.1)
-        assert backend.running == most and worker.queue_depth == 5 - most
+        assert backend.occupied == capacity and worker.queue_depth == 5 - capacity
         backend.release.set()
         for job in jobs:
             assert job.done.wait(10) and job.outcome.success and job.outcome.text == job.request.prompt
-        assert backend.most == most and worker.served == 5
+        assert backend.most == capacity and worker.served == 5
         assert max(backend.queued) > 1  # the load as it started: itself, those running and those behind it
     finally:
         backend.release.set()
@@ -97,12 +103,12 @@ def test_stop_refuses_what_waits_and_cancels_what_runs(tiny_engine):
     assert not tiny_engine.loop.occupied
 
 
-@pytest.mark.parametrize("concurrent,slots", [(True, 3), (False, 3)])
-def test_capacity_is_slots_plus_queue_counted_at_submit(tiny_cfg, concurrent, slots):
+@pytest.mark.parametrize("capacity", [3, 1])
+def test_capacity_is_slots_plus_queue_counted_at_submit(tiny_cfg, capacity):
     """D3: a burst of exactly capacity (requests at once) + serve.queue_limit is taken in full, before the
     worker has moved any of it into a slot; one more is "busy"; once they finished there is room again."""
-    cfg = tiny_cfg.replace(**{"graphs.batch_slots": slots, "serve.queue_limit": 2})
-    backend = WholeRequests(cfg, concurrent)
+    cfg = tiny_cfg.replace(**{"serve.queue_limit": 2})
+    backend = Held(cfg, capacity)
     worker = Scheduler(backend, cfg, Log())
     try:
         room = worker.capacity + 2
@@ -131,5 +137,27 @@ def test_capacity_over_the_engine_loop(tiny_engine):
         assert not worker.submit(Job(request=GenerateRequest(prompt="one more")))
         for job in jobs:
             assert job.done.wait(60) and job.outcome.success and job.outcome.num_tokens > 0
+    finally:
+        worker.stop(30)
+
+
+def test_a_request_is_tokenized_and_its_grammar_compiled_once(tiny_engine, monkeypatch):
+    """Through the scheduler a request goes through the front once (at submit): one tokenization, one grammar
+    compile, and the engine starts from what the front prepared."""
+    counts = {"encode": 0, "compile": 0}
+
+    def counted(name, call):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return call(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(tiny_engine.tokenizer, "encode", counted("encode", tiny_engine.tokenizer.encode))
+    monkeypatch.setattr(tiny_engine.grammars, "compile", counted("compile", tiny_engine.grammars.compile))
+    worker = Scheduler(tiny_engine, tiny_engine.cfg, Log())
+    try:
+        job = Job(request=GenerateRequest(prompt="Move the arm", regex="(left|right) [0-9]{1,3} once", max_new_tokens=8))
+        assert worker.submit(job) and job.done.wait(60) and job.outcome.success, job.outcome
+        assert counts == {"encode": 1, "compile": 1}
     finally:
         worker.stop(30)

@@ -19,7 +19,7 @@ from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.speculative import Draft
 from speculated import assert_speculated
 from test_request_fields import PENALTIES
-from tiny import TINY_K_VALUES
+from tiny import TINY_K_VALUES, run_alone
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
            "The robot picks up the red box and places it on the shelf. The robot picks up the"]
@@ -76,7 +76,7 @@ def self_runner(tiny_engine):
 
 
 def run(engine, prompt_ids, drafter, k, max_new=40, eos_ids=None, sampling=SamplingParams()):
-    return speculative.generate(engine.runner, speculative.SlotRequest(
+    return run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids if eos_ids is None else eos_ids,
         drafter=drafter, k=k, sampling=sampling))
 
@@ -140,7 +140,7 @@ def sampling_for(engine, name, prompt_ids):
 def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
     runs = []
     for prompt in PROMPTS:
-        prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt=prompt))
+        prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
         sampling = sampling_for(tiny_engine, name, prompt_ids)
         plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0, sampling=sampling)
         spec, spec_finish, stats = run(tiny_engine, prompt_ids, drafters(tiny_engine, self_runner, name), k,
@@ -160,7 +160,7 @@ def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
 def test_eos_inside_a_draft(tiny_engine, self_runner):
     """The model's 7th greedy token is declared EOS: the self-drafter proposes it in the middle of
     a draft window; output must stop right before it, as plain decoding does."""
-    prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
+    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
     free, _, _ = run(tiny_engine, prompt_ids, None, 0, max_new=20)
     eos = free[6]
     plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0, eos_ids=(eos,))
@@ -214,7 +214,7 @@ def test_context_full_edge(tiny_engine, self_runner):
 
 
 def test_max_new_tokens_cuts_inside_a_chunk(tiny_engine, self_runner):
-    prompt_ids = tiny_engine.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
+    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
     plain, _, _ = run(tiny_engine, prompt_ids, None, 0, max_new=11)
     spec, finish, stats = run(tiny_engine, prompt_ids, ModelDrafter(self_runner), 7, max_new=11)
     assert finish == "length" and spec == plain and len(spec) == 11

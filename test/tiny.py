@@ -113,7 +113,7 @@ def plain(engine, prompt_ids, max_new=40):
     """Target-only greedy output."""
     from spec_edge.runtime import speculative
 
-    return speculative.generate(engine.runner, speculative.SlotRequest(
+    return run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=engine.eos_ids))[0]
 
 
@@ -122,7 +122,7 @@ def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new
 
     for prompt in prompts:
         ids = engine.tokenizer.encode(prompt)
-        got, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
+        got, _, stats = run_alone(engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
         assert got == plain(engine, ids, max_new), f"k={k} prompt={prompt!r}"
         assert_speculated(stats, accepted=False, what=f"k={k} prompt={prompt!r}")
@@ -163,7 +163,7 @@ def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
             drafter.finish()
 
     ids = engine.tokenizer.encode("Move the arm")
-    out, _, _ = speculative.generate(engine.runner, speculative.SlotRequest(
+    out, _, _ = run_alone(engine.runner, speculative.SlotRequest(
         prompt_ids=ids, max_new_tokens=30, eos_ids=(), sampling=SamplingParams(temperature=0.8, top_p=0.9), seed=7,
         drafter=Spy(), k=k))
     assert len(out) == 30 and seen
@@ -320,7 +320,7 @@ def exact_first(engine, params, length: int, constraint=None) -> tuple[list[int]
     from spec_edge.runtime.sampling import probabilities, processed_logits
 
     runner = b1_runner(engine.graph_dir)
-    prompt_ids = engine.prompt_ids(GenerateRequest(prompt="Move the arm"))
+    prompt_ids = engine.front.prompt_ids(GenerateRequest(prompt="Move the arm"))
     reference = None if constraint is None else engine.grammars.constraint(*constraint)
 
     def p(logits, generated):  # (V,) logits of the row after prompt + generated
@@ -367,7 +367,7 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     counts: dict = {}
     runs = []
     for seed in range(n):
-        ids, _, stats = speculative.generate(engine.runner, speculative.SlotRequest(
+        ids, _, stats = run_alone(engine.runner, speculative.SlotRequest(
             prompt_ids=prompt_ids, max_new_tokens=length, eos_ids=(), sampling=params, seed=seed, drafter=drafter, k=k,
             constraint=None if constraint is None else engine.grammars.constraint(*constraint)))
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
@@ -376,3 +376,25 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df, sorted(counts.items(), key=lambda kv: -kv[1])[:5])
     return runs
+
+
+def run_together(runner, requests, join_at=None, k_by_load=(), reuse=False) -> list:
+    """SlotRequests through one speculative.BatchLoop over runner, request i joining at iteration join_at[i]
+    (default 0) or as soon as a slot is free after it: (token ids, finish reason, stats) per request."""
+    from spec_edge.runtime import speculative
+
+    join_at = join_at or [0] * len(requests)
+    loop = speculative.BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
+    waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
+    for request in requests:
+        request.sink = request.sink or speculative.Keep()
+    while waiting or loop.occupied:
+        while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
+            loop.add(requests[waiting.pop(0)])
+        loop.iterate()
+    return [request.sink.result for request in requests]
+
+
+def run_alone(runner, request, reuse=False):
+    """One SlotRequest alone in slot 0 of a new loop over runner: (token ids, finish reason, stats)."""
+    return run_together(runner, [request], reuse=reuse)[0]

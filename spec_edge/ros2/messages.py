@@ -94,9 +94,9 @@ def tokenize(engine: Any, msg: Any) -> tuple[list[int], str]:
         raise RequestError("give text (to tokenize) or ids (to detokenize), not both and not neither")
     if msg.text:
         if msg.chat:
-            return engine.prompt_ids(GenerateRequest(prompt=msg.text)), ""
+            return engine.front.prompt_ids(GenerateRequest(prompt=msg.text)), ""
         return engine.tokenizer.encode(msg.text), ""
-    vocab = engine.target.vocab_size
+    vocab = engine.front.caps.vocab_size
     bad = [int(t) for t in msg.ids if not 0 <= int(t) < vocab]
     if bad:
         raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}): send ids of this model")

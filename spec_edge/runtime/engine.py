@@ -1,14 +1,14 @@
 """The engine: one target model (and its drafters) behind a request -> result call (ONNX Runtime; on
 runtime.backend tensorrt, Engine.from_config returns backends/edgellm.py's EdgeLLMEngine instead: both are
-a serving.RequestBackend).
+a serving.Decoder the scheduler drives).
 
-This is what the CLI and the ROS node use, for every graphs.batch_slots = B. It checks a request, renders
-the chat prompt, and turns tokens into text (streamed, UTF-8 safe, stop strings honoured). It owns one
-loop (runtime/speculative.BatchLoop) over a target of B slots (drafting.slotted: an ort_runner.OrtRunner;
-B=1 is a runner of one slot): start() turns a request into a SlotRequest the caller adds to the loop (the
-node's worker admits requests into free slots and iterates the loop from one thread); generate() is
-start() and the loop run with that request alone (the CLI's path). Each request drafts with its own
-drafter, made for the slot it takes (runtime/drafting.py).
+This is what the CLI and the ROS node use, for every graphs.batch_slots = B. Its front (runtime/front.py,
+over capabilities()) checks and prepares a request; the engine turns tokens into text (streamed, UTF-8 safe,
+stop strings honoured). It owns one loop (runtime/speculative.BatchLoop) over a target of B slots
+(drafting.slotted: an ort_runner.OrtRunner; B=1 is a runner of one slot): as a decoder, add(prepared, sink)
+puts a request into a free slot (start() makes its SlotRequest) and iterate() is one loop iteration (the
+scheduler admits requests and iterates from one thread; serving.generate runs one alone). Each request drafts
+with its own drafter, made for the slot it takes (runtime/drafting.py).
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
 longest prefix of its prompt; warm() prefills the system prompt's chat prefix into every free slot.
@@ -22,36 +22,25 @@ chosen by its runtime/k_choice.KChoice from its acceptance and the call costs me
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge import speculation_policy
-from spec_edge.config import AUTO_K, Config, ConfigError
+from spec_edge.config import AUTO_K, DRAFTERS, Config, ConfigError
 from spec_edge.graphs import export
 from spec_edge.runtime.backends.base import Runner, common_prefix
 from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.drafting import Drafters, refusal, slotted
 from spec_edge.runtime import k_choice
-from spec_edge.runtime.grammar import Constraint, GrammarError, Grammars, grammar_spec
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
-from spec_edge.runtime.serving import RequestBackend, chat_text, resolve_fields
-from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import BatchLoop, Emit, SlotRequest
+from spec_edge.runtime.front import Capabilities, Front, Prepared
+from spec_edge.runtime.grammar import Constraint, Grammars
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
+from spec_edge.runtime import serving
+from spec_edge.runtime.serving import Decoder, Sink
+from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
-
-
-def text_emitter(decoder: StreamDecoder, on_text: Callable[[str, int], None] | None) -> Emit:
-    """The loop's emit: feed a chunk of tokens to the stream decoder, hand on_text the safe-to-show
-    text and the tokens so far; True once a stop string has shown up."""
-    def emit(chunk: list[int]) -> bool:
-        delta = decoder.push(chunk)
-        if delta and on_text is not None:
-            on_text(delta, len(decoder.ids))
-        return decoder.stopped
-    return emit
 
 
 def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
@@ -62,10 +51,42 @@ def incomplete_message(constraint: Constraint | None, finish: str, max_new: int)
             + (f"; raise max_new_tokens above {max_new})" if finish == "length" else ")"))
 
 
+class InLoop:
+    """A request in the loop: its speculative.SlotSink. Its tokens go as text (UTF-8 safe, stop strings cut) to its
+    serving.Sink, its drafter (drafter: its name, "none" without) is made for the slot it takes, and its
+    GenerateResult goes to the sink as it leaves; choice: its speculative.k auto KChoice."""
+
+    def __init__(self, engine: Engine, prepared: Prepared, sink: Sink, drafter: str, choice: k_choice.KChoice | None):
+        self.engine, self.prepared, self.sink, self.drafter_name, self.choice = engine, prepared, sink, drafter, choice
+        self.text = StreamDecoder(engine.tokenizer, tuple(prepared.request.stop))
+
+    def drafter(self, slot: int):
+        return None if self.drafter_name == "none" else self.engine.drafter(self.drafter_name, slot)
+
+    def emit(self, chunk: list[int]) -> bool:
+        if delta := self.text.push(chunk):
+            self.sink.on_text(delta, len(self.text.ids))
+        return self.text.stopped
+
+    def cancel_reason(self) -> str | None:
+        return self.sink.cancel_reason()
+
+    def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats) -> None:
+        prepared, choice = self.prepared, self.choice
+        if choice is not None and self.drafter_name != "none":
+            self.engine._k_last[self.drafter_name] = choice  # the next request with this drafter starts from it
+        if tail := self.text.finish():
+            self.sink.on_text(tail, len(self.text.ids))
+        self.sink.done(GenerateResult(
+            text=self.text.text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats,
+            prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,
+            speculation_off_reason=speculation_policy.reason(stats, self.engine.loop.k_by_load, choice),
+            message=incomplete_message(prepared.guide, finish, prepared.max_new_tokens)))
+
+
 class Engine:
     """The loop over a target of B slots and the request handling around it. runner: the slotted target
     the loop drives; targets: its slots as B=1 Runners (slot_views.SlotRunner; target = slot 0)."""
-    concurrent = False  # one loop: the caller admits requests into it (start) and iterates it from one thread
 
     def __init__(self, cfg: Config, runner: Slotted, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
                  progress: Callable[[str], None] = print):
@@ -82,11 +103,12 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg, progress)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
+        self.front = Front(cfg, tokenizer, self.capabilities(), self.grammars.constraint)
         self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
-        self._lock = threading.Lock()
+        self.capacity = runner.batch  # requests at once: one per slot
 
     @classmethod
-    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> RequestBackend:
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> Decoder:
         """Load the target (and a configured drafter) once; the graphs are exported first if missing or
         stale (B > 1: with the graphs of several rows). runtime.backend tensorrt: the Edge-LLM engines `spec-edge build`
         made, served end to end by backends/edgellm.py (the same request -> result calls as this class)."""
@@ -120,63 +142,21 @@ class Engine:
         return self._drafters.drafter(name, slot)
 
     # -- requests -------------------------------------------------------------------------
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        text = chat_text(self.tokenizer, request, self.cfg.serve.system_prompt)
-        ids = self.tokenizer.encode(text)
-        limit = self.runner.max_context
-        if len(ids) >= limit:
-            raise RequestError(f"prompt is {len(ids)} tokens but the context holds {limit} (prompt + answer): "
-                               f"shorten the prompt or export with a larger graphs.max_context")
-        if request.max_new_tokens is not None:  # as asked; the configured default adapts (context_full)
-            check_fits(len(ids), int(request.max_new_tokens), limit)
-        return ids
+    def capabilities(self) -> Capabilities:
+        """What this engine serves (front.Front checks a request against it): every drafter, the k of its
+        verify graphs, every guided kind and sampling feature."""
+        built = tuple(sorted(w - 1 for w in self.runner.widths if w > 1))
+        return Capabilities(name="ONNX Runtime", drafters=DRAFTERS, k_values=built,
+                            k_remedy="use one of those or re-export with graphs.k_values including {k}",
+                            max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
+                            vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids)
 
-    def resolve(self, request: GenerateRequest) -> tuple[SamplingParams, int, int | None, str, int]:
-        """(sampling, max_new_tokens, seed, drafter name, k) with config defaults filled in."""
-        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.runner.max_context,
-                                                           self.runner.vocab_size, self.eos_ids)
-        if drafter != "none" and (reason := refusal(drafter)):
-            raise RequestError(reason)
-        if drafter != "none" and k + 1 not in self.runner.widths:
-            built = sorted(w - 1 for w in self.runner.widths if w > 1)
-            raise RequestError(f"k={k} has no verify graph in this engine (built for k in {built}): "
-                               f"use one of those or re-export with graphs.k_values including {k}")
-        return params, max_new, seed, drafter, k
-
-    def constraint(self, request: GenerateRequest) -> Constraint | None:
-        """The request's grammar state (None without json_schema / grammar / regex). The grammar
-        is compiled once per distinct text and kept; RequestError with the parser's message."""
-        try:
-            spec = grammar_spec(request.json_schema, request.grammar, request.regex)
-            return None if spec is None else self.grammars.constraint(*spec)
-        except GrammarError as err:
-            raise RequestError(str(err)) from None
-
-    def validate(self, request: GenerateRequest) -> None:
-        """Raise RequestError for a request start() would refuse on its fields, without running
-        anything (a tokenization, a grammar compile that is kept): the node answers such requests
-        before they take a queue slot, and compiles their grammars off the worker's loop."""
-        self.resolve(request)
-        check_stop(request.stop)
-        self.prompt_ids(request)
-        self.constraint(request)
-
-    def start(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-              cancel: Callable[[], str | None] | None = None,
-              on_result: Callable[[GenerateResult], None] | None = None) -> SlotRequest:
-        """The SlotRequest of a request, for self.loop.add (raises RequestError for a bad one; nothing
-        runs yet). on_text(delta, n_tokens) receives each piece of safe-to-show text and the number of
-        tokens generated so far; cancel() is asked before each decode call; on_result(GenerateResult)
-        is called from the loop's thread when the request leaves its slot."""
-        params, max_new, seed, drafter_name, k = self.resolve(request)
-        check_stop(request.stop)
-        prompt_ids = self.prompt_ids(request)
-        constraint = self.constraint(request)
-        forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
-        # forced drafts are speculation too: off with speculate=false (the load policy sets each iteration's k)
-        forced = constraint is not None and forced and request.speculate and k + 1 in self.runner.widths
+    def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
+        """The SlotRequest of a prepared request, for self.loop.add (RequestError for a drafter that cannot
+        propose its k; nothing runs yet), its output going to sink (through an InLoop)."""
+        request, drafter_name, k, constraint = prepared.request, prepared.drafter, prepared.k, prepared.guide
         drafting = drafter_name != "none"
-        speculating = k > 0 and (drafting or forced)
+        speculating = k > 0 and (drafting or prepared.forced_drafts)
         choice = None
         if speculating and not request.k and self.cfg.speculative.k == AUTO_K:  # every exported k it can propose
             ks = [x for x in sorted(w - 1 for w in self.loop.verify_widths) if x <= k
@@ -187,33 +167,11 @@ class Engine:
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self._drafters.check_k(drafter_name, self.loop.policy_ks(k))  # every k the load policy can give it
-        table = self.loop.k_by_load
-        decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
-
-        def done(new_ids: list[int], finish: str, stats) -> None:
-            if choice is not None and drafting:
-                self._k_last[drafter_name] = choice  # the next request with this drafter starts from it
-            tail = decoder.finish()
-            if tail and on_text is not None:
-                on_text(tail, len(decoder.ids))
-            if finish == "stop":
-                new_ids = self._trim_to_stop(new_ids, request.stop)
-            result = GenerateResult(text=decoder.text, token_ids=new_ids, finish_reason=finish, stats=stats,
-                                    prompt_tokens=len(prompt_ids), queued_at_start=slot_request.occupancy,
-                                    speculation_off_reason=speculation_policy.reason(stats, table, choice),
-                                    message=incomplete_message(constraint, finish, max_new))
-            if on_result is not None:
-                on_result(result)
-
-        def make_drafter(slot: int):
-            return self._drafters.drafter(drafter_name, slot)
-
-        slot_request = SlotRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=self.eos_ids,
-                                   sampling=params, seed=seed, k=k if speculating else 0,
-                                   make_drafter=make_drafter if drafting and speculating else None,
-                                   emit=text_emitter(decoder, on_text), cancel=cancel, constraint=constraint,
-                                   forced_drafts=forced, on_done=done, k_choice=choice)
-        return slot_request
+        made = drafter_name if drafting and speculating else "none"
+        return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
+                           sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
+                           sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,
+                           forced_drafts=prepared.forced_drafts, k_choice=choice)
 
     def _proposes(self, drafter_name: str, k: int) -> bool:
         """Whether drafter drafter_name can propose k tokens (Medusa: its head count, P-EAGLE: its graphs)."""
@@ -225,24 +183,30 @@ class Engine:
 
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """Serve one request alone through the loop (the CLI's path; the node's worker runs many at once
-        through start()). Raises RequestError for a bad request (nothing is run). queued: the load as it
-        runs, itself included (the caller's queue: what serve.speculate_k_by_load gives a k for)."""
-        out: list[GenerateResult] = []
-        with self._lock:
-            if self.loop.occupied:
-                raise RuntimeError("generate() runs a request alone, but the loop is serving others (start())")
-            slot_request = self.start(request, on_text, cancel, out.append)
-            self.loop.waiting = queued - 1
-            try:
-                self.loop.add(slot_request)
-                self.loop.run()
-            except BaseException:
-                self.loop.clear()  # the failed request leaves its slot (the loop emptied the prefix records)
-                raise
-            finally:
-                self.loop.waiting = 0
-        return out[0]
+        """One request alone through this decoder (serving.generate: the CLI's path)."""
+        return serving.generate(self, request, on_text, cancel, queued)
+
+    # -- the decoder (serving.Decoder): the loop's slots --------------------------------------
+    @property
+    def occupied(self) -> int:
+        return self.loop.occupied
+
+    @property
+    def waiting(self) -> int:
+        return self.loop.waiting
+
+    @waiting.setter
+    def waiting(self, n: int) -> None:
+        self.loop.waiting = n
+
+    def add(self, prepared: Prepared, sink: Sink) -> None:
+        self.loop.add(self.start(prepared, sink))
+
+    def iterate(self) -> None:
+        self.loop.iterate()
+
+    def clear(self) -> None:
+        self.loop.clear()
 
     def warm(self, system_prompt: str = "") -> int:
         """Prefill the chat prefix every request with this system prompt ("" = serve.system_prompt,
@@ -251,32 +215,22 @@ class Engine:
         get (serve.reuse_prefix). Returns its length in tokens."""
         if not self.cfg.serve.reuse_prefix:
             raise ConfigError("warming the cache needs serve.reuse_prefix: true")
-        one, two = (self.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in ("a", "b"))
+        one, two = (self.front.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
         shared = list(one[:common_prefix(one, two, len(one))])
         runner = self.runner
-        with self._lock:
-            free = [i for i, slot in enumerate(self.loop.slots) if slot is None]
-            if not shared or not free:
-                return len(shared)
-            first = max(free, key=lambda i: (common_prefix(runner.held[i], shared, len(shared) - 1), -i))
-            reused = common_prefix(runner.held[first], shared, len(shared) - 1)
-            for i in free:
-                runner.held[i] = ()
-            runner.prefill(first, shared[reused:], reused)
-            for i in free:
-                if i != first:
-                    runner.copy_prefix(first, i, len(shared))
-                runner.held[i] = tuple(shared)
+        free = [i for i, slot in enumerate(self.loop.slots) if slot is None]
+        if not shared or not free:
+            return len(shared)
+        first = max(free, key=lambda i: (common_prefix(runner.held[i], shared, len(shared) - 1), -i))
+        reused = common_prefix(runner.held[first], shared, len(shared) - 1)
+        for i in free:
+            runner.held[i] = ()
+        runner.prefill(first, shared[reused:], reused)
+        for i in free:
+            if i != first:
+                runner.copy_prefix(first, i, len(shared))
+            runner.held[i] = tuple(shared)
         return len(shared)
-
-    def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
-        """The shortest prefix of ids whose text contains a stop string (what plain decoding,
-        checking after every token, would have stopped at)."""
-        for n in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:n])
-            if any(stop and stop in text for stop in stops):
-                return ids[:n]
-        return ids
 
     def info(self) -> dict:
         return {"backend": self.cfg.runtime.backend, "model": self.model_cfg.name, "batch_slots": self.runner.batch,

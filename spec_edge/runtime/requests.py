@@ -1,10 +1,8 @@
-"""A request and its result, as the CLI, the ROS node and the tools hand them to the engine; the
-checks on a request's own fields (text, stop strings, chat roles, the context's room) that need no model. (The load policy that
-speculates less under a queue: spec_edge/speculation_policy.py.)"""
+"""A request and its result, as the doors (the CLI, the ROS node, the tools) hand them to the engine; its checks
+are runtime/front.py's. (The load policy that speculates less under a queue: spec_edge/speculation_policy.py.)"""
 from __future__ import annotations
 
 import argparse
-import unicodedata
 from dataclasses import dataclass
 
 from spec_edge.runtime.sampling import TokenLogprobs
@@ -71,52 +69,6 @@ class GenerateResult:
         if self.stats.logprobs:
             out["logprobs"] = [entry.as_dict() for entry in self.logprobs]
         return out
-
-
-def check_text(name: str, text: str) -> None:
-    """Refuse text that is not UTF-8 (a lone surrogate: how Python holds undecodable bytes, e.g. of argv) or holds
-    a control character other than newline, tab and carriage return (NUL among them: a ROS string ends at it, so
-    through the node it cuts the text before the node sees it). U+FFFD is a character like any other: a
-    client may send it, and the node's own output holding it is accepted back."""
-    for i, char in enumerate(text):
-        if char in "\n\t\r":
-            continue
-        category = unicodedata.category(char)
-        if category == "Cs":
-            raise RequestError(f"{name} is not valid UTF-8 (an undecodable byte at character {i}): send UTF-8 text")
-        if category == "Cc":
-            raise RequestError(f"{name} contains control character U+{ord(char):04X} at character {i}: "
-                               f"remove it (only newline, tab and carriage return are accepted)")
-
-
-def check_stop(stop: tuple[str, ...]) -> None:
-    for item in stop:
-        check_text("stop string", item)
-
-
-CHAT_ROLES = ("system", "user", "assistant")
-
-
-def chat_roles(template: str) -> tuple[str, ...]:
-    """The roles a conversation may hold: system, user, assistant, and tool where the model's chat
-    template handles tool turns (it names the role; SmolLM2's ChatML template does not)."""
-    return CHAT_ROLES + (("tool",) if "tool" in template else ())
-
-
-def check_roles(messages: tuple[tuple[str, str], ...], roles: tuple[str, ...]) -> None:
-    for i, (role, _) in enumerate(messages):
-        if role not in roles:
-            raise RequestError(f"messages[{i}] has role '{role}': use one of {', '.join(roles)} "
-                               "(the roles this model's chat template knows)")
-
-
-def check_fits(prompt_tokens: int, max_new_tokens: int, max_context: int) -> None:
-    """prompt + max_new_tokens must fit the context (graphs.max_context) as the request asked."""
-    if prompt_tokens + max_new_tokens > max_context:
-        raise RequestError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = "
-                           f"{prompt_tokens + max_new_tokens} exceed the context of {max_context} tokens: "
-                           f"ask for at most {max_context - prompt_tokens} new tokens, shorten the prompt, "
-                           "or export with a larger graphs.max_context")
 
 
 def logit_bias_arg(text: str) -> tuple[int, float]:

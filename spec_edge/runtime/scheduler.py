@@ -1,13 +1,13 @@
 """The one scheduler every door (the ROS node, the HTTP door, the CLI) hands its requests to: a Job per request,
-and the Scheduler, one thread that admits the jobs first in first out as the engine has room, and answers each
+and the Scheduler, one thread that admits the jobs first in first out as the decoder has room, and answers each
 with an Outcome as soon as its request ends.
 
-The engine's loop (engine.loop, runtime/engine.py, any graphs.batch_slots = B): waiting jobs join free
-slots at each iteration boundary (their prefill chunks between the other slots' decode calls) and the
-thread iterates the loop; B=1 is one slot, so jobs run one at a time as a FIFO. The loop's load is the
-occupied slots + the jobs waiting here (loop.waiting, kept by this thread). A backend that serves whole
-requests (engine.loop is None: Edge-LLM, backends/edgellm.py) runs each admitted job's generate() on a
-thread of its own, up to graphs.batch_slots at once when it is concurrent, else one.
+The decoder (serving.Decoder: engine.Engine's slot loop, or backends/edgellm.py's Edge-LLM requests): waiting
+jobs are added while it holds fewer than its capacity (the loop: they join free slots at an iteration boundary,
+their prefill chunks between the other slots' decode calls; B=1 is one slot, so jobs run one at a time as a
+FIFO) and the thread iterates it; each job's sink streams its text, answers the decoder's cancel questions
+(the client's cancel, the deadline, stop) and takes its result. The decoder's load is the requests in it + the
+jobs waiting here (decoder.waiting, kept by this thread).
 
 A scheduler holds at most capacity (the slots: requests running at once) + serve.queue_limit requests, counted
 at submit: a request beyond them is answered "busy" at once (a burst of exactly that many to an idle node is
@@ -61,14 +61,14 @@ def result_stats(result: Any) -> dict[str, Any]:
 
 @dataclass
 class Job:
-    request: Any                                    # engine.GenerateRequest
+    request: Any                                    # requests.GenerateRequest
     on_text: Callable[[str, int], None] | None = None
     cancel_requested: Callable[[], bool] = lambda: False
     deadline: float = math.inf                      # time.monotonic() past which it ends as error
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     timed_out: bool = False
-    queued_at_start: int = 0                        # the load as it started: requests in the engine, itself included
+    prepared: Any = None                            # front.Prepared: the request as submit checked and prepared it
 
     def finish(self, outcome: Outcome) -> None:
         self.outcome = outcome
@@ -82,9 +82,7 @@ class Scheduler:
         self.engine = engine
         self.cfg = cfg
         self.logger = logger
-        self.loop = engine.loop  # None: the backend serves whole requests (generate on threads)
-        self.capacity = (engine.loop.runner.batch if engine.loop is not None
-                         else cfg.graphs.batch_slots if engine.concurrent else 1)  # jobs running at once
+        self.capacity = engine.capacity  # jobs running at once
         self._lock = threading.Lock()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}  # id(job) -> job, the jobs in the engine
@@ -105,14 +103,15 @@ class Scheduler:
         return len(self._waiting)
 
     def submit(self, job: Job) -> bool:
-        """Check the job's request and queue it; False (the job answered at once) for a request the engine refuses
-        (refusal "invalid": in the caller's thread, without taking a queue place), when stopping ("unavailable"),
-        and when the node already holds capacity + serve.queue_limit unfinished requests ("busy")."""
+        """Prepare the job's request (the engine's front: every check, the tokenization, the grammar compile, once)
+        and queue it; False (the job answered at once) for a request the front refuses (refusal "invalid": in the
+        caller's thread, without taking a queue place), when stopping ("unavailable"), and when the node already
+        holds capacity + serve.queue_limit unfinished requests ("busy")."""
         from spec_edge.runtime.requests import RequestError
 
         limit = self.cfg.serve.queue_limit
         try:
-            self.engine.validate(job.request)
+            job.prepared = self.engine.front.prepare(job.request)
         except RequestError as err:
             job.finish(Outcome.refused(str(err)))
             return False
@@ -144,52 +143,37 @@ class Scheduler:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        loop = self.loop
+        decoder = self.engine
         while True:
             with self._lock:
                 while not ((self._waiting and len(self._running) < self.capacity and not self._stopping)
-                           or (loop is not None and loop.occupied) or (self._stopping and not self._running)):
-                    self._wake.wait()  # woken by submit, stop, and a whole request's end
+                           or decoder.occupied or (self._stopping and not self._running)):
+                    self._wake.wait()  # woken by submit and stop
                 if self._stopping and not self._running:
                     return
                 admitted = []
                 while self._waiting and len(self._running) + len(admitted) < self.capacity and not self._stopping:
                     admitted.append(self._waiting.popleft())
-                waiting = len(self._waiting)
-                if loop is not None:
-                    loop.waiting = waiting
+                decoder.waiting = len(self._waiting)
             for job in admitted:
-                job.queued_at_start = len(self._running) + waiting + 1
                 self._admit(job)
-            if loop is not None and loop.occupied:
+            if decoder.occupied:
                 try:
-                    loop.iterate()
-                except Exception as err:  # the engine failed: answer every job in a slot, keep serving
+                    decoder.iterate()
+                except Exception as err:  # the decoder failed: answer every job in it, keep serving
                     self._fail_running(err)
             self.current = next(iter(self._running.values()), None)
 
     def _admit(self, job: Job) -> None:
-        """Start job: into a free slot of the loop, or generate() on a thread of its own."""
-        from spec_edge.runtime.requests import RequestError
-
-        if self.loop is None:
-            self._running[id(job)] = job
-            threading.Thread(target=self._serve_whole, args=(job,), name="spec_edge-request", daemon=True).start()
-            return
+        """Add job to the decoder (its answer at once when it was cancelled or timed out while it waited)."""
         if (early := self._early_outcome(job)) is not None:
             job.finish(early)
             return
-        try:
-            request = self.engine.start(job.request, on_text=job.on_text, cancel=lambda: self._cancel_reason(job),
-                                        on_result=lambda result: self._done(job, result))
-            self.loop.add(request)
-        except RequestError as err:
-            job.finish(Outcome.refused(str(err)))
-            return
-        except Exception as err:  # the engine failed on a valid request: report it, keep serving
-            job.finish(self._failed(err))
-            return
         self._running[id(job)] = job
+        try:
+            self.engine.add(job.prepared, _JobSink(self, job))
+        except Exception as err:  # refused by the decoder, or it failed on a valid request: keep serving
+            _JobSink(self, job).failed(err)
 
     def _done(self, job: Job, result: Any) -> None:
         self._running.pop(id(job), None)
@@ -197,14 +181,14 @@ class Scheduler:
 
     def _fail_running(self, err: Exception) -> None:
         failed = self._failed(err)
-        self.loop.clear()
+        self.engine.clear()
         for job in list(self._running.values()):
             job.finish(dataclasses.replace(failed))  # an Outcome of its own per job
         self._running.clear()
 
     def _failed(self, err: Exception) -> Outcome:
         """The answer when the engine failed on a valid request (logged with its traceback; the node keeps serving)."""
-        self.logger.error(f"generation failed: {err}\n{traceback.format_exc()}")
+        self.logger.error(f"generation failed: {err}\n{''.join(traceback.format_exception(err))}")
         return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}", finish_reason="error")
 
     def _early_outcome(self, job: Job) -> Outcome | None:
@@ -214,15 +198,6 @@ class Scheduler:
             return None
         return Outcome(success=True, finish_reason="cancelled") if reason == "cancelled" else self._timeout_outcome(job, None)
 
-    def _serve_whole(self, job: Job) -> None:
-        """A whole-request backend's job, on its own thread."""
-        try:
-            job.finish(self._generate(job))
-        finally:
-            with self._lock:
-                self._running.pop(id(job), None)
-                self._wake.notify_all()
-
     def _cancel_reason(self, job: Job) -> str | None:
         if self._stopping or job.cancel_requested():
             return "cancelled"
@@ -230,20 +205,6 @@ class Scheduler:
             job.timed_out = True
             return "error"
         return None
-
-    def _generate(self, job: Job) -> Outcome:
-        from spec_edge.runtime.requests import RequestError
-
-        if (early := self._early_outcome(job)) is not None:
-            return early
-        try:
-            result = self.engine.generate(job.request, on_text=job.on_text,
-                                          cancel=lambda: self._cancel_reason(job), queued=job.queued_at_start)
-        except RequestError as err:
-            return Outcome.refused(str(err))
-        except Exception as err:  # the engine failed on a valid request: report it, keep serving
-            return self._failed(err)
-        return self._outcome(job, result)
 
     def _outcome(self, job: Job, result: Any) -> Outcome:
         """The answer to a job whose generation returned result (counted, its stats kept for diagnostics)."""
@@ -272,3 +233,26 @@ class Scheduler:
             text=result.text if result else "", num_tokens=len(result.token_ids) if result else 0,
             token_ids=list(result.token_ids) if result else [],
             stats=result_stats(result) if result else {})
+
+
+class _JobSink:
+    """A job's serving.Sink: its on_text, the scheduler's cancel reasons, its answer."""
+
+    def __init__(self, scheduler: Scheduler, job: Job):
+        self.scheduler, self.job = scheduler, job
+
+    def on_text(self, delta: str, n_tokens: int) -> None:
+        if self.job.on_text is not None:
+            self.job.on_text(delta, n_tokens)
+
+    def cancel_reason(self) -> str | None:
+        return self.scheduler._cancel_reason(self.job)
+
+    def done(self, result: Any) -> None:
+        self.scheduler._done(self.job, result)
+
+    def failed(self, err: Exception) -> None:
+        from spec_edge.runtime.requests import RequestError
+
+        self.scheduler._running.pop(id(self.job), None)
+        self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else self.scheduler._failed(err))

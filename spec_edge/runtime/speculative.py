@@ -36,7 +36,7 @@ length, context_full, cancel's reason: cancel() is asked before each decode call
 for the next add.
 
 Drafters: a request brings its drafter (SlotRequest.drafter, e.g. prompt lookup) or has it made for
-the slot it takes (SlotRequest.make_drafter(slot): a drafter over that slot's own regions of the draft
+the slot it takes (SlotRequest.sink.drafter(slot): a drafter over that slot's own regions of the draft
 model's / head's caches, runtime/drafting.py). Its life: start(prompt)
 once the prompt is in (forget() first without prefix reuse), propose / observe per iteration,
 finish() when the request leaves (recording what its cache holds for the slot's next request).
@@ -140,9 +140,42 @@ class Drafter(Protocol):
     def finish(self) -> None: ...  # the request ended normally: record what the drafter's cache holds
 
 
-# emit(new_tokens) -> True to stop (a stop string was found); cancel() -> None or a finish reason
-Emit = Callable[[list[int]], bool]
-Cancel = Callable[[], "str | None"]
+class SlotSink(Protocol):
+    """Where a slot's request goes, one object per request (the engine's turns tokens into text for its serving.Sink):
+    drafter(slot) its drafter over that slot's caches (None: it brings its own, or none), asked as it takes the slot;
+    emit(chunk) the tokens just chosen (True: stop, a stop string showed up); cancel_reason() before each decode
+    call (None: go on; else the finish reason); done(request, token_ids, finish_reason, stats) once, from the
+    loop's thread, as it leaves."""
+
+    def drafter(self, slot: int) -> Drafter | None: ...
+
+    def emit(self, chunk: list[int]) -> bool: ...
+
+    def cancel_reason(self) -> str | None: ...
+
+    def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats: Stats) -> None: ...
+
+
+class Keep:
+    """A SlotSink that keeps its request's (token ids, finish reason, stats) in result (tools, tests); cancel() and
+    emit(chunk) as a SlotSink's, when given."""
+
+    def __init__(self, cancel: Callable[[], str | None] | None = None,
+                 emit: Callable[[list[int]], bool] | None = None):
+        self._cancel, self._emit = cancel, emit
+        self.result: tuple[list[int], str, Stats] | None = None
+
+    def drafter(self, slot: int) -> None:
+        return None
+
+    def emit(self, chunk: list[int]) -> bool:
+        return self._emit is not None and self._emit(chunk)
+
+    def cancel_reason(self) -> str | None:
+        return self._cancel() if self._cancel is not None else None
+
+    def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats: Stats) -> None:
+        self.result = (token_ids, finish, stats)
 
 
 def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int) -> tuple[list[int], str | None]:
@@ -168,23 +201,17 @@ class SlotRequest:
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None
     k: int = 0  # drafts per verify call it asks for (0, or without a drafter / forced drafts: plain steps)
-    drafter: Drafter | None = None  # this request's own (a drafter keeps per-request state)
-    # or: made by BatchLoop.add for the slot the request takes (a drafter over that slot's caches)
-    make_drafter: Callable[[int], Drafter] | None = None
-    emit: Emit | None = None
-    cancel: Cancel | None = None
+    drafter: Drafter | None = None  # this request's own (a drafter keeps per-request state), else its sink's
+    sink: SlotSink | None = None    # its output (None: nothing streamed, never cancelled, the result dropped)
     constraint: Constraint | None = None  # guided decoding: this request's grammar state
     forced_drafts: bool = False           # with a constraint: the tokens the grammar forces are the draft
-    # on_done(token_ids, finish_reason, stats): called once, from the loop's thread, when it leaves
-    on_done: Callable[[list[int], str, Stats], None] | None = None
     occupancy: int = 0  # set by BatchLoop.add: the load as it joined, itself included (1 = alone)
     k_choice: KChoice | None = None  # speculative.k auto: chooses each iteration's k <= k (None: always k)
 
     @property
     def speculating(self) -> bool:
         """It drafts (a drafter, or grammar-forced drafts) at some k > 0."""
-        return self.k > 0 and (self.drafter is not None or self.make_drafter is not None
-                               or (self.constraint is not None and self.forced_drafts))
+        return self.k > 0 and (self.drafter is not None or (self.constraint is not None and self.forced_drafts))
 
     @property
     def argmax_only(self) -> bool:
@@ -257,18 +284,11 @@ class BatchLoop:
         return {k, *(min(k, entry) for entry in self.k_by_load)} - {0} if k > 0 else set()
 
     def add(self, request: SlotRequest) -> int:
-        """Put request into a free slot (it starts prefilling at the next iteration); returns the slot."""
-        if not request.prompt_ids:
-            raise BackendError("a request needs at least one prompt token")
-        if len(request.prompt_ids) >= self.runner.max_context:
-            raise BackendError(f"the prompt ({len(request.prompt_ids)} tokens) leaves no room in the "
-                               f"{self.runner.max_context}-token cache")
+        """Put request into a free slot (it starts prefilling at the next iteration); returns the slot. Its prompt
+        is 1 .. max_context - 1 tokens (runtime/front.py checked it)."""
         free = [i for i, slot in enumerate(self.slots) if slot is None]
         if not free:
             raise BackendError(f"all {self.runner.batch} batch slots are busy")
-        k = request.k if request.speculating else 0
-        for used in sorted(self.policy_ks(k)):
-            self.runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
         prompt = request.prompt_ids
         held = self.runner.held
         # the free slot holding the longest prefix of the prompt (ties: the one taken least recently, so
@@ -276,8 +296,11 @@ class BatchLoop:
         # the last prompt token is prefilled (its logits choose the first token)
         shared = {i: common_prefix(held[i], prompt, len(prompt) - 1) if self.reuse else 0 for i in free}
         index = max(free, key=lambda i: (shared[i], -self._taken[i], -i))
-        if request.drafter is None and request.make_drafter is not None:
-            request.drafter = request.make_drafter(index)  # before the slot is taken: it may refuse
+        if request.drafter is None and request.sink is not None:
+            request.drafter = request.sink.drafter(index)  # before the slot is taken: it may refuse
+        k = request.k if request.speculating else 0
+        for used in sorted(self.policy_ks(k)):
+            self.runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
         self._taken[index] = max(self._taken) + 1
         held[index] = ()  # until the request leaves: a failure leaves the slot cold
         drafter = request.drafter
@@ -351,7 +374,7 @@ class BatchLoop:
         decoding = [i for i, slot in enumerate(self.slots) if slot is not None and slot.decoding]
         for i in list(decoding):
             slot = self.slots[i]
-            if slot.request.cancel is not None and (reason := slot.request.cancel()):  # before each decode call
+            if slot.request.sink is not None and (reason := slot.request.sink.cancel_reason()):  # before each call
                 slot.finish = reason
                 decoding.remove(i)
             elif slot.pos >= runner.max_context:
@@ -472,7 +495,7 @@ class BatchLoop:
             request.constraint.consume(chunk)
             if reason is None and request.constraint.done:  # only EOS may follow: the masked target's choice
                 reason = "eos"
-        if chunk and request.emit is not None and request.emit(chunk):
+        if chunk and request.sink is not None and request.sink.emit(chunk):
             reason = "stop"
         return reason
 
@@ -484,8 +507,8 @@ class BatchLoop:
             slot.request.drafter.finish()  # the drafter's cache record
         slot.stats.new_tokens = len(slot.new_tokens)
         slot.stats.total_time_s = time.perf_counter() - slot.started
-        if slot.request.on_done is not None:
-            slot.request.on_done(slot.new_tokens, slot.finish, slot.stats)
+        if slot.request.sink is not None:
+            slot.request.sink.done(slot.request, slot.new_tokens, slot.finish, slot.stats)
 
 
 def cut_draft(draft: Draft, constraint: Constraint, stats: Stats, drafter: Drafter) -> Draft | None:
@@ -518,38 +541,3 @@ def accept_rows(logits: np.ndarray, draft: Draft, constraint: Constraint | None,
     if sampler.params.greedy:
         return (*greedy_accept(np.argmax(logits, axis=-1), draft.tokens), logits)
     return (*speculative_accept(probabilities(logits, sampler.params), q, draft.tokens, sampler.rng), logits)
-
-
-def generate_all(runner: Slotted, requests: list[SlotRequest], *, join_at: list[int] | None = None,
-                 k_by_load: Sequence[int] = (), reuse: bool = False) -> list[tuple[list[int], str, Stats]]:
-    """Run requests through one BatchLoop, request i joining at iteration join_at[i] (default 0) or
-    as soon as a slot is free after it; returns (token ids, finish reason, stats) per request."""
-    join_at = join_at or [0] * len(requests)
-    results: list = [None] * len(requests)
-    loop = BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
-    waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
-    for i in waiting:
-        previous = requests[i].on_done
-
-        def done(ids, finish, stats, i=i, previous=previous):
-            results[i] = (ids, finish, stats)
-            if previous is not None:
-                previous(ids, finish, stats)
-        requests[i].on_done = done
-    while waiting or loop.occupied:
-        while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
-            loop.add(requests[waiting.pop(0)])
-        loop.iterate()
-    return results
-
-
-def generate(runner: Slotted, request: SlotRequest, *, reuse: bool = False) -> tuple[list[int], str, Stats]:
-    """Decode request alone, in slot 0 of runner (the lowest free slot of a new loop; a drafter made for
-    slot 0 drafts it). Returns (new token ids without EOS, finish_reason in eos | stop | length |
-    context_full | <cancel's reason>, stats). reuse (a runner of one slot): keep the cache rows the last
-    request left that match a prefix of its prompt."""
-    if reuse and runner.batch != 1:
-        raise BackendError(f"generate(reuse=True) runs in slot 0 of a one-slot runner; this one has {runner.batch} "
-                           f"slots (use generate_all)")
-    (result,) = generate_all(runner, [request], reuse=reuse)
-    return result

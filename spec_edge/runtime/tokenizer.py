@@ -166,3 +166,12 @@ class StreamDecoder:
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta
+
+    def kept_ids(self) -> list[int]:
+        """ids, cut after the shortest prefix whose text holds a stop string once stopped (what plain decoding,
+        checking after every token, would have stopped at)."""
+        if self.stopped:
+            for n in range(1, len(self.ids) + 1):
+                if any(stop in self.tokenizer.decode(self.ids[:n]) for stop in self.stop):
+                    return self.ids[:n]
+        return list(self.ids)

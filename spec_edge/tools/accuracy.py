@@ -54,9 +54,11 @@ def forced_logits(runner, prompt: list[int], continuation: list[int]) -> np.ndar
 def _greedy(engine, ids: list[int], max_new: int, drafter=None, k: int = 0) -> tuple[list[int], float]:
     from spec_edge.runtime import speculative
 
-    started = time.perf_counter()
-    out, _, _ = speculative.generate(engine.runner, speculative.SlotRequest(
-        prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
+    started, kept, loop = time.perf_counter(), speculative.Keep(), speculative.BatchLoop(engine.runner)
+    loop.add(speculative.SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter,
+                                     k=k, sink=kept))
+    loop.run()
+    out = kept.result[0]
     return out, len(out) / max(time.perf_counter() - started, 1e-9)
 
 

@@ -76,7 +76,7 @@ def main(cfg, args, progress) -> int:
     eos_ids = tuple(ref_engine.eos_ids)
     from spec_edge.runtime.requests import GenerateRequest
 
-    prompt_ids = {p["id"]: ref_engine.prompt_ids(GenerateRequest(prompt=p["prompt"])) for p in prompts}
+    prompt_ids = {p["id"]: ref_engine.front.prompt_ids(GenerateRequest(prompt=p["prompt"])) for p in prompts}
     if "transformers" in peers or "transformers-early-exit" in peers:
         progress("[bench] loading transformers peer ...")
         extra, more = hf_systems(cfg, ks, eos_ids, progress, "transformers-early-exit" in peers)

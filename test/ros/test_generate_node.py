@@ -157,7 +157,7 @@ def test_tokenize_service(server, module_env, reference_engine):
     from spec_edge.runtime.requests import GenerateRequest
     text = "Which way is the kitchen?"
     raw = reference_engine.tokenizer.encode(text)
-    chat = reference_engine.prompt_ids(GenerateRequest(prompt=text))
+    chat = reference_engine.front.prompt_ids(GenerateRequest(prompt=text))
     vocab = reference_engine.target.vocab_size
     answers = run_client(module_env, {"mode": "tokenize", "requests": [
         {"text": text}, {"text": text, "chat": True}, {"ids": raw},

@@ -1,6 +1,6 @@
 """runtime.backend tensorrt: a whole request served by NVIDIA TensorRT Edge-LLM (`tensorrt-edgellm`, pinned
-EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.RequestBackend: the CLI, the
-ROS node and the action call it exactly as they call engine.Engine.
+EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.Decoder: the scheduler (every
+door) and the CLI drive it exactly as they drive engine.Engine.
 
 Two Edge-LLM objects, picked by graphs.batch_slots:
   1      LLMRuntime: speculative.drafter eagle3 over the base and draft engines, drafting the chain of k
@@ -11,18 +11,18 @@ Two Edge-LLM objects, picked by graphs.batch_slots:
          a request that asked for a drafter runs target-only and its result's speculation_off_reason says so.
 
 What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
-  prompt / messages / system prompt -> rendered by OUR chat template (serving.chat_text, the CPU path's) and
+  prompt / messages / system prompt -> rendered by OUR chat template (front.Front, the CPU path's) and
       sent as one pre-formatted text message with apply_chat_template=False (Edge-LLM concatenates the text of
       such messages as it is); at load, count_prompt_tokens of a probe conversation must equal our tokenizer's
       count, else the engine refuses to start (the two tokenizers disagree).
   temperature 0 -> top_k=1 (argmax); top_p, top_k, seed (sampling_seed), max_new_tokens (max_generate_length).
   logit_bias -> Request.logit_bias (id -> bias). min_p, the repetition / presence / frequency penalties,
-      ignore_eos and logprobs are refused, naming runtime.backend: onnxruntime (Edge-LLM's request has no
+      ignore_eos and logprobs are refused by the front (its Capabilities), naming runtime.backend: onnxruntime (Edge-LLM's request has no
       such sampling option; its num_logprobs is not mapped: its numbers are not checked against ours).
   stop strings -> Request.stop_strings (Edge-LLM stops); the text and ids are cut at the stop string here, as on
       the CPU path (StreamDecoder), so both answer the same.
   json_schema / regex -> GuidedDecodingParams(JSON_SCHEMA / REGEX); a GBNF grammar (`::=` rules) -> EBNF (XGrammar
-      reads GBNF-style EBNF); a Lark grammar is refused, naming runtime.backend: onnxruntime.
+      reads GBNF-style EBNF); the front refuses a Lark grammar, naming runtime.backend: onnxruntime.
   streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
   cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
       (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer. A batched
@@ -44,6 +44,7 @@ by the exact Jetson L4T / GPU); tests pass a stand-in generated from the real si
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -55,9 +56,10 @@ from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, speculative_k
 from spec_edge.device import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, check_fits, check_stop
-from spec_edge.runtime.serving import chat_text, resolve_fields
+from spec_edge.runtime import serving
+from spec_edge.runtime.front import Capabilities, Front, Prepared
+from spec_edge.runtime.serving import Sink
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -169,22 +171,10 @@ def load_native() -> ModuleType:
 
 
 def guide(rt: ModuleType, kind: str, text: str):
-    """The GuidedDecodingParams of a request's (kind, text) (grammar.grammar_spec); RequestError for a Lark
-    grammar (XGrammar reads EBNF: GBNF converts, Lark does not) and for what Edge-LLM would not enforce."""
-    try:
-        read_text(kind, text)
-    except GrammarError as err:
-        raise RequestError(str(err)) from None
-    if kind == "json_schema":
-        params = rt.GuidedDecodingParams(rt.GuideType.JSON_SCHEMA, text)
-    elif kind == "regex":
-        params = rt.GuidedDecodingParams(rt.GuideType.REGEX, text)
-    elif "::=" in text:  # GBNF (llama.cpp): XGrammar's EBNF is GBNF's syntax
-        params = rt.GuidedDecodingParams(rt.GuideType.EBNF, text)
-    else:
-        raise RequestError("a Lark grammar runs on runtime.backend: onnxruntime only (Edge-LLM's XGrammar takes "
-                           "EBNF / GBNF `::=` rules): rewrite it as GBNF, or send it to a node with "
-                           "runtime.backend: onnxruntime")
+    """The GuidedDecodingParams of a request's (kind, text) (grammar.grammar_spec; the front refused a Lark grammar:
+    XGrammar reads EBNF, GBNF's syntax); RequestError for what Edge-LLM would not enforce."""
+    guide_type = {"json_schema": rt.GuideType.JSON_SCHEMA, "regex": rt.GuideType.REGEX}.get(kind, rt.GuideType.EBNF)
+    params = rt.GuidedDecodingParams(guide_type, text)
     valid, reason = rt.validate_guided_decoding_params(params)
     if not valid:
         raise RequestError(f"{kind} is refused by Edge-LLM's guided decoding: {reason}")
@@ -192,10 +182,9 @@ def guide(rt: ModuleType, kind: str, text: str):
 
 
 class EdgeLLMEngine:
-    """A serving.RequestBackend over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
+    """A serving.Decoder over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
     batch_slots > 1), the tokenizer of the engine folder (our chat template and stream decoding), the builder
-    limits, and a lock serialising LLMRuntime requests."""
-    loop = None  # it serves whole requests (the worker runs generate, on threads when concurrent)
+    limits, a lock serialising LLMRuntime requests, and the requests running on their threads."""
 
     def __init__(self, cfg: Config, rt: ModuleType, dirs: EdgeLLMDirs, progress: Callable[[str], None] = print):
         self.cfg, self.rt, self.dirs, self.progress = cfg, rt, dirs, progress
@@ -218,8 +207,19 @@ class EdgeLLMEngine:
             self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
         if self.runtime is not None and not self.runtime.capture_decoding_cuda_graph():
             progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
-        self.concurrent = self.batcher is not None
+        self.capacity = slots if self.batcher is not None else 1  # LLMRuntime: one request at a time
+        self.waiting = 0  # requests queued outside (the load as a request starts: occupied + waiting)
         self._lock = threading.Lock()
+        self._running = 0  # requests added whose end iterate() has not delivered yet
+        self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (sink, result or exception) as each request ends
+        k = speculative_k(cfg)
+        drafters = EDGELLM_DRAFTERS if self.batcher is not None or speculative.drafter == "eagle3" else ("none",)
+        self.front = Front(cfg, self.tokenizer, Capabilities(
+            name="Edge-LLM", drafters=drafters, k_values=(k,),
+            k_remedy=f"the Edge-LLM runtime drafts a chain of k={k} (speculative.k, fixed at load): send k=0 or k={k}",
+            max_context=self.max_context, max_input=min(dirs.max_input_len, self.max_context - 1),
+            vocab_size=self.vocab_size, eos_ids=(), guided=("json_schema", "regex", "gbnf"), sampling=(),
+            forced_drafts=False), lambda kind, text: guide(rt, kind, text))
         self._check_tokenizer()
 
     @classmethod
@@ -261,80 +261,68 @@ class EdgeLLMEngine:
         call.max_generate_length = max_new
         return call
 
-    def _prompt(self, request: GenerateRequest) -> tuple[str, int]:
-        text = chat_text(self.tokenizer, request, self.cfg.serve.system_prompt)
-        n = len(self.tokenizer.encode(text))
-        if n > self.dirs.max_input_len or n >= self.max_context:
-            raise RequestError(f"prompt is {n} tokens but the Edge-LLM engine takes at most "
-                               f"{min(self.dirs.max_input_len, self.max_context - 1)}: shorten the prompt or rebuild "
-                               f"with a larger graphs.max_context")
-        if request.max_new_tokens is not None:  # as asked; the configured default adapts (context_full)
-            check_fits(n, int(request.max_new_tokens), self.max_context)
-        return text, n
-
-    def _resolve(self, request: GenerateRequest):
-        params, max_new, seed, drafter, k = resolve_fields(self.cfg, request, self.max_context,
-                                                           self.vocab_size, ())
-        unsupported = [name for name, asked in (
-            ("min_p", params.min_p != 0.0), ("repetition_penalty", params.repetition_penalty != 1.0),
-            ("presence_penalty", params.presence_penalty != 0.0),
-            ("frequency_penalty", params.frequency_penalty != 0.0),
-            ("ignore_eos", request.ignore_eos), ("logprobs", params.logprobs > 0)) if asked]
-        if unsupported:
-            raise RequestError(f"{', '.join(unsupported)}: Edge-LLM's runtime has no such option; they run on "
-                               "runtime.backend: onnxruntime (leave them unset here: sampling.* at their defaults)")
-        if drafter not in EDGELLM_DRAFTERS:
-            raise RequestError(f"drafter {drafter} runs on runtime.backend: onnxruntime only; this Edge-LLM engine "
-                               f"runs {' or '.join(EDGELLM_DRAFTERS)}")
-        if drafter == "eagle3" and self.runtime is not None and self.cfg.speculative.drafter != "eagle3":
-            raise RequestError("this Edge-LLM runtime was started without the EAGLE-3 draft engine "
-                               "(speculative.drafter none): send drafter none, or restart with drafter eagle3")
-        if drafter == "eagle3" and k != speculative_k(self.cfg):
-            raise RequestError(f"the Edge-LLM runtime drafts a chain of k={speculative_k(self.cfg)} (speculative.k, "
-                               f"fixed at load): send k=0 or k={speculative_k(self.cfg)}")
-        if request.forced_drafts:
-            raise RequestError("forced drafts (a grammar's forced tokens as the draft) run on runtime.backend: "
-                               "onnxruntime only: send forced_drafts unset or false")
-        spec = grammar_spec(request.json_schema, request.grammar, request.regex)
-        return params, max_new, seed, drafter, spec
-
-    def validate(self, request: GenerateRequest) -> None:
-        try:
-            _, _, _, _, spec = self._resolve(request)
-            check_stop(request.stop)
-            self._prompt(request)
-            if spec is not None:
-                guide(self.rt, *spec)
-        except GrammarError as err:
-            raise RequestError(str(err)) from None
-
     def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """Serve one request (see the module docstring for the mapping). RequestError: refused, nothing ran."""
+        """One request alone through this decoder (serving.generate: the CLI's path)."""
+        return serving.generate(self, request, on_text, cancel, queued)
+
+    # -- the decoder (serving.Decoder): each request on a thread of its own -------------------------
+    @property
+    def occupied(self) -> int:
+        return self._running
+
+    def add(self, prepared: Prepared, sink: Sink) -> None:
+        """Start the request on a thread of its own (Edge-LLM's calls block it); iterate() delivers its end."""
+        queued = self._running + self.waiting + 1  # the load as it starts, itself included
+        self._running += 1
+
+        def run() -> None:
+            try:
+                self._ended.put((sink, self._serve(prepared, sink.on_text, sink.cancel_reason, queued)))
+            except Exception as err:  # this request's failure (RequestError: refused), answered through its sink
+                self._ended.put((sink, err))
+
+        threading.Thread(target=run, name="edgellm-request", daemon=True).start()
+
+    def iterate(self) -> None:
+        """Wait up to POLL_MS for a request to end; hand its result to its sink."""
         try:
-            params, max_new, seed, drafter, spec = self._resolve(request)
-        except GrammarError as err:
-            raise RequestError(str(err)) from None
-        check_stop(request.stop)
-        text, n_prompt = self._prompt(request)
+            sink, outcome = self._ended.get(timeout=POLL_MS / 1000)
+        except queue.Empty:
+            return
+        self._running -= 1
+        if isinstance(outcome, Exception):
+            sink.failed(outcome)
+        else:
+            sink.done(outcome)
+
+    def clear(self) -> None:
+        """Forget the requests in it (their threads still end; nothing is delivered)."""
+        self._running, self._ended = 0, queue.SimpleQueue()
+
+    def _serve(self, prepared: Prepared, on_text: Callable[[str, int], None] | None,
+               cancel: Callable[[], str | None] | None, queued: int) -> GenerateResult:
+        """A prepared request through Edge-LLM, on the calling thread (see the module docstring for the mapping)."""
+        request, params, drafter, max_new = prepared.request, prepared.sampling, prepared.drafter, prepared.max_new_tokens
+        n_prompt = len(prepared.prompt_ids)
         room = self.max_context - n_prompt  # KV capacity left after the prompt
         context_bound = max_new > room
         max_new = min(max_new, room)
         rt = self.rt
-        call = self._call(text, max_new)
+        call = self._call(prepared.text, max_new)
         item = call.requests[0]
         item.stop_strings = [s for s in request.stop if s]
         if params.logit_bias:
             item.logit_bias = dict(params.logit_bias)
-        if spec is not None:
-            item.guided_decoding = guide(rt, *spec)
+        if prepared.guide is not None:
+            item.guided_decoding = prepared.guide
         call.requests = [item]
         greedy = params.temperature == 0
         call.temperature = 1.0 if greedy else params.temperature
         call.top_k = 1 if greedy else params.top_k
         call.top_p = 1.0 if greedy else params.top_p
-        if seed is not None:
-            call.sampling_seed = seed
+        if prepared.seed is not None:
+            call.sampling_seed = prepared.seed
         call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE if self.cfg.serve.reuse_prefix
                                             else rt.ContextCacheLookupPolicy.BYPASS)
         asked = speculative_k(self.cfg) if drafter == "eagle3" else 0
@@ -361,11 +349,9 @@ class EdgeLLMEngine:
         tail = decoder.finish()
         if tail and on_text is not None:
             on_text(tail, len(decoder.ids))
-        ids = list(decoder.ids)
+        ids = decoder.kept_ids()
         if finish == "length" and context_bound and len(ids) >= room:
             finish = "context_full"  # the CPU path's name for running out of context before max_new_tokens
-        if finish == "stop":
-            ids = self._trim_to_stop(ids, request.stop)
         stats.new_tokens = len(ids)
         if self.batcher is None and drafter != "none" and k < asked:  # the policy's k, as the loop counts it
             stats.k = asked
@@ -463,22 +449,13 @@ class EdgeLLMEngine:
         what = "NOT_FINISHED" if reason == rt.FinishReason.NOT_FINISHED else repr(reason)
         return "error", f"Edge-LLM ended the stream with reason {what}"
 
-    def _trim_to_stop(self, ids: list[int], stops: tuple[str, ...]) -> list[int]:
-        """The shortest prefix of ids whose text contains a stop string (what the CPU path returns)."""
-        for n in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:n])
-            if any(stop and stop in text for stop in stops):
-                return ids[:n]
-        return ids
-
     # -- serving ------------------------------------------------------------------------------------
     def warm(self, system_prompt: str = "") -> int:
         """Put the chat prefix every request with this system prompt shares into the context cache (one
         prefill, PREFILL_STATE_ONLY), so the next such request reuses it. Its length in tokens."""
         if not self.cfg.serve.reuse_prefix:
             raise ConfigError("warming the cache needs serve.reuse_prefix: true")
-        one, two = (self.tokenizer.encode(chat_text(self.tokenizer, GenerateRequest(prompt=p, system_prompt=system_prompt),
-                                                    self.cfg.serve.system_prompt)) for p in ("a", "b"))
+        one, two = (self.front.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
         n = 0
         while n < min(len(one), len(two)) and one[n] == two[n]:
             n += 1

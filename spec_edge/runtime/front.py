@@ -1,0 +1,224 @@
+"""The one front every request goes through, from any door (the ROS node, the HTTP door, the CLI, the tools):
+Front.prepare turns a GenerateRequest into a Prepared request, once: every check, the chat template, the
+tokenization, the grammar compile, the sampling values with the config's defaults, max_new_tokens, the drafter
+and k. A refusal is a RequestError whose message says what to change. What a decoder cannot do is data it
+declares (Capabilities), checked here; a decoder starts from the Prepared request and checks nothing again.
+"""
+from __future__ import annotations
+
+import math
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from spec_edge.config import BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
+from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
+from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.sampling import SamplingParams
+from spec_edge.runtime.tokenizer import Tokenizer
+
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask per token
+CHAT_ROLES = ("system", "user", "assistant")
+GUIDED = ("json_schema", "regex", "gbnf", "lark")  # guided decoding kinds (a grammar is GBNF when it has `::=` rules)
+OPTIONAL_SAMPLING = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "logprobs")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a decoder serves; the front refuses the rest. name: how refusals call it."""
+    name: str
+    drafters: tuple[str, ...]       # the drafters it runs now ("none" included)
+    k_values: tuple[int, ...]       # the k a speculating request may ask for
+    k_remedy: str                   # what to do about another k ({k}: the k asked)
+    max_context: int                # prompt + answer tokens one request holds
+    max_input: int                  # the longest prompt in tokens
+    vocab_size: int                 # the ids logit_bias may name
+    eos_ids: tuple[int, ...]        # what ignore_eos suppresses
+    guided: tuple[str, ...] = GUIDED
+    sampling: tuple[str, ...] = OPTIONAL_SAMPLING  # the optional sampling features it honours
+    forced_drafts: bool = True      # a grammar's forced tokens can be the draft
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request every check passed, in the values a decoder runs it with."""
+    request: GenerateRequest        # as sent (its stop strings)
+    text: str                       # the prompt text (chat template applied)
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    seed: int | None
+    drafter: str                    # "none": it does not draft (speculate false, or none asked)
+    k: int                          # drafts per verify call asked (speculative_k of the config when unset)
+    guide: Any = None               # the decoder's compiled grammar for this request (None: unguided)
+    forced_drafts: bool = False     # the grammar's forced tokens are drafts (only with a guide, k and speculate)
+
+
+def check_text(name: str, text: str) -> None:
+    """Refuse text that is not UTF-8 (a lone surrogate: how Python holds undecodable bytes, e.g. of argv) or holds
+    a control character other than newline, tab and carriage return (NUL among them: a ROS string ends at it, so
+    through the node it cuts the text before the node sees it). U+FFFD is a character like any other."""
+    for i, char in enumerate(text):
+        if char in "\n\t\r":
+            continue
+        category = unicodedata.category(char)
+        if category == "Cs":
+            raise RequestError(f"{name} is not valid UTF-8 (an undecodable byte at character {i}): send UTF-8 text")
+        if category == "Cc":
+            raise RequestError(f"{name} contains control character U+{ord(char):04X} at character {i}: "
+                               f"remove it (only newline, tab and carriage return are accepted)")
+
+
+class Front:
+    """prepare(request) for one decoder: its config, tokenizer, Capabilities and grammar compiler (compile(kind,
+    text) -> the per-request grammar state it runs with; GrammarError or RequestError for one it cannot use)."""
+
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any]):
+        self.cfg, self.tokenizer, self.caps, self.compile = cfg, tokenizer, caps, compile
+
+    def chat_text(self, request: GenerateRequest) -> str:
+        """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
+        (the request's, else serve.system_prompt, else the template's default) first, rendered through the
+        chat template (request.chat) or joined by newlines."""
+        if request.messages:
+            # tool where the model's chat template handles tool turns (it names the role; SmolLM2's does not)
+            roles = CHAT_ROLES + (("tool",) if "tool" in self.tokenizer.chat_template else ())
+            for i, (role, content) in enumerate(request.messages):
+                if role not in roles:
+                    raise RequestError(f"messages[{i}] has role '{role}': use one of {', '.join(roles)} "
+                                       "(the roles this model's chat template knows)")
+                check_text(f"messages[{i}] ({role})", content)
+            messages = list(request.messages)
+        else:
+            if not request.prompt.strip():
+                raise RequestError("prompt is empty: send the text to answer")
+            check_text("prompt", request.prompt)
+            messages = [("user", request.prompt)]
+        system = request.system_prompt or self.cfg.serve.system_prompt
+        check_text("system prompt", system)
+        if system and not any(role == "system" for role, _ in messages):
+            messages.insert(0, ("system", system))
+        if not any(content.strip() for _, content in messages):
+            raise RequestError("all messages are empty: send the text to answer")
+        return self.tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The token ids of the request's prompt text (chat_text), refused when the prompt does not fit."""
+        return self._encode(self.chat_text(request))
+
+    def _encode(self, text: str) -> list[int]:
+        caps, ids = self.caps, self.tokenizer.encode(text)
+        if len(ids) > caps.max_input:
+            raise RequestError(f"prompt is {len(ids)} tokens but the context holds {caps.max_context} (prompt + "
+                               f"answer) and a prompt at most {caps.max_input}: shorten the prompt or export with a "
+                               f"larger graphs.max_context")
+        return ids
+
+    def prepare(self, request: GenerateRequest) -> Prepared:
+        """The Prepared request (RequestError for one that cannot be served as asked)."""
+        caps, defaults = self.caps, self.cfg.sampling
+        params = self._sampling(request)
+        limit = caps.max_context - 1
+        # the configured default adapts to a smaller context; an explicit request value must fit
+        max_new = min(defaults.max_new_tokens, limit) if request.max_new_tokens is None else int(request.max_new_tokens)
+        if not 1 <= max_new <= limit:
+            raise RequestError(f"max_new_tokens must be in [1, {limit}] (the context holds {caps.max_context} "
+                               f"tokens), got {max_new}")
+        seed = defaults.seed if request.seed is None else int(request.seed)
+        if seed < -1:
+            raise RequestError(f"seed must be >= 0 (reproducible sampling) or -1 (nondeterministic), got {seed}")
+        drafter = request.drafter or self.cfg.speculative.drafter
+        if drafter not in DRAFTERS:
+            raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
+        drafter = drafter if request.speculate else "none"
+        k = speculative_k(self.cfg) if not request.k else int(request.k)  # auto: the largest exported k
+        self._check_drafter(drafter, k)
+        if request.forced_drafts and not caps.forced_drafts:
+            raise RequestError("forced drafts (a grammar's forced tokens as the draft) run on runtime.backend: "
+                               "onnxruntime only: send forced_drafts unset or false")
+        for item in request.stop:
+            check_text("stop string", item)
+        text = self.chat_text(request)
+        ids = self._encode(text)
+        if request.max_new_tokens is not None and len(ids) + max_new > caps.max_context:  # as asked must fit
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) = {len(ids) + max_new} "
+                               f"exceed the context of {caps.max_context} tokens: ask for at most "
+                               f"{caps.max_context - len(ids)} new tokens, shorten the prompt, or export with a "
+                               "larger graphs.max_context")
+        guide = self._guide(request)
+        forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
+        # forced drafts are speculation too: off with speculate=false
+        forced = (guide is not None and forced and request.speculate and caps.forced_drafts and k in caps.k_values)
+        return Prepared(request=request, text=text, prompt_ids=ids, sampling=params, max_new_tokens=max_new,
+                        seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced)
+
+    def _sampling(self, request: GenerateRequest) -> SamplingParams:
+        caps, defaults = self.caps, self.cfg.sampling
+        bias: dict[int, float] = {}
+        for token, value in request.logit_bias:
+            if not 0 <= int(token) < caps.vocab_size:
+                raise RequestError(f"logit_bias names token id {token}, outside the vocabulary [0, "
+                                   f"{caps.vocab_size}): use ids from the tokenize service")
+            if not math.isfinite(float(value)):
+                raise RequestError(f"logit_bias for token {token} must be a finite number, got {value} (to forbid "
+                                   "a token send a large negative bias such as -100)")
+            bias[int(token)] = bias.get(int(token), 0.0) + float(value)
+        if request.ignore_eos and (request.json_schema or request.grammar or request.regex):
+            raise RequestError("ignore_eos cannot be combined with json_schema / grammar / regex (a guided output "
+                               "ends with EOS once it parses): drop one of them")
+        logprobs = int(request.logprobs)
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}] (0 = none), got {logprobs}")
+
+        def pick(value, default):
+            return default if value is None else float(value)
+
+        params = SamplingParams(
+            temperature=pick(request.temperature, defaults.temperature),
+            top_k=defaults.top_k if request.top_k is None else int(request.top_k),
+            top_p=pick(request.top_p, defaults.top_p), min_p=pick(request.min_p, defaults.min_p),
+            repetition_penalty=pick(request.repetition_penalty, defaults.repetition_penalty),
+            presence_penalty=pick(request.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=pick(request.frequency_penalty, defaults.frequency_penalty),
+            logit_bias=tuple(sorted(bias.items())), suppressed=caps.eos_ids if request.ignore_eos else (),
+            logprobs=logprobs)
+        if problem := sampling_problem(params):
+            raise RequestError(problem)
+        asked = (("min_p", params.min_p != 0.0), ("repetition_penalty", params.repetition_penalty != 1.0),
+                 ("presence_penalty", params.presence_penalty != 0.0),
+                 ("frequency_penalty", params.frequency_penalty != 0.0), ("ignore_eos", request.ignore_eos),
+                 ("logprobs", logprobs > 0))
+        if unsupported := [name for name, on in asked if on and name not in caps.sampling]:
+            raise RequestError(f"{', '.join(unsupported)}: {caps.name}'s runtime has no such option; they run on "
+                               "runtime.backend: onnxruntime (leave them unset here: sampling.* at their defaults)")
+        return params
+
+    def _check_drafter(self, drafter: str, k: int) -> None:
+        caps = self.caps
+        if drafter not in caps.drafters:
+            runs = BACKEND_DRAFTERS[self.cfg.runtime.backend]
+            if drafter not in runs:
+                raise RequestError(f"drafter {drafter} runs on runtime.backend: onnxruntime only; this {caps.name} "
+                                   f"engine runs {' or '.join(runs)}")
+            raise RequestError(f"this {caps.name} engine was started without drafter {drafter} (speculative.drafter "
+                               f"{self.cfg.speculative.drafter}): send drafter none, or restart with drafter {drafter}")
+        if drafter != "none" and k not in caps.k_values:
+            raise RequestError(f"k={k} has no verify graph in this engine (built for k in {list(caps.k_values)}): "
+                               + caps.k_remedy.format(k=k))
+
+    def _guide(self, request: GenerateRequest) -> Any:
+        """The decoder's grammar state for the request's json_schema / grammar / regex (None without)."""
+        try:
+            spec = grammar_spec(request.json_schema, request.grammar, request.regex)
+            if spec is None:
+                return None
+            kind, text = spec
+            read_text(kind, text)
+            if (which := kind if kind != "grammar" else "gbnf" if "::=" in text else "lark") not in self.caps.guided:
+                raise RequestError(f"a {which} {kind} runs on runtime.backend: onnxruntime only (this {self.caps.name} "
+                                   f"engine takes {', '.join(self.caps.guided)}): rewrite it, or send it to a node "
+                                   "with runtime.backend: onnxruntime")
+            return self.compile(kind, text)
+        except GrammarError as err:
+            raise RequestError(str(err)) from None
