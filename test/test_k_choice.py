@@ -14,7 +14,8 @@ from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.k_choice import CallCosts, KChoice
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import BatchLoop, Draft, SlotRequest
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from tiny import chi2_critical, chi2_statistic, exact_first
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40

@@ -16,7 +16,7 @@ from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import Draft
+from spec_edge.runtime.drafters.base import Draft
 from speculated import assert_speculated
 from test_request_fields import PENALTIES
 from tiny import TINY_K_VALUES

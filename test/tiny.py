@@ -279,7 +279,7 @@ def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_he
 def fake_drafter(drafter_class, head):
     """(drafter_class over head and FakeHiddenTarget, started on the prompt [5, 6, 7]; a greedy sampler)."""
     from spec_edge.runtime.sampling import SamplingParams
-    from spec_edge.runtime.speculative import Sampler
+    from spec_edge.runtime.sampling import Sampler
 
     drafter = drafter_class(FakeHiddenTarget(), head)
     drafter.start([5, 6, 7])

@@ -1,4 +1,4 @@
-"""Drafters propose k tokens for the target to verify. The interface (speculative.Drafter):
+"""Drafters propose k tokens for the target to verify. The interface (base.Drafter):
 
     start(prompt_ids)                   after the target's prefill, once per request
     propose(seq, k, sampler) -> Draft | None   None: nothing worth verifying, take a plain step
