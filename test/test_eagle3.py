@@ -142,10 +142,10 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
 def test_fused_head_matches_exported_head(head_engine):
     """The head's fused-attention graphs (GroupQueryAttention writing the head cache in place, the
     default on ONNX Runtime) give the exported graphs' drafts: a padded ingest, then draft steps."""
-    from spec_edge.graphs import export, ort_attention
+    from spec_edge.graphs import ort_attention, plan
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
-    exported = export.artifact_dir(head_engine.cfg, "eagle3")
+    exported = plan.artifact_dir(head_engine.cfg, "eagle3")
     fused = ort_attention.ensure_fused(exported, progress=lambda m: None,
                                        geometry=eagle3_export.read_head_config(exported).as_model_config())
     embed = head_engine.drafter("eagle3").head.head.embed_table  # the head under slot 0's view
@@ -177,12 +177,12 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     (it runs the default)."""
     import onnx
 
-    from spec_edge.graphs import export, ort_attention, quantize
+    from spec_edge.graphs import ort_attention, plan, quantize
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
     running = head_engine.drafter("eagle3").head.head  # the head under slot 0's view
     assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
-    exported = export.artifact_dir(head_engine.cfg, "eagle3")
+    exported = plan.artifact_dir(head_engine.cfg, "eagle3")
     fp32_dir = ort_attention.ensure_fused(exported, progress=lambda m: None,
                                           geometry=eagle3_export.read_head_config(exported).as_model_config())
     assert quantize.ensure_head_q8(fp32_dir, progress=lambda m: None) == running.head_dir  # made once, reused

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from spec_edge.config import Config, ConfigError
-from spec_edge.graphs import export, model, ort_attention, weights
+from spec_edge.graphs import export, model, ort_attention, plan, weights
 from spec_edge.runtime.backends.ort_runner import b1_runner
 
 REL_TOL = 5e-5  # fp32: max |ONNX Runtime - torch| relative to the largest |value| (logits here ~15)
@@ -21,7 +21,7 @@ def close(got, want) -> bool:
 
 
 def test_every_exported_graph_is_static(tiny_engine):
-    files = sorted(export.artifact_dir(tiny_engine.cfg, "target").glob("*.onnx"))
+    files = sorted(plan.artifact_dir(tiny_engine.cfg, "target").glob("*.onnx"))
     assert {f.stem for f in files} >= {"prefill_16", "step_1", "verify_2", "verify_4", "verify_5", "verify_8",
                                        "layerskip2_step_1"}
     for path in files:
@@ -131,7 +131,7 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
                      "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
     cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
                               "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "cli"})
-    fused = ort_attention.fused_dir(export.artifact_dir(cfg, "target"))  # onnx/target-c64-p8-float32-<model>_fused
+    fused = plan.fused_dir(plan.artifact_dir(cfg, "target"))  # onnx/target-c64-p8-float32-<model>_fused
     assert json.loads((fused / "manifest.json").read_text())["attention"] == "fused"
     assert f"ONNX Runtime runs {fused}" in capsys.readouterr().err
 
@@ -161,7 +161,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_export_is_reused_when_up_to_date(tiny_engine, tiny_cfg):
-    exported = export.artifact_dir(tiny_cfg, "target")
+    exported = plan.artifact_dir(tiny_cfg, "target")
     before = [(folder / "manifest.json").stat().st_mtime_ns for folder in (exported, tiny_engine.graph_dir)]
     messages = []
     assert export.export_model(tiny_cfg, "target", exported, progress=messages.append) == exported

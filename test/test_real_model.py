@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from spec_edge.config import Config
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from speculated import assert_speculated
 
@@ -27,7 +27,7 @@ FREE = "Explain in two sentences why robots use speculative decoding."
 def engine():
     cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
                               "graphs.batch_slots": 1})
-    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    return artifacts.engine(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
 def test_logits_match_transformers(engine):

@@ -1,4 +1,4 @@
-"""One export plan with a row count per graph (export.graph_plan) on a tiny random model: growing
+"""One export plan with a row count per graph (plan.graph_plan) on a tiny random model: growing
 graphs.batch_slots adds only the graphs of m > 1 rows (made from step_1 by the fused-attention pass,
 no torch export), the rows=1 graphs and the stored weights stay as they are, and the runner's m-row
 calls equal its one-row calls bit for bit. One runner for every slot count: one slot has no scratch
@@ -12,11 +12,12 @@ import pytest
 
 from speculated import assert_speculated
 
+from spec_edge.artifacts import target_graphs
 from spec_edge.config import Config
-from spec_edge.graphs import export
+from spec_edge.graphs import plan
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.onnxruntime import packed_dir, target_graphs
+from spec_edge.runtime.backends.onnxruntime import packed_dir
 from spec_edge.runtime.backends.ort_runner import OrtRunner, b1_runner
 
 
@@ -32,14 +33,14 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
         "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "grow"})
     quiet = lambda message: None  # noqa: E731
     fused = target_graphs(cfg, quiet)
-    exported, packed = export.artifact_dir(cfg, "target"), packed_dir(fused)
-    plan1 = export.graph_plan(cfg, "target")
+    exported, packed = plan.artifact_dir(cfg, "target"), packed_dir(fused)
+    plan1 = plan.graph_plan(cfg, "target")
     assert {spec["rows"] for spec in plan1.values()} == {1}
     before = {folder: files(folder) for folder in (exported, fused, packed)}
     sizes = {folder: (folder / "weights.bin").stat().st_size for folder in (exported, fused, packed)}
 
     grown = cfg.replace(**{"graphs.batch_slots": 3})
-    rows = {stem: spec for stem, spec in export.graph_plan(grown, "target").items() if spec["rows"] > 1}
+    rows = {stem: spec for stem, spec in plan.graph_plan(grown, "target").items() if spec["rows"] > 1}
     assert sorted(rows) == ["rows2_step_1", "rows2_verify_4", "rows3_step_1", "rows3_verify_4"]
     assert target_graphs(grown, quiet) == fused
     assert files(exported) == before[exported]  # no torch export: the B=1 graphs are not made again
@@ -107,9 +108,9 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
 
     cfg = tiny_cfg.replace(**{"graphs.ort_attention": "graph"})
     folder = target_graphs(cfg, lambda message: None)  # the exported folder the fused one is made from
-    assert folder == export.artifact_dir(tiny_cfg, "target") != tiny_engine.graph_dir
+    assert folder == plan.artifact_dir(tiny_cfg, "target") != tiny_engine.graph_dir
     assert json.loads((folder / "manifest.json").read_text()).get("attention") != "fused"
-    runner, model_cfg = OrtRunner(folder, slots=1), export.read_model_config(folder)
+    runner, model_cfg = OrtRunner(folder, slots=1), plan.read_model_config(folder)
     assert runner.k_cache.shape == (model_cfg.n_layers, 1, model_cfg.n_kv_heads, cfg.graphs.max_context,
                                     model_cfg.head_dim)
     rng = np.random.default_rng(4)
@@ -123,7 +124,7 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
         assert_speculated(stats, accepted=False, what=drafter.name)
     assert stats.acceptance_rate > 0.9  # the target drafting for itself
 
-    draft_dir = export.artifact_dir(cfg, "draft")  # exported by tiny_engine (speculative.drafter: draft)
+    draft_dir = plan.artifact_dir(cfg, "draft")  # exported by tiny_engine (speculative.drafter: draft)
     drafts, single = OrtRunner(draft_dir, slots=2), b1_runner(draft_dir)
     drafts.prefill(0, prompt, 0)
     drafts.prefill(1, prompt[:9], 0)
