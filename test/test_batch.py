@@ -241,6 +241,7 @@ def test_batch_slots_config(tiny_cfg):
 def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
     """(B slots, B=1) runners over one folder of tiny graphs carried to 4-bit MatMulNBits with int8
     activations (graphs.weights q4: the plan's graphs of m > 1 rows step at width 2)."""
+    from spec_edge.artifacts import ensure_packed
     from spec_edge.graphs import ort_attention, plan, quantize
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from test_quantize import _fresh_blocks
@@ -252,6 +253,7 @@ def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
     folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4b") / "q4", _fresh_blocks,
                                      accuracy_level=plan.ACCURACY_LEVELS["q4"], stamp="tiny",
                                      source="tiny blocks", progress=lambda m: None, graphs=graphs)
+    ensure_packed(folder, progress=lambda m: None)
     return OrtRunner(folder, slots=SLOTS), b1_runner(folder)
 
 

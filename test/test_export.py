@@ -8,6 +8,7 @@ import onnx
 import pytest
 import torch
 
+from spec_edge.artifacts import ensure_packed
 from spec_edge.config import Config, ConfigError
 from spec_edge.graphs import export, model, ort_attention, plan, weights
 from spec_edge.runtime.backends.ort_runner import b1_runner
@@ -57,6 +58,7 @@ def test_onnxruntime_matches_torch(tmp_path, variant, attention):
         assert sum(n.op_type == "GroupQueryAttention" for n in step.graph.node) == model_cfg.n_layers
         assert not any(n.op_type == "Softmax" for n in step.graph.node)  # the exported attention is gone
     reference = model.build(model_cfg, state)
+    ensure_packed(out, progress=lambda m: None)
     runner = b1_runner(out)
     ids = list(range(5, 25))  # 20 tokens: prefill chunks 8 + 8 + 4 (padded)
     k_cache, v_cache = model.empty_cache(model_cfg, 64)
@@ -90,6 +92,7 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
                               "runtime.engine_dir": str(tmp_path / "e")})
     out = ort_attention.ensure_fused(export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None),
                                      progress=lambda m: None)
+    ensure_packed(out, progress=lambda m: None)
     runner = b1_runner(out)
     assert runner.runner.k_cache.shape[1:4:2] == (1, 32 + 8)  # one slot, no scratch; S + one chunk of room for padding
     model_cfg, state, _ = weights.load(str(folder))

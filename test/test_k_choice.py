@@ -223,6 +223,7 @@ def test_q4_never_verifies_with_its_two_row_step(tiny_cfg, tiny_engine, tmp_path
     """q4 without a k = 1 graph: width 2 is the step, which feeds its one token twice (graphs/two_rows.py).
     A one-token draft (k = 1, a short proposal, a probe) is verified in the next verify width, so the
     output stays target-only's (it took the draft as fed before: wrong tokens)."""
+    from spec_edge.artifacts import ensure_packed
     from spec_edge.graphs import ort_attention, plan, quantize
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from test_quantize import _fresh_blocks
@@ -233,6 +234,7 @@ def test_q4_never_verifies_with_its_two_row_step(tiny_cfg, tiny_engine, tmp_path
     folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4k3") / "q4", _fresh_blocks,
                                      accuracy_level=plan.ACCURACY_LEVELS["q4"], stamp="tiny",
                                      source="tiny blocks", progress=lambda m: None, graphs=graphs)
+    ensure_packed(folder, progress=lambda m: None)
     runner = b1_runner(folder).runner  # the slotted runner of one slot
     loop = BatchLoop(runner)
     assert runner.step_width == 2 and runner.widths == {2, 4} and loop.verify_widths == {4}

@@ -103,6 +103,7 @@ def test_q4_carries_every_linear_layer(engine):
     graphs' (same weights; fp32 activations here, so only the summation order differs)."""
     import onnx
 
+    from spec_edge.artifacts import ensure_packed
     from spec_edge.graphs import quantize
     from spec_edge.graphs.weights import embedded_gguf_path
     from spec_edge.runtime.backends.ort_runner import b1_runner
@@ -121,6 +122,7 @@ def test_q4_carries_every_linear_layer(engine):
     attention = [n for n in step.graph.node if n.op_type == "GroupQueryAttention"]  # fused attention (default)
     assert len(attention) == n_layers and all(list(n.input[1:3]) == ["", ""] for n in attention)  # packed QKV
     assert sum(n.op_type == "Split" for n in step.graph.node) == n_layers  # gate/up only
+    ensure_packed(q4_dir, progress=lambda m: None)
     q4 = b1_runner(q4_dir)
     ids = engine.prompt_ids(GenerateRequest(prompt=FREE))
     want = engine.target.prefill(ids, 0)

@@ -12,7 +12,7 @@ import pytest
 
 from speculated import assert_speculated
 
-from spec_edge.artifacts import target_graphs
+from spec_edge.artifacts import ensure_packed, target_graphs
 from spec_edge.config import Config
 from spec_edge.graphs import plan
 from spec_edge.runtime import speculative
@@ -125,6 +125,7 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
     assert stats.acceptance_rate > 0.9  # the target drafting for itself
 
     draft_dir = plan.artifact_dir(cfg, "draft")  # exported by tiny_engine (speculative.drafter: draft)
+    ensure_packed(draft_dir, progress=lambda message: None)  # the build packs the fused copy the engine runs
     drafts, single = OrtRunner(draft_dir, slots=2), b1_runner(draft_dir)
     drafts.prefill(0, prompt, 0)
     drafts.prefill(1, prompt[:9], 0)
