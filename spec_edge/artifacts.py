@@ -98,8 +98,8 @@ def head_graphs(cfg: Config, kind: str, target, progress: Progress) -> Path:
 
 def ensure_packed(graph_dir: Path, threads: int = 0, progress: Progress = print,
                   graphs: dict[str, dict] | None = None) -> Path:
-    """The packed copy of graph_dir (runtime/backends/onnxruntime.py's docstring: what its sessions load) holding `graphs` (stem -> spec; default
-    all of graph_dir's): made graph by graph beside it (<name>_packed/, export.ensure_graphs: a graph
+    """The packed copy of graph_dir (what its sessions load: runtime/backends/onnxruntime.py's docstring)
+    holding `graphs` (stem -> spec; default all of graph_dir's): made graph by graph beside it (<name>_packed/, export.ensure_graphs: a graph
     added later is packed into the same weights.bin), remade when the folder's identity, onnxruntime
     or the CPU changes. threads: as cpu_session (the process's pool is made by its first session,
     this one's if it packs first)."""

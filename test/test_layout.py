@@ -37,7 +37,8 @@ ALLOWED = {
             "ros2"},
 }
 # what makes model files: the runtime loads what these made and imports none of them (build before serve)
-BUILD = ("spec_edge.graphs.export", "spec_edge.graphs.quantize", "spec_edge.graphs.ort_attention", "spec_edge.artifacts")
+BUILD = ("spec_edge.graphs.export", "spec_edge.graphs.quantize", "spec_edge.graphs.ort_attention",
+         "spec_edge.artifacts")
 # the loop module and the modules that drive it (the engine owns the loop, the scheduler iterates it)
 LOOP, LOOP_DRIVERS = "spec_edge.runtime.speculative", {"spec_edge.runtime.engine", "spec_edge.runtime.scheduler"}
 # each door's module and the runtime module its requests enter

@@ -101,7 +101,7 @@ def fused_dir(src_dir: Path) -> Path:
 
 
 def q4_dir(fp32_dir: Path, accuracy_level: int) -> Path:
-    return fp32_dir.parent / f"{fp32_dir.name}_q4" if accuracy_level == 4 else fp32_dir.parent / f"{fp32_dir.name}_q4a{accuracy_level}"
+    return fp32_dir.parent / (f"{fp32_dir.name}_q4" if accuracy_level == 4 else f"{fp32_dir.name}_q4a{accuracy_level}")
 
 
 def q8_dir(head_dir: Path) -> Path:

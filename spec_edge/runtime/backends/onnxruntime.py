@@ -10,8 +10,8 @@ Weights once: a session's kernels keep their own pre-packed (MLAS-transformed) c
 weight, so N sessions over one folder (a graph per width, per row count, the layer-skip graph) would
 hold the weights N times. Sessions of a graph folder therefore load its packed copy (packed_dir):
 each graph as ONNX Runtime optimized it on this machine, with the pre-packed weights its kernels
-made (the build's last step, artifacts.ensure_packed), and every distinct blob (weight or pre-packed weight) of all the folder's graphs stored once
-in one weights.bin, which ONNX Runtime memory-maps. The pages of one blob are one physical copy
+made (the build's last step, artifacts.ensure_packed), and every distinct blob (weight or pre-packed
+weight) of all the folder's graphs stored once in one weights.bin, which ONNX Runtime memory-maps. The pages of one blob are one physical copy
 whatever the number of sessions that map it (a session maps each of its blobs itself, so VmRSS
 counts a page once per mapping; the process's Pss counts it once).
 """
