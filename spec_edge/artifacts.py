@@ -1,19 +1,12 @@
-"""Build before serve: the files a profile serves from, made before an engine loads them. Every command that
-serves (spec-edge generate / serve / bench / tune, the node on configure) loads through engine(cfg): ensure(cfg),
-then Engine.from_config(cfg), which only loads folders (runtime/ makes no file; a missing one is refused with
-the command that makes it: `spec-edge export`, which is ensure(cfg) too).
+"""Build before serve: every command that serves (spec-edge generate / serve / bench / tune, the node on
+configure) loads through engine(cfg): ensure(cfg) makes what is missing, then Engine.from_config(cfg) only loads
+(runtime/ makes no file and refuses a missing one with `spec-edge export`, which runs ensure(cfg) too).
 
-ONNX Runtime (runtime.backend onnxruntime), for each model and head the profile names, into plan.ort_dir:
-    target                    export.export_model -> fused attention (ort_attention) -> graphs.weights' q4
-                              copy (quantize) -> the packed copy (ensure_packed)
-    draft (model.draft)       the same, without q4
-    eagle3, peagle, medusa    (speculative.<kind>_head) the head's export -> fused attention (EAGLE-3)
-                              -> graphs.head_weights' 8-bit copy -> the packed copy
-Each step makes only what is missing, graph by graph (export.ensure_graphs), so a later start makes nothing;
-the embedded default's first start prints the export's progress lines.
-
-TensorRT Edge-LLM (runtime.backend tensorrt): the engines are built on the device by `spec-edge build`
-(device/); nothing is made here, and the runtime refuses a profile that was not built with that command.
+ONNX Runtime, each model and head the profile names, into plan.ort_dir, each step graph by graph and only
+where missing (export.ensure_graphs: a later start makes nothing):
+    target, draft (model.draft)   export -> fused attention -> the target's q4 copy (graphs.weights) -> packed
+    eagle3, peagle, medusa        the head's export -> fused attention (EAGLE-3) -> its q8 copy -> packed
+TensorRT Edge-LLM: `spec-edge build` (device/) builds on the device; nothing is made here.
 """
 from __future__ import annotations
 
@@ -48,21 +41,18 @@ def ensure(cfg: Config, progress: Progress = print) -> dict[str, Path]:
         return {}
     progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {plan.artifact_dir(cfg, 'target').parent.parent} "
              f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
-    made = {"target": target_graphs(cfg, progress)}
-    if cfg.model.draft:
-        exported = export.export_model(cfg, "draft", plan.artifact_dir(cfg, "draft"), progress)
-        made["draft"] = ort_graphs(cfg, "draft", exported, progress)
+    roles = ["target"] + (["draft"] if cfg.model.draft else [])
+    made = {role: model_graphs(cfg, role, progress) for role in roles}
     target = plan.read_model_config(plan.artifact_dir(cfg, "target"))
-    for kind in HEADS:
-        if getattr(cfg.speculative, f"{kind}_head"):
-            made[kind] = head_graphs(cfg, kind, target, progress)
+    made.update({kind: head_graphs(cfg, kind, target, progress) for kind in HEADS
+                 if getattr(cfg.speculative, f"{kind}_head")})
     return made
 
 
-def target_graphs(cfg: Config, progress: Progress = print) -> Path:
-    """The target's folder ONNX Runtime runs for cfg (exported first where missing, then ort_graphs)."""
-    exported = export.export_model(cfg, "target", plan.artifact_dir(cfg, "target"), progress)
-    return ort_graphs(cfg, "target", exported, progress)
+def model_graphs(cfg: Config, role: str, progress: Progress = print) -> Path:
+    """The folder ONNX Runtime runs for cfg's target or draft model (exported first where missing, then
+    ort_graphs)."""
+    return ort_graphs(cfg, role, export.export_model(cfg, role, plan.artifact_dir(cfg, role), progress), progress)
 
 
 def ort_graphs(cfg: Config, role: str, exported: Path, progress: Progress) -> Path:
@@ -99,10 +89,10 @@ def head_graphs(cfg: Config, kind: str, target, progress: Progress) -> Path:
 def ensure_packed(graph_dir: Path, threads: int = 0, progress: Progress = print,
                   graphs: dict[str, dict] | None = None) -> Path:
     """The packed copy of graph_dir (what its sessions load: runtime/backends/onnxruntime.py's docstring)
-    holding `graphs` (stem -> spec; default all of graph_dir's): made graph by graph beside it (<name>_packed/, export.ensure_graphs: a graph
-    added later is packed into the same weights.bin), remade when the folder's identity, onnxruntime
-    or the CPU changes. threads: as cpu_session (the process's pool is made by its first session,
-    this one's if it packs first)."""
+    holding `graphs` (stem -> spec; default all of graph_dir's): made graph by graph beside it (<name>_packed/,
+    export.ensure_graphs: a graph added later is packed into the same weights.bin), remade when the folder's
+    identity, onnxruntime or the CPU changes. threads: as cpu_session (the process's pool is made by its first
+    session, this one's if it packs first)."""
     graph_dir = Path(graph_dir)
     have = json.loads((graph_dir / "manifest.json").read_text())["graphs"]
     graphs = dict(have) if graphs is None else graphs

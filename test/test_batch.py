@@ -12,7 +12,7 @@ import torch
 
 from speculated import assert_speculated
 
-from spec_edge.artifacts import target_graphs
+from spec_edge.artifacts import model_graphs
 from spec_edge.config import ConfigError
 from spec_edge.graphs import export, model as model_mod, plan
 from spec_edge.runtime import speculative
@@ -34,7 +34,7 @@ def batch_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batch_runner(tiny_cfg):
-    return OrtRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(model_graphs(batch_cfg(tiny_cfg), "target", progress=lambda message: None), slots=SLOTS)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +232,7 @@ def test_batch_slots_config(tiny_cfg):
     with pytest.raises(ConfigError, match="batch_slots"):
         tiny_cfg.replace(**{"graphs.batch_slots": 0})
     with pytest.raises(ConfigError, match="graphs.ort_attention: fused"):
-        target_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}))
+        model_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}), "target")
     assert plan.row_counts(1) == () and plan.row_counts(2) == (2,) and plan.row_counts(8) == tuple(range(2, 9))
     assert plan.row_counts(20) == (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)  # padding < a quarter of a call
 
@@ -291,7 +291,7 @@ def policy_runner(tiny_cfg):
     folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
                               "runtime.profile": "tiny-policy"})
-    return OrtRunner(target_graphs(cfg, progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(model_graphs(cfg, "target", progress=lambda message: None), slots=SLOTS)
 
 
 def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine):

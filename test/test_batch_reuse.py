@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from test_batch import K, SLOTS, batch_cfg
 
-from spec_edge.artifacts import target_graphs
+from spec_edge.artifacts import model_graphs
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.ort_runner import OrtRunner
@@ -30,7 +30,7 @@ def engine(tiny_cfg):
 @pytest.fixture(scope="module")
 def cold(tiny_cfg):
     """A second runner over the same graphs (its own cache), for the cold answers."""
-    return OrtRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(model_graphs(batch_cfg(tiny_cfg), "target", progress=lambda message: None), slots=SLOTS)
 
 
 def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:

@@ -12,7 +12,7 @@ import pytest
 
 from speculated import assert_speculated
 
-from spec_edge.artifacts import ensure_packed, target_graphs
+from spec_edge.artifacts import ensure_packed, model_graphs
 from spec_edge.config import Config
 from spec_edge.graphs import plan
 from spec_edge.runtime import speculative
@@ -32,7 +32,7 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
         "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1, "speculative.drafter": "ngram",
         "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "grow"})
     quiet = lambda message: None  # noqa: E731
-    fused = target_graphs(cfg, quiet)
+    fused = model_graphs(cfg, "target", quiet)
     exported, packed = plan.artifact_dir(cfg, "target"), packed_dir(fused)
     plan1 = plan.graph_plan(cfg, "target")
     assert {spec["rows"] for spec in plan1.values()} == {1}
@@ -42,7 +42,7 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
     grown = cfg.replace(**{"graphs.batch_slots": 3})
     rows = {stem: spec for stem, spec in plan.graph_plan(grown, "target").items() if spec["rows"] > 1}
     assert sorted(rows) == ["rows2_step_1", "rows2_verify_4", "rows3_step_1", "rows3_verify_4"]
-    assert target_graphs(grown, quiet) == fused
+    assert model_graphs(grown, "target", quiet) == fused
     assert files(exported) == before[exported]  # no torch export: the B=1 graphs are not made again
     assert json.loads((exported / "manifest.json").read_text())["made"][1:] == []
     for folder in (fused, packed):
@@ -53,7 +53,7 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
     assert (fused / "weights.bin").stat().st_size == sizes[fused]  # every weight of the new graphs already stored
     assert (packed / "weights.bin").stat().st_size < 1.1 * sizes[packed]
     messages = []  # going back to B=1 finds every graph there: nothing runs
-    assert target_graphs(cfg, messages.append) == fused and messages == []
+    assert model_graphs(cfg, "target", messages.append) == fused and messages == []
 
     batched, single = OrtRunner(fused, slots=3), b1_runner(fused)
     assert batched.row_counts == (2, 3) and single.widths == {1, 4}
@@ -74,7 +74,7 @@ def test_layer_skip_per_slot_equals_b1(tiny_cfg, tiny_engine):
     from test_batch import SLOTS, batch_cfg
 
     single = tiny_engine.target
-    batched = OrtRunner(target_graphs(batch_cfg(tiny_cfg), lambda message: None), slots=SLOTS)
+    batched = OrtRunner(model_graphs(batch_cfg(tiny_cfg), "target", lambda message: None), slots=SLOTS)
     skip, single_skip = batched.layer_skip(2), single.layer_skip(2)
     assert batched.layer_skip(2) is skip and skip.widths == {1}
     rng = np.random.default_rng(3)
@@ -107,7 +107,7 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     cfg = tiny_cfg.replace(**{"graphs.ort_attention": "graph"})
-    folder = target_graphs(cfg, lambda message: None)  # the exported folder the fused one is made from
+    folder = model_graphs(cfg, "target", lambda message: None)  # the exported folder the fused one is made from
     assert folder == plan.artifact_dir(tiny_cfg, "target") != tiny_engine.graph_dir
     assert json.loads((folder / "manifest.json").read_text()).get("attention") != "fused"
     runner, model_cfg = OrtRunner(folder, slots=1), plan.read_model_config(folder)

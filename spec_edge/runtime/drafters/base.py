@@ -1,4 +1,6 @@
-"""What the loop calls on a drafter (Drafter) and what a drafter proposes (Draft)."""
+"""What the loop calls on a drafter (Drafter) and what a drafter proposes (Draft). In propose(seq, k, sampler)
+seq is the whole sequence so far (prompt + generated); its last token is the target's pending token, not yet in
+the target's cache (it sits at position len(seq) - 1); None: nothing worth verifying, take a plain step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
