@@ -11,9 +11,9 @@ weight, so N sessions over one folder (a graph per width, per row count, the lay
 hold the weights N times. Sessions of a graph folder therefore load its packed copy (packed_dir):
 each graph as ONNX Runtime optimized it on this machine, with the pre-packed weights its kernels
 made (the build's last step, artifacts.ensure_packed), and every distinct blob (weight or pre-packed
-weight) of all the folder's graphs stored once in one weights.bin, which ONNX Runtime memory-maps. The pages of one blob are one physical copy
-whatever the number of sessions that map it (a session maps each of its blobs itself, so VmRSS
-counts a page once per mapping; the process's Pss counts it once).
+weight) of all the folder's graphs stored once in one weights.bin, which ONNX Runtime memory-maps. The
+pages of one blob are one physical copy whatever the number of sessions that map it (a session maps each
+of its blobs itself, so VmRSS counts a page once per mapping; the process's Pss counts it once).
 """
 from __future__ import annotations
 
@@ -119,23 +119,30 @@ def ort_folder(cfg: Config, role: str) -> Path:
     return built(plan.ort_dir(cfg, role), what)
 
 
+def packed_graphs(graph_dir: Path) -> dict[str, dict]:
+    """stem -> spec of the graphs of graph_dir that the build packed for this machine (what its sessions may
+    load); BackendError naming the build command when the packed copy is missing or was made for another
+    folder, onnxruntime or CPU."""
+    graph_dir = built(Path(graph_dir), f"graph folder {Path(graph_dir).name}")
+    try:
+        manifest = json.loads((packed_dir(graph_dir) / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        manifest = {}
+    if not manifest or any(manifest.get(key) != value for key, value in packed_identity(graph_dir).items()):
+        raise BackendError(f"{graph_dir.name} is not packed for this machine ({packed_dir(graph_dir)}): {BUILD}")
+    return manifest["graphs"]
+
+
 def graph_session(graph_dir: Path, stem: str, threads: int = 0):
     """The session of graph <stem> of a graph folder, loaded from the folder's packed copy (made by the build,
     spec_edge/artifacts.py), so all sessions over the folder share one copy of its weights and pre-packed
-    weights (module docstring); BackendError naming the build command when the copy lacks it or was made for
-    another folder, onnxruntime or CPU."""
-    graph_dir, packed = Path(graph_dir), packed_dir(Path(graph_dir)) / f"{stem}.onnx"
-    try:
-        manifest = json.loads((packed.parent / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        manifest = {}
-    identity = packed_identity(built(graph_dir, f"graph folder {graph_dir.name}"))
-    if stem not in manifest.get("graphs", {}) or not packed.is_file() \
-            or any(manifest.get(key) != value for key, value in identity.items()):
-        raise BackendError(f"graph {stem} of {graph_dir.name} is not packed for this machine ({packed.parent}): "
-                           f"{BUILD}")
+    weights (module docstring); BackendError naming the build command when the copy lacks it (packed_graphs)."""
+    packed = packed_dir(Path(graph_dir)) / f"{stem}.onnx"
+    if stem not in packed_graphs(graph_dir) or not packed.is_file():
+        raise BackendError(f"graph {stem} of {Path(graph_dir).name} is not packed for this machine "
+                           f"({packed.parent}): {BUILD}")
     try:
         return cpu_session(str(packed), threads)
     except Exception as err:  # onnxruntime raises several unrelated types for a bad file
         raise BackendError(f"ONNX Runtime cannot load {packed}: {err}; delete {packed.parent} to pack "
-                           f"{graph_dir.name} again") from err
+                           f"{Path(graph_dir).name} again") from err

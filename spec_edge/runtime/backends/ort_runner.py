@@ -52,7 +52,7 @@ import numpy as np
 
 from spec_edge.graphs import io_names, plan
 from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks, resident_zeros
-from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, graph_session
+from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, graph_session, packed_graphs
 from spec_edge.runtime.backends.slot_views import SlotRunner
 
 BINDINGS = 512  # IO bindings kept per runner (least recently used dropped): every subset of 8 slots x 2 widths
@@ -111,7 +111,7 @@ class OrtRunner:
         self.k_cache = resident_zeros(shape)
         self.v_cache = resident_zeros(shape)
         self.held: list[tuple[int, ...]] = [()] * self.batch  # per slot, as Runner.held (base.py)
-        specs = self.manifest["graphs"]
+        specs = packed_graphs(self.graph_dir)  # what the build made for this machine: the plan's, earlier plans'
         # int8 activations (q4): a step is the width-2 call [pending, pending] (graphs/two_rows.py), so each
         # slot's step row equals the verify rows bit for bit
         two_row = int(self.manifest.get("accuracy_level", 0)) == 4
