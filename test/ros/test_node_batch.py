@@ -33,8 +33,8 @@ def batch_params(tiny_models):
 def solo(batch_params):
     """Each request alone and cold (no prefix reuse) through the same batched graphs, in this process
     (exports them first)."""
-    from spec_edge import config as cfgmod
     from spec_edge import artifacts
+    from spec_edge import config as cfgmod
 
     cold = {**batch_params, "serve.reuse_prefix": False, "serve.warm_system_prompt": False}
     engine = artifacts.engine(cfgmod.from_params(cold), progress=lambda m: None)
@@ -70,8 +70,8 @@ def test_batched_engine_serves_guided_requests(batch_params, solo):
     grammar, and the next plain request is still its solo answer."""
     import re
 
+    from spec_edge import artifacts
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.engine import Engine
 
     action = r"(pick|place|move) the (red|blue|green) (box|cup|arm)\."
     engine = artifacts.engine(cfgmod.from_params(batch_params), progress=lambda m: None)
