@@ -78,11 +78,11 @@ def in_process(cfg, prompts: list[str], max_new: int):
     """(run(n) -> (answers, wall), stop()) over a Scheduler in this process."""
     import logging
 
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.scheduler import Job, Scheduler
 
-    engine = Engine.from_config(cfg, progress=lambda m: None)
+    engine = artifacts.engine(cfg, progress=lambda m: None)
     scheduler = Scheduler(engine, cfg, logging.getLogger("bench"))
 
     def one(i: int) -> dict:

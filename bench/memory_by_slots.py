@@ -51,8 +51,8 @@ def child(spec: dict) -> None:
     cfg = cfg.replace(**overrides)
     quiet = print if spec["prepare"] else (lambda message: None)
     started = time.monotonic()
-    from spec_edge.runtime.engine import Engine
-    engine = Engine.from_config(cfg, quiet)
+    from spec_edge import artifacts
+    engine = artifacts.engine(cfg, quiet)
     load_s = time.monotonic() - started
     if spec["prepare"]:
         return

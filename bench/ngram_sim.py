@@ -64,10 +64,10 @@ def main() -> int:
     key = str(args.max_new_tokens)
     if key not in data or set(data[key]) != {p["id"] for p in prompts}:
         from spec_edge.config import Config
-        from spec_edge.runtime.engine import Engine
+        from spec_edge import artifacts
         from spec_edge.runtime.requests import GenerateRequest
 
-        engine = Engine.from_config(Config().replace(**{"speculative.drafter": "none"}),
+        engine = artifacts.engine(Config().replace(**{"speculative.drafter": "none"}),
                                     lambda m: print(m, file=sys.stderr))
         data[key] = {}
         for p in prompts:

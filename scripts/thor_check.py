@@ -44,7 +44,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from spec_edge.config import load
-    from spec_edge.device.edgellm_layout import profile_dir, read_manifest
+    from spec_edge.edgellm_layout import profile_dir, read_manifest
     from spec_edge.device.profiles import resolve_profile
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest

@@ -69,22 +69,23 @@ def answered_by(args, cfg: Config) -> dict[str, str]:
 
 
 def cmd_export(args) -> int:
-    from spec_edge.graphs import export
+    """What the profile serves from (artifacts.ensure: what every serving command makes first), each exported
+    graph's static shapes checked; on tensorrt the target's (and draft model's) torch export alone."""
+    import onnx
+
+    from spec_edge import artifacts
+    from spec_edge.graphs import export, plan
 
     cfg = config_from_args(args)
-    roles = ["target"] + (["draft"] if cfg.model.draft else [])
-    for role in roles:
-        out = export.export_model(cfg, role, export.artifact_dir(cfg, role), progress)
+    runs = artifacts.ensure(cfg, progress)
+    for role in ["target"] + (["draft"] if cfg.model.draft else []):
+        out = export.export_model(cfg, role, plan.artifact_dir(cfg, role), progress)
         for onnx_file in sorted(out.glob("*.onnx")):
-            import onnx
-
             checked, dynamic = export.dynamic_tensors(onnx.load(str(onnx_file), load_external_data=False))
             status = "all static" if not dynamic else f"DYNAMIC: {dynamic[:3]}"
             progress(f"[export] {onnx_file.name}: {checked} tensors, {status}")
-        if cfg.runtime.backend == "onnxruntime":  # the post-export passes the engine would run on first load
-            from spec_edge.runtime.backends.onnxruntime import ort_graphs
-
-            progress(f"[export] {role}: ONNX Runtime runs {ort_graphs(cfg, role, out, progress)}")
+    for role, folder in runs.items():
+        progress(f"[export] {role}: ONNX Runtime runs {folder}")
     return 0
 
 
@@ -109,12 +110,12 @@ def add_guided_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
     if args.logprobs and not args.json:
         raise ConfigError("--logprobs is reported in --json's `logprobs` key: add --json")
     cfg = config_from_args(args)
-    engine = Engine.from_config(cfg, progress)
+    engine = artifacts.engine(cfg, progress)
     request = request_from_args(args)
     on_text = None if args.json else (lambda delta, n_tokens: print(delta, end="", flush=True))
     result = engine.generate(request, on_text=on_text)
@@ -172,7 +173,7 @@ def forward(module: str, function: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from spec_edge.graphs.quantize import ORT_WEIGHTS
+    from spec_edge.graphs.plan import ORT_WEIGHTS
     from spec_edge.runtime.requests import add_distribution_arguments
 
     parser = argparse.ArgumentParser(prog="spec-edge", description="speculative decoding for robots")

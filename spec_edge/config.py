@@ -146,7 +146,7 @@ class SpeculativeSection:
     eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3 or hybrid
     # runtime.backend tensorrt: the EAGLE-3 tree Edge-LLM drafts, [top_k, steps, verify_size] (its draft_top_k,
     # draft_step, verify_tree_size; steps = speculative.k); empty: the chain of k ([1, k, k + 1]). The engines
-    # are built with room for Edge-LLM's default tree (device/edgellm_layout.py), so a tree runs without a rebuild.
+    # are built with room for Edge-LLM's default tree (spec_edge/edgellm_layout.py), so a tree runs without a rebuild.
     eagle3_tree: tuple[int, ...] = ()
     medusa_head: str = ""   # folder of Medusa heads for drafter=medusa (k <= its head count)
     peagle_head: str = ""   # folder of a parallel-drafting (P-EAGLE) head for drafter=peagle

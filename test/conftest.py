@@ -40,6 +40,6 @@ def tiny_cfg(tiny_models):
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_cfg):
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
-    return Engine.from_config(tiny_cfg, progress=lambda message: None)
+    return artifacts.engine(tiny_cfg, progress=lambda message: None)

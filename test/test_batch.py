@@ -12,10 +12,10 @@ import torch
 
 from speculated import assert_speculated
 
+from spec_edge.artifacts import model_graphs
 from spec_edge.config import ConfigError
-from spec_edge.graphs import export, model as model_mod
+from spec_edge.graphs import export, model as model_mod, plan
 from spec_edge.runtime import speculative
-from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
@@ -35,7 +35,7 @@ def batch_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def batch_runner(tiny_cfg):
-    return OrtRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(model_graphs(batch_cfg(tiny_cfg), "target", progress=lambda message: None), slots=SLOTS)
 
 
 @pytest.fixture(scope="module")
@@ -233,26 +233,28 @@ def test_batch_slots_config(tiny_cfg):
     with pytest.raises(ConfigError, match="batch_slots"):
         tiny_cfg.replace(**{"graphs.batch_slots": 0})
     with pytest.raises(ConfigError, match="graphs.ort_attention: fused"):
-        target_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}))
-    assert export.row_counts(1) == () and export.row_counts(2) == (2,) and export.row_counts(8) == tuple(range(2, 9))
-    assert export.row_counts(20) == (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)  # padding < a quarter of a call
+        model_graphs(batch_cfg(tiny_cfg).replace(**{"graphs.ort_attention": "graph"}), "target")
+    assert plan.row_counts(1) == () and plan.row_counts(2) == (2,) and plan.row_counts(8) == tuple(range(2, 9))
+    assert plan.row_counts(20) == (2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20)  # padding < a quarter of a call
 
 
 @pytest.fixture(scope="module")
 def q4_runners(tiny_cfg, tiny_engine, tmp_path_factory):
     """(B slots, B=1) runners over one folder of tiny graphs carried to 4-bit MatMulNBits with int8
     activations (graphs.weights q4: the plan's graphs of m > 1 rows step at width 2)."""
-    from spec_edge.graphs import ort_attention, quantize
+    from spec_edge.artifacts import ensure_packed
+    from spec_edge.graphs import ort_attention, plan, quantize
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from test_quantize import _fresh_blocks
 
     cfg = batch_cfg(tiny_cfg).replace(**{"graphs.weights": "q4"})
-    plan = export.graph_plan(cfg, "target")
-    fused = ort_attention.ensure_fused(export.export_model(cfg, "target", export.artifact_dir(cfg, "target"),
-                                                           progress=lambda m: None), lambda m: None, graphs=plan)
+    graphs = plan.graph_plan(cfg, "target")
+    fused = ort_attention.ensure_fused(export.export_model(cfg, "target", plan.artifact_dir(cfg, "target"),
+                                                           progress=lambda m: None), lambda m: None, graphs=graphs)
     folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4b") / "q4", _fresh_blocks,
-                                     accuracy_level=quantize.ACCURACY_LEVELS["q4"], stamp="tiny",
-                                     source="tiny blocks", progress=lambda m: None, graphs=plan)
+                                     accuracy_level=plan.ACCURACY_LEVELS["q4"], stamp="tiny",
+                                     source="tiny blocks", progress=lambda m: None, graphs=graphs)
+    ensure_packed(folder, progress=lambda m: None)
     return OrtRunner(folder, slots=SLOTS), b1_runner(folder)
 
 
@@ -290,7 +292,7 @@ def policy_runner(tiny_cfg):
     folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
                               "runtime.profile": "tiny-policy"})
-    return OrtRunner(target_graphs(cfg, progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(model_graphs(cfg, "target", progress=lambda message: None), slots=SLOTS)
 
 
 def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine):

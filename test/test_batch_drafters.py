@@ -39,11 +39,11 @@ def heads_cfg(tiny_cfg, tiny_models):
 @pytest.fixture(scope="module")
 def engines(heads_cfg):
     """(the Engine over 3 slots, the B=1 Engine) of the same profile."""
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
     quiet = lambda message: None  # noqa: E731
-    return (Engine.from_config(heads_cfg.replace(**{"graphs.batch_slots": SLOTS}), quiet),
-            Engine.from_config(heads_cfg, quiet))
+    return (artifacts.engine(heads_cfg.replace(**{"graphs.batch_slots": SLOTS}), quiet),
+            artifacts.engine(heads_cfg, quiet))
 
 
 def run_batched(engine, requests, join_at, loop=None):

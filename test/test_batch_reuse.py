@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 from test_batch import K, SLOTS, batch_cfg
 
+from spec_edge.artifacts import model_graphs
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
-from spec_edge.runtime.backends.onnxruntime import target_graphs
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
@@ -24,15 +24,15 @@ TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the batt
 @pytest.fixture(scope="module")
 def engine(tiny_cfg):
     """The Engine over the tiny batched graphs (test_batch's folder), serve.reuse_prefix on."""
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
-    return Engine.from_config(batch_cfg(tiny_cfg), progress=lambda message: None)
+    return artifacts.engine(batch_cfg(tiny_cfg), progress=lambda message: None)
 
 
 @pytest.fixture(scope="module")
 def cold(tiny_cfg):
     """A second runner over the same graphs (its own cache), for the cold answers."""
-    return OrtRunner(target_graphs(batch_cfg(tiny_cfg), progress=lambda message: None), slots=SLOTS)
+    return OrtRunner(model_graphs(batch_cfg(tiny_cfg), "target", progress=lambda message: None), slots=SLOTS)
 
 
 def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:

@@ -9,7 +9,7 @@ import pytest
 from spec_edge import cli
 from spec_edge.config import ConfigError
 from spec_edge.runtime import speculative
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.training import draft_model
 from tiny import run_alone
@@ -37,7 +37,7 @@ def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models,
 
     cfg = tiny_cfg.replace(**{"model.draft": str(out), "runtime.profile": "tiny-distilled",
                               "speculative.drafter": "draft"})
-    engine = Engine.from_config(cfg, progress=lambda message: None)
+    engine = artifacts.engine(cfg, progress=lambda message: None)
     try:
         for prompt in ("Move the arm", "def add(a, b):"):
             ids = engine.front.prompt_ids(GenerateRequest(prompt=prompt))

@@ -142,13 +142,16 @@ def test_head_graphs_static_and_match_torch(head_engine, tiny_models):
 def test_fused_head_matches_exported_head(head_engine):
     """The head's fused-attention graphs (GroupQueryAttention writing the head cache in place, the
     default on ONNX Runtime) give the exported graphs' drafts: a padded ingest, then draft steps."""
-    from spec_edge.graphs import export, ort_attention
+    from spec_edge.artifacts import ensure_packed
+    from spec_edge.graphs import ort_attention, plan
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
-    exported = export.artifact_dir(head_engine.cfg, "eagle3")
+    exported = plan.artifact_dir(head_engine.cfg, "eagle3")
     fused = ort_attention.ensure_fused(exported, progress=lambda m: None,
                                        geometry=eagle3_export.read_head_config(exported).as_model_config())
     embed = head_engine.drafter("eagle3").head.head.embed_table  # the head under slot 0's view
+    for folder in (exported, fused):  # the engine's build packed only the folder it runs (the q8 copy)
+        ensure_packed(folder, progress=lambda m: None)
     heads = [OrtEagle3Head(folder, embed) for folder in (exported, fused)]
     assert not heads[0].fused and heads[1].fused
     rng = np.random.default_rng(1)
@@ -177,12 +180,13 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     (it runs the default)."""
     import onnx
 
-    from spec_edge.graphs import export, ort_attention, quantize
+    from spec_edge.artifacts import ensure_packed
+    from spec_edge.graphs import ort_attention, plan, quantize
     from spec_edge.runtime.backends.ort_heads import OrtEagle3Head
 
     running = head_engine.drafter("eagle3").head.head  # the head under slot 0's view
     assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
-    exported = export.artifact_dir(head_engine.cfg, "eagle3")
+    exported = plan.artifact_dir(head_engine.cfg, "eagle3")
     fp32_dir = ort_attention.ensure_fused(exported, progress=lambda m: None,
                                           geometry=eagle3_export.read_head_config(exported).as_model_config())
     assert quantize.ensure_head_q8(fp32_dir, progress=lambda m: None) == running.head_dir  # made once, reused
@@ -190,6 +194,7 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     assert sum(node.op_type == "MatMulNBits" for node in step.graph.node) >= 7  # q k v o, gate up down (+ head)
     sizes = [(folder / "weights.bin").stat().st_size for folder in (fp32_dir, running.head_dir)]
     assert sizes[1] < 0.4 * sizes[0]
+    ensure_packed(fp32_dir, progress=lambda m: None)  # the engine's build packed only the q8 copy it runs
     heads = [OrtEagle3Head(fp32_dir, running.embed_table), OrtEagle3Head(running.head_dir, running.embed_table)]
     rng = np.random.default_rng(2)
     n = 11

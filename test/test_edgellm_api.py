@@ -215,7 +215,7 @@ def test_the_build_stage_uses_only_what_the_binary_has(live):
     edgellm_layout.builder_limits() sets, for every tensorrt profile in config/, is a settable property of it, and
     LLMBuilder(onnx_dir, engine_dir, config).build() matches the real signatures."""
     from spec_edge.config import load
-    from spec_edge.device.edgellm_layout import builder_limits
+    from spec_edge.edgellm_layout import builder_limits
 
     api = live
     assert accepts(callable_signatures(api, "LLMBuilderConfig", None)[0], 0, set())

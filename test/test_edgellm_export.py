@@ -12,7 +12,8 @@ import onnx
 import pytest
 
 from spec_edge.config import load
-from spec_edge.device import edgellm_build, edgellm_layout
+from spec_edge import edgellm_layout
+from spec_edge.device import edgellm_build
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "config/smollm2_trt_eagle3.yaml"

@@ -1,4 +1,4 @@
-"""The engine folders `spec-edge build` leaves, as device/edgellm_layout.py describes them, read back by the
+"""The engine folders `spec-edge build` leaves, as spec_edge/edgellm_layout.py describes them, read back by the
 pinned tensorrt-edgellm wheel's own readers; the builder limits against Edge-LLM's deployment checks for every
 k and for the EAGLE-3 tree; Edge-LLM's names against the native binary.
 
@@ -21,7 +21,7 @@ import pytest
 
 import edgellm_native
 from spec_edge.config import ConfigError, load
-from spec_edge.device import edgellm_layout as layout
+from spec_edge import edgellm_layout as layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORRT = [p for p in sorted((ROOT / "config").glob("*.yaml")) if load(p).runtime.backend == "tensorrt"]

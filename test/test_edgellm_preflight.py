@@ -18,7 +18,8 @@ import pytest
 
 import edgellm_native
 from spec_edge.config import load
-from spec_edge.device import commands, edgellm_layout, preflight
+from spec_edge import edgellm_layout
+from spec_edge.device import commands, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(edgellm_native.package_dir() is None, reason="tensorrt-edgellm is not installed")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from spec_edge.config import load
-from spec_edge.device import edgellm_build, edgellm_layout, memory, preflight
+from spec_edge import edgellm_layout
+from spec_edge.device import edgellm_build, memory, preflight
 from spec_edge.device.profiles import plan_for_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """runtime.backend tensorrt at the adapter boundary (backends/edgellm.py): the request contract mapped onto
 Edge-LLM's LLMRuntime / RequestEngine, against a stand-in generated from the real binary's signatures
 (edgellm_standin.py: a wrong keyword or a read-only assignment raises as the binding would), with the
-runtime's behaviour scripted per test. The engine folder is every file device/edgellm_layout.py says the
+runtime's behaviour scripted per test. The engine folder is every file spec_edge/edgellm_layout.py says the
 engine stage leaves (engine_files: Edge-LLM's names, its builder_config; test_edgellm_layout.py reads such
 folders back with the wheel's own readers), the configs on top of the tiny model's config.json, with the
 tokenizer and the chat template moved to chat_template.jinja by tensorrt_edgellm's own write_chat_template
@@ -18,7 +18,7 @@ import pytest
 
 from edgellm_standin import Reply, Script, build
 from spec_edge.config import ConfigError
-from spec_edge.device import edgellm_layout as layout
+from spec_edge import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine
 from spec_edge.runtime.requests import GenerateRequest, RequestError

@@ -12,10 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from spec_edge.config import Config
-from spec_edge.graphs import export
+from spec_edge.graphs import plan
+from spec_edge import artifacts
+from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime.backends.onnxruntime import packed_dir
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 
@@ -49,7 +53,7 @@ def write_yaml(path: Path, cfg: Config) -> Path:
 def answer(cfg: Config, drafter: str | None = None) -> tuple[list[int], list[str]]:
     """(greedy token ids, the load's progress messages) of one request through a freshly loaded engine."""
     messages: list[str] = []
-    engine = Engine.from_config(cfg, messages.append)
+    engine = artifacts.engine(cfg, messages.append)
     result = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=16, drafter=drafter))
     return list(result.token_ids), messages
 
@@ -84,7 +88,7 @@ def test_switching_forms_back_and_forth_reloads(tiny_models, tmp_path):
     assert answer(longer)[0] == want
     got, messages = answer(plain)
     assert got == want and made(messages) == [], messages
-    names = {export.artifact_dir(cfg, "target").name for cfg in (plain, with_head, longer)}
+    names = {plan.artifact_dir(cfg, "target").name for cfg in (plain, with_head, longer)}
     assert len(names) == 3 and any("-h0.1.2-" in name for name in names)
     for folder in (tmp_path / "engines" / "tiny" / "onnx").glob("[!.]*"):  # one form per folder
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -93,12 +97,29 @@ def test_switching_forms_back_and_forth_reloads(tiny_models, tmp_path):
         assert len(forms) <= 1, (folder.name, forms)
 
 
+def test_the_engine_only_loads_and_refuses_what_no_build_made(tiny_models, tmp_path):
+    """Build before serve: Engine.from_config makes no file; a profile never built, or a packed copy gone, is
+    refused with the command that makes it, and after the build (what every serving command runs first) the
+    same load makes nothing."""
+    cfg = tiny_profile(tiny_models, tmp_path / "engines")
+    with pytest.raises(BackendError, match=r"target graphs of profile 'tiny' is not built .*`spec-edge export`"):
+        Engine.from_config(cfg, lambda message: None)
+    assert not (tmp_path / "engines").exists()
+    runs = artifacts.ensure(cfg, lambda message: None)
+    messages: list[str] = []
+    Engine.from_config(cfg, messages.append)
+    assert made(messages) == [], messages
+    (packed_dir(runs["target"]) / "manifest.json").unlink()
+    with pytest.raises(BackendError, match=r"not packed for this machine.*`spec-edge export`"):
+        Engine.from_config(cfg, lambda message: None)
+
+
 def test_a_foreign_graph_is_ignored_and_a_stale_one_remade(tiny_models, tmp_path):
     """A graph of another form in the folder (as an older version grew folders) is not loaded; a graph the
     plan runs whose spec differs is made again; neither stops the engine."""
     cfg = tiny_profile(tiny_models, tmp_path / "engines")
     want, _ = answer(cfg)
-    exported = export.artifact_dir(cfg, "target")
+    exported = plan.artifact_dir(cfg, "target")
     fused = exported.parent / f"{exported.name}_fused"
     manifest = json.loads((fused / "manifest.json").read_text())
     manifest["graphs"]["verify_9"] = {"kind": "verify", "width": 9, "rows": 1, "hidden_layers": [0, 1, 2]}
@@ -130,8 +151,8 @@ def test_an_export_and_a_start_of_the_same_profile_at_once(tiny_models, tmp_path
     assert later.returncode == 0 and not [line for line in later.stderr.splitlines() if line.startswith(MAKING)]
     assert json.loads(outs[1][0])["token_ids"] == json.loads(later.stdout)["token_ids"]
     graph_lines = [line for _, err in outs for line in err.splitlines() if line.startswith("[export] target: graph ")]
-    plan = export.graph_plan(tiny_profile(tiny_models, tmp_path), "target")
-    assert len(graph_lines) == len(plan), graph_lines  # each exported once, by one of the two
+    graphs = plan.graph_plan(tiny_profile(tiny_models, tmp_path), "target")
+    assert len(graph_lines) == len(graphs), graph_lines  # each exported once, by one of the two
 
 
 def kill_when(args: list[str], marker: str) -> str:
@@ -157,7 +178,7 @@ def test_kill_9_mid_export_leaves_a_folder_the_next_command_uses(tiny_models, tm
     cfg = tiny_profile(tiny_models, tmp_path / "engines")
     profile = write_yaml(tmp_path / "tiny.yaml", cfg)
     kill_when(["export", "--config", str(profile)], "[export] target: graph 2/")
-    exported = export.artifact_dir(cfg, "target")
+    exported = plan.artifact_dir(cfg, "target")
     assert not exported.exists()  # a reader never sees the half-made folder
     ask = ["generate", "--config", str(profile), "--prompt", PROMPT, "--max-new-tokens", "16", "--json"]
     first = cli(*ask)
@@ -182,7 +203,7 @@ def test_engines_lists_and_prunes_only_unused_folders(tiny_models, tmp_path):
     answer(cfg.replace(**{"graphs.max_context": 96}))  # a form no profile names
     listed = cli("engines", "--engine-dir", str(engines), "--config", str(profile))
     assert listed.returncode == 0, listed.stderr
-    used, unused = export.artifact_dir(cfg, "target"), export.artifact_dir(cfg.replace(**{"graphs.max_context": 96}),
+    used, unused = plan.artifact_dir(cfg, "target"), plan.artifact_dir(cfg.replace(**{"graphs.max_context": 96}),
                                                                           "target")
     for name in (used.name, f"{used.name}_fused_packed", unused.name):
         assert f"tiny/onnx/{name}\n" in listed.stdout

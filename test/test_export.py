@@ -8,8 +8,9 @@ import onnx
 import pytest
 import torch
 
+from spec_edge.artifacts import ensure_packed
 from spec_edge.config import Config, ConfigError
-from spec_edge.graphs import export, model, ort_attention, weights
+from spec_edge.graphs import export, model, ort_attention, plan, weights
 from spec_edge.runtime.backends.ort_runner import b1_runner
 
 REL_TOL = 5e-5  # fp32: max |ONNX Runtime - torch| relative to the largest |value| (logits here ~15)
@@ -21,7 +22,7 @@ def close(got, want) -> bool:
 
 
 def test_every_exported_graph_is_static(tiny_engine):
-    files = sorted(export.artifact_dir(tiny_engine.cfg, "target").glob("*.onnx"))
+    files = sorted(plan.artifact_dir(tiny_engine.cfg, "target").glob("*.onnx"))
     assert {f.stem for f in files} >= {"prefill_16", "step_1", "verify_2", "verify_4", "verify_5", "verify_8",
                                        "layerskip2_step_1"}
     for path in files:
@@ -57,6 +58,7 @@ def test_onnxruntime_matches_torch(tmp_path, variant, attention):
         assert sum(n.op_type == "GroupQueryAttention" for n in step.graph.node) == model_cfg.n_layers
         assert not any(n.op_type == "Softmax" for n in step.graph.node)  # the exported attention is gone
     reference = model.build(model_cfg, state)
+    ensure_packed(out, progress=lambda m: None)
     runner = b1_runner(out)
     ids = list(range(5, 25))  # 20 tokens: prefill chunks 8 + 8 + 4 (padded)
     k_cache, v_cache = model.empty_cache(model_cfg, 64)
@@ -90,6 +92,7 @@ def test_fused_attention_to_the_end_of_the_cache(tmp_path):
                               "runtime.engine_dir": str(tmp_path / "e")})
     out = ort_attention.ensure_fused(export.export_model(cfg, "target", tmp_path / "onnx", progress=lambda m: None),
                                      progress=lambda m: None)
+    ensure_packed(out, progress=lambda m: None)
     runner = b1_runner(out)
     assert runner.runner.k_cache.shape[1:4:2] == (1, 32 + 8)  # one slot, no scratch; S + one chunk of room for padding
     model_cfg, state, _ = weights.load(str(folder))
@@ -131,7 +134,7 @@ def test_cli_export_leaves_the_graphs_onnxruntime_runs(tmp_path, capsys):
                      "--engine-dir", str(tmp_path / "e"), "--profile", "cli"]) == 0
     cfg = Config().replace(**{"model.target": str(folder), "graphs.max_context": 64, "graphs.prefill_chunk": 8,
                               "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "cli"})
-    fused = ort_attention.fused_dir(export.artifact_dir(cfg, "target"))  # onnx/target-c64-p8-float32-<model>_fused
+    fused = plan.fused_dir(plan.artifact_dir(cfg, "target"))  # onnx/target-c64-p8-float32-<model>_fused
     assert json.loads((fused / "manifest.json").read_text())["attention"] == "fused"
     assert f"ONNX Runtime runs {fused}" in capsys.readouterr().err
 
@@ -161,7 +164,7 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 
 def test_export_is_reused_when_up_to_date(tiny_engine, tiny_cfg):
-    exported = export.artifact_dir(tiny_cfg, "target")
+    exported = plan.artifact_dir(tiny_cfg, "target")
     before = [(folder / "manifest.json").stat().st_mtime_ns for folder in (exported, tiny_engine.graph_dir)]
     messages = []
     assert export.export_model(tiny_cfg, "target", exported, progress=messages.append) == exported

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from spec_edge.runtime import speculative
+from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest, RequestError
-from spec_edge.runtime.sampling import SamplingParams
+from spec_edge.runtime.sampling import Sampler, SamplingParams
 from speculated import assert_speculated
 from test_prefix_reuse import profiles  # noqa: F401 (a fixture: the tiny heads' settings, made once)
 from test_speculative import WrongDrafter, truncated_draft_runner
@@ -202,9 +203,9 @@ def test_verify_masks_and_renormalises_the_draft_q(tiny_engine):
     logits[0, [a, b]] = 5.0
     q = np.zeros((1, vocab))
     q[0, [a, forbidden]] = 0.5
-    sampler = speculative.Sampler(SamplingParams(temperature=1.0, top_k=2), seed=0)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=2), seed=0)
     n = 4000
-    accepted = sum(speculative.accept_rows(logits, speculative.Draft(tokens=[a], q_draft=q), constraint, sampler,
+    accepted = sum(speculative.accept_rows(logits, Draft(tokens=[a], q_draft=q), constraint, sampler,
                                            [a])[0] for _ in range(n))
     assert abs(accepted / n - 0.5) < 0.04, accepted / n
 

@@ -44,11 +44,11 @@ def ros_bad_requests() -> list:
 def served(tmp_path_factory):
     """(door, expected answers): greedy answers of the engine alone, then the door serving the same engine."""
     from spec_edge.http.door import Door
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
     from spec_edge.runtime.scheduler import Scheduler
 
     cfg = cfgmod.from_params(PARAMS)
-    engine = Engine.from_config(cfg, progress=lambda m: None)
+    engine = artifacts.engine(cfg, progress=lambda m: None)
     alone = {name: engine.generate(request) for name, request in {
         "chat": GenerateRequest(messages=(("user", PROMPT),), max_new_tokens=24),
         "copy": GenerateRequest(messages=(("system", "You copy text."), ("user", COPY)), max_new_tokens=20),

@@ -13,7 +13,8 @@ from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
 from spec_edge.runtime.drafters.hybrid import HybridDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.sampling import Sampler
 from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain, run_alone
 
 REPEAT = "Ünïcödé 🤖 robot robot robot robot"  # lookup finds matches (the random target rarely agrees)

@@ -10,11 +10,12 @@ import pytest
 
 from spec_edge.config import AUTO_K, ConfigError, from_params
 from spec_edge.runtime import k_choice
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.k_choice import CallCosts, KChoice
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import BatchLoop, Draft, Keep, SlotRequest
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.speculative import BatchLoop, Keep, SlotRequest
 from tiny import chi2_critical, chi2_statistic, exact_first
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40
@@ -173,7 +174,7 @@ def test_oracle_drafters_in_the_loop(tiny_engine, loop, right):
 
 @pytest.fixture(scope="module")
 def auto_engine(tiny_cfg):
-    return Engine.from_config(tiny_cfg.replace(**{"speculative.k": AUTO_K}), progress=lambda message: None)
+    return artifacts.engine(tiny_cfg.replace(**{"speculative.k": AUTO_K}), progress=lambda message: None)
 
 
 def test_engine_measures_costs_and_auto_is_exact(auto_engine, tiny_engine):
@@ -221,16 +222,18 @@ def test_q4_never_verifies_with_its_two_row_step(tiny_cfg, tiny_engine, tmp_path
     """q4 without a k = 1 graph: width 2 is the step, which feeds its one token twice (graphs/two_rows.py).
     A one-token draft (k = 1, a short proposal, a probe) is verified in the next verify width, so the
     output stays target-only's (it took the draft as fed before: wrong tokens)."""
-    from spec_edge.graphs import export, ort_attention, quantize
+    from spec_edge.artifacts import ensure_packed
+    from spec_edge.graphs import ort_attention, plan, quantize
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from test_quantize import _fresh_blocks
 
     cfg = tiny_cfg.replace(**{"graphs.k_values": [3], "speculative.k": 3})
-    plan = export.graph_plan(cfg, "target")
-    fused = ort_attention.ensure_fused(tiny_engine.graph_dir, lambda m: None, graphs=plan)
+    graphs = plan.graph_plan(cfg, "target")
+    fused = ort_attention.ensure_fused(tiny_engine.graph_dir, lambda m: None, graphs=graphs)
     folder = quantize.convert_folder(fused, tmp_path_factory.mktemp("q4k3") / "q4", _fresh_blocks,
-                                     accuracy_level=quantize.ACCURACY_LEVELS["q4"], stamp="tiny",
-                                     source="tiny blocks", progress=lambda m: None, graphs=plan)
+                                     accuracy_level=plan.ACCURACY_LEVELS["q4"], stamp="tiny",
+                                     source="tiny blocks", progress=lambda m: None, graphs=graphs)
+    ensure_packed(folder, progress=lambda m: None)
     runner = b1_runner(folder).runner  # the slotted runner of one slot
     loop = BatchLoop(runner)
     assert runner.step_width == 2 and runner.widths == {2, 4} and loop.verify_widths == {4}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from spec_edge.config import AUTO_K, Config
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from test_k_choice import call_ms, oracle_run
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def engine():
     cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "speculative.k": AUTO_K})
-    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    return artifacts.engine(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
 @pytest.mark.parametrize("right", [False, True])

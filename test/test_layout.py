@@ -17,21 +17,34 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "spec_edge"
 
 # what each room may use (besides itself); the top-level config.py is the shared leaf (with its own two
-# leaves: the load policy and the retired keys), cli.py the top
+# leaves: the load policy and the retired keys), edgellm_layout.py Edge-LLM's names and folders (the build writes
+# what it describes, the runtime reads it), artifacts.py the build before serve (above the runtime it loads), cli.py
+# the top
 ALLOWED = {
     "speculation_policy": set(),
     "config_retired": {"speculation_policy"},
     "config": {"speculation_policy", "config_retired"},
     "graphs": {"config"},
     "heads": {"config", "graphs"},
-    "device": {"config", "graphs", "heads"},
-    "runtime": {"config", "speculation_policy", "graphs", "heads", "device"},
+    "edgellm_layout": {"config", "graphs", "heads"},
+    "device": {"config", "edgellm_layout", "graphs", "heads"},
+    "runtime": {"config", "speculation_policy", "edgellm_layout", "graphs", "heads"},
+    "artifacts": {"config", "graphs", "heads", "runtime"},
     "training": {"config", "graphs", "heads", "runtime"},
-    "tools": {"config", "speculation_policy", "graphs", "heads", "device", "runtime"},
-    "http": {"config", "runtime"},
-    "ros2": {"config", "runtime", "http"},  # the node runs the HTTP door beside its ROS interfaces
-    "cli": {"config", "graphs", "heads", "device", "runtime", "training", "tools", "ros2", "http"},
+    "tools": {"config", "speculation_policy", "edgellm_layout", "graphs", "heads", "device", "runtime", "artifacts"},
+    "http": {"config", "runtime", "artifacts"},
+    "ros2": {"config", "runtime", "artifacts", "http"},  # the node runs the HTTP door beside its ROS interfaces
+    "cli": {"config", "edgellm_layout", "graphs", "heads", "device", "runtime", "artifacts", "training", "tools",
+            "ros2", "http"},
 }
+# what makes model files: the runtime loads what these made and imports none of them (build before serve)
+BUILD = ("spec_edge.graphs.export", "spec_edge.graphs.quantize", "spec_edge.graphs.ort_attention",
+         "spec_edge.artifacts")
+# the loop module and the modules that drive it (the engine owns the loop, the scheduler iterates it)
+LOOP, LOOP_DRIVERS = "spec_edge.runtime.speculative", {"spec_edge.runtime.engine", "spec_edge.runtime.scheduler"}
+# each door's module and the runtime module its requests enter
+DOORS = {"spec_edge.ros2.node": "spec_edge.runtime.scheduler", "spec_edge.http.door": "spec_edge.runtime.scheduler",
+         "spec_edge.cli": "spec_edge.runtime.engine"}
 MAX_LINES = 600  # a smell alarm, not a target: a module holds one concept, sized by that concept
 LONGER = {}  # module -> why it reads better whole (none so far)
 
@@ -111,6 +124,45 @@ def test_no_import_cycles():
         if start not in state:
             visit(start, [start])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_runtime_loads_and_builds_nothing():
+    """Build before serve: no runtime module imports device/ or a module that makes model files (BUILD); the
+    doors make the files first (spec_edge/artifacts.py), the runtime only loads them."""
+    edges = graph()
+    building = sorted(f"{a} -> {b}" for a, targets in edges.items() if room(a) == "runtime" for b in targets
+                      if room(b) == "device" or b in BUILD)
+    assert not building, "the runtime imports build code:\n" + "\n".join(building)
+
+
+def test_only_the_loop_drivers_import_the_loop():
+    """Stats, Draft, Sampler and the Drafter protocol live in modules of their own: no runtime module imports the
+    loop module (speculative.py) but the ones that drive it."""
+    importers = {a for a, targets in graph().items() if LOOP in targets and room(a) == "runtime"}
+    assert importers <= LOOP_DRIVERS, sorted(importers - LOOP_DRIVERS)
+
+
+def test_each_door_request_path_runs_down():
+    """From each door, the modules its requests run through (the runtime module they enter and everything it
+    imports) never import a module of a higher room, the door's own included: a request runs down the layers."""
+    edges = graph()
+    order = list(ALLOWED)  # listed bottom up
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(edges[name])
+        return seen
+
+    for door, entry in DOORS.items():
+        assert entry in reach(door), f"{door} no longer reaches the runtime at {entry}: update DOORS"
+        path = reach(entry)
+        up = sorted(f"{a} -> {b}" for a in path for b in edges[a]
+                    if order.index(room(b)) > order.index(room(a)))
+        assert not up and room(door) not in {room(n) for n in path}, (door, up)
 
 
 def test_modules_stay_readable_in_one_sitting():

@@ -13,10 +13,9 @@ import torch
 
 from spec_edge.config import ConfigError
 from spec_edge.heads import medusa
-from spec_edge.runtime import speculative
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
-from spec_edge.runtime.sampling import SamplingParams
+from spec_edge.runtime.sampling import Sampler, SamplingParams
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
                   exported_graphs, head_inputs, ort_session, set_config, train_draft_argv)
@@ -61,7 +60,7 @@ def test_medusa_drafts_are_the_heads_argmax(medusa_engine):
     module = medusa.build_module(mcfg, state).eval()
     with torch.no_grad():
         want = module(torch.from_numpy(np.ascontiguousarray(hidden))).numpy()  # (n, Vd)
-    draft = drafter.propose(seq, 4, speculative.Sampler(SamplingParams()))
+    draft = drafter.propose(seq, 4, Sampler(SamplingParams()))
     assert draft.tokens == [int(draft_ids[i]) for i in want.argmax(-1)]
 
 

@@ -15,7 +15,7 @@ import torch
 from spec_edge.config import ConfigError
 from spec_edge.graphs import hidden
 from spec_edge.heads import eagle3, peagle
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
                   exported_graphs, fake_drafter, head_inputs, ort_session, train_draft_argv)
@@ -193,7 +193,7 @@ def test_two_heads_share_the_target_hidden_outputs(tiny_models, tiny_cfg):
                               "speculative.medusa_head": str(heads), "speculative.drafter": "peagle",
                               "graphs.k_values": [3], "speculative.k": 3})
     assert hidden.target_hidden_layers(cfg) == (0, 1, 3, 4)
-    engine = Engine.from_config(cfg, progress=lambda message: None)
+    engine = artifacts.engine(cfg, progress=lambda message: None)
     for name in ("peagle", "medusa"):
         assert_greedy_equals_plain(engine, engine.drafter(name), 3, PROMPTS[:3])
 

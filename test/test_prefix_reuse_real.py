@@ -11,7 +11,7 @@ import pytest
 from near_ties import assert_same_but_near_ties
 
 from spec_edge.config import Config
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.serving import Collect
 
@@ -28,7 +28,7 @@ TURNS = ["Which tool checks the battery?", "Pick up the gauze from shelf A2.", "
 def engine():
     cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
                               "graphs.batch_slots": 1})
-    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    return artifacts.engine(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
 def answer(engine, reuse: bool, request: GenerateRequest):
@@ -61,7 +61,7 @@ def batch_engine():
     """The batched engine (graphs.batch_slots 2: per-slot prefix reuse) over the same fp32 graphs."""
     cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
                               "graphs.batch_slots": 2})
-    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    return artifacts.engine(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
 def test_batched_dialogs_reused_equal_cold(engine, batch_engine):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spec_edge.graphs import gguf_blocks, quantize
+from spec_edge.graphs import gguf_blocks, plan, quantize
 from spec_edge.graphs.gguf_blocks import QuantizeError
 from spec_edge.runtime.backends.onnxruntime import cpu_session
 from tiny import run_alone
@@ -187,11 +187,13 @@ def _fresh_blocks(name: str, weight: np.ndarray):
 @pytest.fixture(scope="module")
 def tiny_q4(tiny_engine, tmp_path_factory):
     """The tiny target's fused graphs carried to 4-bit MatMulNBits with int8 activations (graphs.weights q4)."""
+    from spec_edge.artifacts import ensure_packed
     from spec_edge.runtime.backends.ort_runner import b1_runner
 
     dst = tmp_path_factory.mktemp("q4") / "target_fused_q4"
-    quantize.convert_folder(tiny_engine.graph_dir, dst, _fresh_blocks, accuracy_level=quantize.ACCURACY_LEVELS["q4"],
+    quantize.convert_folder(tiny_engine.graph_dir, dst, _fresh_blocks, accuracy_level=plan.ACCURACY_LEVELS["q4"],
                             stamp="tiny", source="tiny blocks", progress=lambda m: None)
+    ensure_packed(dst, progress=lambda m: None)
     return b1_runner(dst)
 
 

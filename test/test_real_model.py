@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from spec_edge.config import Config
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from tiny import run_alone
 from speculated import assert_speculated
@@ -28,7 +28,7 @@ FREE = "Explain in two sentences why robots use speculative decoding."
 def engine():
     cfg = Config().replace(**{"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
                               "graphs.batch_slots": 1})
-    return Engine.from_config(cfg, progress=lambda m: print(m, file=sys.stderr))
+    return artifacts.engine(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
 def test_logits_match_transformers(engine):
@@ -104,6 +104,7 @@ def test_q4_carries_every_linear_layer(engine):
     graphs' (same weights; fp32 activations here, so only the summation order differs)."""
     import onnx
 
+    from spec_edge.artifacts import ensure_packed
     from spec_edge.graphs import quantize
     from spec_edge.graphs.weights import embedded_gguf_path
     from spec_edge.runtime.backends.ort_runner import b1_runner
@@ -122,6 +123,7 @@ def test_q4_carries_every_linear_layer(engine):
     attention = [n for n in step.graph.node if n.op_type == "GroupQueryAttention"]  # fused attention (default)
     assert len(attention) == n_layers and all(list(n.input[1:3]) == ["", ""] for n in attention)  # packed QKV
     assert sum(n.op_type == "Split" for n in step.graph.node) == n_layers  # gate/up only
+    ensure_packed(q4_dir, progress=lambda m: None)
     q4 = b1_runner(q4_dir)
     ids = engine.front.prompt_ids(GenerateRequest(prompt=FREE))
     want = engine.target.prefill(ids, 0)

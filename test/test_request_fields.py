@@ -104,12 +104,12 @@ def test_greedy_speculative_equals_target_only_with_each_option(tiny_engine, opt
 def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
     """Four slots, requests with the options (and plain ones) joining mid-stream beside each other, ngram
     and draft-model drafters: each == its B=1 target-only output, logprobs allclose."""
-    from spec_edge.runtime.backends.onnxruntime import target_graphs
+    from spec_edge.artifacts import model_graphs
     from spec_edge.runtime.backends.ort_runner import OrtRunner
     from test_batch import K, batch_cfg
 
     cfg = batch_cfg(tiny_cfg)
-    runner = OrtRunner(target_graphs(cfg, progress=lambda message: None), slots=cfg.graphs.batch_slots)
+    runner = OrtRunner(model_graphs(cfg, "target", progress=lambda message: None), slots=cfg.graphs.batch_slots)
     draft_dir = tiny_engine.drafter("draft").runner.runner.graph_dir
     penalties, _ = option_params(tiny_engine, "penalties")
     bias, _ = option_params(tiny_engine, "logit_bias")

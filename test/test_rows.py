@@ -1,4 +1,4 @@
-"""One export plan with a row count per graph (export.graph_plan) on a tiny random model: growing
+"""One export plan with a row count per graph (plan.graph_plan) on a tiny random model: growing
 graphs.batch_slots adds only the graphs of m > 1 rows (made from step_1 by the fused-attention pass,
 no torch export), the rows=1 graphs and the stored weights stay as they are, and the runner's m-row
 calls equal its one-row calls bit for bit. One runner for every slot count: one slot has no scratch
@@ -12,11 +12,12 @@ import pytest
 
 from speculated import assert_speculated
 
+from spec_edge.artifacts import ensure_packed, model_graphs
 from spec_edge.config import Config
-from spec_edge.graphs import export
+from spec_edge.graphs import plan
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.onnxruntime import packed_dir, target_graphs
+from spec_edge.runtime.backends.onnxruntime import packed_dir
 from spec_edge.runtime.backends.ort_runner import OrtRunner, b1_runner
 from tiny import run_alone
 
@@ -32,17 +33,17 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
         "graphs.k_values": [3], "speculative.k": 3, "graphs.layer_skip_layers": 1, "speculative.drafter": "ngram",
         "runtime.engine_dir": str(tmp_path / "e"), "runtime.profile": "grow"})
     quiet = lambda message: None  # noqa: E731
-    fused = target_graphs(cfg, quiet)
-    exported, packed = export.artifact_dir(cfg, "target"), packed_dir(fused)
-    plan1 = export.graph_plan(cfg, "target")
+    fused = model_graphs(cfg, "target", quiet)
+    exported, packed = plan.artifact_dir(cfg, "target"), packed_dir(fused)
+    plan1 = plan.graph_plan(cfg, "target")
     assert {spec["rows"] for spec in plan1.values()} == {1}
     before = {folder: files(folder) for folder in (exported, fused, packed)}
     sizes = {folder: (folder / "weights.bin").stat().st_size for folder in (exported, fused, packed)}
 
     grown = cfg.replace(**{"graphs.batch_slots": 3})
-    rows = {stem: spec for stem, spec in export.graph_plan(grown, "target").items() if spec["rows"] > 1}
+    rows = {stem: spec for stem, spec in plan.graph_plan(grown, "target").items() if spec["rows"] > 1}
     assert sorted(rows) == ["rows2_step_1", "rows2_verify_4", "rows3_step_1", "rows3_verify_4"]
-    assert target_graphs(grown, quiet) == fused
+    assert model_graphs(grown, "target", quiet) == fused
     assert files(exported) == before[exported]  # no torch export: the B=1 graphs are not made again
     assert json.loads((exported / "manifest.json").read_text())["made"][1:] == []
     for folder in (fused, packed):
@@ -53,7 +54,7 @@ def test_growing_batch_slots_adds_only_the_rows_graphs(tiny_models, tmp_path):
     assert (fused / "weights.bin").stat().st_size == sizes[fused]  # every weight of the new graphs already stored
     assert (packed / "weights.bin").stat().st_size < 1.1 * sizes[packed]
     messages = []  # going back to B=1 finds every graph there: nothing runs
-    assert target_graphs(cfg, messages.append) == fused and messages == []
+    assert model_graphs(cfg, "target", messages.append) == fused and messages == []
 
     batched, single = OrtRunner(fused, slots=3), b1_runner(fused)
     assert batched.row_counts == (2, 3) and single.widths == {1, 4}
@@ -74,7 +75,7 @@ def test_layer_skip_per_slot_equals_b1(tiny_cfg, tiny_engine):
     from test_batch import SLOTS, batch_cfg
 
     single = tiny_engine.target
-    batched = OrtRunner(target_graphs(batch_cfg(tiny_cfg), lambda message: None), slots=SLOTS)
+    batched = OrtRunner(model_graphs(batch_cfg(tiny_cfg), "target", lambda message: None), slots=SLOTS)
     skip, single_skip = batched.layer_skip(2), single.layer_skip(2)
     assert batched.layer_skip(2) is skip and skip.widths == {1}
     rng = np.random.default_rng(3)
@@ -107,10 +108,10 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
     cfg = tiny_cfg.replace(**{"graphs.ort_attention": "graph"})
-    folder = target_graphs(cfg, lambda message: None)  # the exported folder the fused one is made from
-    assert folder == export.artifact_dir(tiny_cfg, "target") != tiny_engine.graph_dir
+    folder = model_graphs(cfg, "target", lambda message: None)  # the exported folder the fused one is made from
+    assert folder == plan.artifact_dir(tiny_cfg, "target") != tiny_engine.graph_dir
     assert json.loads((folder / "manifest.json").read_text()).get("attention") != "fused"
-    runner, model_cfg = OrtRunner(folder, slots=1), export.read_model_config(folder)
+    runner, model_cfg = OrtRunner(folder, slots=1), plan.read_model_config(folder)
     assert runner.k_cache.shape == (model_cfg.n_layers, 1, model_cfg.n_kv_heads, cfg.graphs.max_context,
                                     model_cfg.head_dim)
     rng = np.random.default_rng(4)
@@ -124,7 +125,8 @@ def test_exported_attention_runs_one_row_calls(tiny_cfg, tiny_engine):
         assert_speculated(stats, accepted=False, what=drafter.name)
     assert stats.acceptance_rate > 0.9  # the target drafting for itself
 
-    draft_dir = export.artifact_dir(cfg, "draft")  # exported by tiny_engine (speculative.drafter: draft)
+    draft_dir = plan.artifact_dir(cfg, "draft")  # exported by tiny_engine (speculative.drafter: draft)
+    ensure_packed(draft_dir, progress=lambda message: None)  # the build packs the fused copy the engine runs
     drafts, single = OrtRunner(draft_dir, slots=2), b1_runner(draft_dir)
     drafts.prefill(0, prompt, 0)
     drafts.prefill(1, prompt[:9], 0)

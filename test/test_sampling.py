@@ -11,12 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.ort_runner import b1_runner
+from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.requests import GenerateRequest
-from spec_edge.runtime.sampling import SamplingParams, probabilities, speculative_accept
-from spec_edge.runtime.speculative import Draft
+from spec_edge.runtime.sampling import Sampler, SamplingParams, probabilities, speculative_accept
 from tiny import assert_sampling_follows_target, chi2_critical, chi2_statistic
 
 
@@ -67,7 +66,7 @@ class GreedySelfDrafter(ModelDrafter):
     """Deterministic drafts (the target's own argmax): the one-hot q path of the loop."""
 
     def propose(self, seq, k, sampler):
-        greedy = speculative.Sampler(SamplingParams())
+        greedy = Sampler(SamplingParams())
         draft = super().propose(seq, k, greedy)
         return None if draft is None else Draft(tokens=draft.tokens, q_draft=None)
 
@@ -83,7 +82,7 @@ class TemperedSelfDrafter(ModelDrafter):
         self.params = SamplingParams(temperature=0.6, top_k=2)
 
     def propose(self, seq, k, sampler):
-        own = speculative.Sampler(self.params)
+        own = Sampler(self.params)
         own.rng = sampler.rng
         return super().propose(seq, k, own)
 

@@ -16,7 +16,7 @@ from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
-from spec_edge.runtime.speculative import Draft
+from spec_edge.runtime.drafters.base import Draft
 from speculated import assert_speculated
 from test_request_fields import PENALTIES
 from tiny import TINY_K_VALUES, run_alone
@@ -91,8 +91,8 @@ def truncated_draft_runner(engine):
     engine's own graph settings."""
     from safetensors.torch import load_file, save_file
 
-    from spec_edge.graphs import export
-    from spec_edge.runtime.drafting import ort_graphs
+    from spec_edge.graphs import export, plan
+    from spec_edge.artifacts import ort_graphs
 
     target = Path(engine.cfg.model.target)
     if str(target) not in _TRUNCATED:
@@ -107,7 +107,7 @@ def truncated_draft_runner(engine):
                        or int(name.split(".")[2]) < 2}, str(path / "model.safetensors"))
         cfg = engine.cfg.replace(**{"model.draft": str(path),
                                     "runtime.profile": f"{engine.cfg.runtime.profile}-truncated-draft"})
-        draft_dir = export.export_model(cfg, "draft", export.artifact_dir(cfg, "draft"), lambda message: None)
+        draft_dir = export.export_model(cfg, "draft", plan.artifact_dir(cfg, "draft"), lambda message: None)
         _TRUNCATED[str(target)] = b1_runner(ort_graphs(cfg, "draft", draft_dir, lambda message: None))
     return _TRUNCATED[str(target)]
 

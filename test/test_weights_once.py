@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from spec_edge.runtime.backends.onnxruntime import cpu_session, ensure_packed, graph_session, packed_dir
+from spec_edge.artifacts import ensure_packed
+from spec_edge.runtime.backends.onnxruntime import cpu_session, graph_session, packed_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,6 +32,7 @@ def _feeds(session, rng) -> dict:
 
 def test_packed_graphs_compute_what_the_exported_ones_do(tiny_engine):
     graph_dir = tiny_engine.graph_dir
+    ensure_packed(graph_dir)  # every graph of the folder (the engine's build packed its plan's)
     rng = np.random.default_rng(0)
     for stem in json.loads((graph_dir / "manifest.json").read_text())["graphs"]:
         exported = cpu_session(str(graph_dir / f"{stem}.onnx"))
@@ -70,10 +72,10 @@ _MEASURE = """
 import json, sys
 from pathlib import Path
 from spec_edge.config import Config
-from spec_edge.runtime.engine import Engine
+from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 
-engine = Engine.from_config(Config().replace(**{"runtime.engine_dir": sys.argv[1], "graphs.weights": "fp32",
+engine = artifacts.engine(Config().replace(**{"runtime.engine_dir": sys.argv[1], "graphs.weights": "fp32",
                                                "graphs.batch_slots": 1}), progress=lambda m: None)
 if sys.argv[2] == "measure":
     engine.generate(GenerateRequest(prompt="Explain in two sentences why robots use speculative decoding.",

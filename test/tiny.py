@@ -181,9 +181,9 @@ def exported_graphs(engine, role: str, min_tensors: int) -> tuple[Path, dict]:
     """(artifact folder, manifest) of a head's export, every graph in it checked fully static."""
     import onnx
 
-    from spec_edge.graphs import export
+    from spec_edge.graphs import export, plan
 
-    head_dir = export.artifact_dir(engine.cfg, role)
+    head_dir = plan.artifact_dir(engine.cfg, role)
     manifest = json.loads((head_dir / "manifest.json").read_text())
     for stem in manifest["graphs"]:
         checked, dynamic = export.dynamic_tensors(onnx.load(str(head_dir / f"{stem}.onnx"), load_external_data=False))
@@ -220,9 +220,9 @@ def train_draft_argv(tmp_path: Path, tiny_models: dict, out: Path, *extra: str) 
 
 def engine_with(tiny_cfg, settings: dict):
     """An Engine for the session's tiny config with these dotted settings (profile, head, drafter)."""
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
-    return Engine.from_config(tiny_cfg.replace(**settings), progress=lambda message: None)
+    return artifacts.engine(tiny_cfg.replace(**settings), progress=lambda message: None)
 
 
 def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
@@ -279,7 +279,7 @@ def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_he
 def fake_drafter(drafter_class, head):
     """(drafter_class over head and FakeHiddenTarget, started on the prompt [5, 6, 7]; a greedy sampler)."""
     from spec_edge.runtime.sampling import SamplingParams
-    from spec_edge.runtime.speculative import Sampler
+    from spec_edge.runtime.sampling import Sampler
 
     drafter = drafter_class(FakeHiddenTarget(), head)
     drafter.start([5, 6, 7])

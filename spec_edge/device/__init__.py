@@ -7,13 +7,13 @@
   projection.py     the decode-speed projection: time per call, expected tokens, the k table
   profiles.py       a profile without weights: its yaml, its models' architectures, its plan inputs
   checkpoint.py     the folders Edge-LLM's exporter reads (the GGUF converted, the head in Edge-LLM's layout)
-  edgellm_layout.py where the artifacts live, manifest.json, engine_dirs() (what the runtime calls); Edge-LLM's
-                    engine and config file names, builder limits, EAGLE-3 tree checks
   preflight.py      what a build needs on this machine (Edge-LLM's own detection), one finding per piece
   edgellm_build.py  the stages: plan -> checkpoint -> quantize -> export -> engines (LLMBuilder, lazily)
   commands.py       `spec-edge plan` / `spec-edge build` command lines, docs/thor_profiles.md
 
 Inside device/ each module imports only modules listed above it (never back up the list).
 
-May import: config, graphs, heads.
+Where the artifacts live and Edge-LLM's names: spec_edge/edgellm_layout.py (the leaf the runtime reads too).
+
+May import: config, edgellm_layout, graphs, heads.
 """

@@ -13,7 +13,7 @@ from typing import Any
 from spec_edge.config import Config, ConfigError, load, speculative_k
 from spec_edge.device import edgellm_build, memory, preflight, projection
 from spec_edge.device.edgellm_build import BuildError
-from spec_edge.device.edgellm_layout import ManifestError, batch_engine_dir, engine_dirs
+from spec_edge.edgellm_layout import ManifestError, batch_engine_dir, engine_dirs
 from spec_edge.device.profiles import plan_for_config, resolve_profile
 
 # ---------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from typing import Any
 
 from spec_edge.config import Config, engine_root
 from spec_edge.device import checkpoint, memory, preflight
-from spec_edge.device.edgellm_layout import (FORMAT, MANIFEST, builder_limits, edgellm_version, engine_record,
+from spec_edge.edgellm_layout import (FORMAT, MANIFEST, builder_limits, edgellm_version, engine_record,
                                              file_digest, folder_digests, identity_config, profile_dir, read_manifest,
                                              require_known_weights, write_manifest)
 from spec_edge.device.profiles import plan_for_config, plan_inputs

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from spec_edge.config import Config
 from spec_edge.device import checkpoint, memory
-from spec_edge.device.edgellm_layout import EDGELLM_VERSION
+from spec_edge.edgellm_layout import EDGELLM_VERSION
 
 CALIBRATION_ENV = "EDGELLM_QUANT_DATASET_CNN_DAILYMAIL"  # Edge-LLM's local override of its default text dataset
 CHECKOUT = Path(__file__).resolve().parents[2]  # the checkout spec_edge runs from (a build runs from one)

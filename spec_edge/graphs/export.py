@@ -1,7 +1,7 @@
 """The export plan of a model and the graph folders made from it, graph by graph.
 
     <engine_dir>/<profile>/onnx/<form>/   the torch export (this module): the rows=1 graphs of one form,
-                                          artifact_dir(): target-c1024-p64-float32[-h1.14.26]-2f786409
+                                          plan.artifact_dir(): target-c1024-p64-float32[-h1.14.26]-2f786409
                                           (folders.py: every name, the lock, the atomic writes)
       manifest.json             identity (checkpoint fingerprint, shapes, hidden states, format), "graphs":
                                 stem -> spec, "made": what each run added, with its seconds
@@ -14,11 +14,11 @@
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
     <form>_fused/   the same graphs with fused attention (ort_attention.py), plus graphs.batch_slots = B > 1's
-      rows<m>_step_1.onnx, rows<m>_verify_<k+1>.onnx   (m, T) for each row count m of row_counts(B), made
+      rows<m>_step_1.onnx, rows<m>_verify_<k+1>.onnx   (m, T) for each row count m of plan.row_counts(B), made
                                 from step_1 by the rewrite (gqa_rewrite.rewrite_rows), no torch export
-    <form>_fused_q4/ (quantize.py), <folder>_packed/ (runtime/backends/onnxruntime.py): the same stems
+    <form>_fused_q4/ (quantize.py), <folder>_packed/ (spec_edge/artifacts.py): the same stems
 
-graph_plan(cfg, role) lists every graph a config runs, each with its row count ("rows": 1 for the
+plan.graph_plan(cfg, role) lists every graph a config runs, each with its row count ("rows": 1 for the
 B=1 graphs). A folder is made graph by graph (ensure_graphs): a plan that grows (a new k, more batch
 slots) adds only its missing graphs to the folders, their new weights appended to weights.bin; the
 graphs already there, and the sessions that run them, are untouched. A plan of another form (a head's
@@ -40,8 +40,9 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from spec_edge.config import Config, ConfigError, ModelConfig, engine_root
+from spec_edge.config import Config, ConfigError, ModelConfig
 from spec_edge.graphs import folders, hidden, io_names
+from spec_edge.graphs.plan import graph_plan
 
 # format 3: every graph spec has its row count; weights.index.json lets a later run append
 FORMAT_VERSION, ALIGN = 3, 4096
@@ -57,59 +58,10 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
-def row_counts(batch: int) -> tuple[int, ...]:
-    """Row counts m of the rows > 1 graphs for B slots (one row runs the B=1 graphs): every count up to
-    8, then steps of 2 up to 16, of 4 up to 32, of 8 up to 64, and B. A call with n rows runs the
-    smallest m >= n, so its padding rows are under a quarter of its rows (cost per row: docs/bench.md,
-    "Calls over a subset of the slots"). () for B = 1."""
-    counts, m = [], 2
-    while m < batch:
-        counts.append(m)
-        m += 1 << max(0, m.bit_length() - 3)  # 1 below 8, then a quarter of the power of two below m
-    return tuple(counts + [batch]) if batch > 1 else ()
-
-
-def rows_stem(rows: int, kind: str, width: int) -> str:
-    """File stem of a graph of m > 1 rows: rows_stem(4, "verify", 5) = 'rows4_verify_5'."""
-    return f"rows{rows}_" + io_names.graph_file(kind, width)
-
-
-def step_width(cfg: Config) -> int:
-    """The width a decode step runs at: 2 for graphs.weights q4 (int8 activations: the token twice,
-    graphs/two_rows.py), else 1."""
-    return 2 if cfg.graphs.weights == "q4" else 1
-
-
-def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
-    """stem -> {kind, width, rows[, n_layers][, hidden_layers]}: every graph a role ('target' or 'draft')
-    runs. rows = 1: the B=1 graphs, exported from torch (export_model); the target's graphs of m > 1
-    rows (graphs.batch_slots = B > 1: each m of row_counts(B), at the step width and each k+1) run with
-    fused attention only and are made by that pass (graphs/ort_attention.py)."""
-    g = cfg.graphs
-    plan = {io_names.graph_file("prefill", g.prefill_chunk): {"kind": "prefill", "width": g.prefill_chunk, "rows": 1},
-            io_names.graph_file("step", 1): {"kind": "step", "width": 1, "rows": 1}}
-    if role == "target":
-        for k in sorted(set(g.k_values)):
-            plan[io_names.graph_file("verify", k + 1)] = {"kind": "verify", "width": k + 1, "rows": 1}
-        plan[io_names.graph_file(f"layerskip{g.layer_skip_layers}_step", 1)] = {
-            "kind": "layerskip", "width": 1, "rows": 1, "n_layers": g.layer_skip_layers}
-        step = step_width(cfg)
-        widths = [("step", step)] + [("verify", k + 1) for k in sorted(set(g.k_values)) if k + 1 != step]
-        for m in row_counts(g.batch_slots):
-            for kind, width in widths:
-                plan[rows_stem(m, kind, width)] = {"kind": kind, "width": width, "rows": m}
-        hidden_layers = hidden.target_hidden_layers(cfg)
-        if hidden_layers:  # a head is configured: the full-model graphs also return the hidden states it reads
-            for spec in plan.values():
-                if spec["kind"] in ("prefill", "step", "verify"):
-                    spec["hidden_layers"] = list(hidden_layers)
-    return plan
-
-
 def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = print) -> Path:
     """The folder of the target's ('target') or draft model's ('draft') exported rows=1 graphs of the
     plan: exported once, graph by graph (ensure_graphs: a grown plan exports only its new graphs; a
-    new checkpoint re-exports the folder). out_dir: artifact_dir(cfg, role), named by the form, so a
+    new checkpoint re-exports the folder). out_dir: plan.artifact_dir(cfg, role), named by the form, so a
     new max_context, prefill chunk, dtype or set of hidden states goes to a folder of its own. Returns
     out_dir."""
     from spec_edge.graphs import weights
@@ -144,14 +96,6 @@ def export_model(cfg: Config, role: str, out_dir: Path, progress: Progress = pri
     return ensure_graphs(Path(out_dir), identity, graphs, make, progress, f"[export] {role}")
 
 
-def read_model_config(out_dir: Path) -> ModelConfig:
-    raw = json.loads((Path(out_dir) / "model.json").read_text())
-    if raw.get("rope_llama3") is not None:
-        raw["rope_llama3"] = tuple(raw["rope_llama3"])
-    raw["eos_ids"] = tuple(raw["eos_ids"])
-    return ModelConfig(**raw)
-
-
 class WeightStore:
     """One file holding each distinct large initializer once; graphs reference it by offset. append:
     open an existing store (its index, weights.index.json beside it, says what it holds) and add to
@@ -182,14 +126,6 @@ class WeightStore:
     def close(self) -> None:
         self.fh.close()
         folders.write_atomic(self.index_path, json.dumps(self.offsets))
-
-
-def folder_stamp(folder: Path) -> str:
-    """A short hash of a graph folder's identity (its manifest without the graph list and the run
-    log): what a folder derived from it records. Adding graphs to the folder keeps its stamp."""
-    manifest = json.loads((Path(folder) / "manifest.json").read_text())
-    ident = {key: value for key, value in manifest.items() if key not in ("graphs", "made")}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def ensure_graphs(out: Path, identity: dict, graphs: dict[str, dict], make: MakeGraphs, progress: Progress = print,
@@ -363,26 +299,6 @@ def check_static(graph, name: str = "graph") -> None:
     _, dynamic = dynamic_tensors(graph)
     if dynamic:
         raise RuntimeError(f"{name}: {len(dynamic)} tensors have dynamic shapes, e.g. {dynamic[:5]}")
-
-
-def artifact_dir(cfg: Config, role: str) -> Path:
-    """The folder of cfg's form of a role's exported graphs (folders.form_name): 'target' and 'draft' (the
-    models), 'eagle3', 'peagle', 'medusa' (the configured head of that kind)."""
-    from spec_edge.graphs import weights
-
-    g = cfg.graphs
-    if role in ("target", "draft"):
-        source = cfg.model.target if role == "target" else cfg.model.draft
-        if not source:
-            raise ConfigError(f"no {role} model configured (model.{role})")
-        stamp, layers = weights.fingerprint(source), hidden.target_hidden_layers(cfg) if role == "target" else ()
-    else:
-        head = getattr(cfg.speculative, f"{role}_head")
-        if not head:
-            raise ConfigError(f"no {role} head configured (speculative.{role}_head)")
-        stamp, layers = folders.path_stamp(head), ()
-    name = folders.form_name(role, stamp, g.max_context, g.prefill_chunk, g.dtype, layers)
-    return engine_root(cfg) / cfg.runtime.profile / "onnx" / name
 
 
 def head_side_files(folder: Path) -> tuple[str, ...]:

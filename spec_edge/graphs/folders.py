@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -134,3 +135,11 @@ def last_used(out: Path) -> float:
         if path.exists():
             return path.stat().st_mtime
     return time.time()
+
+
+def folder_stamp(folder: Path) -> str:
+    """A short hash of a graph folder's identity (its manifest without the graph list and the run
+    log): what a folder derived from it records. Adding graphs to the folder keeps its stamp."""
+    manifest = json.loads((Path(folder) / "manifest.json").read_text())
+    ident = {key: value for key, value in manifest.items() if key not in ("graphs", "made")}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """What an engines folder holds, and which of it no profile uses: `spec-edge engines [--prune]`.
 
-A profile uses the form folders of every model and head it runs on ONNX Runtime (export.artifact_dir) and
+A profile uses the form folders of every model and head it runs on ONNX Runtime (plan.artifact_dir) and
 the folders the post-export passes made from them (<form>_fused, ..._q4, ..._packed: folders.base_name).
 The profiles are the defaults (Config()), each config/*.yaml of the package and the files named with
 --config. A folder of a profile that cannot be read (a head folder not found) counts as used: prune
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError, engine_root, load
-from spec_edge.graphs import export, folders
+from spec_edge.graphs import folders, plan
 
 HEAD_ROLES = ("eagle3", "peagle", "medusa")
 
@@ -61,7 +61,7 @@ def used_bases(cfg: Config, base: Path) -> set[Path]:
     cfg = cfg.replace(**heads) if heads else cfg
     roles = ["target"] + (["draft"] if cfg.model.draft else [])
     roles += [role for role in HEAD_ROLES if getattr(cfg.speculative, f"{role}_head")]
-    return {export.artifact_dir(cfg, role) for role in roles}
+    return {plan.artifact_dir(cfg, role) for role in roles}
 
 
 def inventory(root: Path, profiles: list[tuple[str, Config | None, Path]]) -> tuple[list[Folder], list[str]]:

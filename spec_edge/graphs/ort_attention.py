@@ -4,7 +4,7 @@ graphs/gqa_rewrite.py. The exported graphs are untouched.
 
     <engine_dir>/<profile>/onnx/<folder>_fused/   the source's identity plus "attention": "fused"; its
                                                   graphs, plus the target's graphs of m > 1 rows
-                                                  (export.graph_plan), made from step_1 by rewrite_rows
+                                                  (plan.graph_plan), made from step_1 by rewrite_rows
 
 Made graph by graph (export.ensure_graphs): graphs the plan adds later (more batch slots, a new k)
 are added to the folder; a new export (a new identity) remakes it.
@@ -16,13 +16,10 @@ import shutil
 from pathlib import Path
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.graphs import io_names
+from spec_edge.graphs import io_names, plan
+from spec_edge.graphs.folders import folder_stamp
 from spec_edge.graphs.gqa_rewrite import (FUSED_FORMAT, HEAD_LAYERS, AttentionRewriteError, Progress,
                                           rewrite_model, rewrite_rows, target_layers)
-
-
-def fused_dir(src_dir: Path) -> Path:
-    return src_dir.parent / f"{src_dir.name}_fused"
 
 
 def for_config(cfg, src_dir: Path, progress: Progress = print, geometry: ModelConfig | None = None,
@@ -32,9 +29,7 @@ def for_config(cfg, src_dir: Path, progress: Progress = print, geometry: ModelCo
     does not cover. src_dir: an exported target, draft model or EAGLE-3 head folder; geometry: a
     head folder's attention geometry (heads.eagle3.HeadConfig.as_model_config; a target or draft
     folder carries its own model.json); graphs: the stems (-> specs) to have, default all of src_dir's
-    (a target: export.graph_plan, whose graphs of m > 1 rows run with fused attention only)."""
-    from spec_edge.graphs.export import read_model_config
-
+    (a target: plan.graph_plan, whose graphs of m > 1 rows run with fused attention only)."""
     rows = sorted({spec["rows"] for spec in (graphs or {}).values() if spec.get("rows", 1) > 1})
     if cfg.graphs.ort_attention != "fused":
         if rows:
@@ -42,8 +37,7 @@ def for_config(cfg, src_dir: Path, progress: Progress = print, geometry: ModelCo
                               f"any subset of the slots' cache regions to its rows); set graphs.ort_attention: fused, "
                               f"or graphs.batch_slots: 1 to run graphs.ort_attention: {cfg.graphs.ort_attention}")
         return src_dir
-    role = json.loads((Path(src_dir) / "manifest.json").read_text()).get("role")
-    if role in ("target", "draft") and read_model_config(src_dir).qk_norm:
+    if not plan.runs_fused(cfg, src_dir):
         if rows:
             raise ConfigError(f"graphs.batch_slots={cfg.graphs.batch_slots} runs fused attention, which does not "
                               f"cover this model's q/k norms (Qwen3): set graphs.batch_slots: 1")
@@ -59,13 +53,13 @@ def ensure_fused(src_dir: Path, progress: Progress = print, geometry: ModelConfi
     the head's attention geometry, as in for_config), holding `graphs` (stem -> spec; default: all of
     src_dir's graphs). A graph of m > 1 rows is made from the source's step_1 (the layer-skip one from
     its layer-skip graph), at its width."""
-    from spec_edge.graphs.export import ensure_graphs, folder_stamp, read_model_config
+    from spec_edge.graphs.export import ensure_graphs
 
     src_dir = Path(src_dir)
     manifest = json.loads((src_dir / "manifest.json").read_text())
     role = manifest.get("role")
     if role in ("target", "draft"):
-        model_cfg = read_model_config(src_dir)
+        model_cfg = plan.read_model_config(src_dir)
         widest = int(manifest["prefill_chunk"])  # the only padded graph
         copies = ("model.json", "tokenizer.json", "tokenizer_config.json")
     elif role == "eagle3":  # the head's ingest graphs are padded up to their width
@@ -119,4 +113,4 @@ def ensure_fused(src_dir: Path, progress: Progress = print, geometry: ModelConfi
                 shutil.copy2(src_dir / name, folder / name)
         return {}
 
-    return ensure_graphs(fused_dir(src_dir), identity, graphs, make, progress, "[fused]")
+    return ensure_graphs(plan.fused_dir(src_dir), identity, graphs, make, progress, "[fused]")

@@ -47,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs import two_rows
+from spec_edge.graphs import plan, two_rows
+from spec_edge.graphs.folders import folder_stamp
 from spec_edge.graphs.gguf_blocks import (Q41, Q80, QK, QuantizeError, blocks_for, matmulnbits_q4_1, matmulnbits_q8_0,
                                           quantize_q8_0)
 
@@ -239,14 +240,6 @@ def pack_qkv(nodes: list) -> list:
 # The artifact folder
 
 
-def q4_dir(fp32_dir: Path, accuracy_level: int) -> Path:
-    return fp32_dir.parent / f"{fp32_dir.name}_q4" if accuracy_level == 4 else fp32_dir.parent / f"{fp32_dir.name}_q4a{accuracy_level}"
-
-
-ACCURACY_LEVELS = {"q4": 4, "q4_fp32act": 0}  # graphs.weights -> MatMulNBits accuracy_level
-ORT_WEIGHTS = ("fp32",) + tuple(ACCURACY_LEVELS)  # the graphs.weights forms ONNX Runtime runs
-
-
 def for_config(cfg, fp32_dir: Path, progress: Progress = print, graphs: dict[str, dict] | None = None) -> Path:
     """The graph folder for cfg.graphs.weights (q4 / q4_fp32act), made from the fp32 folder; graphs: the
     stems (-> specs) to have, default all of fp32_dir's."""
@@ -257,15 +250,13 @@ def for_config(cfg, fp32_dir: Path, progress: Progress = print, graphs: dict[str
     if source.suffix != ".gguf":
         raise ConfigError(f"graphs.weights={cfg.graphs.weights} carries a GGUF's Q4_1 blocks over; the target "
                           f"'{cfg.model.target}' is not a GGUF file (use weights fp32)")
-    return ensure_q4(fp32_dir, source, ACCURACY_LEVELS[cfg.graphs.weights], progress, graphs)
+    return ensure_q4(fp32_dir, source, plan.ACCURACY_LEVELS[cfg.graphs.weights], progress, graphs)
 
 
 def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress: Progress = print,
               graphs: dict[str, dict] | None = None) -> Path:
     """The q4 copy of an fp32 folder, graph by graph (export.ensure_graphs; remade when the fp32
     folder's identity changes). The GGUF is read only when a graph is to be made."""
-    from spec_edge.graphs.export import folder_stamp
-
     fp32_dir = Path(fp32_dir)
     read: list[Blocks] = []
 
@@ -275,7 +266,7 @@ def ensure_q4(fp32_dir: Path, gguf_path: Path, accuracy_level: int = 0, progress
             read.append(blocks_for(gguf_path))
         return read[0](name, weight)
 
-    return convert_folder(fp32_dir, q4_dir(fp32_dir, accuracy_level), blocks, accuracy_level=accuracy_level,
+    return convert_folder(fp32_dir, plan.q4_dir(fp32_dir, accuracy_level), blocks, accuracy_level=accuracy_level,
                           stamp=folder_stamp(fp32_dir), source=gguf_path.name, progress=progress, graphs=graphs)
 
 
@@ -354,7 +345,7 @@ def ensure_head_q8(src_dir: Path, progress: Progress = print) -> Path:
     src_dir = Path(src_dir)
     manifest = json.loads((src_dir / "manifest.json").read_text())
     identity = {key: value for key, value in manifest.items() if key not in ("graphs", "made")}
-    identity.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=export.folder_stamp(src_dir))
+    identity.update(head_weights="q8", head_q8_format=HEAD_Q8_FORMAT, q8_source_stamp=folder_stamp(src_dir))
     rounded: dict[str, Q80 | None] = {}  # by initializer name, shared by the graphs
 
     def make(todo: dict, folder: Path, store, fresh: bool) -> dict:
@@ -384,5 +375,5 @@ def ensure_head_q8(src_dir: Path, progress: Progress = print) -> Path:
         progress(f"[q8] {layers} linear layers per graph")
         return {}
 
-    return export.ensure_graphs(src_dir.parent / f"{src_dir.name}_q8", identity, dict(manifest["graphs"]), make,
+    return export.ensure_graphs(plan.q8_dir(src_dir), identity, dict(manifest["graphs"]), make,
                                 progress, "[q8]")

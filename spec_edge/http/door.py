@@ -321,7 +321,7 @@ def run(cfg: cfgmod.Config, progress: Any) -> int:
     import logging
     import signal
 
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
     from spec_edge.runtime.scheduler import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
@@ -330,7 +330,7 @@ def run(cfg: cfgmod.Config, progress: Any) -> int:
     engine = scheduler = None
     stop = threading.Event()
     try:
-        engine = Engine.from_config(cfg, progress)
+        engine = artifacts.engine(cfg, progress)  # built first where missing, then loaded
         if cfg.serve.warm_system_prompt:
             progress(f"[http] warmed the cache with the system prompt: {engine.warm()} tokens")
         scheduler = Scheduler(engine, cfg, logger)

@@ -3,7 +3,7 @@
 One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
 
 - configure: parameters (declared from spec_edge.config's defaults, one per key) -> Config ->
-  Engine.from_config (graphs load/export once); cleanup frees the engine again.
+  artifacts.engine (the graphs made where missing, then loaded); cleanup frees the engine again.
 - activate / deactivate: the `generate` service (spec_edge_interfaces/srv/Generate), the
   `generate` action (spec_edge_interfaces/action/Generate, streaming text deltas as feedback) and
   `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread, which admits
@@ -237,8 +237,8 @@ def make_node_class():
                     self.get_logger().error(f"configure: the HTTP door did not start: {err}")
                     return TransitionCallbackReturn.FAILURE
             try:
-                from spec_edge.runtime.engine import Engine
-                self.engine = Engine.from_config(self.cfg, progress=self.get_logger().info)
+                from spec_edge import artifacts
+                self.engine = artifacts.engine(self.cfg, progress=self.get_logger().info)
                 self._info = dict(self.engine.info())
                 if self.cfg.serve.warm_system_prompt:  # the system prompt's rows, for every request to reuse
                     self.get_logger().info(f"warmed the cache with the system prompt: {self.engine.warm()} tokens")

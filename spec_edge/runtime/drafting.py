@@ -17,13 +17,13 @@ What each drafter runs on, per slot (loaded once, on first use; what a slot's dr
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig, speculative_k
-from spec_edge.graphs import export, hidden, ort_attention, quantize
+from spec_edge.graphs import hidden
 from spec_edge.runtime.backends.base import Runner
-from spec_edge.runtime.backends.onnxruntime import ort_graphs
+from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.backends.slot_views import SlotHead, SlotRunner
 from spec_edge.runtime.requests import RequestError
@@ -53,8 +53,8 @@ class Drafters:
     (ort_heads.OrtEagle3Head(slots=B)) and their SlotHead views, medusa_heads (ort_heads.OrtMedusaHeads)."""
 
     def __init__(self, cfg: Config, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
-                 model_cfg: ModelConfig, progress: Callable[[str], None] = print):
-        self.cfg, self.targets, self.tokenizer, self.progress = cfg, targets, tokenizer, progress
+                 model_cfg: ModelConfig):
+        self.cfg, self.targets, self.tokenizer = cfg, targets, tokenizer
         self.slots = len(targets)
         self.graph_dir, self.model_cfg = graph_dir, model_cfg  # the target's graphs and geometry
         self.draft: list[Runner] = []  # the draft model's slot views
@@ -127,29 +127,24 @@ class Drafters:
         """The draft model's slot views (loaded once)."""
         if not self.cfg.model.draft:
             raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
-        draft_dir = export.export_model(self.cfg, "draft", export.artifact_dir(self.cfg, "draft"), self.progress)
+        draft_dir = ort_folder(self.cfg, "draft")
         check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
-        draft_dir = ort_graphs(self.cfg, "draft", draft_dir, self.progress)
         return slotted(self.cfg, draft_dir, self.slots)[1]
 
     def load_eagle3_head(self, name: str = "eagle3"):
         """The EAGLE-3 head (loaded once); name: the drafter that asked (eagle3 or hybrid)."""
         if self.eagle3_head is None:
-            from spec_edge.heads import eagle3_export
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = self._export_head(name, "eagle3", "an EAGLE-3 head", eagle3_export.export_head,
-                                         made_by="spec-edge train-draft", fused=True)
+            head_dir = self._head_dir(name, "eagle3", "an EAGLE-3 head", made_by="spec-edge train-draft")
             self.eagle3_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
                                              slots=self.slots)
         return self.eagle3_head
 
-    def _export_head(self, name: str, kind: str, what: str, export_head, made_by: str = "",
-                     fused: bool = False) -> Path:
-        """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head): exported
-        into its artifact folder by export_head (e.g. medusa.export_heads), its attention fused when
-        `fused` (EAGLE-3 heads), then graphs.head_weights' copy; or a RequestError saying what is
-        missing. name: the drafter that asked; made_by: the command that makes such a head."""
+    def _head_dir(self, name: str, kind: str, what: str, made_by: str = "") -> Path:
+        """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head), as the build
+        made it (spec_edge/artifacts.py); or a RequestError saying what is missing. name: the drafter that
+        asked; made_by: the command that makes such a head."""
         field = f"{kind}_head"
         path = getattr(self.cfg.speculative, field)
         if not path:
@@ -157,23 +152,15 @@ class Drafters:
             raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
                                f"made by `{made_by}`) and restart")
         self.targets[0].hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
-        head_dir = export_head(self.cfg, path, self.model_cfg, export.artifact_dir(self.cfg, kind), self.progress)
-        if fused:
-            from spec_edge.heads.eagle3_export import read_head_config
-
-            head_dir = ort_attention.for_config(self.cfg, head_dir, self.progress,
-                                                read_head_config(head_dir).as_model_config())
-        return quantize.for_head(self.cfg, head_dir, self.progress)
+        return ort_folder(self.cfg, kind)
 
     def load_medusa_heads(self):
         """The Medusa heads (loaded once; no cache, so the batched node's slots share them)."""
         if self.medusa_heads is None:
-            from spec_edge.heads import medusa
             from spec_edge.runtime.backends.ort_heads import OrtMedusaHeads
             from spec_edge.runtime.drafters.medusa import MedusaDrafter
 
-            heads = OrtMedusaHeads(self._export_head("medusa", "medusa", "Medusa heads", medusa.export_heads),
-                                   self.cfg.runtime.threads)
+            heads = OrtMedusaHeads(self._head_dir("medusa", "medusa", "Medusa heads"), self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
                 MedusaDrafter(self.targets[0], heads).check_k(speculative_k(self.cfg))  # the profile's k must fit
             self.medusa_heads = heads
@@ -182,10 +169,9 @@ class Drafters:
     def load_peagle_head(self):
         """The P-EAGLE head (loaded once)."""
         if self.peagle_head is None:
-            from spec_edge.heads import peagle
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = self._export_head("peagle", "peagle", "a parallel-drafting head", peagle.export_head)
+            head_dir = self._head_dir("peagle", "peagle", "a parallel-drafting head")
             self.peagle_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
                                              slots=self.slots)
         return self.peagle_head

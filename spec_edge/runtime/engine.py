@@ -28,9 +28,9 @@ from pathlib import Path
 
 from spec_edge import speculation_policy
 from spec_edge.config import AUTO_K, DRAFTERS, Config, ConfigError
-from spec_edge.graphs import export
+from spec_edge.graphs import plan
 from spec_edge.runtime.backends.base import Runner, common_prefix
-from spec_edge.runtime.backends.onnxruntime import target_graphs
+from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.drafting import Drafters, refusal, slotted
 from spec_edge.runtime import k_choice
@@ -95,12 +95,12 @@ class Engine:
         self.tokenizer = tokenizer
         self.graph_dir = graph_dir
         self.progress = progress
-        self.model_cfg = export.read_model_config(graph_dir)
+        self.model_cfg = plan.read_model_config(graph_dir)
         self.eos_ids = tuple(self.model_cfg.eos_ids)
         eos_text_id = tokenizer.token_id(tokenizer.eos_token) if tokenizer.eos_token else None
         if eos_text_id is not None and eos_text_id not in self.eos_ids:
             self.eos_ids += (eos_text_id,)
-        self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg, progress)
+        self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
         self.front = Front(cfg, tokenizer, self.capabilities(), self.grammars.constraint)
@@ -109,9 +109,10 @@ class Engine:
 
     @classmethod
     def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> Decoder:
-        """Load the target (and a configured drafter) once; the graphs are exported first if missing or
-        stale (B > 1: with the graphs of several rows). runtime.backend tensorrt: the Edge-LLM engines `spec-edge build`
-        made, served end to end by backends/edgellm.py (the same request -> result calls as this class)."""
+        """Load the target (and a configured drafter) once from the folders the build made (spec_edge/artifacts.py,
+        B > 1: with the graphs of several rows); a missing one is refused with the command that makes it.
+        runtime.backend tensorrt: the Edge-LLM engines `spec-edge build` made, served end to end by
+        backends/edgellm.py (the same request -> result calls as this class)."""
         if cfg.runtime.backend == "tensorrt":
             from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
 
@@ -119,10 +120,7 @@ class Engine:
         slots = cfg.graphs.batch_slots
         if cfg.speculative.drafter != "none" and (reason := refusal(cfg.speculative.drafter)):
             raise ConfigError(f"speculative.drafter: {reason}")
-        graph_dir = export.artifact_dir(cfg, "target")
-        progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {graph_dir.parent.parent} "
-                 f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
-        graph_dir = target_graphs(cfg, progress)  # every graph of the plan, rows = 1 and rows > 1
+        graph_dir = ort_folder(cfg, "target")  # every graph of the plan, rows = 1 and rows > 1
         started = time.monotonic()
         runner, targets = slotted(cfg, graph_dir, slots)
         engine = cls(cfg, runner, targets, Tokenizer(graph_dir), graph_dir, progress)

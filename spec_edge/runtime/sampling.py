@@ -179,3 +179,26 @@ def speculative_accept(p_target: np.ndarray, q_draft: np.ndarray | None, draft_i
         return i, sample(residual, rng)
     k = len(draft_ids)
     return k, sample(p_target[k], rng)
+
+
+class Sampler:
+    """Chooses tokens from logits with the request's sampling parameters and random stream; prompt: the
+    request's prompt ids (the repetition penalty's history)."""
+
+    def __init__(self, params: SamplingParams, seed: int | None = None, prompt: Sequence[int] = ()):
+        self.params = params
+        self.rng = np.random.default_rng(seed)
+        self.prompt = tuple(prompt)
+
+    def process(self, logits: np.ndarray, generated: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
+        """(N, V) target logits rows -> the processed rows the request chooses from (sampling.processed_logits:
+        row i's history is the prompt, generated and window[:i])."""
+        return processed_logits(logits, self.params, self.prompt, generated, window)
+
+    def pick(self, logits_row: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """(token, probabilities row or None when greedy) for a (V,) logits row (already processed: a
+        drafter's own rows are picked as they are)."""
+        if self.params.greedy:
+            return int(np.argmax(logits_row)), None
+        probs = probabilities(logits_row[None, :], self.params)[0]
+        return sample(probs, self.rng), probs

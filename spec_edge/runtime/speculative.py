@@ -80,64 +80,12 @@ import numpy as np
 from spec_edge import speculation_policy
 from spec_edge.runtime.backends.base import BackendError, common_prefix
 from spec_edge.runtime.backends.slot_views import Slotted
+from spec_edge.runtime.drafters.base import Draft, Drafter
 from spec_edge.runtime.grammar import Constraint, mask_logits, mask_probs
 from spec_edge.runtime.k_choice import CallCosts, KChoice
-from spec_edge.runtime.sampling import (SamplingParams, greedy_accept, probabilities, processed_logits, sample,
+from spec_edge.runtime.sampling import (Sampler, SamplingParams, greedy_accept, probabilities,
                                         speculative_accept, token_logprobs)
 from spec_edge.runtime.stats import Stats
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: list[int]             # k proposed ids
-    q_draft: np.ndarray | None    # (k, V) drafter probabilities; None = greedy or deterministic
-
-    @classmethod
-    def from_picks(cls, picks: list[tuple[int, np.ndarray | None]]) -> Draft:
-        """The Draft of k (token, q row) picks as Sampler.pick returns them (q None when greedy)."""
-        q_rows = [q_row for _, q_row in picks if q_row is not None]
-        return cls(tokens=[token for token, _ in picks], q_draft=np.stack(q_rows) if q_rows else None)
-
-
-class Sampler:
-    """Chooses tokens from logits with the request's sampling parameters and random stream; prompt: the
-    request's prompt ids (the repetition penalty's history)."""
-
-    def __init__(self, params: SamplingParams, seed: int | None = None, prompt: Sequence[int] = ()):
-        self.params = params
-        self.rng = np.random.default_rng(seed)
-        self.prompt = tuple(prompt)
-
-    def process(self, logits: np.ndarray, generated: Sequence[int], window: Sequence[int] = ()) -> np.ndarray:
-        """(N, V) target logits rows -> the processed rows the request chooses from (sampling.processed_logits:
-        row i's history is the prompt, generated and window[:i])."""
-        return processed_logits(logits, self.params, self.prompt, generated, window)
-
-    def pick(self, logits_row: np.ndarray) -> tuple[int, np.ndarray | None]:
-        """(token, probabilities row or None when greedy) for a (V,) logits row (already processed: a
-        drafter's own rows are picked as they are)."""
-        if self.params.greedy:
-            return int(np.argmax(logits_row)), None
-        probs = probabilities(logits_row[None, :], self.params)[0]
-        return sample(probs, self.rng), probs
-
-
-class Drafter(Protocol):
-    """What the loops call on a drafter (every drafter and test double implements all of it; a method
-    with nothing to do for a drafter is a no-op there)."""
-    name: str
-
-    def check_k(self, k: int) -> None: ...  # ConfigError unless it can propose k tokens (heads built for some k)
-
-    def forget(self) -> None: ...  # before start(): ignore its cache's record, start cold (reuse=False)
-
-    def start(self, prompt_ids: list[int]) -> None: ...
-
-    def propose(self, seq: list[int], k: int, sampler: Sampler) -> Draft | None: ...
-
-    def observe(self, n_proposed: int, n_accepted: int) -> None: ...
-
-    def finish(self) -> None: ...  # the request ended normally: record what the drafter's cache holds
 
 
 class SlotSink(Protocol):

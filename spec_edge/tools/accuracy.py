@@ -66,9 +66,9 @@ def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dic
              max_new: int = 32, progress=print) -> list[Row]:
     """Rows for fp32 and each form. drafters: name -> Config overrides that make the drafter
     (e.g. {"eagle3": {"speculative.drafter": "eagle3", ...}}); its k is speculative.k."""
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
-    fp32 = Engine.from_config(cfg.replace(**{"graphs.weights": "fp32"}), progress)
+    fp32 = artifacts.engine(cfg.replace(**{"graphs.weights": "fp32"}), progress)
     prompt_ids = [fp32.tokenizer.encode(fp32.tokenizer.render_chat([("user", p)])) for p in prompts]
     text_ids = fp32.tokenizer.encode(text)
     reference = [_greedy(fp32, ids, max_new)[0] for ids in prompt_ids]
@@ -76,7 +76,7 @@ def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dic
     ref_text = _log_softmax(forced_logits(fp32.target, text_ids[:1], text_ids[1:]))
     rows = []
     for form in ["fp32"] + [f for f in forms if f != "fp32"]:
-        engine = fp32 if form == "fp32" else Engine.from_config(cfg.replace(**{"graphs.weights": form}), progress)
+        engine = fp32 if form == "fp32" else artifacts.engine(cfg.replace(**{"graphs.weights": form}), progress)
         row = Row(form, n_prompts=len(prompts))
         agree, kls = [], []
         for ids, cont, ref in zip(prompt_ids, reference, ref_logp):
@@ -111,11 +111,11 @@ _ENGINES: dict[tuple, object] = {}
 
 
 def _with(engine, cfg, form, overrides, progress):
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
 
     key = (form, tuple(sorted(overrides.items())))
     if key not in _ENGINES:
-        _ENGINES[key] = Engine.from_config(cfg.replace(**{"graphs.weights": form, **overrides}), progress)
+        _ENGINES[key] = artifacts.engine(cfg.replace(**{"graphs.weights": form, **overrides}), progress)
     return _ENGINES[key]
 
 

@@ -40,7 +40,7 @@ def load_schema_prompts(path: Path | None = None, quick: bool = False) -> list[d
 
 def main(cfg, args, progress) -> int:
     from spec_edge.config import speculative_k
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.tools.schema_check import valid_json
 
@@ -49,7 +49,7 @@ def main(cfg, args, progress) -> int:
     repeats = args.repeats or (3 if full else 1)
     drafters = ["none"] + [d for d in args.drafters if d != "none"]
     k = (args.ks or [speculative_k(cfg)])[0]
-    engine = Engine.from_config(cfg, progress)
+    engine = artifacts.engine(cfg, progress)
     progress(f"[bench] guided: {len(prompts)} prompts, drafters {drafters}, k {k}, {repeats} repeat(s), "
              f"max_new_tokens {args.max_new_tokens}")
     systems = [(d, v) for d in drafters for v in VARIANTS]

@@ -81,7 +81,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
     and the profile's k (else the largest k asked; auto when asked) run: the temperature sweep is about
     acceptance."""
     from spec_edge.config import AUTO_K, speculative_k
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
 
     temp_k = speculative_k(cfg) if speculative_k(cfg) in ks else max(ks, default=0)
@@ -92,7 +92,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
         before = rss_mb()
         # serve.reuse_prefix off: every run is a cold request (the same prompt runs once per system, so
         # reuse would prefill one token for all but the first)
-        engine = Engine.from_config(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
+        engine = artifacts.engine(cfg.replace(**{"graphs.weights": weights_name, "graphs.ort_attention": attention,
                                                    "speculative.drafter": "none", "serve.reuse_prefix": False,
                                                    "speculative.k": AUTO_K if auto else speculative_k(cfg)}),
                                     progress)

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from spec_edge.config import DRAFTERS
 # the call costs by (rows, width) and their measurement are the runtime's (speculative.k auto weighs them live)
@@ -205,7 +204,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def main(cfg, args, progress) -> int:
     from spec_edge import config as cfgmod
     from spec_edge import speculation_policy
-    from spec_edge.runtime.engine import Engine
+    from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.tools.prompts import load_prompts
 
@@ -218,7 +217,7 @@ def main(cfg, args, progress) -> int:
     prompts = load_prompts(Path(args.prompts) if args.prompts else None)
     load = machine_load()
     progress(f"[tune] drafter {drafter}, k candidates {ks}, {slots} slot(s), {len(prompts)} prompts; load {load}")
-    engine = Engine.from_config(cfg, progress)
+    engine = artifacts.engine(cfg, progress)
     call, step_width = forward_call(engine.runner), engine.runner.step_width  # the engine's own runner
     extra = {}
     if drafter in ("layerskip", "draft"):

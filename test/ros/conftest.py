@@ -72,7 +72,7 @@ def server_factory(module_env, tmp_path_factory):
 def reference_engine():
     """The core, in this process, with the configuration the test servers use: the expected answers."""
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.engine import Engine
-    engine = Engine.from_config(cfgmod.from_params(test_params()))
+    from spec_edge import artifacts
+    engine = artifacts.engine(cfgmod.from_params(test_params()))
     yield engine
     engine.close()

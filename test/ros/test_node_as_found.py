@@ -37,9 +37,9 @@ def server(server_factory):
 @pytest.fixture(scope="module")
 def tokenizer(server):
     from spec_edge import config as cfgmod
-    from spec_edge.graphs import export
+    from spec_edge.graphs import plan
     from spec_edge.runtime.tokenizer import Tokenizer
-    return Tokenizer(export.artifact_dir(cfgmod.from_params(test_params()), "target"))
+    return Tokenizer(plan.artifact_dir(cfgmod.from_params(test_params()), "target"))
 
 
 def run(args: list[str], env: dict, timeout: float = 300.0) -> subprocess.CompletedProcess:

@@ -33,11 +33,11 @@ def batch_params(tiny_models):
 def solo(batch_params):
     """Each request alone and cold (no prefix reuse) through the same batched graphs, in this process
     (exports them first)."""
+    from spec_edge import artifacts
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.engine import Engine
 
     cold = {**batch_params, "serve.reuse_prefix": False, "serve.warm_system_prompt": False}
-    engine = Engine.from_config(cfgmod.from_params(cold), progress=lambda m: None)
+    engine = artifacts.engine(cfgmod.from_params(cold), progress=lambda m: None)
     yield [engine.generate(engine_request(prompt=p, max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)]
     engine.close()
 
@@ -70,11 +70,11 @@ def test_batched_engine_serves_guided_requests(batch_params, solo):
     grammar, and the next plain request is still its solo answer."""
     import re
 
+    from spec_edge import artifacts
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.engine import Engine
 
     action = r"(pick|place|move) the (red|blue|green) (box|cup|arm)\."
-    engine = Engine.from_config(cfgmod.from_params(batch_params), progress=lambda m: None)
+    engine = artifacts.engine(cfgmod.from_params(batch_params), progress=lambda m: None)
     try:
         guided = engine.generate(engine_request(prompt=PROMPTS[0], regex=action, max_new_tokens=40))
         assert guided.finish_reason == "eos" and re.fullmatch(action, guided.text), guided

@@ -20,8 +20,8 @@ def server(server_factory):
 @pytest.fixture(scope="module")
 def cold_engine():
     from spec_edge import config as cfgmod
-    from spec_edge.runtime.engine import Engine
-    engine = Engine.from_config(cfgmod.from_params({**PARAMS, "serve.reuse_prefix": False,
+    from spec_edge import artifacts
+    engine = artifacts.engine(cfgmod.from_params({**PARAMS, "serve.reuse_prefix": False,
                                                     "serve.warm_system_prompt": False}))
     yield engine
     engine.close()

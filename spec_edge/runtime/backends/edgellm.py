@@ -54,7 +54,7 @@ from types import ModuleType
 
 from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, speculative_k
-from spec_edge.device import edgellm_layout
+from spec_edge import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime import serving
 from spec_edge.runtime.front import Capabilities, Front, Prepared
@@ -103,7 +103,7 @@ PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer a
 
 @dataclass(frozen=True)
 class EdgeLLMDirs:
-    """The folders `spec-edge build` wrote for a profile (device/edgellm_layout.py): engine_dir (the engine, its
+    """The folders `spec-edge build` wrote for a profile (spec_edge/edgellm_layout.py): engine_dir (the engine, its
     config with builder_config, tokenizer and chat_template.jinja; with an EAGLE-3 head the base and draft engines
     side by side: Edge-LLM's LLMRuntime reads both from one folder) and draft_engine_dir (None without a head)."""
     engine_dir: Path
@@ -114,7 +114,7 @@ class EdgeLLMDirs:
 
 
 def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
-    """The engine folders `spec-edge build` recorded for cfg's profile (device/edgellm_layout.py: a manifest of
+    """The engine folders `spec-edge build` recorded for cfg's profile (spec_edge/edgellm_layout.py: a manifest of
     this tensorrt-edgellm version, profile and config, engines built) and the target engine's builder limits;
     BackendError naming the build command when anything is missing or stale. graphs.batch_slots > 1 serves the
     plain engine RequestEngine runs (batch_engine_dir)."""

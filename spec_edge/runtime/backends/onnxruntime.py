@@ -1,5 +1,6 @@
-"""ONNX Runtime on the CPU (the embedded default backend): the sessions of a graph folder and the folders
-a config runs (ort_graphs, target_graphs); the runner around them is ort_runner.OrtRunner.
+"""ONNX Runtime on the CPU (the embedded default backend): the sessions of a graph folder, loaded from
+what the build made (spec_edge/artifacts.py; nothing here makes a file); the runner around them is
+ort_runner.OrtRunner.
 
 All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
 their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
@@ -9,30 +10,24 @@ Weights once: a session's kernels keep their own pre-packed (MLAS-transformed) c
 weight, so N sessions over one folder (a graph per width, per row count, the layer-skip graph) would
 hold the weights N times. Sessions of a graph folder therefore load its packed copy (packed_dir):
 each graph as ONNX Runtime optimized it on this machine, with the pre-packed weights its kernels
-made, and every distinct blob (weight or pre-packed weight) of all the folder's graphs stored once
-in one weights.bin, which ONNX Runtime memory-maps. The pages of one blob are one physical copy
-whatever the number of sessions that map it (a session maps each of its blobs itself, so VmRSS
-counts a page once per mapping; the process's Pss counts it once).
+made (the build's last step, artifacts.ensure_packed), and every distinct blob (weight or pre-packed
+weight) of all the folder's graphs stored once in one weights.bin, which ONNX Runtime memory-maps. The
+pages of one blob are one physical copy whatever the number of sessions that map it (a session maps each
+of its blobs itself, so VmRSS counts a page once per mapping; the process's Pss counts it once).
 """
 from __future__ import annotations
 
 import functools
 import json
 import os
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from spec_edge.config import Config
-from spec_edge.graphs import export, ort_attention, quantize
+from spec_edge.graphs import plan
+from spec_edge.graphs.folders import folder_stamp
 from spec_edge.runtime.backends.base import BackendError
 
 _POOL_THREADS: int | None = None
-
-
-def to_stderr(message: str) -> None:
-    """Where a load's progress goes when its caller names no place: stderr (stdout may be a --json answer)."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def _init_thread_pool(threads: int) -> int:
@@ -47,7 +42,7 @@ def _init_thread_pool(threads: int) -> int:
     return _POOL_THREADS
 
 
-def _session_options(threads: int):
+def session_options(threads: int):
     """The options of every session of the process: once the global pool exists, ONNX Runtime refuses
     sessions with pools of their own."""
     import onnxruntime as ort
@@ -66,15 +61,16 @@ def cpu_session(model: str | bytes, threads: int = 0):
     shared with the folder's other sessions)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(model, _session_options(threads), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
 
 
 # ---------------------------------------------------------------------------------------------
 # Weights once: the packed copy of a graph folder
 
 PACKED_FORMAT = 2  # bumped when the packed copy's layout changes (2: made graph by graph, weights.index.json)
-PACKED_DATA = "weights.bin"
-_PREPACKED = "prepacked"  # external-data keys "prepacked_<n>": "<kernel key>|offset;length;checksum[|...]"
+# what a missing or stale artefact's refusal says to do
+BUILD = ("make it with `spec-edge export` and this profile's options (`--config <its yaml>`; `spec-edge generate`, "
+         "`serve`, `bench` and the node make what is missing when they start)")
 
 
 def packed_dir(graph_dir: Path) -> Path:
@@ -101,117 +97,52 @@ def machine_stamp() -> str:
     return hashlib.sha256(f"{ort.__version__}|{platform.machine()}|{flags}".encode()).hexdigest()[:16]
 
 
-def ensure_packed(graph_dir: Path, threads: int = 0, progress: Callable[[str], None] = to_stderr,
-                  graphs: dict[str, dict] | None = None) -> Path:
-    """The packed copy of graph_dir (see the module docstring) holding `graphs` (stem -> spec; default
-    all of graph_dir's): made graph by graph beside it (<name>_packed/, export.ensure_graphs: a graph
-    added later is packed into the same weights.bin), remade when the folder's identity, onnxruntime
-    or the CPU changes. threads: as cpu_session (the process's pool is made by its first session,
-    this one's if it packs first)."""
-    from spec_edge.graphs.export import ensure_graphs, folder_stamp
-
-    graph_dir = Path(graph_dir)
-    have = json.loads((graph_dir / "manifest.json").read_text())["graphs"]
-    graphs = dict(have) if graphs is None else graphs
-    missing = sorted(set(graphs) - set(have))
-    if missing:
-        raise BackendError(f"{graph_dir} lacks the graphs {missing}: re-run `spec-edge export`")
-    identity = {"packed_source_stamp": folder_stamp(graph_dir), "packed_machine": machine_stamp(),
-                "packed_format": PACKED_FORMAT}
-
-    def make(todo: dict, folder: Path, store, fresh: bool) -> dict:
-        progress(f"[packed] {graph_dir.name}: pre-packing the weights of {len(todo)} graphs once ({folder.name}) ...")
-        for stem in todo:
-            _pack(graph_dir, stem, folder, store, threads)
-        return {}
-
-    return ensure_graphs(packed_dir(graph_dir), identity, graphs, make, progress, "[packed]")
+def packed_identity(graph_dir: Path) -> dict:
+    """What graph_dir's packed copy is made for (its manifest's identity): the folder's identity, this
+    onnxruntime and this CPU."""
+    return {"packed_source_stamp": folder_stamp(graph_dir), "packed_machine": machine_stamp(),
+            "packed_format": PACKED_FORMAT}
 
 
-def _pack(src: Path, stem: str, dst: Path, store, threads: int) -> None:
-    """Write dst/<stem>.onnx: src's graph optimized by ONNX Runtime with its pre-packed weights saved
-    (session.save_external_prepacked_constant_initializers), every blob moved into store by content."""
-    import onnx
-    import onnxruntime as ort
+def built(folder: Path, what: str) -> Path:
+    """folder, when a build made it; else BackendError naming the command that makes it."""
+    if not (Path(folder) / "manifest.json").is_file():
+        raise BackendError(f"{what} is not built ({folder} is missing): {BUILD}")
+    return Path(folder)
 
-    optimized, data = dst / f"{stem}.optimized.onnx", dst / f"{stem}.optimized.data"
-    options = _session_options(threads)
-    options.optimized_model_filepath = str(optimized)
-    options.add_session_config_entry("session.optimized_model_external_initializers_file_name", data.name)
-    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "4096")
-    options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+
+def ort_folder(cfg: Config, role: str) -> Path:
+    """The folder ONNX Runtime runs for a role of cfg (graphs/plan.ort_dir: 'target', 'draft' or a head kind), as
+    the build made it; BackendError naming the command that makes it when it is not there."""
+    what = f"the {role} graphs of profile '{cfg.runtime.profile}'"
+    built(plan.artifact_dir(cfg, role), what)  # plan.ort_dir reads the export's form
+    return built(plan.ort_dir(cfg, role), what)
+
+
+def packed_graphs(graph_dir: Path) -> dict[str, dict]:
+    """stem -> spec of the graphs of graph_dir that the build packed for this machine (what its sessions may
+    load); BackendError naming the build command when the packed copy is missing or was made for another
+    folder, onnxruntime or CPU."""
+    graph_dir = built(Path(graph_dir), f"graph folder {Path(graph_dir).name}")
     try:
-        ort.InferenceSession(str(src / f"{stem}.onnx"), options, providers=["CPUExecutionProvider"])
-    except Exception as err:  # onnxruntime raises several unrelated types for a bad file
-        raise BackendError(f"ONNX Runtime cannot load {src / stem}.onnx: {err}; re-run `spec-edge export`") from err
-    model = onnx.load(str(optimized), load_external_data=False)
-    with data.open("rb") as blobs:
-        def move(offset: int, length: int) -> int:
-            blobs.seek(offset)
-            return store.put(blobs.read(length))[0]
-
-        for tensor in model.graph.initializer:  # (the graphs have no subgraphs)
-            if tensor.data_location != onnx.TensorProto.EXTERNAL:
-                continue
-            for entry in tensor.external_data:
-                if entry.key == "location":
-                    entry.value = PACKED_DATA
-                elif entry.key == "offset":
-                    length = int(next(e.value for e in tensor.external_data if e.key == "length"))
-                    entry.value = str(move(int(entry.value), length))
-                elif entry.key.startswith(_PREPACKED):
-                    kernel, *parts = entry.value.split("|")
-                    moved = []
-                    for part in parts:
-                        offset, length, checksum = part.split(";")
-                        moved.append(f"{move(int(offset), int(length))};{length};{checksum}")
-                    entry.value = "|".join([kernel, *moved])
-    store.fh.flush()
-    tmp = dst / f".{stem}.onnx.tmp"
-    onnx.save_model(model, str(tmp))
-    os.replace(tmp, dst / f"{stem}.onnx")
-    optimized.unlink()
-    data.unlink()
+        manifest = json.loads((packed_dir(graph_dir) / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        manifest = {}
+    if not manifest or any(manifest.get(key) != value for key, value in packed_identity(graph_dir).items()):
+        raise BackendError(f"{graph_dir.name} is not packed for this machine ({packed_dir(graph_dir)}): {BUILD}")
+    return manifest["graphs"]
 
 
-def graph_session(graph_dir: Path, stem: str, threads: int = 0, progress: Callable[[str], None] = to_stderr):
-    """The session of graph <stem> of a graph folder, loaded from the folder's packed copy (packed now
-    if it is not there yet), so all sessions over the folder share one copy of its weights and
-    pre-packed weights (module docstring)."""
-    graph_dir = Path(graph_dir)
-    path = graph_dir / f"{stem}.onnx"
-    specs = json.loads((graph_dir / "manifest.json").read_text())["graphs"]
-    if stem not in specs or not path.is_file():
-        raise BackendError(f"graph file {path} is missing: re-run `spec-edge export`")
-    packed = ensure_packed(graph_dir, threads, progress, {stem: specs[stem]}) / f"{stem}.onnx"
+def graph_session(graph_dir: Path, stem: str, threads: int = 0):
+    """The session of graph <stem> of a graph folder, loaded from the folder's packed copy (made by the build,
+    spec_edge/artifacts.py), so all sessions over the folder share one copy of its weights and pre-packed
+    weights (module docstring); BackendError naming the build command when the copy lacks it (packed_graphs)."""
+    packed = packed_dir(Path(graph_dir)) / f"{stem}.onnx"
+    if stem not in packed_graphs(graph_dir) or not packed.is_file():
+        raise BackendError(f"graph {stem} of {Path(graph_dir).name} is not packed for this machine "
+                           f"({packed.parent}): {BUILD}")
     try:
         return cpu_session(str(packed), threads)
     except Exception as err:  # onnxruntime raises several unrelated types for a bad file
         raise BackendError(f"ONNX Runtime cannot load {packed}: {err}; delete {packed.parent} to pack "
-                           f"{graph_dir.name} again") from err
-
-
-# ---------------------------------------------------------------------------------------------
-# What a config runs
-
-
-def ort_graphs(cfg: Config, role: str, exported: Path, progress: Callable[[str], None]) -> Path:
-    """The folder ONNX Runtime runs for an exported target or draft model, holding the graphs of the
-    config's plan (export.graph_plan: with graphs.batch_slots > 1 the target's graphs of m > 1 rows
-    too): the post-export passes the config asks for (fused attention, graphs/ort_attention.py; for
-    the target with graphs.weights q4 / q4_fp32act also the GGUF's 4-bit blocks, graphs/quantize.py),
-    then its packed copy (what its sessions load, graph_session), each made graph by graph."""
-    plan = export.graph_plan(cfg, role)
-    graph_dir = ort_attention.for_config(cfg, exported, progress, graphs=plan)
-    if role == "target" and cfg.graphs.weights != "fp32":
-        graph_dir = quantize.for_config(cfg, graph_dir, progress, graphs=plan)
-    ensure_packed(graph_dir, cfg.runtime.threads, progress, plan)
-    return graph_dir
-
-
-def target_graphs(cfg: Config, progress: Callable[[str], None] = print) -> Path:
-    """The target's graph folder ONNX Runtime runs for cfg (exported first where missing: export.export_model,
-    then ort_graphs), for ort_runner.OrtRunner at graphs.batch_slots."""
-    exported = export.export_model(cfg, "target", export.artifact_dir(cfg, "target"), progress)
-    return ort_graphs(cfg, "target", exported, progress)
-
+                           f"{Path(graph_dir).name} again") from err

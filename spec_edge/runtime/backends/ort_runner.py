@@ -25,7 +25,7 @@ touched, and idle or prefilling slots are never in a call:
     the width-2 call [pending, pending] on the step graph, which computes both rows itself and
     returns row 0 (a width-1 one-row call runs the same graph);
   - n >= 2 rows (the target with B > 1, fused attention only): the graph of the smallest row count
-    m >= n (export.row_counts(B)). Its rows have one GroupQueryAttention node each, with a cache input
+    m >= n (plan.row_counts(B)). Its rows have one GroupQueryAttention node each, with a cache input
     per row (gqa_rewrite.rewrite_rows), so row j is bound to slot slots[j]'s region; the m - n padding
     rows run token 0 at position 0 bound to the scratch region, garbage nobody reads; their rows
     equal the one-row calls' bit for bit;
@@ -50,10 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.graphs import export, io_names
-from spec_edge.graphs.export import read_model_config
+from spec_edge.graphs import io_names, plan
 from spec_edge.runtime.backends.base import BackendError, prefill_in_chunks, resident_zeros
-from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, graph_session
+from spec_edge.runtime.backends.onnxruntime import _init_thread_pool, graph_session, packed_graphs
 from spec_edge.runtime.backends.slot_views import SlotRunner
 
 BINDINGS = 512  # IO bindings kept per runner (least recently used dropped): every subset of 8 slots x 2 widths
@@ -91,7 +90,7 @@ class OrtRunner:
         self.manifest = json.loads(path.read_text())
         if slots < 1:
             raise BackendError(f"slots={slots}: a runner runs at least one slot")
-        self.model_cfg = cfg = read_model_config(self.graph_dir)
+        self.model_cfg = cfg = plan.read_model_config(self.graph_dir)
         self.batch = slots
         self.max_context = int(self.manifest["max_context"])
         self.prefill_chunk = int(self.manifest["prefill_chunk"])
@@ -101,7 +100,7 @@ class OrtRunner:
         self.threads = _init_thread_pool(threads)
         self._value = ort.OrtValue.ortvalue_from_numpy
         # the target's graphs of m > 1 rows for B slots; a draft model's folder has none: every call one row
-        self.row_counts = export.row_counts(slots) if self.manifest.get("role") == "target" else ()
+        self.row_counts = plan.row_counts(slots) if self.manifest.get("role") == "target" else ()
         if self.row_counts and not self.fused:
             raise BackendError(f"{self.graph_dir}: {slots} batch slots run calls of several rows, which bind each "
                                f"row to its slot's cache region with fused attention only: set "
@@ -112,7 +111,7 @@ class OrtRunner:
         self.k_cache = resident_zeros(shape)
         self.v_cache = resident_zeros(shape)
         self.held: list[tuple[int, ...]] = [()] * self.batch  # per slot, as Runner.held (base.py)
-        specs = self.manifest["graphs"]
+        specs = packed_graphs(self.graph_dir)  # what the build made for this machine: the plan's, earlier plans'
         # int8 activations (q4): a step is the width-2 call [pending, pending] (graphs/two_rows.py), so each
         # slot's step row equals the verify rows bit for bit
         two_row = int(self.manifest.get("accuracy_level", 0)) == 4

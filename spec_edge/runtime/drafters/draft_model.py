@@ -13,7 +13,8 @@ it prefills only the rest (no logits are needed here, so the whole prompt may be
 from __future__ import annotations
 
 from spec_edge.runtime.backends.base import Runner, common_prefix
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.sampling import Sampler
 
 
 class ModelDrafter:

@@ -12,8 +12,9 @@ over the draft vocabulary: drafters/head.py.
 """
 from __future__ import annotations
 
+from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.head import CachedHeadDrafter
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.sampling import Sampler
 
 
 class Eagle3Drafter(CachedHeadDrafter):

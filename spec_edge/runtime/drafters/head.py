@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from spec_edge.runtime.backends.base import Runner, common_prefix
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.sampling import Sampler
 
 
 class HeadDrafter:

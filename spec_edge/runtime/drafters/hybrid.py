@@ -16,7 +16,8 @@ depends only on the sequence so far, so speculative sampling keeps the target's 
 """
 from __future__ import annotations
 
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.sampling import Sampler
 
 
 class HybridDrafter:

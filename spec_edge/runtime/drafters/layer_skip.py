@@ -9,7 +9,8 @@ memory, and as the base a trained exit head would build on.
 from __future__ import annotations
 
 from spec_edge.runtime.backends.base import Runner
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.sampling import Sampler
 
 
 class LayerSkipDrafter:

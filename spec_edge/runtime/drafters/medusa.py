@@ -10,8 +10,9 @@ Greedy and sampled picks over the draft vocabulary: drafters/head.py.
 from __future__ import annotations
 
 from spec_edge.config import ConfigError
+from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.head import HeadDrafter
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.sampling import Sampler
 
 
 class MedusaDrafter(HeadDrafter):

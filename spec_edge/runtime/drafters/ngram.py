@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec_edge.runtime.speculative import Draft
+from spec_edge.runtime.drafters.base import Draft
 
 
 @dataclass

@@ -13,8 +13,9 @@ sampled tokens, so each row is a proper q for its draft and speculative sampling
 from __future__ import annotations
 
 from spec_edge.config import ConfigError
+from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.head import CachedHeadDrafter
-from spec_edge.runtime.speculative import Draft, Sampler
+from spec_edge.runtime.sampling import Sampler
 
 
 class PEagleDrafter(CachedHeadDrafter):

@@ -1,5 +1,7 @@
 """Where a profile's TensorRT Edge-LLM artifacts live, the manifest that says what they are, and the one
-accessor the runtime calls: engine_dirs(cfg).
+accessor the runtime calls: engine_dirs(cfg). Beside device/ (it imports config, graphs and heads): `spec-edge
+build` (device/) writes what it describes, the runtime (runtime/backends/edgellm.py) reads it; neither imports the
+other.
 
     <engine_dir>/
       checkpoints/<gguf stem>-<fingerprint>/   the embedded / a .gguf target as a Hugging Face folder (fp16)
