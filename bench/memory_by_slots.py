@@ -42,6 +42,7 @@ def child(spec: dict) -> None:
 
     from spec_edge import config as cfgmod
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import run_one
     from spec_edge.tools.prompts import load_prompts
 
     cfg = cfgmod.load(spec["config"]) if spec["config"] else cfgmod.Config()
@@ -58,10 +59,10 @@ def child(spec: dict) -> None:
         return
     loaded = memory()
     prompts = [p["prompt"] for p in load_prompts(kinds=["edit", "free-form"])]
-    engine.generate(GenerateRequest(prompt=prompts[-1], max_new_tokens=spec["max_new_tokens"]))  # warm-up
+    run_one(engine, GenerateRequest(prompt=prompts[-1], max_new_tokens=spec["max_new_tokens"]))  # warm-up
     tokens = seconds = 0.0
     for prompt in prompts[:spec["requests"]]:
-        result = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=spec["max_new_tokens"]))
+        result = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=spec["max_new_tokens"]))
         tokens += len(result.token_ids)
         seconds += result.stats.total_time_s
     after = memory()

@@ -66,6 +66,7 @@ def main() -> int:
         from spec_edge.config import Config
         from spec_edge import artifacts
         from spec_edge.runtime.requests import GenerateRequest
+        from spec_edge.runtime.scheduler import run_one
 
         engine = artifacts.engine(Config().replace(**{"speculative.drafter": "none"}),
                                     lambda m: print(m, file=sys.stderr))
@@ -73,7 +74,7 @@ def main() -> int:
         for p in prompts:
             request = GenerateRequest(prompt=p["prompt"], max_new_tokens=args.max_new_tokens, temperature=0.0,
                                       speculate=False)
-            result = engine.generate(request)
+            result = run_one(engine, request)
             data[key][p["id"]] = {"prompt_ids": engine.front.prompt_ids(request), "out": result.token_ids,
                                   "kind": p["kind"]}
         cache.parent.mkdir(parents=True, exist_ok=True)

@@ -115,10 +115,12 @@ def cmd_generate(args) -> int:
     if args.logprobs and not args.json:
         raise ConfigError("--logprobs is reported in --json's `logprobs` key: add --json")
     cfg = config_from_args(args)
+    from spec_edge.runtime.scheduler import run_one
+
     engine = artifacts.engine(cfg, progress)
     request = request_from_args(args)
     on_text = None if args.json else (lambda delta, n_tokens: print(delta, end="", flush=True))
-    result = engine.generate(request, on_text=on_text)
+    result = run_one(engine, request, on_text=on_text)
     if args.json:
         # strict JSON: no NaN / Infinity
         print(json.dumps({**result.as_dict(), **answered_by(args, cfg)}, allow_nan=False))

@@ -14,6 +14,7 @@ from test_batch import PROMPTS
 
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.serving import Collect
+from spec_edge.runtime.scheduler import run_one
 
 K, SLOTS = 3, 3
 HEAD_DRAFTERS = ("draft", "eagle3", "hybrid", "medusa", "peagle")
@@ -112,7 +113,7 @@ def test_each_drafter_in_a_busy_batch_equals_the_b1_engine(engines, proposals, s
     assert used >= {1, 2, 3}, used
     drafted, proposals[0] = proposals[0], {}
     for name, request, result in zip(names, requests, together):
-        same(result, alone.generate(request))
+        same(result, run_one(alone, request))
         if name in HEAD_DRAFTERS:
             assert result.stats.drafted > 0, name
     same_drafts(drafted, proposals[0])
@@ -157,7 +158,7 @@ def test_slot_records_are_reused_on_the_same_slot(engines):
     for name in ("draft", "eagle3", "peagle"):
         request = GenerateRequest(prompt=PROMPTS[3], max_new_tokens=16, drafter=name, k=K)
         (first,), (again,) = run_batched(batched, [request], [0], loop), run_batched(batched, [request], [0], loop)
-        answer = alone.generate(request).token_ids
+        answer = run_one(alone, request).token_ids
         assert first.token_ids == again.token_ids == answer, name
         assert again.stats.prompt_tokens_reused > 0 and again.stats.drafted > 0
         slot = max(range(SLOTS), key=lambda b: len(loop.runner.held[b]))
@@ -178,6 +179,6 @@ def test_layerskip_in_a_busy_batch_equals_the_b1_engine(engines, sampling):
                 for i, name in enumerate(names)]
     together = run_batched(batched, requests, join_at=[0, 0, 1, 3, 6])
     for name, request, result in zip(names, requests, together):
-        same(result, alone.generate(request))
+        same(result, run_one(alone, request))
         if name == "layerskip":
             assert result.stats.drafted > 0

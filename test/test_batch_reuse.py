@@ -15,6 +15,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.serving import Collect
+from spec_edge.runtime.scheduler import run_one
 from tiny import run_together
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
@@ -128,7 +129,7 @@ def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     prefix = tuple(ids_of(engine, TURNS[0])[:n])
     assert n > 10 and runner.held == [prefix] * SLOTS
     assert all((runner.k_cache[:, b, :, :n] == runner.k_cache[:, 0, :, :n]).all() for b in range(SLOTS))
-    first = engine.generate(GenerateRequest(prompt=TURNS[0], system_prompt=SYSTEM, max_new_tokens=16, k=K))
+    first = run_one(engine, GenerateRequest(prompt=TURNS[0], system_prompt=SYSTEM, max_new_tokens=16, k=K))
     assert first.stats.prompt_tokens_reused == n
     assert first.token_ids == cold_answer(cold, ids_of(engine, TURNS[0]), eos_ids=engine.eos_ids)
     engine.warm(SYSTEM)

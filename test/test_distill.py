@@ -12,6 +12,7 @@ from spec_edge.runtime import speculative
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.training import draft_model
+from spec_edge.runtime.scheduler import run_one
 from tiny import run_alone
 
 
@@ -43,7 +44,7 @@ def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models,
             ids = engine.front.prompt_ids(GenerateRequest(prompt=prompt))
             plain, _, _ = run_alone(engine.runner, speculative.SlotRequest(
                 prompt_ids=ids, max_new_tokens=24, eos_ids=engine.eos_ids))
-            result = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=24, drafter="draft", k=3))
+            result = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=24, drafter="draft", k=3))
             assert result.token_ids == plain[:len(result.token_ids)] and len(result.token_ids) == len(plain)
             assert result.stats.drafted > 0
     finally:

@@ -22,7 +22,7 @@ from spec_edge import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
-from spec_edge.runtime.scheduler import Job, Scheduler
+from spec_edge.runtime.scheduler import Job, Scheduler, run_one
 from spec_edge.runtime.tokenizer import Tokenizer
 
 CAPACITY = 128  # graphs.max_context of tiny_cfg: max_input_len = max_kv_cache_capacity of every engine
@@ -88,7 +88,7 @@ def test_chat_prompt_is_the_cpu_paths(tiny_engine, edge_cfg, script):
     for request in (GenerateRequest(prompt="Where is the dock?"),
                     GenerateRequest(messages=(("user", "hi"), ("assistant", "hello"), ("user", "go left")),
                                     system_prompt="You are a robot.")):
-        engine.generate(request)
+        run_one(engine, request)
         sent = script.calls[-1]
         assert sent.apply_chat_template is False and sent.add_generation_prompt is False
         [item] = sent.requests
@@ -103,7 +103,7 @@ def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
     assert runtime._args[1:] == ("", {})  # the speculative constructor: a chain of k
     assert runtime._kwargs["draft_top_k"] == 1 and runtime._kwargs["draft_step"] == 4
     assert runtime._kwargs["verify_tree_size"] == 5 and runtime._kwargs["context_cache_config"].enabled is True
-    engine.generate(GenerateRequest(prompt="a", temperature=0.7, top_p=0.9, top_k=20, seed=7, max_new_tokens=9,
+    run_one(engine, GenerateRequest(prompt="a", temperature=0.7, top_p=0.9, top_k=20, seed=7, max_new_tokens=9,
                                     stop=("END",), regex="[a-z]+"))
     call = script.calls[-1]
     assert (call.temperature, call.top_p, call.top_k, call.sampling_seed, call.max_generate_length) == \
@@ -113,17 +113,17 @@ def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
     [item] = call.requests
     assert item.stop_strings == ["END"]
     assert (item.guided_decoding.type.name, item.guided_decoding.guide) == ("REGEX", "[a-z]+")
-    engine.generate(GenerateRequest(prompt="a", logit_bias=((5, -100.0), (9, 2.5), (5, 1.0))))
+    run_one(engine, GenerateRequest(prompt="a", logit_bias=((5, -100.0), (9, 2.5), (5, 1.0))))
     assert script.calls[-1].requests[0].logit_bias == {5: -99.0, 9: 2.5}  # one bias per id, summed
-    engine.generate(GenerateRequest(prompt="a", speculate=False, json_schema='{"type": "object"}'))
+    run_one(engine, GenerateRequest(prompt="a", speculate=False, json_schema='{"type": "object"}'))
     call = script.calls[-1]
     assert (call.temperature, call.top_k, call.top_p) == (1.0, 1, 1.0)  # greedy: argmax through top_k=1
     assert call.sampling_seed is None and call.disable_spec_decode is True
     assert call.requests[0].guided_decoding.type.name == "JSON_SCHEMA"
-    engine.generate(GenerateRequest(prompt="a", grammar='root ::= "yes" | "no"'))
+    run_one(engine, GenerateRequest(prompt="a", grammar='root ::= "yes" | "no"'))
     assert script.calls[-1].requests[0].guided_decoding.type.name == "EBNF"
     off = _engine(edge_cfg, script, **{"serve.reuse_prefix": False})
-    off.generate(GenerateRequest(prompt="a"))
+    run_one(off, GenerateRequest(prompt="a"))
     assert script.calls[-1].context_cache_lookup_policy.name == "BYPASS"
     assert script.runtimes[-1]._kwargs["context_cache_config"].enabled is False
 
@@ -148,7 +148,7 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", logit_bias=((10 ** 7, 1.0),)): "outside the vocabulary",
     }
     for request, words in cases.items():
-        for call in (engine.front.prepare, engine.generate):
+        for call in (engine.front.prepare, lambda request: run_one(engine, request)):
             with pytest.raises(RequestError, match=words.replace("[", r"\[").replace("]", r"\]")):
                 call(request)
     script.validate = lambda params: (False, "the guide is too large")
@@ -177,7 +177,7 @@ def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, tiny_models)
     engine = _engine(edge_cfg, script)
     script.reply = lambda call: Reply(tok.encode(" one two END three"), reason="STOP_WORDS")
     pieces = []
-    result = engine.generate(GenerateRequest(prompt="count", stop=("END",)),
+    result = run_one(engine, GenerateRequest(prompt="count", stop=("END",)),
                              on_text=lambda delta, n: pieces.append((delta, n)))
     assert result.finish_reason == "stop" and "END" not in result.text and "three" not in result.text
     assert "".join(d for d, _ in pieces) == result.text and result.text.strip() == "one two"
@@ -185,18 +185,18 @@ def test_streaming_stop_string_and_finish_reasons(edge_cfg, script, tiny_models)
     assert [n for _, n in pieces] == sorted(n for _, n in pieces)
     for reason, finish in (("END_ID", "eos"), ("LENGTH", "length"), ("ERROR", "error"), ("NOT_FINISHED", "error")):
         script.reply = lambda call, reason=reason: Reply(tok.encode(" ok"), reason=reason)
-        result = engine.generate(GenerateRequest(prompt="a"))
+        result = run_one(engine, GenerateRequest(prompt="a"))
         assert result.finish_reason == finish and result.text.strip() == "ok"
         assert (result.message != "") == (finish == "error")
     long = tok.encode(" x" * CAPACITY)
     script.reply = lambda call: Reply(long[:call.max_generate_length], reason="LENGTH")
     with pytest.raises(RequestError, match="exceed the context of 128 tokens: ask for at most"):
-        engine.generate(GenerateRequest(prompt="a", max_new_tokens=CAPACITY - 1))  # as the CPU path refuses it
+        run_one(engine, GenerateRequest(prompt="a", max_new_tokens=CAPACITY - 1))  # as the CPU path refuses it
     short = engine.cfg.replace(**{"sampling.max_new_tokens": CAPACITY - 1})
-    result = _engine(short, script).generate(GenerateRequest(prompt="a"))  # the default adapts: context_full
+    result = run_one(_engine(short, script), GenerateRequest(prompt="a"))  # the default adapts: context_full
     assert result.finish_reason == "context_full" and len(result.token_ids) + result.prompt_tokens == CAPACITY
     script.reply = lambda call: Reply([], fail="CUDA error 700")
-    result = engine.generate(GenerateRequest(prompt="a"))
+    result = run_one(engine, GenerateRequest(prompt="a"))
     assert result.finish_reason == "error" and "CUDA error 700" in result.message
 
 
@@ -207,22 +207,25 @@ def test_answer_cut_inside_a_character_ends_on_a_whole_one(edge_cfg, script, tin
     ids = tok.encode(" ok 🤖")[:-1]
     script.reply = lambda call: Reply(ids, reason="LENGTH")
     pieces = []
-    result = _engine(edge_cfg, script).generate(GenerateRequest(prompt="a"), on_text=lambda d, n: pieces.append(d))
+    result = run_one(_engine(edge_cfg, script), GenerateRequest(prompt="a"), on_text=lambda d, n: pieces.append(d))
     assert tok.decode(ids).endswith("\ufffd") and result.token_ids == ids and result.finish_reason == "length"
     assert result.text == " ok " and "".join(pieces) == result.text
 
 
-def test_cancel_stops_the_request_with_the_callers_reason(edge_cfg, script, tiny_models):
+def test_cancel_stops_the_request(edge_cfg, script, tiny_models):
     tok = _tokenizer(tiny_models)
     script.reply = lambda call: Reply(tok.encode(" a b c d e f g h"))
-    script.pause = threading.Event()  # the runtime produces nothing until cancel() has been asked
+    script.pause = threading.Event()  # the runtime produces nothing until the cancel has been asked
     engine = _engine(edge_cfg, script)
+    asked = []
 
-    def cancel():
-        script.pause.set()
-        return "timeout"
-    result = engine.generate(GenerateRequest(prompt="a"), cancel=cancel)
-    assert result.finish_reason == "timeout" and script.calls[-1].stream_channels[0].is_cancelled()
+    def cancel():  # its first ask is the scheduler's, before the request starts
+        asked.append(1)
+        if len(asked) > 1:
+            script.pause.set()
+        return len(asked) > 1
+    result = run_one(engine, GenerateRequest(prompt="a"), cancel=cancel)
+    assert result.finish_reason == "cancelled" and script.calls[-1].stream_channels[0].is_cancelled()
 
 
 def test_stats_are_what_the_runtime_reports(edge_cfg, script, tiny_models):
@@ -230,17 +233,17 @@ def test_stats_are_what_the_runtime_reports(edge_cfg, script, tiny_models):
     engine = _engine(edge_cfg, script)
     ids = tok.encode(" the dock is left")
     script.reply = lambda call: Reply(ids, spec=(3, 12, 7), reused=5)
-    result = engine.generate(GenerateRequest(prompt="a"))
+    result = run_one(engine, GenerateRequest(prompt="a"))
     stats = result.stats
     assert (stats.verify_calls, stats.drafted, stats.accepted, stats.prompt_tokens_reused) == (3, 12, 7, 5)
     assert (stats.drafter, stats.k, stats.new_tokens) == ("eagle3", 4, len(ids))
     assert stats.acceptance_per_position == [] and stats.accepted_at == []  # not reported: absent
     assert stats.prefill_time_s == stats.target_time_s == stats.draft_time_s == 0.0
     assert stats.total_time_s >= stats.time_to_first_token_s > 0
-    again = engine.generate(GenerateRequest(prompt="a"))  # per request, not cumulative
+    again = run_one(engine, GenerateRequest(prompt="a"))  # per request, not cumulative
     assert (again.stats.verify_calls, again.stats.accepted) == (3, 7)
     table = _engine(edge_cfg, script, **{"serve.speculate_k_by_load": [4, 0]})
-    busy = table.generate(GenerateRequest(prompt="a"), queued=2)
+    busy = run_one(table, GenerateRequest(prompt="a"), queued=2)
     assert script.calls[-1].disable_spec_decode is True and "plain steps without speculation" in busy.speculation_off_reason
     assert busy.stats.drafter == "none"
 
@@ -317,7 +320,7 @@ def test_batched_request_retired_without_a_chunk_ends_with_an_error(edge_cfg, sc
     engine = _engine(edge_cfg, script, **{"graphs.batch_slots": 2})
     script.reply = lambda call: Reply([], retire=True)
     started = time.monotonic()
-    result = engine.generate(GenerateRequest(prompt="a"))
+    result = run_one(engine, GenerateRequest(prompt="a"))
     assert result.finish_reason == "error" and "without a final chunk" in result.message
     assert time.monotonic() - started < 1.0
     engine.close()
@@ -325,7 +328,7 @@ def test_batched_request_retired_without_a_chunk_ends_with_an_error(edge_cfg, sc
 
 @pytest.mark.parametrize("slots", [1, 2])
 def test_cancel_ends_a_request_within_a_second_even_when_the_producer_is_deaf(edge_cfg, script, tiny_models, slots):
-    """A cancel ends the request within 1 s with the caller's reason: on RequestEngine even when no final chunk
+    """A cancel ends the request within 1 s: on RequestEngine even when no final chunk
     comes and the handle never turns terminal (CANCEL_GRACE_S); on LLMRuntime the channel's cancel ends it."""
     tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script, **{"graphs.batch_slots": slots})
@@ -333,14 +336,14 @@ def test_cancel_ends_a_request_within_a_second_even_when_the_producer_is_deaf(ed
     script.reply = lambda call: Reply(tok.encode(" a b c d e f g h"), deaf=slots > 1)
     asked = []
 
-    def cancel():
-        if not asked:
-            asked.append(time.monotonic())
-        script.pause.set()
-        return "timeout"
-    result = engine.generate(GenerateRequest(prompt="a"), cancel=cancel)
-    assert result.finish_reason == "timeout"
-    assert time.monotonic() - asked[0] < 1.0 and CANCEL_GRACE_S < 1.0
+    def cancel():  # its first ask is the scheduler's, before the request starts
+        asked.append(time.monotonic())
+        if len(asked) > 1:
+            script.pause.set()
+        return len(asked) > 1
+    result = run_one(engine, GenerateRequest(prompt="a"), cancel=cancel)
+    assert result.finish_reason == "cancelled"
+    assert time.monotonic() - asked[1] < 1.0 and CANCEL_GRACE_S < 1.0
     assert script.calls[-1].stream_channels[0].is_cancelled()
     engine.close()
 

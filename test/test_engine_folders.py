@@ -22,6 +22,7 @@ from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.onnxruntime import packed_dir
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import run_one
 
 REPO = Path(__file__).resolve().parents[1]
 MAKING = ("[export]", "[fused]", "[q4]", "[q8]", "[packed]")  # what a run that makes graphs says
@@ -54,7 +55,7 @@ def answer(cfg: Config, drafter: str | None = None) -> tuple[list[int], list[str
     """(greedy token ids, the load's progress messages) of one request through a freshly loaded engine."""
     messages: list[str] = []
     engine = artifacts.engine(cfg, messages.append)
-    result = engine.generate(GenerateRequest(prompt=PROMPT, max_new_tokens=16, drafter=drafter))
+    result = run_one(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=16, drafter=drafter))
     return list(result.token_ids), messages
 
 

@@ -18,6 +18,7 @@ from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import Sampler, SamplingParams
+from spec_edge.runtime.scheduler import run_one
 from speculated import assert_speculated
 from test_prefix_reuse import profiles  # noqa: F401 (a fixture: the tiny heads' settings, made once)
 from test_speculative import WrongDrafter, truncated_draft_runner
@@ -95,17 +96,17 @@ def head_engines(tiny_cfg, profiles):  # noqa: F811
 
 @pytest.mark.parametrize("name", ["eagle3", "peagle", "medusa", "hybrid"])
 def test_head_drafters_constrained_equal_constrained_plain(head_engines, name):
-    """The drafters over the target's hidden states, through Engine.generate: the same constrained
+    """The drafters over the target's hidden states, through run_one: the same constrained
     answer as target-only (speculate false), with and without grammar-forced drafts."""
     engine = head_engines(name)
     runs = {False: [], True: []}
     for kind, text in GRAMMARS:
         for prompt in PROMPTS:
             fields = {"prompt": prompt, "max_new_tokens": 60, kind: text}
-            plain = engine.generate(GenerateRequest(speculate=False, **fields))
+            plain = run_one(engine, GenerateRequest(speculate=False, **fields))
             assert plain.stats.verify_calls == 0 and plain.finish_reason == "eos"
             for forced in (False, True):
-                spec = engine.generate(GenerateRequest(drafter=name, k=3, forced_drafts=forced, **fields))
+                spec = run_one(engine, GenerateRequest(drafter=name, k=3, forced_drafts=forced, **fields))
                 assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, plain.finish_reason), (name, forced)
                 runs[forced].append(spec.stats)
     # the random heads' own drafts are verified (FREE lets them through) but seldom accepted; forced ones are
@@ -118,9 +119,9 @@ def test_eos_outputs_match_the_grammar(tiny_engine):
     range, no extra keys)."""
     for prompt in PROMPTS:
         for drafter in ("draft", "ngram"):
-            got = tiny_engine.generate(GenerateRequest(prompt=prompt, regex=ACTION, drafter=drafter, max_new_tokens=60))
+            got = run_one(tiny_engine, GenerateRequest(prompt=prompt, regex=ACTION, drafter=drafter, max_new_tokens=60))
             assert got.finish_reason == "eos" and re.fullmatch(ACTION, got.text), got.text
-            got = tiny_engine.generate(GenerateRequest(prompt=prompt, json_schema=COMMAND, drafter=drafter,
+            got = run_one(tiny_engine, GenerateRequest(prompt=prompt, json_schema=COMMAND, drafter=drafter,
                                                        max_new_tokens=60))
             assert got.finish_reason == "eos" and got.message == "", got
             value = json.loads(got.text)
@@ -133,18 +134,18 @@ def test_forced_tokens_are_free_drafts(tiny_engine):
     """With no drafter at all, the grammar's forced tokens (the JSON keys and punctuation) are verified
     k at a time, all accepted: fewer target calls, the same output."""
     request = GenerateRequest(prompt=PROMPTS[0], json_schema=COMMAND, drafter="none", max_new_tokens=60, k=4)
-    plain = tiny_engine.generate(GenerateRequest(**{**request.__dict__, "forced_drafts": False}))
-    forced = tiny_engine.generate(request)
+    plain = run_one(tiny_engine, GenerateRequest(**{**request.__dict__, "forced_drafts": False}))
+    forced = run_one(tiny_engine, request)
     assert forced.token_ids == plain.token_ids and forced.finish_reason == "eos"
     s = forced.stats
     assert s.forced > 0 and s.accepted == s.drafted == s.forced and s.verify_calls > 0
     assert s.verify_calls + s.step_calls < plain.stats.step_calls
-    off = tiny_engine.generate(GenerateRequest(**{**request.__dict__, "speculate": False}))
+    off = run_one(tiny_engine, GenerateRequest(**{**request.__dict__, "speculate": False}))
     assert off.token_ids == plain.token_ids and off.stats.verify_calls == 0  # speculate=false: no forced drafts
 
 
 def test_grammar_that_cannot_complete_ends_with_length(tiny_engine):
-    got = tiny_engine.generate(GenerateRequest(prompt=PROMPTS[0], json_schema=COMMAND, max_new_tokens=4))
+    got = run_one(tiny_engine, GenerateRequest(prompt=PROMPTS[0], json_schema=COMMAND, max_new_tokens=4))
     assert got.finish_reason == "length" and len(got.token_ids) == 4
     assert "not complete under the json_schema" in got.message and "max_new_tokens" in got.message
 
@@ -161,7 +162,7 @@ def test_invalid_grammar_is_refused(tiny_engine, fields, message):
     with pytest.raises(RequestError, match=re.escape(message)) as err:
         tiny_engine.front.prepare(GenerateRequest(prompt="hi", **fields))
     assert "\n" not in str(err.value)
-    got = tiny_engine.generate(GenerateRequest(prompt="hi", grammar='root ::= "yes" | "no"', max_new_tokens=8))
+    got = run_one(tiny_engine, GenerateRequest(prompt="hi", grammar='root ::= "yes" | "no"', max_new_tokens=8))
     assert got.finish_reason == "eos" and got.text in ("yes", "no")  # the engine keeps serving
 
 

@@ -1,7 +1,7 @@
 """The HTTP door with real clients (the official `openai` client sync, async and streaming; LangChain's ChatOpenAI)
 against a real uvicorn on 127.0.0.1: the same tokens as the engine alone, the OpenAI error shape with the ROS door's
 words, 401 / 404 / 413 / 429, and a client that goes away frees its slot. One engine and one door for the module;
-the expected answers are the engine's own (engine.generate, what `spec-edge generate` runs), taken before the
+the expected answers are the engine's own (run_one, what `spec-edge generate` runs), taken before the
 scheduler owns it. No network: LangChain's token counting (tiktoken) is never reached (a tripwire says so)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 
 from spec_edge import config as cfgmod
 from spec_edge.runtime.requests import GenerateRequest
-from spec_edge.runtime.scheduler import Job
+from spec_edge.runtime.scheduler import Job, run_one
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -49,7 +49,7 @@ def served(tmp_path_factory):
 
     cfg = cfgmod.from_params(PARAMS)
     engine = artifacts.engine(cfg, progress=lambda m: None)
-    alone = {name: engine.generate(request) for name, request in {
+    alone = {name: run_one(engine, request) for name, request in {
         "chat": GenerateRequest(messages=(("user", PROMPT),), max_new_tokens=24),
         "copy": GenerateRequest(messages=(("system", "You copy text."), ("user", COPY)), max_new_tokens=20),
         "raw": GenerateRequest(prompt=COPY, chat=False, max_new_tokens=16),

@@ -16,6 +16,7 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.speculative import BatchLoop, Keep, SlotRequest
+from spec_edge.runtime.scheduler import run_one
 from tiny import chi2_critical, chi2_statistic, exact_first
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40
@@ -183,13 +184,13 @@ def test_engine_measures_costs_and_auto_is_exact(auto_engine, tiny_engine):
     assert "k_choice" in auto_engine.info()
     for drafter in ("ngram", "draft", "layerskip"):
         for prompt in ("Move the arm to the left, the arm to the left, the arm to the left", "def add(a, b):"):
-            plain_result = tiny_engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=40, speculate=False))
-            result = auto_engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=40, drafter=drafter))
+            plain_result = run_one(tiny_engine, GenerateRequest(prompt=prompt, max_new_tokens=40, speculate=False))
+            result = run_one(auto_engine, GenerateRequest(prompt=prompt, max_new_tokens=40, drafter=drafter))
             assert result.token_ids == plain_result.token_ids, (drafter, prompt)
             assert result.stats.k == max(w - 1 for w in widths if w > 1)
             if result.stats.auto_off_steps:
                 assert "speculative.k auto" in result.speculation_off_reason
-    fixed = auto_engine.generate(GenerateRequest(prompt="def add(a, b):", max_new_tokens=20, drafter="draft", k=3))
+    fixed = run_one(auto_engine, GenerateRequest(prompt="def add(a, b):", max_new_tokens=20, drafter="draft", k=3))
     assert fixed.stats.k == 3 and fixed.stats.auto_off_steps == 0  # a request's own k is fixed
 
 

@@ -16,6 +16,7 @@ from spec_edge.heads import medusa
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import Sampler, SamplingParams
+from spec_edge.runtime.scheduler import run_one
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
                   exported_graphs, head_inputs, ort_session, set_config, train_draft_argv)
@@ -67,7 +68,7 @@ def test_medusa_drafts_are_the_heads_argmax(medusa_engine):
 def test_medusa_through_engine_request_and_k_refused(medusa_engine):
     assert_request_equals_plain(medusa_engine, "medusa", 3)
     with pytest.raises(RequestError, match="Medusa heads"):  # k=7 has a verify graph but only 4 heads
-        medusa_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="medusa", k=7))
+        run_one(medusa_engine, GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="medusa", k=7))
 
 
 def test_medusa_sampling_runs_with_full_vocab_q(medusa_engine):

@@ -14,6 +14,7 @@ from tiny import engine_with, run_alone
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import run_one
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 DRAFTERS = ["none", "ngram", "draft", "layerskip", "eagle3", "peagle", "medusa", "hybrid"]
@@ -51,7 +52,7 @@ def engines(tiny_cfg, profiles):
 def ask(engine, drafter, **fields):
     request = GenerateRequest(max_new_tokens=12, drafter=drafter, k=K, speculate=drafter != "none",
                               system_prompt=fields.pop("system_prompt", SYSTEM), **fields)
-    return engine.generate(request), engine.front.prompt_ids(request)
+    return run_one(engine, request), engine.front.prompt_ids(request)
 
 
 def same_as_cold(engine, cold, drafter, **fields):
@@ -86,7 +87,7 @@ def test_after_a_cancelled_and_a_failed_request(engines, drafter):
     calls = []
     request = GenerateRequest(prompt="Move the arm to the left", system_prompt=SYSTEM, max_new_tokens=30,
                               drafter=drafter, k=K)
-    cut = engine.generate(request, cancel=lambda: "cancelled" if len(calls.append(1) or calls) > 3 else None)
+    cut = run_one(engine, request, cancel=lambda: "cancelled" if len(calls.append(1) or calls) > 3 else None)
     assert cut.finish_reason == "cancelled" and 0 < len(cut.token_ids) < 30
     after, _ = same_as_cold(engine, cold, drafter, prompt="Move the arm to the left")
     assert after.stats.prompt_tokens_reused > 10  # what the cancelled request left is kept
@@ -96,7 +97,7 @@ def test_after_a_cancelled_and_a_failed_request(engines, drafter):
             raise RuntimeError("the client went away")
 
     with pytest.raises(RuntimeError, match="went away"):
-        engine.generate(request, on_text=fail)
+        run_one(engine, request, on_text=fail)
     assert engine.target.held == ()
     failed_after, _ = same_as_cold(engine, cold, drafter, prompt="Move the arm to the left")
     assert failed_after.stats.prompt_tokens_reused == 0  # a failed request leaves nothing to trust

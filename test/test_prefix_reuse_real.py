@@ -14,6 +14,7 @@ from spec_edge.config import Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.serving import Collect
+from spec_edge.runtime.scheduler import run_one
 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEMS = ["You control RB-7, a mobile robot with a 6-axis arm and a gripper (payload 2 kg). Tools: move_base(x, y), "
@@ -33,7 +34,7 @@ def engine():
 
 def answer(engine, reuse: bool, request: GenerateRequest):
     engine.loop.reuse = reuse  # serve.reuse_prefix, as the loop holds it
-    return engine.generate(request)
+    return run_one(engine, request)
 
 
 @pytest.mark.parametrize("system", SYSTEMS)

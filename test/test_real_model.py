@@ -14,6 +14,7 @@ import pytest
 from spec_edge.config import Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import run_one
 from tiny import run_alone
 from speculated import assert_speculated
 
@@ -50,8 +51,8 @@ def test_logits_match_transformers(engine):
 @pytest.mark.parametrize("drafter", ["ngram", "layerskip"])
 @pytest.mark.parametrize("prompt", [EDIT, FREE])
 def test_speculative_greedy_equals_plain(engine, drafter, prompt):
-    plain = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=48, speculate=False))
-    spec = engine.generate(GenerateRequest(prompt=prompt, max_new_tokens=48, drafter=drafter, k=4))
+    plain = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=48, speculate=False))
+    spec = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=48, drafter=drafter, k=4))
     assert spec.token_ids == plain.token_ids and spec.text == plain.text
     assert_speculated(spec.stats, accepted=drafter == "ngram" and prompt is EDIT, what=f"{drafter} on {prompt[:20]!r}")
     if prompt is EDIT and drafter == "ngram":
@@ -150,10 +151,10 @@ def test_guided_speculative_equals_guided_plain_and_parses(engine):
 
     for entry in [e for e in load_schema_prompts() if e["id"] in ("pick-1", "joints-1")]:
         base = dict(prompt=entry["prompt"], json_schema=json.dumps(entry["schema"]), max_new_tokens=64)
-        plain = engine.generate(GenerateRequest(**base, drafter="none", forced_drafts=False))
+        plain = run_one(engine, GenerateRequest(**base, drafter="none", forced_drafts=False))
         assert plain.finish_reason == "eos" and valid_json(plain.text, entry["schema"]) == (True, ""), plain.text
         for forced in (False, True):
-            spec = engine.generate(GenerateRequest(**base, drafter="ngram", k=4, forced_drafts=forced))
+            spec = run_one(engine, GenerateRequest(**base, drafter="ngram", k=4, forced_drafts=forced))
             assert (spec.token_ids, spec.finish_reason) == (plain.token_ids, "eos"), (forced, spec.text, plain.text)
             assert (spec.stats.forced > 0) == forced and spec.stats.accepted >= spec.stats.forced
             assert_speculated(spec.stats, accepted=forced, what=f"{entry['id']} forced={forced}")

@@ -18,6 +18,7 @@ from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits, token_logprobs
+from spec_edge.runtime.scheduler import run_one
 from tiny import run_alone, run_together
 
 PROMPTS = ["The robot picks up the red box and places it on the shelf. The robot picks up the",
@@ -142,13 +143,13 @@ def test_logprobs_equal_with_speculation_on_or_off(tiny_engine):
     base = dict(prompt=PROMPTS[0], max_new_tokens=24, logprobs=4, chat=False, logit_bias=params.logit_bias,
                 repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
                 frequency_penalty=params.frequency_penalty)
-    plain = tiny_engine.generate(GenerateRequest(**base, speculate=False))
+    plain = run_one(tiny_engine, GenerateRequest(**base, speculate=False))
     assert len(plain.logprobs) == len(plain.token_ids) == 24
     for entry in plain.logprobs:  # greedy: the chosen token is the row's most likely one
         assert entry.top_ids[0] == entry.token_id and entry.logprob == entry.top_logprobs[0]
         assert len(entry.top_ids) == 4 and list(entry.top_logprobs) == sorted(entry.top_logprobs, reverse=True)
     for drafter in ("ngram", "draft"):
-        spec = tiny_engine.generate(GenerateRequest(**base, drafter=drafter, k=4))
+        spec = run_one(tiny_engine, GenerateRequest(**base, drafter=drafter, k=4))
         assert spec.token_ids == plain.token_ids and spec.stats.verify_calls > 0
         for got, want in zip(spec.logprobs, plain.logprobs):
             assert (got.token_id, got.top_ids) == (want.token_id, want.top_ids)
@@ -159,7 +160,7 @@ def test_logprobs_equal_with_speculation_on_or_off(tiny_engine):
     logits = b1_runner(tiny_engine.graph_dir).prefill(prompt_ids, 0)[None]
     (first,) = token_logprobs(processed_logits(logits, params, prompt_ids, []), [plain.token_ids[0]], 4)
     np.testing.assert_allclose(first.top_logprobs, plain.logprobs[0].top_logprobs, atol=1e-5)
-    assert "logprobs" in plain.as_dict() and "logprobs" not in tiny_engine.generate(
+    assert "logprobs" in plain.as_dict() and "logprobs" not in run_one(tiny_engine, 
         GenerateRequest(prompt="hi", max_new_tokens=2)).as_dict()
 
 
@@ -174,7 +175,7 @@ def test_cli_generate_flags_and_json(tiny_cfg, tiny_engine, tmp_path, capsys):
             "--ignore-eos", "--logprobs", "2", "--json"]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    want = tiny_engine.generate(GenerateRequest(
+    want = run_one(tiny_engine, GenerateRequest(
         prompt=PROMPTS[1], chat=False, max_new_tokens=12, drafter="ngram", k=4, repetition_penalty=1.2,
         presence_penalty=0.3, frequency_penalty=0.1, logit_bias=((5, -100.0), (7, 1.5)), min_p=0.05,
         ignore_eos=True, logprobs=2))

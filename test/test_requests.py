@@ -7,6 +7,7 @@ from spec_edge.config import ConfigError
 from spec_edge.runtime.drafting import check_same_tokenizer
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
+from spec_edge.runtime.scheduler import run_one
 
 BAD = [
     (dict(prompt=""), "prompt is empty"),
@@ -49,18 +50,18 @@ BAD = [
 @pytest.mark.parametrize("fields,message", BAD)
 def test_bad_request_is_refused_clearly(tiny_engine, fields, message):
     with pytest.raises(RequestError, match=message):
-        tiny_engine.generate(GenerateRequest(**fields))
-    good = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="ngram"))
+        run_one(tiny_engine, GenerateRequest(**fields))
+    good = run_one(tiny_engine, GenerateRequest(prompt="Move the arm", max_new_tokens=5, drafter="ngram"))
     assert good.finish_reason in ("length", "eos") and good.token_ids
 
 
 def test_replacement_character_is_text(tiny_engine):
     """U+FFFD is a character: a prompt holding it is answered, and so is an assistant turn holding it (an
     answer holds U+FFFD where the model wrote bytes that are not UTF-8; the node test sends one back)."""
-    assert tiny_engine.generate(GenerateRequest(prompt="ok \ufffd", max_new_tokens=5)).token_ids
+    assert run_one(tiny_engine, GenerateRequest(prompt="ok \ufffd", max_new_tokens=5)).token_ids
     turns = (("user", "ok \ufffd"), ("assistant", "fine \ufffd"), ("user", "and \ufffd again"))
-    assert tiny_engine.generate(GenerateRequest(messages=turns, max_new_tokens=5)).token_ids
-    assert tiny_engine.generate(GenerateRequest(prompt="hi", seed=-1, temperature=0.8, max_new_tokens=3)).token_ids
+    assert run_one(tiny_engine, GenerateRequest(messages=turns, max_new_tokens=5)).token_ids
+    assert run_one(tiny_engine, GenerateRequest(prompt="hi", seed=-1, temperature=0.8, max_new_tokens=3)).token_ids
 
 
 def test_draft_model_with_another_tokenizer_is_refused(tiny_engine, tmp_path):
@@ -80,5 +81,5 @@ def test_cancel_ends_between_steps(tiny_engine):
         calls.append(1)
         return "cancelled" if len(calls) > 3 else None
 
-    result = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=60), cancel=cancel)
+    result = run_one(tiny_engine, GenerateRequest(prompt="Move the arm", max_new_tokens=60), cancel=cancel)
     assert result.finish_reason == "cancelled" and 0 < len(result.token_ids) < 60

@@ -8,6 +8,7 @@ from spec_edge import speculation_policy as policy
 from spec_edge.config import Config, ConfigError, from_params
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import run_one
 
 
 def test_k_at_load():
@@ -67,9 +68,9 @@ def test_every_k_the_policy_picks_gives_the_same_greedy_output(tiny_engine, draf
     engine = _engine(tiny_engine, [4, 3, 1, 0])  # tiny k_values [1, 3, 4, 7]
     request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
                               max_new_tokens=24, drafter=drafter, k=4)
-    plain = engine.generate(GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
+    plain = run_one(engine, GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
     for queued, k in ((1, 4), (2, 3), (3, 1), (4, 0), (9, 0)):  # the load stays `queued` for the whole run
-        result = engine.generate(request, queued=queued)
+        result = run_one(engine, request, queued=queued)
         stats = result.stats
         assert result.token_ids == plain.token_ids and result.text == plain.text, (queued, k)
         assert result.queued_at_start == queued and stats.k == 4 and stats.drafter == drafter
@@ -91,15 +92,15 @@ def test_every_k_the_policy_picks_gives_the_same_greedy_output(tiny_engine, draf
 
 def test_a_smaller_asked_k_is_not_raised(tiny_engine):
     engine = _engine(tiny_engine, [4, 3])
-    result = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=8, drafter="ngram", k=1), queued=2)
+    result = run_one(engine, GenerateRequest(prompt="Move the arm", max_new_tokens=8, drafter="ngram", k=1), queued=2)
     assert result.stats.k == 1 and result.speculation_off_reason == ""
-    plain = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=8, speculate=False), queued=2)
+    plain = run_one(engine, GenerateRequest(prompt="Move the arm", max_new_tokens=8, speculate=False), queued=2)
     assert plain.speculation_off_reason == ""  # it did not ask to speculate
 
 
 def test_default_never_switches_off(tiny_engine):
     assert tiny_engine.cfg.serve.speculate_k_by_load == ()
-    result = tiny_engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=4, drafter="ngram"), queued=8)
+    result = run_one(tiny_engine, GenerateRequest(prompt="Move the arm", max_new_tokens=4, drafter="ngram"), queued=8)
     assert result.stats.drafter == "ngram" and result.stats.k == 4 and result.speculation_off_reason == ""
 
 
@@ -113,9 +114,9 @@ def test_the_load_policy_caps_auto(tiny_engine):
     engine.loop.costs = k_choice.measure_costs(engine.runner)  # as Engine.from_config does for auto
     request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
                               max_new_tokens=24, drafter="draft")
-    plain = engine.generate(GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
+    plain = run_one(engine, GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
     for queued, cap in ((1, 7), (2, 3), (3, 0)):
-        result = engine.generate(request, queued=queued)
+        result = run_one(engine, request, queued=queued)
         stats = result.stats
         assert result.token_ids == plain.token_ids and stats.k == 7  # auto: up to the largest exported k
         assert sum(stats.verify_calls_by_k[cap:]) == 0, (queued, stats.verify_calls_by_k)

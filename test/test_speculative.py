@@ -17,6 +17,7 @@ from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.scheduler import run_one
 from speculated import assert_speculated
 from test_request_fields import PENALTIES
 from tiny import TINY_K_VALUES, run_alone
@@ -173,7 +174,7 @@ def test_eos_inside_a_draft(tiny_engine, self_runner):
 def test_stop_string_split_across_chunks(tiny_engine):
     """A stop string made of text from several tokens (so several accepted chunks): the text and
     token ids match plain decoding, which checks after every token."""
-    plain = tiny_engine.generate(GenerateRequest(prompt=PROMPTS[1], speculate=False, max_new_tokens=30))
+    plain = run_one(tiny_engine, GenerateRequest(prompt=PROMPTS[1], speculate=False, max_new_tokens=30))
     ids = plain.token_ids
     text = tiny_engine.tokenizer.decode(ids[:12])
     # 4 printable characters ending as late as possible in the first 12 tokens' text
@@ -181,18 +182,18 @@ def test_stop_string_split_across_chunks(tiny_engine):
                 if all(c.isprintable() and c != "\ufffd" for c in text[end - 4:end]))
     assert len(tiny_engine.tokenizer.decode(ids[:3])) < plain.text.find(stop) + len(stop)
     base = GenerateRequest(prompt=PROMPTS[1], max_new_tokens=30, stop=(stop,))
-    want = tiny_engine.generate(base.__class__(**{**base.__dict__, "speculate": False}))
+    want = run_one(tiny_engine, base.__class__(**{**base.__dict__, "speculate": False}))
     assert want.finish_reason == "stop" and stop not in want.text
     for drafter in ("draft", "layerskip"):
         for k in (3, 7):
-            got = tiny_engine.generate(GenerateRequest(**{**base.__dict__, "drafter": drafter, "k": k}))
+            got = run_one(tiny_engine, GenerateRequest(**{**base.__dict__, "drafter": drafter, "k": k}))
             assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
 
 
 def test_streamed_deltas_concatenate_to_text(tiny_engine):
     deltas: list[str] = []
     counts: list[int] = []
-    result = tiny_engine.generate(GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40),
+    result = run_one(tiny_engine, GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40),
                                   on_text=lambda delta, n_tokens: (deltas.append(delta), counts.append(n_tokens)))
     assert "".join(deltas) == result.text
     assert counts == sorted(counts) and counts[-1] >= len(result.token_ids)
@@ -221,7 +222,7 @@ def test_max_new_tokens_cuts_inside_a_chunk(tiny_engine, self_runner):
 
 
 def test_stats_are_filled(tiny_engine):
-    result = tiny_engine.generate(GenerateRequest(prompt=PROMPTS[0], drafter="layerskip", k=3, max_new_tokens=30))
+    result = run_one(tiny_engine, GenerateRequest(prompt=PROMPTS[0], drafter="layerskip", k=3, max_new_tokens=30))
     s = result.stats
     assert s.drafter == "layerskip2" and s.k == 3 and s.prompt_tokens > 0
     assert s.new_tokens == len(result.token_ids)

@@ -74,11 +74,12 @@ from pathlib import Path
 from spec_edge.config import Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import run_one
 
 engine = artifacts.engine(Config().replace(**{"runtime.engine_dir": sys.argv[1], "graphs.weights": "fp32",
                                                "graphs.batch_slots": 1}), progress=lambda m: None)
 if sys.argv[2] == "measure":
-    engine.generate(GenerateRequest(prompt="Explain in two sentences why robots use speculative decoding.",
+    run_one(engine, GenerateRequest(prompt="Explain in two sentences why robots use speculative decoding.",
                                     max_new_tokens=16))
     pss = anon = 0
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from speculated import assert_speculated
+from spec_edge.runtime.scheduler import run_one
 
 CORPUS = [
     "The robot picks up the red box and places it on the shelf.",
@@ -229,8 +230,8 @@ def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
     """A greedy request through the engine with the drafter == the same request without speculation."""
     from spec_edge.runtime.requests import GenerateRequest
 
-    spec = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter=drafter, k=k))
-    base = engine.generate(GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
+    spec = run_one(engine, GenerateRequest(prompt="Move the arm", max_new_tokens=30, drafter=drafter, k=k))
+    base = run_one(engine, GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
     assert spec.token_ids == base.token_ids
     assert spec.stats.drafter == drafter
     assert_speculated(spec.stats, accepted=False, what=drafter)

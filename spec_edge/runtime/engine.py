@@ -7,7 +7,7 @@ over capabilities()) checks and prepares a request; the engine turns tokens into
 stop strings honoured). It owns one loop (runtime/speculative.BatchLoop) over a target of B slots
 (drafting.slotted: an ort_runner.OrtRunner; B=1 is a runner of one slot): as a decoder, add(prepared, sink)
 puts a request into a free slot (start() makes its SlotRequest) and iterate() is one loop iteration (the
-scheduler admits requests and iterates from one thread; serving.generate runs one alone). Each request drafts
+scheduler admits requests and iterates from one thread; scheduler.run_one runs one alone). Each request drafts
 with its own drafter, made for the slot it takes (runtime/drafting.py).
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
@@ -37,7 +37,6 @@ from spec_edge.runtime import k_choice
 from spec_edge.runtime.front import Capabilities, Front, Prepared
 from spec_edge.runtime.grammar import Constraint, Grammars
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
-from spec_edge.runtime import serving
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -178,11 +177,6 @@ class Engine:
         except RequestError:
             return False
         return True
-
-    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """One request alone through this decoder (serving.generate: the CLI's path)."""
-        return serving.generate(self, request, on_text, cancel, queued)
 
     # -- the decoder (serving.Decoder): the loop's slots --------------------------------------
     @property

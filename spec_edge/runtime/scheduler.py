@@ -15,7 +15,8 @@ served in full, whether or not the thread has moved the first ones into slots ye
 serve.request_timeout_s how long a request may take from submit to finish (queue wait
 included; past it, finish_reason "error"). cancel and stop are seen before each decode call; stop()
 refuses what waits and cancels what runs. No door here: a door hands in its logger and answers with the
-Outcome a job ends with.
+Outcome a job ends with. run_one is the same scheduling in the caller's thread for one request alone (the CLI's
+`generate`, the tools, the tests).
 """
 from __future__ import annotations
 
@@ -24,11 +25,13 @@ import dataclasses
 import math
 import threading
 import time
+import logging
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from spec_edge import config as cfgmod
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 
 SHUTTING_DOWN = "the node is shutting down; retry on its successor"
 REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
@@ -69,6 +72,8 @@ class Job:
     outcome: Outcome | None = None
     timed_out: bool = False
     prepared: Any = None                            # front.Prepared: the request as submit checked and prepared it
+    result: GenerateResult | None = None            # the decoder's result (None: it never ran, or failed)
+    error: Exception | None = None                  # why the front refused it, or the decoder failed on it
 
     def finish(self, outcome: Outcome) -> None:
         self.outcome = outcome
@@ -78,7 +83,7 @@ class Job:
 class Scheduler:
     """One thread that admits queued jobs into the engine, first in first out, and serves them."""
 
-    def __init__(self, engine: Any, cfg: cfgmod.Config, logger: Any):
+    def __init__(self, engine: Any, cfg: cfgmod.Config, logger: Any, thread: bool = True):
         self.engine = engine
         self.cfg = cfg
         self.logger = logger
@@ -94,8 +99,10 @@ class Scheduler:
         self.refused_busy = 0
         self.speculation_off = 0  # requests the load policy (serve.speculate_k_by_load) gave less than their k
         self.last_stats: dict[str, Any] = {}
+        self.others = 0  # requests the caller says wait elsewhere, added to the load (run_one's queued - 1)
         self._thread = threading.Thread(target=self._run, name="spec_edge-worker", daemon=True)
-        self._thread.start()
+        if thread:  # without: the caller steps it (run_one)
+            self._thread.start()
 
     @property
     def queue_depth(self) -> int:
@@ -107,12 +114,11 @@ class Scheduler:
         and queue it; False (the job answered at once) for a request the front refuses (refusal "invalid": in the
         caller's thread, without taking a queue place), when stopping ("unavailable"), and when the node already
         holds capacity + serve.queue_limit unfinished requests ("busy")."""
-        from spec_edge.runtime.requests import RequestError
-
         limit = self.cfg.serve.queue_limit
         try:
             job.prepared = self.engine.front.prepare(job.request)
         except RequestError as err:
+            job.error = err
             job.finish(Outcome.refused(str(err)))
             return False
         with self._lock:
@@ -140,29 +146,36 @@ class Scheduler:
             self._wake.notify_all()
         for job in waiting:
             job.finish(Outcome.refused(SHUTTING_DOWN, "unavailable"))
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def _run(self) -> None:
+        while self._step():
+            pass
+
+    def _step(self) -> bool:
+        """Admit what waits while the decoder has room, then one decoder iteration; waits (the thread) until there
+        is something to do. False: stopped with nothing running."""
         decoder = self.engine
-        while True:
-            with self._lock:
-                while not ((self._waiting and len(self._running) < self.capacity and not self._stopping)
-                           or decoder.occupied or (self._stopping and not self._running)):
-                    self._wake.wait()  # woken by submit and stop
-                if self._stopping and not self._running:
-                    return
-                admitted = []
-                while self._waiting and len(self._running) + len(admitted) < self.capacity and not self._stopping:
-                    admitted.append(self._waiting.popleft())
-                decoder.waiting = len(self._waiting)
-            for job in admitted:
-                self._admit(job)
-            if decoder.occupied:
-                try:
-                    decoder.iterate()
-                except Exception as err:  # the decoder failed: answer every job in it, keep serving
-                    self._fail_running(err)
-            self.current = next(iter(self._running.values()), None)
+        with self._lock:
+            while not ((self._waiting and len(self._running) < self.capacity and not self._stopping)
+                       or decoder.occupied or (self._stopping and not self._running)):
+                self._wake.wait()  # woken by submit and stop
+            if self._stopping and not self._running:
+                return False
+            admitted = []
+            while self._waiting and len(self._running) + len(admitted) < self.capacity and not self._stopping:
+                admitted.append(self._waiting.popleft())
+            decoder.waiting = len(self._waiting) + self.others
+        for job in admitted:
+            self._admit(job)
+        if decoder.occupied:
+            try:
+                decoder.iterate()
+            except Exception as err:  # the decoder failed: answer every job in it, keep serving
+                self._fail_running(err)
+        self.current = next(iter(self._running.values()), None)
+        return True
 
     def _admit(self, job: Job) -> None:
         """Add job to the decoder (its answer at once when it was cancelled or timed out while it waited)."""
@@ -177,12 +190,14 @@ class Scheduler:
 
     def _done(self, job: Job, result: Any) -> None:
         self._running.pop(id(job), None)
+        job.result = result
         job.finish(self._outcome(job, result))
 
     def _fail_running(self, err: Exception) -> None:
         failed = self._failed(err)
         self.engine.clear()
         for job in list(self._running.values()):
+            job.error = err
             job.finish(dataclasses.replace(failed))  # an Outcome of its own per job
         self._running.clear()
 
@@ -252,7 +267,34 @@ class _JobSink:
         self.scheduler._done(self.job, result)
 
     def failed(self, err: Exception) -> None:
-        from spec_edge.runtime.requests import RequestError
-
         self.scheduler._running.pop(id(self.job), None)
+        self.job.error = err
         self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else self.scheduler._failed(err))
+
+
+def run_one(decoder: Any, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+            cancel: Callable[[], bool] = lambda: False, queued: int = 1,
+            logger: Any = logging.getLogger("spec_edge")) -> GenerateResult:
+    """Serve one request alone through an idle decoder (serving.Decoder), stepping a Scheduler in the caller's
+    thread: admitted, iterated, cancelled and finished as every door's requests are. Raises what refused it (a
+    RequestError: nothing run) or what the decoder failed with. queued: the load as it runs, itself included
+    (what serve.speculate_k_by_load gives a k for)."""
+    if decoder.occupied:
+        raise RuntimeError("run_one() runs a request alone, but the decoder is serving others (the scheduler's)")
+    scheduler = Scheduler(decoder, decoder.cfg, logger, thread=False)
+    scheduler.others = queued - 1
+    job = Job(request, on_text, cancel)
+    scheduler.submit(job)
+    try:
+        while not job.done.is_set():
+            scheduler._step()
+    except BaseException:  # interrupted (Ctrl-C): the request leaves the decoder
+        decoder.clear()
+        raise
+    finally:
+        decoder.waiting = 0
+    if job.error is not None:
+        raise job.error
+    if job.result is None:
+        raise RuntimeError(f"the request ended before it ran: {job.outcome.finish_reason} {job.outcome.message}")
+    return job.result

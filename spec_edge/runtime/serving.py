@@ -1,5 +1,4 @@
-"""The decoder protocol the one scheduler (runtime/scheduler.py) drives, the sink a request's output goes to, and
-generate: one request alone through a decoder (the CLI's and the tools' path)."""
+"""The decoder protocol the one scheduler (runtime/scheduler.py) drives, and the sink a request's output goes to."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -7,7 +6,7 @@ from typing import Protocol
 
 from spec_edge.config import Config
 from spec_edge.runtime.front import Front, Prepared
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult
+from spec_edge.runtime.requests import GenerateResult
 
 
 class Sink(Protocol):
@@ -55,7 +54,7 @@ class Decoder(Protocol):
 
 
 class Collect:
-    """A sink that keeps its request's result (or failure): generate's, and a test's."""
+    """A sink that keeps its request's result (or failure): a test's."""
 
     def __init__(self, on_text: Callable[[str, int], None] | None = None,
                  cancel: Callable[[], str | None] | None = None):
@@ -76,25 +75,3 @@ class Collect:
     def failed(self, err: Exception) -> None:
         self.error = err
 
-
-def generate(decoder: Decoder, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-             cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-    """Serve one request alone through an idle decoder (RequestError for a bad request: nothing run). queued: the
-    load as it runs, itself included (what serve.speculate_k_by_load gives a k for)."""
-    prepared = decoder.front.prepare(request)
-    if decoder.occupied:
-        raise RuntimeError("generate() runs a request alone, but the decoder is serving others (the scheduler's)")
-    sink = Collect(on_text, cancel)
-    decoder.waiting = queued - 1
-    try:
-        decoder.add(prepared, sink)
-        while decoder.occupied:
-            decoder.iterate()
-    except BaseException:
-        decoder.clear()  # the failed request leaves the decoder
-        raise
-    finally:
-        decoder.waiting = 0
-    if sink.error is not None:
-        raise sink.error
-    return sink.result

@@ -42,6 +42,7 @@ def main(cfg, args, progress) -> int:
     from spec_edge.config import speculative_k
     from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import run_one
     from spec_edge.tools.schema_check import valid_json
 
     full = getattr(args, "full", False)
@@ -61,13 +62,13 @@ def main(cfg, args, progress) -> int:
 
     for entry in prompts:  # warm-up, and every schema compiled before timing (as the node's validation does)
         for drafter, variant in systems:
-            engine.generate(request(entry, drafter, variant, 8))
+            run_one(engine, request(entry, drafter, variant, 8))
     runs = []
     for rep in range(repeats):
         for i, entry in enumerate(prompts):
             shift = (rep * len(prompts) + i) % len(systems)
             for drafter, variant in systems[shift:] + systems[:shift]:
-                result = engine.generate(request(entry, drafter, variant, args.max_new_tokens))
+                result = run_one(engine, request(entry, drafter, variant, args.max_new_tokens))
                 ok, why = valid_json(result.text, entry["schema"])
                 s = result.stats
                 runs.append(dict(id=entry["id"], repeat=rep, drafter=drafter, variant=variant, ids=result.token_ids,

@@ -83,6 +83,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
     from spec_edge.config import AUTO_K, speculative_k
     from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import run_one
 
     temp_k = speculative_k(cfg) if speculative_k(cfg) in ks else max(ks, default=0)
 
@@ -105,7 +106,7 @@ def spec_systems(cfg, weights: list[str], drafters: list[str], ks: list[int], pr
                 request = GenerateRequest(prompt=prompt["prompt"], drafter=drafter if drafter != "none" else None,
                                           speculate=drafter != "none", k=k or None, max_new_tokens=max_new,
                                           temperature=temperature, seed=seed)
-                result = engine.generate(request)
+                result = run_one(engine, request)
                 s = result.stats
                 return Run(system="", prompt_id=prompt["id"], kind=prompt["kind"], temperature=temperature,
                            repeat=0, token_ids=list(result.token_ids), tokens_per_s=s.tokens_per_s,

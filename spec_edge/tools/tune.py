@@ -206,6 +206,7 @@ def main(cfg, args, progress) -> int:
     from spec_edge import speculation_policy
     from spec_edge import artifacts
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import run_one
     from spec_edge.tools.prompts import load_prompts
 
     drafter = args.drafter or (cfg.speculative.drafter if cfg.speculative.drafter != "none" else "ngram")
@@ -230,7 +231,7 @@ def main(cfg, args, progress) -> int:
     accepted_at = [0] * kmax
     n_verify = n_step = 0
     for prompt in prompts:
-        result = engine.generate(GenerateRequest(prompt=prompt["prompt"], drafter=drafter, k=kmax,
+        result = run_one(engine, GenerateRequest(prompt=prompt["prompt"], drafter=drafter, k=kmax,
                                                  max_new_tokens=args.max_new_tokens, temperature=0.0))
         s = result.stats
         n_verify += s.verify_calls

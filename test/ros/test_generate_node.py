@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from rosutil import REPO, engine_request, finish_client, run_client, start_client, test_params
+from spec_edge.runtime.scheduler import run_one
 
 PROMPT = "List three colours of the rainbow."
 COPY_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -36,7 +37,7 @@ def assert_stats_equal_core(stats: dict, num_tokens: int, core_stats) -> None:
 
 
 def expected(reference_engine, **fields):
-    return reference_engine.generate(engine_request(**fields))
+    return run_one(reference_engine, engine_request(**fields))
 
 
 def test_ask_json_equals_core(server, module_env, reference_engine):

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rosutil import engine_request, finish_client, start_client
+from spec_edge.runtime.scheduler import run_one
 
 PROMPTS = [f"Robot {name} moves the {thing} to the {place}. Robot {name} moves the"
            for name, thing, place in (("A", "box", "door"), ("B", "cup", "kitchen"), ("C", "arm", "window"),
@@ -38,7 +39,7 @@ def solo(batch_params):
 
     cold = {**batch_params, "serve.reuse_prefix": False, "serve.warm_system_prompt": False}
     engine = artifacts.engine(cfgmod.from_params(cold), progress=lambda m: None)
-    yield [engine.generate(engine_request(prompt=p, max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)]
+    yield [run_one(engine, engine_request(prompt=p, max_new_tokens=n)) for p, n in zip(PROMPTS, MAX_NEW)]
     engine.close()
 
 
@@ -76,9 +77,9 @@ def test_batched_engine_serves_guided_requests(batch_params, solo):
     action = r"(pick|place|move) the (red|blue|green) (box|cup|arm)\."
     engine = artifacts.engine(cfgmod.from_params(batch_params), progress=lambda m: None)
     try:
-        guided = engine.generate(engine_request(prompt=PROMPTS[0], regex=action, max_new_tokens=40))
+        guided = run_one(engine, engine_request(prompt=PROMPTS[0], regex=action, max_new_tokens=40))
         assert guided.finish_reason == "eos" and re.fullmatch(action, guided.text), guided
-        assert engine.generate(engine_request(prompt=PROMPTS[0], max_new_tokens=MAX_NEW[0])).token_ids == \
+        assert run_one(engine, engine_request(prompt=PROMPTS[0], max_new_tokens=MAX_NEW[0])).token_ids == \
             solo[0].token_ids
     finally:
         engine.close()

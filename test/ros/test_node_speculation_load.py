@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from rosutil import engine_request, run_client, test_params
+from spec_edge.runtime.scheduler import run_one
 
 PROMPTS = [f"Repeat exactly: robot {name} moves to the {place}. Robot {name} moves to the {place}."
            for name, place in (("A", "door"), ("B", "kitchen"), ("C", "window"), ("D", "table"), ("E", "lab"))]
@@ -21,7 +22,7 @@ def server(server_factory):
 
 def test_deep_queue_switches_speculation_off(server, module_env, reference_engine):
     assert reference_engine.cfg.serve.speculate_k_by_load == ()  # the oracle always speculates
-    solo = [reference_engine.generate(engine_request(prompt=p, max_new_tokens=MAX_NEW)) for p in PROMPTS]
+    solo = [run_one(reference_engine, engine_request(prompt=p, max_new_tokens=MAX_NEW)) for p in PROMPTS]
     drafter = reference_engine.cfg.speculative.drafter
     assert drafter != "none" and all(s.stats.drafter == drafter for s in solo)
 

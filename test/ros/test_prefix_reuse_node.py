@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rosutil import engine_request, run_client, test_params
+from spec_edge.runtime.scheduler import run_one
 
 SYSTEM = ("You control RB-7, a mobile robot with an arm and a gripper. Tools: move_base(x, y), move_arm(x, y, z), "
           "read_battery(), dock(). Answer briefly.")
@@ -35,7 +36,7 @@ def test_warm_system_prompt_and_reused_requests_equal_cold(server, module_env, c
     answers = run_client(module_env, {"mode": "call", "requests": requests})
     for request, answer in zip(requests, answers):
         assert answer["success"], answer["message"]
-        want = cold_engine.generate(engine_request(**request))
+        want = run_one(cold_engine, engine_request(**request))
         assert want.stats.prompt_tokens_reused == 0
         assert answer["text"] == want.text and answer["num_tokens"] == len(want.token_ids)
     # every request reused the warmed system prompt's rows; the repeated one all of its prompt but the last token

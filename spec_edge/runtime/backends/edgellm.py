@@ -56,7 +56,6 @@ from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, speculative_k
 from spec_edge import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime import serving
 from spec_edge.runtime.front import Capabilities, Front, Prepared
 from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
@@ -260,11 +259,6 @@ class EdgeLLMEngine:
         call.skip_special_tokens = True
         call.max_generate_length = max_new
         return call
-
-    def generate(self, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-                 cancel: Callable[[], str | None] | None = None, queued: int = 1) -> GenerateResult:
-        """One request alone through this decoder (serving.generate: the CLI's path)."""
-        return serving.generate(self, request, on_text, cancel, queued)
 
     # -- the decoder (serving.Decoder): each request on a thread of its own -------------------------
     @property
