@@ -73,14 +73,14 @@ def head_graphs(cfg: Config, kind: str, target, progress: Progress) -> Path:
     """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head) of a target
     (its ModelConfig): exported into its artifact folder, its attention fused (EAGLE-3 heads), then
     graphs.head_weights' copy and its packed copy."""
-    from spec_edge.heads import eagle3_export, medusa, peagle
+    from spec_edge.heads import eagle3_layouts, export
 
-    export_head = {"eagle3": eagle3_export.export_head, "peagle": peagle.export_head, "medusa": medusa.export_heads}
+    export_head = {"eagle3": export.export_eagle3, "peagle": export.export_peagle, "medusa": export.export_medusa}
     head_dir = export_head[kind](cfg, getattr(cfg.speculative, f"{kind}_head"), target, plan.artifact_dir(cfg, kind),
                                  progress)
     if kind == "eagle3":
         head_dir = ort_attention.for_config(cfg, head_dir, progress,
-                                            eagle3_export.read_head_config(head_dir).as_model_config())
+                                            eagle3_layouts.read_head_config(head_dir).as_model_config())
     head_dir = quantize.for_head(cfg, head_dir, progress)
     ensure_packed(head_dir, cfg.runtime.threads, progress)
     return head_dir

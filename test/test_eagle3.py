@@ -11,7 +11,7 @@ import torch
 
 from spec_edge.config import ConfigError
 from spec_edge.graphs import hidden
-from spec_edge.heads import eagle3, eagle3_export
+from spec_edge.heads import eagle3, eagle3_layouts
 from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
                   exported_graphs, fake_drafter, head_inputs, ort_session, set_config, train_draft_argv)
@@ -148,7 +148,7 @@ def test_fused_head_matches_exported_head(head_engine):
 
     exported = plan.artifact_dir(head_engine.cfg, "eagle3")
     fused = ort_attention.ensure_fused(exported, progress=lambda m: None,
-                                       geometry=eagle3_export.read_head_config(exported).as_model_config())
+                                       geometry=eagle3_layouts.read_head_config(exported).as_model_config())
     embed = head_engine.drafter("eagle3").head.head.embed_table  # the head under slot 0's view
     for folder in (exported, fused):  # the engine's build packed only the folder it runs (the q8 copy)
         ensure_packed(folder, progress=lambda m: None)
@@ -188,7 +188,7 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
     assert running.head_dir.name.endswith("_fused_q8") and head_engine.cfg.graphs.head_weights == "q8"
     exported = plan.artifact_dir(head_engine.cfg, "eagle3")
     fp32_dir = ort_attention.ensure_fused(exported, progress=lambda m: None,
-                                          geometry=eagle3_export.read_head_config(exported).as_model_config())
+                                          geometry=eagle3_layouts.read_head_config(exported).as_model_config())
     assert quantize.ensure_head_q8(fp32_dir, progress=lambda m: None) == running.head_dir  # made once, reused
     step = onnx.load(str(running.head_dir / "eagle3_step_1.onnx"), load_external_data=False)
     assert sum(node.op_type == "MatMulNBits" for node in step.graph.node) >= 7  # q k v o, gate up down (+ head)

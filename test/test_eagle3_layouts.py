@@ -284,11 +284,11 @@ def test_speculators_norm_flags_are_applied(tmp_path):
                                   ignored[0], atol=1e-3)
 
     from spec_edge.graphs.export import WeightStore
-    from spec_edge.heads import eagle3_export
+    from spec_edge.heads import export
     from spec_edge.runtime.backends.onnxruntime import cpu_session
 
     store = WeightStore(tmp_path / "weights.bin")
-    eagle3_export.export_head_graph(hcfg, loaded, tmp_path / "ingest.onnx", store, fused=True, width=3, max_context=16)
+    export.export_head_graph(hcfg, loaded, tmp_path / "ingest.onnx", store, fused=True, width=3, max_context=16)
     store.close()
     session = cpu_session(str(tmp_path / "ingest.onnx"))
     cache = np.zeros((1, hcfg.n_kv_heads, 16, hcfg.head_dim), dtype=np.float32)

@@ -65,7 +65,7 @@ def ensure_fused(src_dir: Path, progress: Progress = print, geometry: ModelConfi
     elif role == "eagle3":  # the head's ingest graphs are padded up to their width
         if geometry is None:
             raise AttentionRewriteError(f"{src_dir}: fusing a head's attention needs the head's geometry "
-                                        f"(heads.eagle3_export.read_head_config(folder).as_model_config())")
+                                        f"(heads.eagle3_layouts.read_head_config(folder).as_model_config())")
         model_cfg = geometry
         widest = max(int(spec["width"]) for spec in manifest["graphs"].values())
         copies = None

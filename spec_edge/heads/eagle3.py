@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads: the config, the checkpoint layouts, the torch module (heads/eagle3_export.py
+"""EAGLE-3 draft heads: the config, the checkpoint layouts, the torch module (heads/export.py
 exports its static graphs; the layer ids it reads are graphs/hidden.py's).
 
 A head drafts from three hidden states of the target (a low, a middle and a high layer):
@@ -14,7 +14,7 @@ token p+2. Its output hidden h' (before the final norm; after it for speculators
 next draft step's input hidden, which then skips fc. So k drafts cost one ingest pass (the verified
 pairs, width <= k+1) + k-1 [1, 1] steps.
 
-Graphs (heads/eagle3_export.py; all static, S = max context): an ingest graph per width W and a
+Graphs (heads/export.py; all static, S = max context): an ingest graph per width W and a
 [1, 1] draft step. The token embedding table is a graph *input* bound to the target's own embedding
 (a memory map of the target's weights.bin), so the head costs no second copy of the V x H table.
 

@@ -35,6 +35,7 @@ Layer ids: graphs/hidden.py (configured_aux_layers) converts each convention to 
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,3 +218,11 @@ def _refuse_unimplemented(raw: dict, layer_cfg: dict, layout: str) -> None:
     if problems:
         raise ConfigError(f"EAGLE-3 head config.json ({layout} layout) asks for what spec_edge does not run: "
                           + "; ".join(problems))
+
+
+def read_head_config(out_dir: Path) -> HeadConfig:
+    raw = json.loads((Path(out_dir) / "head.json").read_text())
+    raw["aux_layers"] = tuple(raw["aux_layers"])
+    if raw.get("rope_llama3") is not None:
+        raw["rope_llama3"] = tuple(raw["rope_llama3"])
+    return HeadConfig(**raw)

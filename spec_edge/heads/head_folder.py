@@ -1,15 +1,13 @@
 """What the drafter head folders share (EAGLE-3 and P-EAGLE heads in eagle3.py / peagle.py, Medusa
 heads in medusa.py): reading config.json and the tensors, the draft vocabulary map (d2t: draft id
 offsets, target_id = draft_id + d2t[draft_id]; t2d: (V,) bool, which target ids are drafted),
-writing a folder, its fingerprint, loading a state into the torch module, and exporting a head's
-graphs into an artifact folder (weights.bin, draft_ids.npy, head.json, manifest.json).
+writing a folder, its fingerprint and loading a state into the torch module (heads/export.py exports a head's
+graphs into an artifact folder).
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -135,64 +133,3 @@ def write(path: str | Path, state: dict, names: list[str], draft_ids: np.ndarray
 
 # ---------------------------------------------------------------------------------------------
 # Export
-
-def _same_config(out_dir: Path, head_cfg) -> bool:
-    """head.json holds head_cfg: the graphs were made from the same reading of config.json (a loader
-    that now reads a key differently, e.g. a theta, re-exports; fields head.json predates count as
-    their defaults)."""
-    path = out_dir / "head.json"
-    if not path.is_file():
-        return False
-    defaults = {field.name: field.default for field in dataclasses.fields(head_cfg)
-                if field.default is not dataclasses.MISSING}
-    have = {**defaults, **json.loads(path.read_text())}
-    return json.loads(json.dumps(have)) == json.loads(json.dumps(dataclasses.asdict(head_cfg)))
-
-
-def export(out_dir: Path, wanted: dict, write_graph: Callable, head_cfg, draft_ids: np.ndarray,
-           label: str, progress=print, arrays: dict | None = None) -> Path:
-    """Export a head's graphs into out_dir (its own weights.bin), unless up to date (the manifest
-    has every key of wanted and each of wanted["graphs"] is there): write_graph(spec, path, store)
-    per graph, then draft_ids.npy, head.json (head_cfg), <name>.npy per arrays and manifest.json,
-    written into a temporary folder that then replaces out_dir, under out_dir's writer lock
-    (graphs/folders.py: a concurrent exporter waits, then finds it made)."""
-    import time
-
-    from spec_edge.graphs import folders
-    from spec_edge.graphs.export import WeightStore
-
-    out_dir = Path(out_dir)
-
-    def current() -> bool:
-        try:
-            have = json.loads((out_dir / "manifest.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            return False
-        return all(have.get(key) == value for key, value in wanted.items()) and all(
-            (out_dir / f"{stem}.onnx").is_file() for stem in wanted["graphs"]) and _same_config(out_dir, head_cfg)
-
-    if current():
-        folders.mark_used(out_dir)
-        return out_dir
-    with folders.writing(out_dir, progress, f"[export] {label}:"):
-        if current():
-            folders.mark_used(out_dir)
-            return out_dir
-        started = time.monotonic()
-        tmp_dir = folders.temporary(out_dir)
-        store = WeightStore(tmp_dir / "weights.bin")
-        for stem, spec in wanted["graphs"].items():
-            progress(f"[export] {label}: {stem} ...")
-            write_graph(spec, tmp_dir / f"{stem}.onnx", store)
-        store.close()
-        np.save(tmp_dir / "draft_ids.npy", draft_ids)
-        (tmp_dir / "head.json").write_text(json.dumps(dataclasses.asdict(head_cfg), indent=1))
-        for name, array in (arrays or {}).items():
-            np.save(tmp_dir / f"{name}.npy", array)
-        manifest = dict(wanted, export_seconds=round(time.monotonic() - started, 1))
-        (tmp_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        folders.publish(tmp_dir, out_dir)
-        folders.mark_used(out_dir)
-    n = len(wanted["graphs"])
-    progress(f"[export] {label}: {n} graph{'' if n == 1 else 's'} in {manifest['export_seconds']} s")
-    return out_dir

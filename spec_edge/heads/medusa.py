@@ -182,33 +182,5 @@ def build_module(mcfg: MedusaConfig, state: dict | None = None):
     return head_folder.load_state(MedusaHeads(), state, "Medusa head")
 
 
-# ---------------------------------------------------------------------------------------------
-# Export
-
-def graph_stem(mcfg: MedusaConfig) -> str:
-    return f"medusa_{mcfg.n_heads}"
-
-
-def export_heads(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
-    """Export the heads' graph into out_dir (its own weights.bin), unless up to date."""
-    from spec_edge.graphs import export, io_names
-
-    head_path = Path(head_path).expanduser()
-    mcfg, state, draft_ids = load_heads(head_path, target)
-    wanted = {"format": HEAD_FORMAT, "role": "medusa", "source": str(head_path),
-              "fingerprint": head_fingerprint(head_path), "dtype": cfg.graphs.dtype,
-              "graphs": {graph_stem(mcfg): {"kind": "medusa", "width": 1, "n_heads": mcfg.n_heads}}}
-
-    def write_graph(spec: dict, path: Path, store) -> None:
-        import torch
-
-        tdtype = export.torch_dtype(cfg.graphs.dtype)
-        module = build_module(mcfg, state).to(tdtype).eval()
-        export.save_static(module, (torch.zeros(1, mcfg.hidden_size, dtype=tdtype),), [io_names.HIDDEN],
-                           [io_names.LOGITS], path, store)
-
-    return head_folder.export(out_dir, wanted, write_graph, mcfg, draft_ids, "medusa heads", progress)
-
-
 def read_config(out_dir: Path) -> MedusaConfig:
     return MedusaConfig(**json.loads((Path(out_dir) / "head.json").read_text()))

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.heads import eagle3, eagle3_export, head_folder
+from spec_edge.heads import eagle3, head_folder
 from spec_edge.heads.eagle3 import HeadConfig
 
 HEAD_FORMAT = 1
@@ -151,53 +151,3 @@ def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
             return self.norm(h)
 
     return head_folder.load_state(PEagleHead(), state, "P-EAGLE head")
-
-
-# ---------------------------------------------------------------------------------------------
-# Export
-
-def graph_plan(cfg) -> dict[str, dict]:
-    """Ingest widths 1, each k and the prefill chunk (the newest pair goes through the draft pass,
-    so an ingest after a verify is at most k wide); a draft pass per built k."""
-    widths = sorted({1, cfg.graphs.prefill_chunk} | set(cfg.graphs.k_values))
-    plan = {f"eagle3_ingest_{w}": {"kind": "ingest", "width": w} for w in widths}
-    plan.update({f"peagle_draft_{k}": {"kind": "draft", "width": k} for k in sorted(set(cfg.graphs.k_values))})
-    return plan
-
-
-def export_head(cfg, head_path: str | Path, target: ModelConfig, out_dir: Path, progress=print) -> Path:
-    """Export the head graphs for cfg into out_dir (its own weights.bin), unless up to date."""
-    head_path = Path(head_path).expanduser()
-    hcfg, state, draft_ids = load_head(head_path, target)
-    wanted = {"format": HEAD_FORMAT, "role": "peagle", "source": str(head_path),
-              "fingerprint": eagle3.head_fingerprint(head_path), "max_context": cfg.graphs.max_context,
-              "dtype": cfg.graphs.dtype, "graphs": graph_plan(cfg)}
-
-    def write_graph(spec: dict, path: Path, store) -> None:
-        if spec["kind"] == "ingest":
-            eagle3_export.export_head_graph(hcfg, state, path, store, fused=True, width=spec["width"],
-                                     max_context=cfg.graphs.max_context, dtype=cfg.graphs.dtype)
-        else:
-            export_draft_graph(hcfg, state, path, store, width=spec["width"], max_context=cfg.graphs.max_context,
-                               dtype=cfg.graphs.dtype)
-
-    return head_folder.export(out_dir, wanted, write_graph, hcfg, draft_ids, "peagle head", progress,
-                              eagle3_export.embed_arrays(state))
-
-
-def export_draft_graph(hcfg: HeadConfig, state: dict, path: Path, store, *, width: int, max_context: int,
-                       dtype: str = "float32") -> None:
-    import torch
-
-    from spec_edge.graphs import export, io_names
-
-    tdtype = export.torch_dtype(dtype)
-    module = build_module(hcfg, state, width).to(tdtype).eval()
-    shape = (1, hcfg.n_kv_heads, max_context, hcfg.head_dim)
-    args = (torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 3 * hcfg.target_hidden_size, dtype=tdtype),
-            torch.tensor([0]), torch.zeros(shape, dtype=tdtype), torch.zeros(shape, dtype=tdtype),
-            torch.zeros(hcfg.target_vocab_size, hcfg.hidden_size, dtype=tdtype))
-    inputs = [io_names.TOKENS, io_names.HIDDEN, io_names.POSITION, io_names.K_CACHE, io_names.V_CACHE,
-              io_names.EMBED_TABLE]
-    outputs = [io_names.LOGITS, io_names.K_NEW, io_names.V_NEW]
-    export.save_static(module, args, inputs, outputs, path, store)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.graphs import io_names
-from spec_edge.heads.eagle3_export import read_head_config
+from spec_edge.heads.eagle3_layouts import read_head_config
 from spec_edge.runtime.backends.base import BackendError, resident_zeros
 from spec_edge.runtime.backends.onnxruntime import graph_session
 
