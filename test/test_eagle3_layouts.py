@@ -18,7 +18,7 @@ import torch
 from spec_edge.config import ConfigError, ModelConfig
 from spec_edge.device.presets import MODEL_PRESETS
 from spec_edge.graphs import hidden
-from spec_edge.heads import eagle3, head_folder
+from spec_edge.heads import eagle3, export
 from spec_edge.heads.eagle3_layouts import layout_of, parse_head_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "eagle3"
@@ -160,8 +160,8 @@ def test_committed_head_reads_as_before(tmp_path):
     out = tmp_path
     old = {key: value for key, value in dataclasses.asdict(hcfg).items() if key != "norm_before_fc"}
     (out / "head.json").write_text(json.dumps(old))
-    assert head_folder._same_config(out, hcfg)
-    assert not head_folder._same_config(out, dataclasses.replace(hcfg, rope_theta=500000.0))
+    assert export._same_config(out, hcfg)
+    assert not export._same_config(out, dataclasses.replace(hcfg, rope_theta=500000.0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,7 +284,6 @@ def test_speculators_norm_flags_are_applied(tmp_path):
                                   ignored[0], atol=1e-3)
 
     from spec_edge.graphs.export import WeightStore
-    from spec_edge.heads import export
     from spec_edge.runtime.backends.onnxruntime import cpu_session
 
     store = WeightStore(tmp_path / "weights.bin")
