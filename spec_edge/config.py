@@ -123,8 +123,8 @@ class GraphSection:
     ort_attention: str = "fused"
     # ONNX Runtime draft-head weights (EAGLE-3, P-EAGLE, Medusa): q8 | fp32. q8 rounds each linear
     # weight of the exported head to 8 bits in blocks of 32 (MatMulNBits, int8 activations;
-    # spec_edge/graphs/quantize.py): a head step reads a quarter of the bytes (0.9 -> 0.2 ms measured
-    # alone). Only the drafts can change, never the output: the target verifies every draft.
+    # spec_edge/graphs/quantize.py): a head step reads a quarter of the bytes. Only the drafts can change,
+    # never the output: the target verifies every draft.
     head_weights: str = "q8"
     # Static batch slots B: 1 = the single-request graphs; B > 1 serves B requests at once (runtime/speculative.py)
     # over one cache region per slot: ONNX Runtime's (m, 1) / (m, k+1) graphs (m rows, each bound to any slot's

@@ -11,7 +11,7 @@ and leave (Edge-LLM, backends/edgellm.py: looked up once, as a request starts).
 An entry is a cap on the request's own k (a request asking k=2 never verifies more than 2 drafts),
 so a value the table chooses is always one of graphs.k_values. Greedy output is the same token for
 token whatever k runs; with sampling each k is a different draw from the same distribution.
-`spec-edge tune` writes the table from measured call costs and acceptance (tools/tune.py). It replaced serve.speculate_max_queue (an on/off threshold): m is [k] * m + [0].
+`spec-edge tune` writes the table from measured call costs and acceptance (tools/tune.py).
 
 With speculative.k auto the table stays an upper bound: under its cap each request's k (0 included) is
 chosen at every iteration from its live acceptance and the measured call costs (runtime/k_choice.py).

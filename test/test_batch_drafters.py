@@ -11,9 +11,9 @@ import itertools
 import numpy as np
 import pytest
 from test_batch import PROMPTS
+from tiny import Collect
 
 from spec_edge.runtime.requests import GenerateRequest, RequestError
-from spec_edge.runtime.serving import Collect
 from spec_edge.runtime.scheduler import run_one
 
 K, SLOTS = 3, 3

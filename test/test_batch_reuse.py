@@ -14,9 +14,8 @@ from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
-from spec_edge.runtime.serving import Collect
 from spec_edge.runtime.scheduler import run_one
-from tiny import run_together
+from tiny import Collect, run_together
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the battery level", "def add(a, b):"]

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 from near_ties import assert_same_but_near_ties
+from tiny import Collect
 
 from spec_edge.config import Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
-from spec_edge.runtime.serving import Collect
 from spec_edge.runtime.scheduler import run_one
 
 REPO = Path(__file__).resolve().parents[1]

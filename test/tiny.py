@@ -399,3 +399,22 @@ def run_together(runner, requests, join_at=None, k_by_load=(), reuse=False) -> l
 def run_alone(runner, request, reuse=False):
     """One SlotRequest alone in slot 0 of a new loop over runner: (token ids, finish reason, stats)."""
     return run_together(runner, [request], reuse=reuse)[0]
+
+
+class Collect:
+    """A serving.Sink that keeps its request's result (or failure)."""
+
+    def __init__(self):
+        self.result, self.error = None, None
+
+    def on_text(self, delta: str, n_tokens: int) -> None:
+        pass
+
+    def cancel_reason(self) -> str | None:
+        return None
+
+    def done(self, result) -> None:
+        self.result = result
+
+    def failed(self, err: Exception) -> None:
+        self.error = err

@@ -114,7 +114,7 @@ def rewrite_model(model, blocks: Callable[[str], object | None], *, accuracy_lev
                 weight_name = prod.input[0]
         q = blocks(weight_name) if weight_name else None
         if isinstance(q, Q80) and accuracy_level < 4:
-            q = None  # 8-bit MatMulNBits at accuracy level 0 dequantizes the whole matrix every call (174 ms)
+            q = None  # 8-bit MatMulNBits at accuracy level 0 dequantizes the whole matrix every call
         found.append((node, weight_name, q))
     # Q4_1 layers that read the same input (q/k/v, gate/up) become one MatMulNBits over their rows
     # stacked, then a Split: fewer, wider kernels (each column's sum is the same)

@@ -211,7 +211,7 @@ class Scheduler:
         reason = self._cancel_reason(job)
         if reason is None:
             return None
-        return Outcome(success=True, finish_reason="cancelled") if reason == "cancelled" else self._timeout_outcome(job, None)
+        return Outcome(success=True, finish_reason="cancelled") if reason == "cancelled" else self._timeout_outcome(None)
 
     def _cancel_reason(self, job: Job) -> str | None:
         if self._stopping or job.cancel_requested():
@@ -230,7 +230,7 @@ class Scheduler:
         stats = result_stats(result)
         self.last_stats = stats
         if job.timed_out:
-            return self._timeout_outcome(job, result)
+            return self._timeout_outcome(result)
         outcome = Outcome(success=True, message=result.message, text=result.text,
                           num_tokens=len(result.token_ids), token_ids=list(result.token_ids),
                           logprobs=list(result.logprobs), finish_reason=result.finish_reason, stats=stats)
@@ -239,7 +239,7 @@ class Scheduler:
             outcome.message = "the node shut down during the generation; retry on its successor"
         return outcome
 
-    def _timeout_outcome(self, job: Job, result: Any) -> Outcome:
+    def _timeout_outcome(self, result: Any) -> Outcome:
         limit = self.cfg.serve.request_timeout_s
         return Outcome(
             success=False, finish_reason="error",

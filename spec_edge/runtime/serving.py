@@ -1,7 +1,6 @@
 """The decoder protocol the one scheduler (runtime/scheduler.py) drives, and the sink a request's output goes to."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from spec_edge.config import Config
@@ -51,27 +50,4 @@ class Decoder(Protocol):
     def info(self) -> dict: ...
 
     def close(self) -> None: ...
-
-
-class Collect:
-    """A sink that keeps its request's result (or failure): a test's."""
-
-    def __init__(self, on_text: Callable[[str, int], None] | None = None,
-                 cancel: Callable[[], str | None] | None = None):
-        self._on_text, self._cancel = on_text, cancel
-        self.result: GenerateResult | None = None
-        self.error: Exception | None = None
-
-    def on_text(self, delta: str, n_tokens: int) -> None:
-        if self._on_text is not None:
-            self._on_text(delta, n_tokens)
-
-    def cancel_reason(self) -> str | None:
-        return self._cancel() if self._cancel is not None else None
-
-    def done(self, result: GenerateResult) -> None:
-        self.result = result
-
-    def failed(self, err: Exception) -> None:
-        self.error = err
 

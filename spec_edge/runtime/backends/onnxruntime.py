@@ -2,9 +2,8 @@
 what the build made (spec_edge/artifacts.py; nothing here makes a file); the runner around them is
 ort_runner.OrtRunner.
 
-All sessions of the process share ONNX Runtime's global thread pool: with a pool per session
-their spinning threads fight over the cores (mixed step/verify decoding fell from ~40 to ~23 tok/s
-on 2 cores).
+All sessions of the process share ONNX Runtime's global thread pool (a pool per session: their spinning
+threads fight over the cores; docs/bench.md "Measurements behind the code").
 
 Weights once: a session's kernels keep their own pre-packed (MLAS-transformed) copy of every
 weight, so N sessions over one folder (a graph per width, per row count, the layer-skip graph) would
