@@ -48,6 +48,7 @@ def main() -> int:
     from spec_edge.device.profiles import resolve_profile
     from spec_edge.runtime.engine import Engine
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import run_one
 
     cfg = load(resolve_profile(args.profile))
     drafter, k = cfg.speculative.drafter, cfg.speculative.k
@@ -59,8 +60,8 @@ def main() -> int:
         for name in ([drafter] if drafter != "none" else []) + ["none"]:
             request = GenerateRequest(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=0.0,
                                       drafter=name, k=k if name != "none" else None)
-            engine.generate(request)  # warm-up (CUDA graphs, first-call allocations)
-            runs[name] = engine.generate(request)
+            run_one(engine, request)  # warm-up (CUDA graphs, first-call allocations)
+            runs[name] = run_one(engine, request)
         plain = runs["none"]
         row = {"prompt": prompt, "plain_tok_s": round(plain.stats.tokens_per_s, 1)}
         if drafter != "none":
