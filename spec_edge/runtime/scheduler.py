@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import threading
 import time
-import logging
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -146,8 +146,7 @@ class Scheduler:
             self._wake.notify_all()
         for job in waiting:
             job.finish(Outcome.refused(SHUTTING_DOWN, "unavailable"))
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while self._step():
