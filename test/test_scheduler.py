@@ -161,3 +161,31 @@ def test_a_request_is_tokenized_and_its_grammar_compiled_once(tiny_engine, monke
         assert counts == {"encode": 1, "compile": 1}
     finally:
         worker.stop(30)
+
+
+def test_a_front_that_fails_answers_the_request_and_keeps_serving(tiny_engine, monkeypatch):
+    """A failure of the front other than a refusal (a bug, a tokenizer error) answers that request with an error at
+    submit, logged; the scheduler, and so the node, serves the next one."""
+    logged = []
+
+    class Errors(Log):
+        def error(self, message):
+            logged.append(message)
+
+    prepare = tiny_engine.front.prepare
+
+    def fails_once(request):
+        monkeypatch.setattr(tiny_engine.front, "prepare", prepare)
+        raise KeyError("a field the front did not expect")
+
+    monkeypatch.setattr(tiny_engine.front, "prepare", fails_once)
+    worker = Scheduler(tiny_engine, tiny_engine.cfg, Errors())
+    try:
+        bad = Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=4))
+        assert not worker.submit(bad) and bad.done.is_set()
+        assert not bad.outcome.success and bad.outcome.finish_reason == "error" and "KeyError" in bad.outcome.message
+        assert logged and "KeyError" in logged[0]
+        good = Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=4))
+        assert worker.submit(good) and good.done.wait(60) and good.outcome.success, good.outcome
+    finally:
+        worker.stop(30)

@@ -121,6 +121,10 @@ class Scheduler:
             job.error = err
             job.finish(Outcome.refused(str(err)))
             return False
+        except Exception as err:  # a front that failed on a request: answer it (logged), keep serving
+            job.error = err
+            job.finish(self._failed(err))
+            return False
         with self._lock:
             if self._stopping:
                 job.finish(Outcome.refused(SHUTTING_DOWN, "unavailable"))
