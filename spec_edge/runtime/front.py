@@ -111,6 +111,7 @@ class Front:
                 raise RequestError("tools and tool turns need the chat template: send chat true")
             return "\n".join(m.content for m in messages)
         if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            check_tools(request.tools, request.tool_choice or "auto")
             return self.tool_format.render(self.tokenizer, messages, request.tools)
         return self.tokenizer.render_chat([(m.role, m.content) for m in messages])
 

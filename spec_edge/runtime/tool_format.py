@@ -43,7 +43,7 @@ def check_tools(tools: Sequence[Tool], choice: str) -> dict[str, dict]:
             raise RequestError(f"tools[{i}] ({tool.name}) parameters must be a JSON Schema of an object "
                                '({"type": "object", "properties": {...}})')
         schemas[tool.name] = schema
-    if choice not in TOOL_CHOICES and choice not in schemas:
+    if choice not in TOOL_CHOICES + tuple(schemas) or not tools and choice not in ("auto", "none"):
         known = ", ".join(TOOL_CHOICES + tuple(schemas))
         raise RequestError(f"tool_choice '{choice}' is neither {', '.join(TOOL_CHOICES)} nor a tool's name "
                            f"(use one of {known})" if tools else
