@@ -51,6 +51,19 @@ def check_tools(tools: Sequence[Tool], choice: str) -> dict[str, dict]:
     return schemas
 
 
+def tools_from_json(text: str) -> tuple[Tool, ...]:
+    """Tools from a JSON list of OpenAI tools ({"type": "function", "function": {...}}) or of the function objects
+    themselves ({"name", "description", "parameters"}); RequestError for anything else."""
+    try:
+        items = json.loads(text)
+        return tuple(Tool(f["name"], f.get("description", ""), json.dumps(f.get("parameters", {"type": "object"})))
+                     for f in (item.get("function", item) if item.get("type", "function") == "function" else None
+                               for item in items))
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
+        raise RequestError(f"tools must be a JSON list of OpenAI tools ({{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": {{...}}}}}}): {type(err).__name__}: {err}") from None
+
+
 def lark_literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
 
