@@ -263,10 +263,8 @@ def test_a_reachable_address_needs_a_key(served, capsys):
 
 
 def openai_tools() -> list[dict]:
-    from test_tools import robot_tools
-
-    return [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                              "parameters": json.loads(t.parameters)}} for t in robot_tools()]
+    """move_to(place: a room), pick(object), say(text) (bench/robot_tools.json)."""
+    return json.loads((REPO / "bench" / "robot_tools.json").read_text())
 
 
 def test_openai_tool_calls_sync_and_streamed(served, base):
@@ -288,8 +286,8 @@ def test_openai_tool_calls_sync_and_streamed(served, base):
     named = c.chat.completions.create(**{**ask, "tool_choice": {"type": "function", "function": {"name": "move_to"}},
                                          "parallel_tool_calls": False})
     (call,) = named.choices[0].message.tool_calls
-    assert call.function.name == "move_to" and json.loads(call.function.arguments)["place"] in ("kitchen", "hall",
-                                                                                                 "bedroom", "garage")
+    rooms = openai_tools()[0]["function"]["parameters"]["properties"]["place"]["enum"]
+    assert call.function.name == "move_to" and json.loads(call.function.arguments)["place"] in rooms
     final = c.chat.completions.create(model="smollm2-135m", tools=openai_tools(), tool_choice="none", max_tokens=20,
                                       messages=ask["messages"] + [named.choices[0].message.model_dump(exclude_none=True),
                                                                   {"role": "tool", "tool_call_id": call.id,

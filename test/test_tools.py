@@ -13,20 +13,15 @@ import pytest
 from spec_edge import config as cfgmod
 from spec_edge.runtime import speculative
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
-from spec_edge.runtime.tool_format import ContentStream, HermesFormat
+from spec_edge.runtime.tool_format import ContentStream, HermesFormat, tools_from_json
 from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
-ROOMS = ["kitchen", "hall", "bedroom", "garage"]
+TOOLS = REPO / "bench" / "robot_tools.json"  # move_to(place: a room), pick(object), say(text): the issue's
 
 
 def robot_tools() -> tuple[Tool, ...]:
-    """move_to(place: a room), pick(object), say(text): the issue's robot tools (docs/tools.md, bench_tools.py)."""
-    def obj(name, schema):
-        return json.dumps({"type": "object", "properties": {name: schema}, "required": [name]})
-    return (Tool("move_to", "Drive the robot to a room.", obj("place", {"type": "string", "enum": ROOMS})),
-            Tool("pick", "Pick up an object.", obj("object", {"type": "string", "maxLength": 40})),
-            Tool("say", "Say something out loud.", obj("text", {"type": "string", "maxLength": 120})))
+    return tools_from_json(TOOLS.read_text())
 
 
 INSTRUCTIONS = ["Go to the kitchen.", "Pick up the red cup.", "Tell me a joke.", "Drive to the garage and wait."]
