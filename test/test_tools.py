@@ -141,3 +141,21 @@ def test_greedy_calls_under_speculation_equal_target_only(engine):
         runs.setdefault("draft model", []).append(stats)
     for drafter, stats in runs.items():
         assert_speculated(*stats, what=drafter)
+
+
+def test_cli_prints_the_calls_in_json(engine, capsys, tmp_path):
+    """`spec-edge generate --tools FILE --tool-choice required --no-parallel-tool-calls --json`: one call, valid."""
+    import yaml
+
+    from spec_edge import cli
+
+    profile = tmp_path / "p.yaml"  # the engine fixture's settings (one slot, k 4: no cost measurement at load)
+    profile.write_text(yaml.safe_dump({"/**": {"ros__parameters": {"graphs": {"batch_slots": 1},
+                                                                   "speculative": {"k": 4}}}}))
+    argv = ["generate", "--prompt", "Pick up the red cup.", "--tools", str(TOOLS), "--tool-choice", "required",
+            "--no-parallel-tool-calls", "--json", "--engine-dir", str(REPO / "engines"), "--weights", "fp32",
+            "--config", str(profile), "--max-new-tokens", "60"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (call,) = out["tool_calls"]
+    assert out["finish_reason"] == "tool_calls" and valid(engine, ToolCall(**call))
