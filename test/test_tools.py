@@ -159,3 +159,31 @@ def test_cli_prints_the_calls_in_json(engine, capsys, tmp_path):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     (call,) = out["tool_calls"]
     assert out["finish_reason"] == "tool_calls" and valid(engine, ToolCall(**call))
+
+
+# a chat template that takes tools and knows <tool_call> (written here in the shape of Qwen2.5's / Hermes'; no such
+# model is available offline): the format renders through it instead of the generic listing
+NATIVE = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+          "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+          "{% for c in m.tool_calls or [] %}<tool_call>\n{{ {'name': c.function.name, 'arguments': "
+          "c.function.arguments} | tojson }}\n</tool_call>{% endfor %}{% if m.tool_call_id %} [{{ m.tool_call_id }}]"
+          "{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+def test_a_template_with_tools_renders_them_itself(engine, tmp_path):
+    import shutil
+
+    from spec_edge.runtime.tokenizer import Tokenizer
+    from spec_edge.runtime.tool_format import for_template
+
+    shutil.copy(engine.graph_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    meta = json.loads((engine.graph_dir / "tokenizer_config.json").read_text()) | {"chat_template": NATIVE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(meta))
+    tokenizer = Tokenizer(tmp_path)
+    fmt = for_template(tokenizer.chat_template)
+    assert fmt.native and not for_template(engine.tokenizer.chat_template).native
+    call = ToolCall("call_7", "pick", '{"object": "cup"}')
+    text = fmt.render(tokenizer, [ChatMessage("user", "Pick the cup."), ChatMessage("assistant", "", (call,)),
+                                  ChatMessage("tool", "done", tool_call_id="call_7")], robot_tools())
+    assert "<tools>move_to;pick;say;</tools>" in text and "done [call_7]" in text
+    assert '<tool_call>\n{"arguments": {"object": "cup"}, "name": "pick"}\n</tool_call>' in text
