@@ -19,6 +19,7 @@ from spec_edge.runtime.grammar import JSON_LAYOUT
 from spec_edge.runtime.requests import ChatMessage, RequestError, Tool, ToolCall, TOOL_CHOICES
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+NEWLINE = "\n"
 
 
 def new_call_id() -> str:
@@ -117,10 +118,10 @@ class HermesFormat:
             # arguments hold the schema's properties only, unless it says otherwise (OpenAI's strict mode does the same)
             schema = {"additionalProperties": False, **schemas[name], "x-guidance": JSON_LAYOUT}
             schema = json.dumps(schema).replace("::=", "\\u003a:=")  # not GBNF
-            rules.append(f'body_{i}: {lark_literal("{" + chr(34) + "name" + chr(34) + ": " + json.dumps(name))} '
-                         f'{lark_literal(", " + chr(34) + "arguments" + chr(34) + ": ")} args_{i} "}}"')
+            head = '{"name": ' + json.dumps(name) + ', "arguments": '
+            rules.append(f'body_{i}: {lark_literal(head)} args_{i} "}}"')
             rules.append(f"args_{i}: %json {schema}")
-        more = f' ({lark_literal(self.closer + chr(10) + self.opener)} body)*' if parallel else ""
+        more = f' ({lark_literal(self.closer + NEWLINE + self.opener)} body)*' if parallel else ""
         calls = f"body{more} {lark_literal(self.closer)}"
         start = (f"start: {lark_literal(self.opener)} {calls}" if choice != "auto" else
                  f"start: FREE | OPENED {calls}\nOPENED: FREE {lark_literal(self.opener)}\n{free}")
