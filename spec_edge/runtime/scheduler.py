@@ -45,6 +45,7 @@ class Outcome:
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprobs per token (when asked)
     finish_reason: str = REFUSED
     stats: dict[str, Any] = field(default_factory=dict)
+    tool_calls: list = field(default_factory=list)  # requests.ToolCall per call of the answer
     refusal: str = ""  # why a request never ran: "invalid" (the request), "busy" (full), "unavailable" (not serving)
 
     @classmethod
@@ -218,7 +219,8 @@ class Scheduler:
             return self._timeout_outcome(job, result)
         outcome = Outcome(success=True, message=result.message, text=result.text,
                           num_tokens=len(result.token_ids), token_ids=list(result.token_ids),
-                          logprobs=list(result.logprobs), finish_reason=result.finish_reason, stats=stats)
+                          logprobs=list(result.logprobs), finish_reason=result.finish_reason, stats=stats,
+                          tool_calls=list(result.tool_calls))
         if self._stopping and result.finish_reason == "cancelled":
             outcome.success = False
             outcome.message = "the node shut down during the generation; retry on its successor"
