@@ -41,6 +41,7 @@ from spec_edge.runtime import serving
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
+from spec_edge.runtime.tool_format import ContentStream
 
 
 def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
@@ -59,13 +60,21 @@ class InLoop:
     def __init__(self, engine: Engine, prepared: Prepared, sink: Sink, drafter: str, choice: k_choice.KChoice | None):
         self.engine, self.prepared, self.sink, self.drafter_name, self.choice = engine, prepared, sink, drafter, choice
         self.text = StreamDecoder(engine.tokenizer, tuple(prepared.request.stop))
+        fmt = prepared.tool_format  # with tools: the content streams without call markup
+        self.content = ContentStream(fmt.opener.strip()) if fmt is not None else None
+
+    def _send(self, delta: str) -> None:
+        if self.content is not None:
+            delta = self.content.push(delta)
+        if delta:
+            self.sink.on_text(delta, len(self.text.ids))
 
     def drafter(self, slot: int):
         return None if self.drafter_name == "none" else self.engine.drafter(self.drafter_name, slot)
 
     def emit(self, chunk: list[int]) -> bool:
         if delta := self.text.push(chunk):
-            self.sink.on_text(delta, len(self.text.ids))
+            self._send(delta)
         return self.text.stopped
 
     def cancel_reason(self) -> str | None:
@@ -76,9 +85,15 @@ class InLoop:
         if choice is not None and self.drafter_name != "none":
             self.engine._k_last[self.drafter_name] = choice  # the next request with this drafter starts from it
         if tail := self.text.finish():
-            self.sink.on_text(tail, len(self.text.ids))
+            self._send(tail)
+        text, calls = self.text.text, []
+        if self.content is not None:
+            if rest := self.content.finish():
+                self.sink.on_text(rest, len(self.text.ids))
+            text, calls = prepared.tool_format.split(text)
+            finish = "tool_calls" if calls and finish == "eos" else finish
         self.sink.done(GenerateResult(
-            text=self.text.text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats,
+            text=text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats, tool_calls=calls,
             prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,
             speculation_off_reason=speculation_policy.reason(stats, self.engine.loop.k_by_load, choice),
             message=incomplete_message(prepared.guide, finish, prepared.max_new_tokens)))

@@ -14,12 +14,13 @@ from typing import Any
 
 from spec_edge.config import BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
 from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
-from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import Tokenizer
+from spec_edge.runtime.tool_format import check_tools, for_template
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask per token
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 GUIDED = ("json_schema", "regex", "gbnf", "lark")  # guided decoding kinds (a grammar is GBNF when it has `::=` rules)
 OPTIONAL_SAMPLING = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos", "logprobs")
 
@@ -38,6 +39,7 @@ class Capabilities:
     guided: tuple[str, ...] = GUIDED
     sampling: tuple[str, ...] = OPTIONAL_SAMPLING  # the optional sampling features it honours
     forced_drafts: bool = True      # a grammar's forced tokens can be the draft
+    tools: bool = True              # tool calls (runtime/tool_format.py)
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Prepared:
     k: int                          # drafts per verify call asked (speculative_k of the config when unset)
     guide: Any = None               # the decoder's compiled grammar for this request (None: unguided)
     forced_drafts: bool = False     # the grammar's forced tokens are drafts (only with a guide, k and speculate)
+    tool_format: Any = None         # tool_format.HermesFormat that parses the output's calls (tools, choice not none)
 
 
 def check_text(name: str, text: str) -> None:
@@ -76,32 +79,40 @@ class Front:
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any]):
         self.cfg, self.tokenizer, self.caps, self.compile = cfg, tokenizer, caps, compile
+        self.tool_format = for_template(tokenizer.chat_template)
 
     def chat_text(self, request: GenerateRequest) -> str:
         """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
         (the request's, else serve.system_prompt, else the template's default) first, rendered through the
-        chat template (request.chat) or joined by newlines."""
+        chat template (request.chat) or joined by newlines; tools, tool calls and tool turns through the model's
+        tool format (runtime/tool_format.py)."""
         if request.messages:
-            # tool where the model's chat template handles tool turns (it names the role; SmolLM2's does not)
-            roles = CHAT_ROLES + (("tool",) if "tool" in self.tokenizer.chat_template else ())
-            for i, (role, content) in enumerate(request.messages):
-                if role not in roles:
-                    raise RequestError(f"messages[{i}] has role '{role}': use one of {', '.join(roles)} "
-                                       "(the roles this model's chat template knows)")
-                check_text(f"messages[{i}] ({role})", content)
-            messages = list(request.messages)
+            messages = [ChatMessage(*m) for m in request.messages]
+            for i, m in enumerate(messages):
+                if m.role not in CHAT_ROLES:
+                    raise RequestError(f"messages[{i}] has role '{m.role}': use one of {', '.join(CHAT_ROLES)}")
+                if m.tool_calls and m.role != "assistant" or m.tool_call_id and m.role != "tool":
+                    raise RequestError(f"messages[{i}] ({m.role}): tool_calls go on assistant turns, tool_call_id "
+                                       "on tool turns")
+                check_text(f"messages[{i}] ({m.role})", m.content)
         else:
             if not request.prompt.strip():
                 raise RequestError("prompt is empty: send the text to answer")
             check_text("prompt", request.prompt)
-            messages = [("user", request.prompt)]
+            messages = [ChatMessage("user", request.prompt)]
         system = request.system_prompt or self.cfg.serve.system_prompt
         check_text("system prompt", system)
-        if system and not any(role == "system" for role, _ in messages):
-            messages.insert(0, ("system", system))
-        if not any(content.strip() for _, content in messages):
+        if system and not any(m.role == "system" for m in messages):
+            messages.insert(0, ChatMessage("system", system))
+        if not any(m.content.strip() or m.tool_calls for m in messages):
             raise RequestError("all messages are empty: send the text to answer")
-        return self.tokenizer.render_chat(messages) if request.chat else "\n".join(c for _, c in messages)
+        if not request.chat:
+            if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
+                raise RequestError("tools and tool turns need the chat template: send chat true")
+            return "\n".join(m.content for m in messages)
+        if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            return self.tool_format.render(self.tokenizer, messages, request.tools)
+        return self.tokenizer.render_chat([(m.role, m.content) for m in messages])
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids of the request's prompt text (chat_text), refused when the prompt does not fit."""
@@ -146,12 +157,30 @@ class Front:
                                f"exceed the context of {caps.max_context} tokens: ask for at most "
                                f"{caps.max_context - len(ids)} new tokens, shorten the prompt, or export with a "
                                "larger graphs.max_context")
-        guide = self._guide(request)
+        guide, tool_format = self._tools(request) if request.tools else (self._guide(request), None)
         forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
         # forced drafts are speculation too: off with speculate=false
         forced = (guide is not None and forced and request.speculate and caps.forced_drafts and k in caps.k_values)
         return Prepared(request=request, text=text, prompt_ids=ids, sampling=params, max_new_tokens=max_new,
-                        seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced)
+                        seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced,
+                        tool_format=tool_format)
+
+    def _tools(self, request: GenerateRequest) -> tuple[Any, Any]:
+        """(the grammar state of the request's tool_choice, the format that parses its calls; None for none)."""
+        if not self.caps.tools:
+            raise RequestError(f"tools run on runtime.backend: onnxruntime only (this {self.caps.name} engine has no "
+                               "tool calls): send the request without tools, or to a node with runtime.backend: "
+                               "onnxruntime")
+        if request.json_schema or request.grammar or request.regex or request.ignore_eos:
+            raise RequestError("tools cannot be combined with json_schema / grammar / regex or ignore_eos (tool "
+                               "calls are their own grammar): drop one of them")
+        choice = request.tool_choice or "auto"
+        schemas = check_tools(request.tools, choice)
+        text = self.tool_format.grammar(schemas, choice, request.parallel_tool_calls)
+        try:
+            return self.compile("grammar", text), self.tool_format if choice != "none" else None
+        except GrammarError as err:
+            raise RequestError(f"tools: a parameters JSON Schema cannot be used: {err}") from None
 
     def _sampling(self, request: GenerateRequest) -> SamplingParams:
         caps, defaults = self.caps, self.cfg.sampling
@@ -209,6 +238,8 @@ class Front:
 
     def _guide(self, request: GenerateRequest) -> Any:
         """The decoder's grammar state for the request's json_schema / grammar / regex (None without)."""
+        if request.tool_choice not in ("auto", ""):
+            check_tools((), request.tool_choice)  # refused: a tool_choice without tools
         try:
             spec = grammar_spec(request.json_schema, request.grammar, request.regex)
             if spec is None:

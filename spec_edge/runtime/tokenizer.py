@@ -76,13 +76,14 @@ class Tokenizer:
             return bytes([int(piece[3:5], 16)])
         return piece.replace("\u2581", " ").encode("utf-8")  # an added token, a SentencePiece piece
 
-    def render_chat(self, messages: list[tuple[str, str]]) -> str:
-        """The prompt text for (role, content) messages, ending with the assistant's turn."""
+    def render_chat(self, messages: list[tuple[str, str]] | list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text for (role, content) messages (or the template's message dicts, tool calls in them),
+        ending with the assistant's turn; tools: the template's `tools` (runtime/tool_format.py)."""
+        turns = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
         if self._template is None:
-            return "\n".join(content for _, content in messages)
-        return self._template.render(
-            messages=[{"role": role, "content": content} for role, content in messages],
-            add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+            return "\n".join(turn["content"] for turn in turns)
+        return self._template.render(messages=turns, add_generation_prompt=True, bos_token=self.bos_token,
+                                     eos_token=self.eos_token, **({"tools": tools} if tools else {}))
 
 
 def _byte_level_table() -> dict[str, int]:
