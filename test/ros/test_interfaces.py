@@ -62,6 +62,7 @@ def test_tool_fields_round_trip():
     from spec_edge.ros2.client import fill_request
     from spec_edge.ros2.messages import to_engine_request
     from spec_edge.runtime.requests import ChatMessage, GenerateRequest, Tool, ToolCall
+    from spec_edge_interfaces.msg import Tool as ToolMsg
     from spec_edge_interfaces.srv import Generate
     default = to_engine_request(Generate.Request(prompt="hi"))
     assert (default.tools, default.tool_choice, default.parallel_tool_calls) == ((), "auto", True)
@@ -77,8 +78,7 @@ def test_tool_fields_round_trip():
     assert request.messages == (ChatMessage("system", "You drive."), *turns)
     assert request.tools == (move, Tool("stop", parameters=Tool.parameters))
     assert (request.tool_choice, request.parallel_tool_calls) == ("move_to", False)
-    no_arguments = Generate.Request(prompt="hi")
-    no_arguments.tools = [type(msg.tools[0])(name="stop")]  # parameters "" = no arguments: the request's default
+    no_arguments = Generate.Request(prompt="hi", tools=[ToolMsg(name="stop")])  # parameters "" = no arguments
     assert to_engine_request(no_arguments).tools == (Tool("stop"),)
     assert GenerateRequest().tool_choice == "auto"
 
