@@ -29,7 +29,8 @@ def run(base_url: str, instruction: str, *, api_key: str = "unused", model: str 
 
     llm = ChatOpenAI(base_url=base_url, api_key=api_key, temperature=0, max_tokens=max_tokens, max_retries=0,
                      **({"model": model} if model else {}))
-    acting = llm.bind_tools(openai_tools(), tool_choice=tool_choice)
+    # parallel_tool_calls false: one action per answer, the next chosen once its result is in
+    acting = llm.bind_tools(openai_tools(), tool_choice=tool_choice, parallel_tool_calls=False)
     answering = llm.bind_tools(openai_tools(), tool_choice="none")
     robot = Robot()
     functions = robot.functions()

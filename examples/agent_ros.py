@@ -25,8 +25,10 @@ def run(client: Any, instruction: str, *, tool_choice: str = "auto", max_turns: 
         max_new_tokens: int = 96) -> tuple[Robot, Any]:
     """(the robot after the run, the ToolRun) of one instruction, through client (a GenerateClient)."""
     robot = Robot()
+    # parallel_tool_calls false: one action per answer, the next chosen once its result is in
     done = client.run_tools([("system", SYSTEM_PROMPT), ("user", instruction)], TOOLS, robot.functions(),
-                            tool_choice=tool_choice, max_turns=max_turns, max_new_tokens=max_new_tokens)
+                            tool_choice=tool_choice, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                            parallel_tool_calls=False)
     return robot, done
 
 
