@@ -92,13 +92,17 @@ def cmd_export(args) -> int:
 def request_from_args(args):
     from spec_edge.runtime.grammar import text_or_file
     from spec_edge.runtime.requests import GenerateRequest, distribution_fields
+    from spec_edge.runtime.tool_format import tools_from_json
+
+    tools = tools_from_json(text_or_file(args.tools)) if args.tools else ()
 
     return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            stop=tuple(args.stop or ()), drafter=args.drafter, k=args.k, chat=not args.raw,
                            json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
                            regex=text_or_file(args.regex), forced_drafts=False if args.no_forced_drafts else None,
-                           **distribution_fields(args))
+                           tools=tools, tool_choice=args.tool_choice,
+                           parallel_tool_calls=not args.no_parallel_tool_calls, **distribution_fields(args))
 
 
 def add_guided_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +111,12 @@ def add_guided_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--json-schema", help="JSON Schema the output must be valid against")
     group.add_argument("--grammar", help="grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)")
     group.add_argument("--regex", help="regular expression the whole output must match")
+    group = p.add_argument_group("tool calls (docs/tools.md; the calls are --json's `tool_calls`)")
+    group.add_argument("--tools", metavar="FILE.json", help="the tools: a JSON list of OpenAI tools "
+                       '({"type": "function", "function": {"name", "description", "parameters"}}) or of '
+                       "{name, description, parameters} (the file or the text)")
+    group.add_argument("--tool-choice", default="auto", help="auto | none | required | a tool's name (default auto)")
+    group.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
 
 
 def cmd_generate(args) -> int:
@@ -125,6 +135,8 @@ def cmd_generate(args) -> int:
         return 0
     s = result.stats
     print()
+    for call in result.tool_calls:
+        print(f"[tool call {call.id}] {call.name}({call.arguments})")
     by = answered_by(args, cfg)
     progress(f"[stats] profile={by['profile']} weights={by['weights']} finish={result.finish_reason} "
              f"tokens={s.new_tokens} drafter={s.drafter} k={s.k} "

@@ -21,7 +21,7 @@ from spec_edge.config import ConfigError
 from spec_edge import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine
-from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.requests import GenerateRequest, RequestError, Tool
 from spec_edge.runtime.scheduler import Job, Scheduler
 from spec_edge.runtime.tokenizer import Tokenizer
 
@@ -146,6 +146,7 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", ignore_eos=True): "ignore_eos: .* runtime.backend: onnxruntime",
         GenerateRequest(prompt="a", logprobs=2): "logprobs: .* runtime.backend: onnxruntime",
         GenerateRequest(prompt="a", logit_bias=((10 ** 7, 1.0),)): "outside the vocabulary",
+        GenerateRequest(prompt="a", tools=(Tool("say"),)): "tools run on runtime.backend: onnxruntime",
     }
     for request, words in cases.items():
         for call in (engine.front.prepare, engine.generate):

@@ -260,3 +260,59 @@ def test_a_reachable_address_needs_a_key(served, capsys):
     assert "http.api_key" in capsys.readouterr().err
     assert cli.main(["http", "--port", str(served[0].port)]) == 2  # the module's door holds it
     assert "cannot bind" in capsys.readouterr().err
+
+
+def openai_tools() -> list[dict]:
+    """move_to(place: a room), pick(object), say(text) (bench/robot_tools.json)."""
+    return json.loads((REPO / "bench" / "robot_tools.json").read_text())
+
+
+def test_openai_tool_calls_sync_and_streamed(served, base):
+    """tool_choice required / a named tool: the openai client's parsed tool_calls validate; the streamed deltas
+    (the calls arrive whole in the last chunk) assemble to the same calls; a tool turn goes back in."""
+    c = client(base)
+    ask = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Go to the kitchen."}], tools=openai_tools(),
+               tool_choice="required", max_tokens=60, temperature=0)
+    answer = c.chat.completions.create(**ask)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls]
+    assert len(calls) >= 1 and all(name in ("move_to", "pick", "say") for name, _ in calls)
+    assert all(t.id.startswith("call_") and t.type == "function" for t in choice.message.tool_calls)
+    chunks = [ch for ch in c.chat.completions.create(**ask, stream=True) if ch.choices]
+    streamed = [(t.function.name, json.loads(t.function.arguments)) for ch in chunks for t in ch.choices[0].delta.tool_calls or ()]
+    assert streamed == calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == ""
+    named = c.chat.completions.create(**{**ask, "tool_choice": {"type": "function", "function": {"name": "move_to"}},
+                                         "parallel_tool_calls": False})
+    (call,) = named.choices[0].message.tool_calls
+    rooms = openai_tools()[0]["function"]["parameters"]["properties"]["place"]["enum"]
+    assert call.function.name == "move_to" and json.loads(call.function.arguments)["place"] in rooms
+    final = c.chat.completions.create(model="smollm2-135m", tools=openai_tools(), tool_choice="none", max_tokens=20,
+                                      messages=ask["messages"] + [named.choices[0].message.model_dump(exclude_none=True),
+                                                                  {"role": "tool", "tool_call_id": call.id,
+                                                                   "content": "arrived in the kitchen"}])
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+    with pytest.raises(Exception, match="neither auto"):
+        c.chat.completions.create(**{**ask, "tool_choice": {"type": "function", "function": {"name": "fly"}}})
+
+
+def test_langchain_bind_tools_agent_cycle(served, base, tmp_path, monkeypatch):
+    """LangChain's ChatOpenAI.bind_tools: a call -> the tool's result -> the final answer, offline."""
+    import tiktoken
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("tiktoken asked for an encoding (it downloads it): LangChain counted tokens")
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken, "get_encoding", no_download)
+    monkeypatch.setattr(tiktoken, "encoding_for_model", no_download)
+    llm = ChatOpenAI(base_url=base, api_key=KEY, model="smollm2-135m", max_tokens=60, temperature=0, max_retries=0)
+    history = [HumanMessage("Please go to the hall.")]
+    called = llm.bind_tools(openai_tools(), tool_choice="required").invoke(history)
+    assert called.tool_calls and all(call["name"] in ("move_to", "pick", "say") for call in called.tool_calls)
+    history += [called] + [ToolMessage(f"{call['name']} done", tool_call_id=call["id"]) for call in called.tool_calls]
+    final = llm.bind_tools(openai_tools(), tool_choice="none").invoke(history)
+    assert not final.tool_calls and isinstance(final.content, str) and final.content

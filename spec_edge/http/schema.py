@@ -10,11 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
 from spec_edge.runtime.scheduler import Outcome
 
 # our finish reasons -> OpenAI's ("error" and "cancelled" never reach a client as a finished choice)
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls"}
 
 
 class Strict(BaseModel):
@@ -26,10 +26,50 @@ class TextPart(Strict):
     text: str
 
 
+class Function(Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: Function
+
+
 class Message(Strict):
     role: str
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None   # None: an assistant turn that only called tools
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None                  # tool turns
+
+    def chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        return ChatMessage("system" if self.role == "developer" else self.role, content, tuple(
+            ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()),
+            self.tool_call_id or "")
+
+
+class FunctionSpec(Strict):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None       # accepted: every call is valid against parameters anyway
+
+
+class ToolSpec(Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchema(Strict):
@@ -99,14 +139,19 @@ class ChatBody(Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def request(self) -> GenerateRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
-        messages = []
-        for i, message in enumerate(self.messages):
-            content = message.content if isinstance(message.content, str) else "".join(p.text for p in message.content)
-            messages.append(("system" if message.role == "developer" else message.role, content))
+        messages = [message.chat_message() for message in self.messages]
+        tools = tuple(Tool(t.function.name, t.function.description, json.dumps(
+            t.function.parameters if t.function.parameters is not None else {"type": "object", "properties": {}}))
+            for t in self.tools or ())
+        choice = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else (
+            self.tool_choice or "auto")
         schema = ""
         if self.response_format is not None and self.response_format.type == "json_object":
             schema = json.dumps({"type": "object"})
@@ -115,8 +160,8 @@ class ChatBody(Common):
                 raise RequestError("response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}")
             schema = json.dumps(self.response_format.json_schema.schema_)
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return GenerateRequest(messages=tuple(messages), max_new_tokens=max_new, json_schema=schema,
-                               logprobs=max(self.top_logprobs or 0, 1) if self.logprobs else 0, **self.fields())
+        return GenerateRequest(messages=tuple(messages), max_new_tokens=max_new, json_schema=schema, tools=tools,
+                               tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls, logprobs=max(self.top_logprobs or 0, 1) if self.logprobs else 0, **self.fields())
 
 
 class CompletionBody(Common):
@@ -170,9 +215,13 @@ def choice(body: ChatBody | CompletionBody, outcome: Outcome | None, text: str, 
                            else completion_logprobs(outcome, body.logprobs or 0, piece))
     if not chat:
         return out | {"text": text}
-    if body.stream:
-        return out | {"delta": {"content": text} if text or outcome is not None else {"role": "assistant", "content": ""}}
-    return out | {"message": {"role": "assistant", "content": text}}
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+             for c in (outcome.tool_calls if outcome is not None else ())]
+    if body.stream:  # the calls arrive whole, in the last chunk
+        delta = {"content": text} if text or outcome is not None else {"role": "assistant", "content": ""}
+        return out | {"delta": delta | ({"tool_calls": [{"index": i} | c for i, c in enumerate(calls)]} if calls else {})}
+    return out | {"message": {"role": "assistant", "content": text if text or not calls else None}
+                  | ({"tool_calls": calls} if calls else {})}
 
 
 def envelope(body: ChatBody | CompletionBody, rid: str, created: int, model: str) -> dict[str, Any]:

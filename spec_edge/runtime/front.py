@@ -111,6 +111,7 @@ class Front:
                 raise RequestError("tools and tool turns need the chat template: send chat true")
             return "\n".join(m.content for m in messages)
         if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
+            check_tools(request.tools, request.tool_choice or "auto")
             return self.tool_format.render(self.tokenizer, messages, request.tools)
         return self.tokenizer.render_chat([(m.role, m.content) for m in messages])
 
@@ -150,6 +151,7 @@ class Front:
                                "onnxruntime only: send forced_drafts unset or false")
         for item in request.stop:
             check_text("stop string", item)
+        tools = self._tools(request) if request.tools else None  # (before the prompt: what this engine cannot do)
         text = self.chat_text(request)
         ids = self._encode(text)
         if request.max_new_tokens is not None and len(ids) + max_new > caps.max_context:  # as asked must fit
@@ -157,7 +159,7 @@ class Front:
                                f"exceed the context of {caps.max_context} tokens: ask for at most "
                                f"{caps.max_context - len(ids)} new tokens, shorten the prompt, or export with a "
                                "larger graphs.max_context")
-        guide, tool_format = self._tools(request) if request.tools else (self._guide(request), None)
+        guide, tool_format = tools or (self._guide(request), None)
         forced = self.cfg.speculative.forced_drafts if request.forced_drafts is None else request.forced_drafts
         # forced drafts are speculation too: off with speculate=false
         forced = (guide is not None and forced and request.speculate and caps.forced_drafts and k in caps.k_values)

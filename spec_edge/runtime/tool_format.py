@@ -43,12 +43,25 @@ def check_tools(tools: Sequence[Tool], choice: str) -> dict[str, dict]:
             raise RequestError(f"tools[{i}] ({tool.name}) parameters must be a JSON Schema of an object "
                                '({"type": "object", "properties": {...}})')
         schemas[tool.name] = schema
-    if choice not in TOOL_CHOICES and choice not in schemas:
+    if choice not in TOOL_CHOICES + tuple(schemas) or not tools and choice not in ("auto", "none"):
         known = ", ".join(TOOL_CHOICES + tuple(schemas))
         raise RequestError(f"tool_choice '{choice}' is neither {', '.join(TOOL_CHOICES)} nor a tool's name "
                            f"(use one of {known})" if tools else
                            f"tool_choice '{choice}' needs tools: send tools, or tool_choice auto")
     return schemas
+
+
+def tools_from_json(text: str) -> tuple[Tool, ...]:
+    """Tools from a JSON list of OpenAI tools ({"type": "function", "function": {...}}) or of the function objects
+    themselves ({"name", "description", "parameters"}); RequestError for anything else."""
+    try:
+        items = json.loads(text)
+        return tuple(Tool(f["name"], f.get("description", ""), json.dumps(f.get("parameters", {"type": "object"})))
+                     for f in (item.get("function", item) if item.get("type", "function") == "function" else None
+                               for item in items))
+    except (json.JSONDecodeError, AttributeError, KeyError, TypeError) as err:
+        raise RequestError(f"tools must be a JSON list of OpenAI tools ({{\"type\": \"function\", \"function\": "
+                           f"{{\"name\": ..., \"parameters\": {{...}}}}}}): {type(err).__name__}: {err}") from None
 
 
 def lark_literal(text: str) -> str:

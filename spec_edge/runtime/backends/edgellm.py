@@ -23,6 +23,8 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       the CPU path (StreamDecoder), so both answer the same.
   json_schema / regex -> GuidedDecodingParams(JSON_SCHEMA / REGEX); a GBNF grammar (`::=` rules) -> EBNF (XGrammar
       reads GBNF-style EBNF); the front refuses a Lark grammar, naming runtime.backend: onnxruntime.
+  tools -> refused by the front (Capabilities.tools False), naming runtime.backend: onnxruntime: the call grammar
+      embeds each tool's JSON Schema in Lark (runtime/tool_format.py), which XGrammar's EBNF does not take.
   streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
   cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
       (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer. A batched
@@ -219,7 +221,7 @@ class EdgeLLMEngine:
             k_remedy=f"the Edge-LLM runtime drafts a chain of k={k} (speculative.k, fixed at load): send k=0 or k={k}",
             max_context=self.max_context, max_input=min(dirs.max_input_len, self.max_context - 1),
             vocab_size=self.vocab_size, eos_ids=(), guided=("json_schema", "regex", "gbnf"), sampling=(),
-            forced_drafts=False), lambda kind, text: guide(rt, kind, text))
+            forced_drafts=False, tools=False), lambda kind, text: guide(rt, kind, text))
         self._check_tokenizer()
 
     @classmethod

@@ -1,0 +1,117 @@
+"""Tool calls on the 20 robot instructions (bench/robot_instructions.txt) with the robot tools (bench/robot_tools.json:
+move_to(place: a room), pick(object), say(text)) and tool_choice required, through the HTTP door (the official
+`openai` client's parsed tool_calls, and the streamed deltas assembled) and the CLI (`spec-edge generate --tools
+--tool-choice required --json`, one process per instruction), and in process with grammar-forced drafts on and off.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/tool_calls.py [--config config/default.yaml] [--engine-dir engines] [--cli]
+        [--out bench/results/tool_calls.json]
+
+Per path: calls that parse (JSON arguments, a known tool) and validate (the tool's schema, llguidance's matcher),
+out of 20. In process (same engine, greedy, alone): median latency per answer, tok/s, and the share of each call's
+tokens the grammar forced (stats.forced / tokens), forced drafts on vs off. Whether the tool suits the instruction
+is the 135M model's quality, not the contract (docs/tools.md); the picks are listed in the JSON output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+TOOLS = ROOT / "bench" / "robot_tools.json"
+INSTRUCTIONS = ROOT / "bench" / "robot_instructions.txt"
+MAX_NEW = 96
+
+
+def validator(engine, tools):
+    schemas = {t.name: t.parameters for t in tools}
+
+    def valid(name: str, arguments: str) -> bool:
+        if name not in schemas:
+            return False
+        json.loads(arguments)
+        constraint, ids = engine.grammars.constraint("json_schema", schemas[name]), engine.tokenizer.encode(arguments)
+        if constraint.admitted(ids) != len(ids):
+            return False
+        constraint.consume(ids)
+        return constraint.complete
+    return valid
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="profile YAML (default: the default profile)")
+    parser.add_argument("--engine-dir", default="engines", help="runtime.engine_dir (default: engines)")
+    parser.add_argument("--cli", action="store_true", help="also through `spec-edge generate` (a process each)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from spec_edge import artifacts, config as cfgmod
+    from spec_edge.http.door import Door
+    from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import Scheduler
+    from spec_edge.runtime.tool_format import tools_from_json
+    import openai
+
+    cfg = cfgmod.load(args.config) if args.config else cfgmod.Config()
+    cfg = cfg.replace(**{"http.port": 0, "http.api_key": "bench", "runtime.engine_dir": args.engine_dir})
+    tools, instructions = tools_from_json(TOOLS.read_text()), INSTRUCTIONS.read_text().splitlines()
+    engine = artifacts.engine(cfg, progress=lambda m: None)
+    valid = validator(engine, tools)
+    report: dict = {"instructions": len(instructions), "profile": cfg.runtime.profile, "weights": cfg.graphs.weights,
+                    "drafter": cfg.speculative.drafter, "k": cfg.speculative.k}
+    for forced in (True, False):  # in process, alone
+        rows = []
+        for text in instructions:
+            r = engine.generate(GenerateRequest(messages=(("user", text),), tools=tools, tool_choice="required",
+                                                max_new_tokens=MAX_NEW, forced_drafts=forced))
+            rows.append({"ok": bool(r.tool_calls) and all(valid(c.name, c.arguments) for c in r.tool_calls),
+                         "s": r.stats.total_time_s, "tok_s": r.stats.tokens_per_s, "tokens": len(r.token_ids),
+                         "forced": r.stats.forced, "calls": [(c.name, c.arguments) for c in r.tool_calls]})
+        report[f"in process, forced drafts {'on' if forced else 'off'}"] = {
+            "valid": sum(r["ok"] for r in rows), "latency_ms": 1000 * statistics.median(r["s"] for r in rows),
+            "tok_s": statistics.median(r["tok_s"] for r in rows),
+            "forced_share": sum(r["forced"] for r in rows) / sum(r["tokens"] for r in rows),
+            "calls": [r["calls"] for r in rows]}
+    door = Door(cfg, logging.getLogger("bench")).start()
+    scheduler = Scheduler(engine, cfg, logging.getLogger("bench"))
+    door.serve(scheduler, engine)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key="bench", max_retries=0)
+    openai_tools = json.loads(TOOLS.read_text())
+    ok = same = 0
+    for text in instructions:
+        ask = dict(model=door.model, messages=[{"role": "user", "content": text}], tools=openai_tools,
+                   tool_choice="required", max_tokens=MAX_NEW, temperature=0)
+        calls = [(t.function.name, t.function.arguments)
+                 for t in client.chat.completions.create(**ask).choices[0].message.tool_calls or ()]
+        streamed = [(t.function.name, t.function.arguments) for ch in client.chat.completions.create(**ask, stream=True)
+                    if ch.choices for t in ch.choices[0].delta.tool_calls or ()]
+        ok += bool(calls) and all(valid(*c) for c in calls)
+        same += streamed == calls
+    report["HTTP door"] = {"valid": ok, "streamed_equal": same}
+    scheduler.stop(1.0)
+    door.stop()
+    if args.cli:
+        ok = 0
+        for text in instructions:
+            argv = [sys.executable, "-m", "spec_edge.cli", "generate", "--prompt", text, "--tools", str(TOOLS),
+                    "--tool-choice", "required", "--max-new-tokens", str(MAX_NEW), "--json", "--engine-dir", args.engine_dir]
+            argv += ["--config", args.config] if args.config else []
+            out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+            calls = json.loads(out.strip().splitlines()[-1]).get("tool_calls", [])
+            ok += bool(calls) and all(valid(c["name"], c["arguments"]) for c in calls)
+        report["CLI"] = {"valid": ok}
+    print(json.dumps({k: v for k, v in report.items()}, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Tool calls on the embedded default (SmolLM2-135M, whose template has no tools: the generic format): required /
+a named tool always give calls that parse and validate against the tool's schema; auto text stays text; none
+never calls; the content streams without call markup; greedy answers under speculation (ngram, a draft model,
+EAGLE-3; grammar-forced drafts on and off) are the target-only answer token for token; refusals name the fix.
+Whether the 135M model picks the right tool is its quality, not the contract (docs/tools.md)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spec_edge import config as cfgmod
+from spec_edge.runtime import speculative
+from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
+from spec_edge.runtime.tool_format import ContentStream, HermesFormat, tools_from_json
+from speculated import assert_speculated
+
+REPO = Path(__file__).resolve().parents[1]
+TOOLS = REPO / "bench" / "robot_tools.json"  # move_to(place: a room), pick(object), say(text): the issue's
+
+
+def robot_tools() -> tuple[Tool, ...]:
+    return tools_from_json(TOOLS.read_text())
+
+
+INSTRUCTIONS = ["Go to the kitchen.", "Pick up the red cup.", "Tell me a joke.", "Drive to the garage and wait."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from spec_edge import artifacts
+
+    cfg = cfgmod.from_params({"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
+                              "graphs.batch_slots": 1, "speculative.k": 4,
+                              "speculative.eagle3_head": str(REPO / "heads" / "smollm2-135m-eagle3")})
+    return artifacts.engine(cfg, progress=lambda m: None)
+
+
+def valid(engine, call: ToolCall, tools=robot_tools()) -> bool:
+    """The call names a tool and its arguments match that tool's schema (llguidance's own matcher, strict)."""
+    tool = next((t for t in tools if t.name == call.name), None)
+    if tool is None:
+        return False
+    constraint = engine.grammars.constraint("json_schema", tool.parameters)
+    ids = engine.tokenizer.encode(call.arguments)
+    return constraint.admitted(ids) == len(ids) and (constraint.consume(ids) or constraint.complete)
+
+
+def ask(engine, text, **fields):
+    fields = {"tools": robot_tools(), "max_new_tokens": 60, "drafter": "none", **fields}
+    return engine.generate(GenerateRequest(messages=(("user", text),), **fields))
+
+
+def test_required_and_named_calls_parse_and_validate(engine):
+    ids = set()
+    for text in INSTRUCTIONS:
+        result = ask(engine, text, tool_choice="required", parallel_tool_calls=False)
+        assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1 and result.text == ""
+        assert all(valid(engine, call) for call in result.tool_calls), result.tool_calls
+        ids |= {call.id for call in result.tool_calls}
+        assert result.stats.forced > 0  # the call syntax and the tool's keys came from the grammar
+    assert len(ids) == len(INSTRUCTIONS) and all(i.startswith("call_") for i in ids)
+    named = ask(engine, "Go to the kitchen.", tool_choice="say", max_new_tokens=120)  # maxLength 120
+    assert [c.name for c in named.tool_calls] == ["say"] and valid(engine, named.tool_calls[0])
+
+
+def test_auto_text_stays_text_and_none_never_calls(engine):
+    streamed = []
+    for choice in ("auto", "none"):
+        result = engine.generate(GenerateRequest(messages=(("user", "What colour is the sky?"),), tools=robot_tools(),
+                                                 tool_choice=choice, max_new_tokens=40),
+                                 on_text=lambda delta, n: streamed.append(delta))
+        assert not result.tool_calls and "<tool_call>" not in result.text and result.finish_reason != "tool_calls"
+        assert "".join(streamed) == result.text
+        streamed.clear()
+
+
+def test_tool_turns_render_and_the_content_streams_without_markup(engine):
+    call = ToolCall("call_1", "move_to", '{"place": "kitchen"}')
+    messages = (ChatMessage("user", "Go to the kitchen, then say hi."), ChatMessage("assistant", "", (call,)),
+                ChatMessage("tool", "arrived", tool_call_id="call_1"))
+    text = engine.front.chat_text(GenerateRequest(messages=messages, tools=robot_tools()))
+    assert '<tool_call>\n{"name": "move_to", "arguments": {"place": "kitchen"}}\n</tool_call>' in text
+    assert "<tool_response>\narrived\n</tool_response>" in text and '"name": "pick"' in text
+    stream, out = ContentStream("<tool_call>"), []
+    for piece in ["Sure", ", going ", "now.\n<tool", "_call>\n{", '"name"']:
+        out.append(stream.push(piece))
+    assert "".join(out) == "Sure, going now." and stream.finish() == ""
+    held = ContentStream("<tool_call>")
+    assert held.push("a <tool") == "a" and held.finish() == " <tool"
+    fmt = HermesFormat(native=False)
+    content, calls = fmt.split('Hi.\n<tool_call>\n{"name": "say", "arguments": {"text": "x"}}\n</tool_call>\n'
+                               '<tool_call>\n{"name": "pick", "arguments": {"object": "cu')
+    assert content == "Hi." and [(c.name, c.arguments) for c in calls] == [("say", '{"text": "x"}')]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"tools": (Tool("a"), Tool("a"))}, "given twice"),
+    ({"tools": (Tool("a b"),)}, "must be 1-64"),
+    ({"tools": (Tool("a", parameters="{nope"),)}, "not valid JSON"),
+    ({"tools": (Tool("a", parameters='{"type": "object", "properties": {"x": {"type": "nosuch"}}}'),)},
+     "cannot be used"),
+    ({"tools": (Tool("a"),), "tool_choice": "b"}, "neither auto"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": (Tool("a"),), "regex": "x"}, "cannot be combined"),
+    ({"tools": (Tool("a"),), "ignore_eos": True}, "cannot be combined"),
+    ({"tools": (Tool("a"),), "chat": False}, "chat template"),
+])
+def test_refusals(engine, fields, message):
+    with pytest.raises(RequestError, match=message):
+        engine.front.prepare(GenerateRequest(prompt="Go.", **fields))
+
+
+def test_greedy_calls_under_speculation_equal_target_only(engine):
+    """ngram, EAGLE-3 (the embedded default's head) and a draft model (the target as its own draft model, a
+    ModelDrafter like the draft drafter), each with and without grammar-forced drafts."""
+    from spec_edge.runtime.backends.ort_runner import b1_runner
+    from spec_edge.runtime.drafters.draft_model import ModelDrafter
+    from tiny import run_alone
+
+    self_runner = b1_runner(engine.graph_dir)
+    runs = {}
+    for text, choice in (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto")):
+        request = GenerateRequest(messages=(("user", text),), tools=robot_tools(), tool_choice=choice,
+                                  max_new_tokens=48)
+        plain = engine.generate(GenerateRequest(**{**request.__dict__, "speculate": False}))
+        assert plain.stats.verify_calls == 0
+        for drafter in ("ngram", "eagle3"):
+            for forced in (False, True):
+                got = engine.generate(GenerateRequest(**{**request.__dict__, "drafter": drafter, "k": 4,
+                                                         "forced_drafts": forced}))
+                assert (got.token_ids, got.tool_calls and [(c.name, c.arguments) for c in got.tool_calls]) == \
+                    (plain.token_ids, plain.tool_calls and [(c.name, c.arguments) for c in plain.tool_calls])
+                runs.setdefault(drafter, []).append(got.stats)
+        prepared = engine.front.prepare(request)
+        ids, _, stats = run_alone(engine.runner, speculative.SlotRequest(
+            prompt_ids=prepared.prompt_ids, max_new_tokens=48, eos_ids=engine.eos_ids, k=4,
+            drafter=ModelDrafter(self_runner, name="self"), constraint=prepared.guide))
+        assert ids == plain.token_ids
+        runs.setdefault("draft model", []).append(stats)
+    for drafter, stats in runs.items():
+        assert_speculated(*stats, what=drafter)
