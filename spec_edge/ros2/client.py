@@ -317,12 +317,17 @@ def ask_main(argv: list[str] | None = None) -> int:
                        ("--grammar", "grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)"),
                        ("--regex", "regular expression the whole output must match")):
         parser.add_argument(flag, help=f"guided decoding (at most one): {what}; the text or a file path")
+    group = parser.add_argument_group("tool calls (docs/tools.md; the calls are --json's `tool_calls`)")
+    group.add_argument("--tools", metavar="FILE.json", help="the tools: a JSON list of OpenAI tools (the file or the text)")
+    group.add_argument("--tool-choice", default="", help="auto | none | required | a tool's name (default auto)")
+    group.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
     args = parser.parse_args(argv)
     if args.logprobs and not args.json:
         parser.error("--logprobs is reported in --json's `logprobs` key: add --json")
 
     from spec_edge.runtime.grammar import text_or_file
-    from spec_edge.runtime.requests import distribution_fields
+    from spec_edge.runtime.requests import RequestError, distribution_fields
+    from spec_edge.runtime.tool_format import tools_from_json
 
     import rclpy
 
@@ -335,7 +340,12 @@ def ask_main(argv: list[str] | None = None) -> int:
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k,
                   json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
-                  regex=text_or_file(args.regex), **distribution_fields(args))
+                  regex=text_or_file(args.regex), tool_choice=args.tool_choice,
+                  parallel_tool_calls=not args.no_parallel_tool_calls, **distribution_fields(args))
+    try:
+        fields["tools"] = tools_from_json(text_or_file(args.tools)) if args.tools else ()
+    except RequestError as err:
+        parser.error(str(err))
     rclpy.init(args=[])
     try:
         with GenerateClient(namespace=args.namespace, wait_timeout=args.wait, timeout=args.timeout) as client:
@@ -359,6 +369,8 @@ def ask_main(argv: list[str] | None = None) -> int:
     elif response.success:
         if not args.stream:
             print(response.text)
+        for call in response.tool_calls:
+            print(f"[tool call {call.id}: {call.name}({call.arguments})]")
         s = response.stats
         print(f"[{response.finish_reason}, {response.num_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
               f"drafter {s.drafter or 'none'} k={s.k}, acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)

@@ -100,6 +100,16 @@ def test_agent_loop_over_the_service(server, module_env):
     assert "<tool_call>" not in out["answer"]
 
 
+def test_ask_with_tools(server, module_env):
+    """`spec-edge ask --tools FILE --tool-choice required --json`: the calls are the JSON's tool_calls."""
+    proc = subprocess.run([sys.executable, "-m", "spec_edge.cli", "ask", "--prompt", INSTRUCTIONS[0], "--tools",
+                           str(REPO / "bench" / "robot_tools.json"), "--tool-choice", "required",
+                           "--no-parallel-tool-calls", "--max-new-tokens", "96", "--json"],
+                          env=module_env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(assert_valid_calls(json.loads(proc.stdout))) == 1
+
+
 def refusal_cases() -> list:
     say = TOOL_FIELDS[2]
     return [
