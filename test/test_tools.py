@@ -123,7 +123,7 @@ def test_greedy_calls_under_speculation_equal_target_only(engine):
     runs = {}
     for text, choice in (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto")):
         request = GenerateRequest(messages=(("user", text),), tools=robot_tools(), tool_choice=choice,
-                                  max_new_tokens=48)
+                                  max_new_tokens=32)
         plain = engine.generate(GenerateRequest(**{**request.__dict__, "speculate": False}))
         assert plain.stats.verify_calls == 0
         for drafter in ("ngram", "eagle3"):
@@ -135,7 +135,7 @@ def test_greedy_calls_under_speculation_equal_target_only(engine):
                 runs.setdefault(drafter, []).append(got.stats)
         prepared = engine.front.prepare(request)
         ids, _, stats = run_alone(engine.runner, speculative.SlotRequest(
-            prompt_ids=prepared.prompt_ids, max_new_tokens=48, eos_ids=engine.eos_ids, k=4,
+            prompt_ids=prepared.prompt_ids, max_new_tokens=32, eos_ids=engine.eos_ids, k=4,
             drafter=ModelDrafter(self_runner, name="self"), constraint=prepared.guide))
         assert ids == plain.token_ids
         runs.setdefault("draft model", []).append(stats)

@@ -114,7 +114,9 @@ class HermesFormat:
         names = [choice] if choice in schemas else list(schemas)
         rules = [f"body: {' | '.join(f'body_{i}' for i in range(len(names)))}"]
         for i, name in enumerate(names):
-            schema = json.dumps({**schemas[name], "x-guidance": JSON_LAYOUT}).replace("::=", "\\u003a:=")  # not GBNF
+            # arguments hold the schema's properties only, unless it says otherwise (OpenAI's strict mode does the same)
+            schema = {"additionalProperties": False, **schemas[name], "x-guidance": JSON_LAYOUT}
+            schema = json.dumps(schema).replace("::=", "\\u003a:=")  # not GBNF
             rules.append(f'body_{i}: {lark_literal("{" + chr(34) + "name" + chr(34) + ": " + json.dumps(name))} '
                          f'{lark_literal(", " + chr(34) + "arguments" + chr(34) + ": ")} args_{i} "}}"')
             rules.append(f"args_{i}: %json {schema}")
