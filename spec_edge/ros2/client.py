@@ -213,6 +213,7 @@ class GenerateClient:
         the run ends in a text answer after at most max_turns calls (with tool_choice "required" it runs all of
         them). fields: the other Generate fields, the same for every call. A call the node refuses or fails raises
         RuntimeError with its message; a function's exception propagates."""
+        from spec_edge.ros2.messages import tool_calls
         from spec_edge.runtime.requests import ChatMessage, ToolCall
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -226,8 +227,8 @@ class GenerateClient:
                                tool_choice=tool_choice if turn < max_turns else "none", **fields)
             if not answer.success:
                 raise RuntimeError(f"the node refused call {turn} of the tool loop: {answer.message}")
-            calls = [ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in answer.tool_calls]
-            turns.append(ChatMessage("assistant", answer.text, tuple(calls)))
+            calls = tool_calls(answer.tool_calls)
+            turns.append(ChatMessage("assistant", answer.text, calls))
             if not calls:
                 return ToolRun(answer, tuple(turns), tuple(ran))
             for call in calls:

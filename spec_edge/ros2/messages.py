@@ -62,9 +62,14 @@ def to_engine_request(msg: Any):
 
 def chat_message(msg: Any):
     """A ChatMessage message -> requests.ChatMessage (its tool calls and the tool turn's call id included)."""
-    from spec_edge.runtime.requests import ChatMessage, ToolCall
-    return ChatMessage(msg.role, msg.content, tuple(ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                                                    for c in msg.tool_calls), msg.tool_call_id)
+    from spec_edge.runtime.requests import ChatMessage
+    return ChatMessage(msg.role, msg.content, tool_calls(msg.tool_calls), msg.tool_call_id)
+
+
+def tool_calls(msgs: Any) -> tuple:
+    """ToolCall messages (a response's, or a chat turn's) -> requests.ToolCall objects."""
+    from spec_edge.runtime.requests import ToolCall
+    return tuple(ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in msgs)
 
 
 def tool_call_messages(calls: Any) -> list:
