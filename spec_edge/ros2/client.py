@@ -3,6 +3,7 @@
     import rclpy
 
     from spec_edge.ros2.client import GenerateClient
+    from spec_edge.runtime.requests import Tool
 
     rclpy.init()
     with GenerateClient() as client:
@@ -13,6 +14,13 @@
             print(feedback.delta, end="", flush=True)
         result, status = client.stream(show, prompt="Hello", max_new_tokens=32)
         print(f"\\n{status}: {result.finish_reason}")
+
+        # tools: the agent loop (call, run the tool, call again until a text answer; examples/agent_ros.py)
+        say = Tool("say", "Say a sentence aloud.",
+                   '{"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}')
+        run = client.run_tools([("user", "Greet the visitor.")], [say], {"say": lambda text: "said"},
+                               tool_choice="required", max_turns=2, max_new_tokens=64)
+        print(run.calls, run.answer.text)
     rclpy.shutdown()
 
 No call can hang: each first waits until the node has answered this client once (GenerateClient.wait: the
@@ -27,6 +35,8 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Callable
 
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "min_p", "repetition_penalty",
@@ -35,10 +45,12 @@ GUIDED_FIELDS = ("json_schema", "grammar", "regex")  # msg/Guided.msg, the reque
 FEEDBACK_DRAIN_S = 1.0  # after an action's result: how long feedback still on its way is waited for
 
 
-def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fields: Any) -> Any:
-    """Set a Generate request / goal from plain values (logit_bias: (token id, bias) pairs); None leaves a
-    field at the node default."""
-    from spec_edge_interfaces.msg import ChatMessage, LogitBias
+def fill_request(msg: Any, *, messages: Sequence[Any] = (), tools: Sequence[Any] = (), **fields: Any) -> Any:
+    """Set a Generate request / goal from plain values (messages: requests.ChatMessage or (role, content) pairs;
+    tools: requests.Tool; logit_bias: (token id, bias) pairs); None leaves a field at the node default."""
+    from spec_edge.ros2.messages import tool_call_messages
+    from spec_edge.runtime.requests import ChatMessage as Turn
+    from spec_edge_interfaces.msg import ChatMessage, LogitBias, Tool
     for name, value in fields.items():
         if name in GUIDED_FIELDS:
             setattr(msg.guided, name, value or "")
@@ -55,8 +67,20 @@ def fill_request(msg: Any, *, messages: list[tuple[str, str]] | tuple = (), **fi
         elif name == "stop":
             value = list(value)
         setattr(msg, name, value)
-    msg.messages = [ChatMessage(role=role, content=content) for role, content in messages]
+    turns = [Turn(*m) for m in messages]  # a pair is a turn without tool calls
+    msg.messages = [ChatMessage(role=t.role, content=t.content, tool_calls=tool_call_messages(t.tool_calls),
+                                tool_call_id=t.tool_call_id) for t in turns]
+    msg.tools = [Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools]
     return msg
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    """What GenerateClient.run_tools did: the final answer, the conversation that led to it, the calls it ran."""
+    answer: Any                      # the last Generate response (its text is the answer; no tool_calls)
+    messages: tuple[Any, ...]        # requests.ChatMessage: the given turns, then each assistant turn and tool result,
+                                     # then the answer's assistant turn
+    calls: tuple[tuple[Any, str], ...]  # (requests.ToolCall, the result its function gave), in the order run
 
 
 class GenerateClient:
@@ -180,6 +204,39 @@ class GenerateClient:
             self.service.remove_pending_request(future)
             raise
 
+    def run_tools(self, messages: Sequence[Any], tools: Sequence[Any], functions: Mapping[str, Callable[..., Any]],
+                  *, tool_choice: str = "auto", max_turns: int = 4, **fields: Any) -> ToolRun:
+        """The agent loop over the service: call with messages and tools; while the answer calls tools, run each
+        call's function (functions[call.name](**arguments), its return value the tool turn's content:
+        tool_result_text), append the assistant turn with its calls and one tool turn per result (the call's id),
+        and call again. Every call but the last asks with tool_choice; call number max_turns asks with "none", so
+        the run ends in a text answer after at most max_turns calls (with tool_choice "required" it runs all of
+        them). fields: the other Generate fields, the same for every call. A call the node refuses or fails raises
+        RuntimeError with its message; a function's exception propagates."""
+        from spec_edge.ros2.messages import tool_calls
+        from spec_edge.runtime.requests import ChatMessage, ToolCall
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        names = {t.name for t in tools}
+        if missing := sorted(names - set(functions)):
+            raise ValueError(f"no function for the tools {missing}: functions maps each tool's name to its function")
+        turns = [ChatMessage(*m) for m in messages]
+        ran: list[tuple[ToolCall, str]] = []
+        for turn in range(1, max_turns + 1):
+            answer = self.call(messages=turns, tools=tools,
+                               tool_choice=tool_choice if turn < max_turns else "none", **fields)
+            if not answer.success:
+                raise RuntimeError(f"the node refused call {turn} of the tool loop: {answer.message}")
+            calls = tool_calls(answer.tool_calls)
+            turns.append(ChatMessage("assistant", answer.text, calls))
+            if not calls:
+                return ToolRun(answer, tuple(turns), tuple(ran))
+            for call in calls:
+                result = tool_result_text(functions[call.name](**json.loads(call.arguments)))
+                ran.append((call, result))
+                turns.append(ChatMessage("tool", result, tool_call_id=call.id))
+        raise RuntimeError(f"call {max_turns} asked with tool_choice none and still got tool calls: a node bug")
+
     def stream(self, on_feedback: Callable[[Any], bool | None] | None = None,
                timeout: float | None = None, **fields: Any) -> tuple[Any, str]:
         """Run the action; on_feedback(feedback) may return True to cancel the goal. The goal's acceptance and
@@ -231,6 +288,11 @@ class GenerateClient:
         return wrapped.result, names.get(wrapped.status, str(wrapped.status)).removeprefix("STATUS_")
 
 
+def tool_result_text(value: Any) -> str:
+    """A tool function's return value as a tool turn's content: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
 def ask_main(argv: list[str] | None = None) -> int:
     """`spec-edge ask --prompt P [--json]`: one call of /generate, printed."""
     from spec_edge.runtime.requests import add_distribution_arguments
@@ -256,12 +318,17 @@ def ask_main(argv: list[str] | None = None) -> int:
                        ("--grammar", "grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)"),
                        ("--regex", "regular expression the whole output must match")):
         parser.add_argument(flag, help=f"guided decoding (at most one): {what}; the text or a file path")
+    group = parser.add_argument_group("tool calls (docs/tools.md; the calls are --json's `tool_calls`)")
+    group.add_argument("--tools", metavar="FILE.json", help="the tools: a JSON list of OpenAI tools (the file or the text)")
+    group.add_argument("--tool-choice", default="", help="auto | none | required | a tool's name (default auto)")
+    group.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
     args = parser.parse_args(argv)
     if args.logprobs and not args.json:
         parser.error("--logprobs is reported in --json's `logprobs` key: add --json")
 
     from spec_edge.runtime.grammar import text_or_file
-    from spec_edge.runtime.requests import distribution_fields
+    from spec_edge.runtime.requests import RequestError, distribution_fields
+    from spec_edge.runtime.tool_format import tools_from_json
 
     import rclpy
 
@@ -274,7 +341,12 @@ def ask_main(argv: list[str] | None = None) -> int:
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k,
                   json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
-                  regex=text_or_file(args.regex), **distribution_fields(args))
+                  regex=text_or_file(args.regex), tool_choice=args.tool_choice,
+                  parallel_tool_calls=not args.no_parallel_tool_calls, **distribution_fields(args))
+    try:
+        fields["tools"] = tools_from_json(text_or_file(args.tools)) if args.tools else ()
+    except RequestError as err:
+        parser.error(str(err))
     rclpy.init(args=[])
     try:
         with GenerateClient(namespace=args.namespace, wait_timeout=args.wait, timeout=args.timeout) as client:
@@ -298,6 +370,8 @@ def ask_main(argv: list[str] | None = None) -> int:
     elif response.success:
         if not args.stream:
             print(response.text)
+        for call in response.tool_calls:
+            print(f"[tool call {call.id}: {call.name}({call.arguments})]")
         s = response.stats
         print(f"[{response.finish_reason}, {response.num_tokens} tokens, {s.tokens_per_s:.1f} tok/s, "
               f"drafter {s.drafter or 'none'} k={s.k}, acceptance {s.acceptance_rate:.2f}]", file=sys.stderr)

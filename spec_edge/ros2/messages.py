@@ -1,6 +1,7 @@
 """Translation between the Generate / Tokenize messages and the engine: a service request or action
 goal -> GenerateRequest, an engine result -> Outcome -> response / action result,
-a Tokenize request -> ids or text, a response -> plain dict (`spec-edge ask --json`).
+a Tokenize request -> ids or text, a response -> plain dict (`spec-edge ask --json`). Tools, tool calls and chat
+turns map one-to-one onto runtime/requests.py's Tool, ToolCall and ChatMessage.
 
 No rclpy here: the functions take the message objects they are handed.
 """
@@ -24,14 +25,14 @@ def to_engine_request(msg: Any):
     rclpy decodes a string field with errors="replace": bytes that are not UTF-8 arrive as U+FFFD, which the
     node cannot tell from a U+FFFD the client meant, so both are text here. A NUL ends a ROS string: what
     follows it never reaches the node."""
-    from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest, Tool
     def number(values: Any) -> float | None:
         value = _optional(values)
         return None if value is None else float(value)
 
     return GenerateRequest(
         prompt=msg.prompt,
-        messages=tuple((m.role, m.content) for m in msg.messages),
+        messages=tuple(chat_message(m) for m in msg.messages),
         system_prompt=msg.system_prompt,
         max_new_tokens=_optional(msg.max_new_tokens),
         temperature=number(msg.temperature),
@@ -52,7 +53,29 @@ def to_engine_request(msg: Any):
         json_schema=msg.guided.json_schema,
         grammar=msg.guided.grammar,
         regex=msg.guided.regex,
+        tools=tuple(Tool(name=t.name, description=t.description, parameters=t.parameters or Tool.parameters)
+                    for t in msg.tools),
+        tool_choice=msg.tool_choice or GenerateRequest.tool_choice,  # "" = the request's default (auto)
+        parallel_tool_calls=bool(msg.parallel_tool_calls),
     )
+
+
+def chat_message(msg: Any):
+    """A ChatMessage message -> requests.ChatMessage (its tool calls and the tool turn's call id included)."""
+    from spec_edge.runtime.requests import ChatMessage
+    return ChatMessage(msg.role, msg.content, tool_calls(msg.tool_calls), msg.tool_call_id)
+
+
+def tool_calls(msgs: Any) -> tuple:
+    """ToolCall messages (a response's, or a chat turn's) -> requests.ToolCall objects."""
+    from spec_edge.runtime.requests import ToolCall
+    return tuple(ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in msgs)
+
+
+def tool_call_messages(calls: Any) -> list:
+    """requests.ToolCall objects -> ToolCall messages (a result's, or an assistant turn's going back)."""
+    from spec_edge_interfaces.msg import ToolCall
+    return [ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 def fill_response(resp: Any, outcome: Outcome) -> Any:
@@ -67,6 +90,7 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
         resp.logprobs = [TokenLogprobs(token_id=e.token_id, logprob=e.logprob, top_ids=list(e.top_ids),
                                        top_logprobs=list(e.top_logprobs)) for e in outcome.logprobs]
     resp.finish_reason = outcome.finish_reason
+    resp.tool_calls = tool_call_messages(outcome.tool_calls)
     for name, kind in resp.stats.get_fields_and_field_types().items():
         if name in outcome.stats and outcome.stats[name] is not None:
             current = getattr(resp.stats, name)

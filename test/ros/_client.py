@@ -1,7 +1,8 @@
 """Client process for the ROS tests: one JSON job on argv[1], one JSON answer on stdout.
 
 Jobs:
-  {"mode": "call",   "requests": [{...fields...}, ...]}       sequential service calls
+  {"mode": "call",   "requests": [{...fields...}, ...]}       sequential service calls (tools: [{name, description,
+                                                                parameters}])
   {"mode": "burst",  "requests": [...]}                         all service calls sent at once
   {"mode": "stream", "request": {...}, "cancel_after": N|null}  the action; cancel after N feedbacks
   {"mode": "diagnostics"}                                       the first DiagnosticArray seen
@@ -45,6 +46,12 @@ def set_parameters(node, target: str, values: dict) -> list:
     return [{"successful": r.successful, "reason": r.reason} for r in results]
 
 
+def request_fields(fields: dict) -> dict:
+    """A job's request (JSON) -> GenerateClient fields: tools as {"name", "description", "parameters"} objects."""
+    from spec_edge.runtime.requests import Tool
+    return dict(fields, tools=[Tool(**t) for t in fields.get("tools", ())])
+
+
 def main() -> None:
     job = json.loads(sys.argv[1])
     rclpy.init(args=[])
@@ -56,9 +63,9 @@ def main() -> None:
         if job.get("start_at"):  # several client processes sending at the same moment (time.time())
             time.sleep(max(0.0, job["start_at"] - time.time()))
         if mode == "call":
-            out = [response_to_dict(client.call(timeout=300, **r)) for r in job["requests"]]
+            out = [response_to_dict(client.call(timeout=300, **request_fields(r))) for r in job["requests"]]
         elif mode == "burst":
-            futures = [client.service.call_async(fill_request(client.srv_type.Request(), **r))
+            futures = [client.service.call_async(fill_request(client.srv_type.Request(), **request_fields(r)))
                        for r in job["requests"]]
             deadline = time.monotonic() + 300
             while not all(f.done() for f in futures) and time.monotonic() < deadline:
@@ -78,7 +85,7 @@ def main() -> None:
                     print(json.dumps({"event": "first_feedback"}), file=sys.stderr, flush=True)
                 return False
 
-            result, status = client.stream(on_feedback, timeout=300, **job["request"])
+            result, status = client.stream(on_feedback, timeout=300, **request_fields(job["request"]))
             out = {"deltas": deltas, "num_tokens": counts, "status": status, "result": response_to_dict(result)}
         elif mode == "lifecycle":  # [transition label, ...] then the service's presence
             from lifecycle_msgs.msg import Transition

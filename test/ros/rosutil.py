@@ -115,9 +115,10 @@ test_params.__test__ = False  # a helper, not a test
 
 def engine_request(**fields):
     """An engine.GenerateRequest from the same plain fields the clients send."""
-    from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.requests import GenerateRequest, Tool
     fields = dict(fields)
     fields["messages"] = tuple(tuple(m) for m in fields.get("messages", ()))
+    fields["tools"] = tuple(Tool(**t) for t in fields.get("tools", ()))
     fields["stop"] = tuple(fields.get("stop", ()))
     if fields.get("drafter") == "":
         fields["drafter"] = None

@@ -54,3 +54,48 @@ def test_distribution_fields_round_trip():
     out = response_to_dict(fill_response(Generate.Response(), Outcome(success=True, token_ids=[5], logprobs=[entry])))
     assert out["logprobs"] == [{"token_id": 5, "logprob": -0.5, "top_ids": [5, 8], "top_logprobs": [-0.5, -1.25]}]
     assert "logprobs" not in response_to_dict(fill_response(Generate.Response(), Outcome(success=True)))
+
+
+def test_tool_fields_round_trip():
+    """Tools, tool_choice and parallel_tool_calls reach the engine request as runtime/requests.py's types; a
+    conversation's assistant calls and tool results too; the defaults are the request's (auto, parallel)."""
+    from spec_edge.ros2.client import fill_request
+    from spec_edge.ros2.messages import to_engine_request
+    from spec_edge.runtime.requests import ChatMessage, GenerateRequest, Tool, ToolCall
+    from spec_edge_interfaces.msg import Tool as ToolMsg
+    from spec_edge_interfaces.srv import Generate
+    default = to_engine_request(Generate.Request(prompt="hi"))
+    assert (default.tools, default.tool_choice, default.parallel_tool_calls) == ((), "auto", True)
+    assert Generate.Request().parallel_tool_calls is True  # the message's own default is OpenAI's
+    move = Tool("move_to", "Drive to a room.",
+                '{"type": "object", "properties": {"place": {"type": "string", "enum": ["kitchen"]}}}')
+    call = ToolCall("call_0a1b", "move_to", '{"place": "kitchen"}')
+    turns = (ChatMessage("user", "Go to the kitchen."), ChatMessage("assistant", "", (call,)),
+             ChatMessage("tool", "arrived", tool_call_id="call_0a1b"))
+    msg = fill_request(Generate.Request(), messages=[("system", "You drive."), *turns],
+                       tools=[move, Tool("stop")], tool_choice="move_to", parallel_tool_calls=False)
+    request = to_engine_request(msg)
+    assert request.messages == (ChatMessage("system", "You drive."), *turns)
+    assert request.tools == (move, Tool("stop", parameters=Tool.parameters))
+    assert (request.tool_choice, request.parallel_tool_calls) == ("move_to", False)
+    no_arguments = Generate.Request(prompt="hi", tools=[ToolMsg(name="stop")])  # parameters "" = no arguments
+    assert to_engine_request(no_arguments).tools == (Tool("stop"),)
+    assert GenerateRequest().tool_choice == "auto"
+
+
+def test_tool_calls_in_the_response():
+    from spec_edge.ros2.messages import chat_message
+    from spec_edge.runtime.requests import ToolCall
+    from spec_edge_interfaces.action import Generate as GenerateAction
+    from spec_edge_interfaces.msg import ChatMessage
+    from spec_edge_interfaces.srv import Generate
+    calls = [ToolCall("call_1", "pick", '{"object": "cup"}'), ToolCall("call_2", "say", '{"text": "got it"}')]
+    outcome = Outcome(success=True, text="", finish_reason="tool_calls", tool_calls=calls)
+    for message in (Generate.Response(), GenerateAction.Result()):
+        out = response_to_dict(fill_response(message, outcome))
+        assert out["finish_reason"] == "tool_calls"
+        assert out["tool_calls"] == [call.as_dict() for call in calls]
+    assert response_to_dict(fill_response(Generate.Response(), Outcome(success=True)))["tool_calls"] == []
+    # a result's calls go back as the assistant turn of the next request unchanged
+    turn = ChatMessage(role="assistant", tool_calls=fill_response(Generate.Response(), outcome).tool_calls)
+    assert chat_message(turn).tool_calls == tuple(calls)
