@@ -304,14 +304,29 @@ def test_openai_tool_calls_sync_and_streamed(served, base):
         c.chat.completions.create(**{**ask, "tool_choice": {"type": "function", "function": {"name": "fly"}}})
 
 
-def test_langchain_bind_tools_agent_cycle(served, base, tmp_path, monkeypatch):
-    """LangChain's ChatOpenAI.bind_tools: a call -> the tool's result -> the final answer, offline."""
-    from langchain_core.messages import HumanMessage, ToolMessage
+def test_langchain_agent_example_runs_call_result_answer(served, base, tmp_path, monkeypatch):
+    """examples/agent_langchain.py (ChatOpenAI.bind_tools): a call -> the robot's result -> the final answer, offline.
+    Every call is valid against its tool's schema (the door constrains it); which tool the 135M model picks is its
+    quality, not asserted. The same loop over the ROS service: test/ros/test_node_tools.py."""
+    from langchain_core.messages import AIMessage, ToolMessage
 
-    llm = offline_chat_openai(base, tmp_path, monkeypatch, max_tokens=60)
-    history = [HumanMessage("Please go to the hall.")]
-    called = llm.bind_tools(openai_tools(), tool_choice="required").invoke(history)
-    assert called.tool_calls and all(call["name"] in ("move_to", "pick", "say") for call in called.tool_calls)
-    history += [called] + [ToolMessage(f"{call['name']} done", tool_call_id=call["id"]) for call in called.tool_calls]
-    final = llm.bind_tools(openai_tools(), tool_choice="none").invoke(history)
-    assert not final.tool_calls and isinstance(final.content, str) and final.content
+    sys.path.insert(0, str(REPO / "examples"))
+    import agent_langchain
+    from robot_tools import TOOLS
+    from spec_edge.tools.schema_check import violations
+
+    offline_chat_openai(base, tmp_path, monkeypatch)  # the tiktoken tripwire (the example makes its own client)
+    robot, messages = agent_langchain.run(base, "Go to the kitchen and say hi.", api_key=KEY,
+                                          tool_choice="required", max_turns=2)
+    schemas = {t.name: json.loads(t.parameters) for t in TOOLS}
+    acted, results, answer = messages[2], messages[3:-1], messages[-1]
+    assert isinstance(acted, AIMessage) and acted.tool_calls, acted
+    for call in acted.tool_calls:
+        assert violations(call["args"], schemas[call["name"]]) == [], call
+    assert [(c["name"], c["args"]) for c in acted.tool_calls] == [tuple(entry) for entry in robot.log]
+    assert [m.tool_call_id for m in results] == [c["id"] for c in acted.tool_calls]
+    assert all(isinstance(m, ToolMessage) for m in results)
+    assert len({c["id"] for c in acted.tool_calls}) == len(acted.tool_calls)
+    assert isinstance(answer, AIMessage) and not answer.tool_calls and answer.content.strip()
+    assert "<tool_call>" not in answer.content
+    assert list(tmp_path.iterdir()) == []

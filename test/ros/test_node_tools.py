@@ -16,6 +16,7 @@ from rosutil import REPO, engine_request, run_client, test_params
 sys.path.insert(0, str(REPO / "examples"))
 from robot_tools import ROOMS, SYSTEM_PROMPT, TOOLS  # noqa: E402
 
+from spec_edge.runtime.scheduler import run_one  # noqa: E402
 from spec_edge.tools.schema_check import violations  # noqa: E402
 
 TOOL_FIELDS = [{"name": t.name, "description": t.description, "parameters": t.parameters} for t in TOOLS]
@@ -60,7 +61,7 @@ def test_required_calls_parse_and_validate(server, module_env, reference_engine)
     assert json.loads(answers[-2]["tool_calls"][0]["arguments"])["place"] in ROOMS
     assert answers[-2]["tool_calls"][0]["name"] == "move_to"
     assert_valid_calls(answers[-1], ("tool_calls", "length"))
-    want = reference_engine.generate(engine_request(**requests[0]))
+    want = run_one(reference_engine, engine_request(**requests[0]))
     assert [(c["name"], c["arguments"]) for c in answers[0]["tool_calls"]] == \
         [(c.name, c.arguments) for c in want.tool_calls]
     assert answers[0]["text"] == want.text and answers[0]["token_ids"] == want.token_ids
