@@ -90,33 +90,13 @@ def cmd_export(args) -> int:
 
 
 def request_from_args(args):
-    from spec_edge.runtime.grammar import text_or_file
-    from spec_edge.runtime.requests import GenerateRequest, distribution_fields
-    from spec_edge.runtime.tool_format import tools_from_json
-
-    tools = tools_from_json(text_or_file(args.tools)) if args.tools else ()
+    from spec_edge.runtime.request_args import request_fields
+    from spec_edge.runtime.requests import GenerateRequest
 
     return GenerateRequest(prompt=args.prompt, system_prompt=args.system or "", max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                            stop=tuple(args.stop or ()), drafter=args.drafter, k=args.k, chat=not args.raw,
-                           json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
-                           regex=text_or_file(args.regex), forced_drafts=False if args.no_forced_drafts else None,
-                           tools=tools, tool_choice=args.tool_choice,
-                           parallel_tool_calls=not args.no_parallel_tool_calls, **distribution_fields(args))
-
-
-def add_guided_arguments(p: argparse.ArgumentParser) -> None:
-    """--json-schema / --grammar / --regex (at most one), each the text or a file holding it."""
-    group = p.add_argument_group("guided decoding (at most one; the text, or a file path)")
-    group.add_argument("--json-schema", help="JSON Schema the output must be valid against")
-    group.add_argument("--grammar", help="grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)")
-    group.add_argument("--regex", help="regular expression the whole output must match")
-    group = p.add_argument_group("tool calls (docs/tools.md; the calls are --json's `tool_calls`)")
-    group.add_argument("--tools", metavar="FILE.json", help="the tools: a JSON list of OpenAI tools "
-                       '({"type": "function", "function": {"name", "description", "parameters"}}) or of '
-                       "{name, description, parameters} (the file or the text)")
-    group.add_argument("--tool-choice", default="auto", help="auto | none | required | a tool's name (default auto)")
-    group.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
+                           forced_drafts=False if args.no_forced_drafts else None, **request_fields(args))
 
 
 def cmd_generate(args) -> int:
@@ -188,7 +168,7 @@ def forward(module: str, function: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from spec_edge.graphs.plan import ORT_WEIGHTS
-    from spec_edge.runtime.requests import add_distribution_arguments
+    from spec_edge.runtime.request_args import add_request_arguments
 
     parser = argparse.ArgumentParser(prog="spec-edge", description="speculative decoding for robots")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -213,8 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    add_distribution_arguments(p)
-    add_guided_arguments(p)
+    add_request_arguments(p)
     p.add_argument("--no-forced-drafts", action="store_true",
                    help="guided: do not propose the grammar's forced tokens as drafts (speculative.forced_drafts)")
     p.set_defaults(func=cmd_generate)

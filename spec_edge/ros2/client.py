@@ -295,7 +295,7 @@ def tool_result_text(value: Any) -> str:
 
 def ask_main(argv: list[str] | None = None) -> int:
     """`spec-edge ask --prompt P [--json]`: one call of /generate, printed."""
-    from spec_edge.runtime.requests import add_distribution_arguments
+    from spec_edge.runtime.request_args import add_request_arguments
     parser = argparse.ArgumentParser(prog="spec-edge ask", description="Call the spec_edge node's generate service.")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--system-prompt", default="")
@@ -313,22 +313,13 @@ def ask_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the node to appear")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every response field")
-    add_distribution_arguments(parser)
-    for flag, what in (("--json-schema", "JSON Schema the output must be valid against"),
-                       ("--grammar", "grammar of the output: Lark (`start: ...`) or GBNF (`root ::= ...`)"),
-                       ("--regex", "regular expression the whole output must match")):
-        parser.add_argument(flag, help=f"guided decoding (at most one): {what}; the text or a file path")
-    group = parser.add_argument_group("tool calls (docs/tools.md; the calls are --json's `tool_calls`)")
-    group.add_argument("--tools", metavar="FILE.json", help="the tools: a JSON list of OpenAI tools (the file or the text)")
-    group.add_argument("--tool-choice", default="", help="auto | none | required | a tool's name (default auto)")
-    group.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
+    add_request_arguments(parser)
     args = parser.parse_args(argv)
     if args.logprobs and not args.json:
         parser.error("--logprobs is reported in --json's `logprobs` key: add --json")
 
-    from spec_edge.runtime.grammar import text_or_file
-    from spec_edge.runtime.requests import RequestError, distribution_fields
-    from spec_edge.runtime.tool_format import tools_from_json
+    from spec_edge.runtime.request_args import request_fields
+    from spec_edge.runtime.requests import RequestError
 
     import rclpy
 
@@ -337,14 +328,11 @@ def ask_main(argv: list[str] | None = None) -> int:
     if "ROS_AUTOMATIC_DISCOVERY_RANGE" not in os.environ:
         print("spec-edge ask: note: ROS_AUTOMATIC_DISCOVERY_RANGE is unset; "
               "set it to LOCALHOST to keep discovery on this machine", file=sys.stderr)
-    fields = dict(prompt=args.prompt, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k,
-                  json_schema=text_or_file(args.json_schema), grammar=text_or_file(args.grammar),
-                  regex=text_or_file(args.regex), tool_choice=args.tool_choice,
-                  parallel_tool_calls=not args.no_parallel_tool_calls, **distribution_fields(args))
     try:
-        fields["tools"] = tools_from_json(text_or_file(args.tools)) if args.tools else ()
+        fields = dict(prompt=args.prompt, system_prompt=args.system_prompt, max_new_tokens=args.max_new_tokens,
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                      stop=args.stop, speculate=not args.no_speculate, drafter=args.drafter, k=args.k,
+                      **request_fields(args))
     except RequestError as err:
         parser.error(str(err))
     rclpy.init(args=[])

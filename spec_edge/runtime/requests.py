@@ -2,7 +2,6 @@
 are runtime/front.py's. (The load policy that speculates less under a queue: spec_edge/speculation_policy.py.)"""
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -104,34 +103,3 @@ class GenerateResult:
         if self.stats.logprobs:
             out["logprobs"] = [entry.as_dict() for entry in self.logprobs]
         return out
-
-
-def logit_bias_arg(text: str) -> tuple[int, float]:
-    """One `--logit-bias ID:BIAS` value -> (token id, bias)."""
-    token, sep, bias = text.partition(":")
-    try:
-        return int(token), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--logit-bias takes TOKEN_ID:BIAS (e.g. 42:-100), got {text!r}") from None
-
-
-def add_distribution_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of the request fields that change the target's distribution or report it (`spec-edge
-    generate` and `spec-edge ask`); request_fields(args) reads them."""
-    group = parser.add_argument_group("the target's distribution (runtime/sampling.py; exact under speculation)")
-    group.add_argument("--min-p", type=float, help="drop ids below MIN_P x the top probability (after temperature)")
-    group.add_argument("--repetition-penalty", type=float, help="> 0, 1 = off: ids in the prompt or the output")
-    group.add_argument("--presence-penalty", type=float, help="subtracted from the logit of every id the output holds")
-    group.add_argument("--frequency-penalty", type=float, help="subtracted once per occurrence in the output")
-    group.add_argument("--logit-bias", type=logit_bias_arg, action="append", default=[], metavar="ID:BIAS",
-                       help="add BIAS to token ID's logit (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true", help="never choose EOS: run to --max-new-tokens")
-    group.add_argument("--logprobs", type=int, default=0, metavar="N",
-                       help="report each token's log-probability and its top N (0-20; --json: `logprobs`)")
-
-
-def distribution_fields(args: argparse.Namespace) -> dict:
-    """The GenerateRequest fields of add_distribution_arguments' flags."""
-    return dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty, logit_bias=tuple(args.logit_bias),
-                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
