@@ -1,10 +1,12 @@
 """Tool calls on the 20 robot instructions (bench/robot_instructions.txt) with the robot tools (bench/robot_tools.json:
 move_to(place: a room), pick(object), say(text)) and tool_choice required, through the HTTP door (the official
-`openai` client's parsed tool_calls, and the streamed deltas assembled) and the CLI (`spec-edge generate --tools
---tool-choice required --json`, one process per instruction), and in process with grammar-forced drafts on and off.
+`openai` client's parsed tool_calls, and the streamed deltas assembled), the CLI (`spec-edge generate --tools
+--tool-choice required --json`, one process per instruction), the ROS service (`spec-edge serve` on the default
+profile, `spec-edge ask --tools ... --json`, one process per instruction), and in process with grammar-forced drafts
+on and off.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/tool_calls.py [--config config/default.yaml] [--engine-dir engines] [--cli]
-        [--out bench/results/tool_calls.json]
+    ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_DOMAIN_ID=77 PYTHONPATH=$PWD .venv/bin/python bench/tool_calls.py
+        [--config config/default.yaml] [--engine-dir engines] [--cli] [--ros] [--out bench/results/tool_calls.json]
 
 Per path: calls that parse (JSON arguments, a known tool) and validate (the tool's schema, llguidance's matcher),
 out of 20. In process (same engine, greedy, alone): median latency per answer, tok/s, and the share of each call's
@@ -49,6 +51,7 @@ def main() -> int:
     parser.add_argument("--config", help="profile YAML (default: the default profile)")
     parser.add_argument("--engine-dir", default="engines", help="runtime.engine_dir (default: engines)")
     parser.add_argument("--cli", action="store_true", help="also through `spec-edge generate` (a process each)")
+    parser.add_argument("--ros", action="store_true", help="also through the node's service (`spec-edge ask` each)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from spec_edge import artifacts, config as cfgmod
@@ -65,19 +68,25 @@ def main() -> int:
     valid = validator(engine, tools)
     report: dict = {"instructions": len(instructions), "profile": cfg.runtime.profile, "weights": cfg.graphs.weights,
                     "drafter": cfg.speculative.drafter, "k": cfg.speculative.k}
-    for forced in (True, False):  # in process, alone
-        rows = []
-        for text in instructions:
-            r = run_one(engine, GenerateRequest(messages=(("user", text),), tools=tools, tool_choice="required",
-                                                max_new_tokens=MAX_NEW, forced_drafts=forced))
-            rows.append({"ok": bool(r.tool_calls) and all(valid(c.name, c.arguments) for c in r.tool_calls),
-                         "s": r.stats.total_time_s, "tok_s": r.stats.tokens_per_s, "tokens": len(r.token_ids),
-                         "forced": r.stats.forced, "calls": [(c.name, c.arguments) for c in r.tool_calls]})
+    def alone(text: str, forced: bool):
+        return run_one(engine, GenerateRequest(messages=(("user", text),), tools=tools, tool_choice="required",
+                                               max_new_tokens=MAX_NEW, forced_drafts=forced))
+
+    for forced in (True, False):  # warm-up, not counted (first-call costs, speculative.k auto's first estimates)
+        alone(instructions[0], forced)
+    rows: dict[bool, list] = {True: [], False: []}
+    for i, text in enumerate(instructions):  # in process, alone; on and off interleaved, the order alternating
+        for forced in ((True, False) if i % 2 == 0 else (False, True)):
+            r = alone(text, forced)
+            rows[forced].append({"ok": bool(r.tool_calls) and all(valid(c.name, c.arguments) for c in r.tool_calls),
+                                 "s": r.stats.total_time_s, "tok_s": r.stats.tokens_per_s, "tokens": len(r.token_ids),
+                                 "forced": r.stats.forced, "calls": [(c.name, c.arguments) for c in r.tool_calls]})
+    for forced, got in rows.items():
         report[f"in process, forced drafts {'on' if forced else 'off'}"] = {
-            "valid": sum(r["ok"] for r in rows), "latency_ms": 1000 * statistics.median(r["s"] for r in rows),
-            "tok_s": statistics.median(r["tok_s"] for r in rows),
-            "forced_share": sum(r["forced"] for r in rows) / sum(r["tokens"] for r in rows),
-            "calls": [r["calls"] for r in rows]}
+            "valid": sum(r["ok"] for r in got), "latency_ms": 1000 * statistics.median(r["s"] for r in got),
+            "tok_s": statistics.median(r["tok_s"] for r in got),
+            "forced_share": sum(r["forced"] for r in got) / sum(r["tokens"] for r in got),
+            "calls": [r["calls"] for r in got]}
     door = Door(cfg, logging.getLogger("bench")).start()
     scheduler = Scheduler(engine, cfg, logging.getLogger("bench"))
     door.serve(scheduler, engine)
@@ -106,11 +115,49 @@ def main() -> int:
             calls = json.loads(out.strip().splitlines()[-1]).get("tool_calls", [])
             ok += bool(calls) and all(valid(c["name"], c["arguments"]) for c in calls)
         report["CLI"] = {"valid": ok}
+    if args.ros:
+        report["ROS service"] = {"valid": through_ros(args, instructions, valid)}
     print(json.dumps({k: v for k, v in report.items()}, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def through_ros(args, instructions: list[str], valid) -> int:
+    """Valid answers of `spec-edge ask --tools ... --tool-choice required --json` to a `spec-edge serve` node (the
+    default profile's parameters, runtime.engine_dir set), one ask process per instruction."""
+    import os
+    import signal
+    import time
+
+    import yaml
+
+    with tempfile.TemporaryDirectory() as tmp:
+        doc = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
+        doc["/**"]["ros__parameters"].setdefault("runtime", {})["engine_dir"] = str(Path(args.engine_dir).resolve())
+        params, log = Path(tmp) / "node.yaml", Path(tmp) / "node.log"
+        params.write_text(yaml.safe_dump(doc))
+        node = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(params)], cwd=ROOT,
+                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while "serving" not in log.read_text():
+                if node.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the node did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+            ok = 0
+            for text in instructions:
+                argv = [sys.executable, "-m", "spec_edge.ros2.client", "--prompt", text, "--tools", str(TOOLS),
+                        "--tool-choice", "required", "--max-new-tokens", str(MAX_NEW), "--json"]
+                out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+                calls = json.loads(out.strip().splitlines()[-1]).get("tool_calls", [])
+                ok += bool(calls) and all(valid(c["name"], c["arguments"]) for c in calls)
+            return ok
+        finally:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGINT)
+                node.wait(30)
 
 
 if __name__ == "__main__":
