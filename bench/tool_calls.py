@@ -126,26 +126,19 @@ def main() -> int:
 
 def through_ros(args, instructions: list[str], valid) -> int:
     """Valid answers of `spec-edge ask --tools ... --tool-choice required --json` to a `spec-edge serve` node (the
-    default profile's parameters, runtime.engine_dir set), one ask process per instruction."""
-    import os
-    import signal
-    import time
-
+    default profile's parameters, runtime.engine_dir set; started and stopped as bench/doors.py does), one ask
+    process per instruction."""
     import yaml
+
+    from doors import start_node, stop
 
     with tempfile.TemporaryDirectory() as tmp:
         doc = yaml.safe_load((ROOT / "config" / "default.yaml").read_text())
         doc["/**"]["ros__parameters"].setdefault("runtime", {})["engine_dir"] = str(Path(args.engine_dir).resolve())
-        params, log = Path(tmp) / "node.yaml", Path(tmp) / "node.log"
+        params = Path(tmp) / "params.yaml"
         params.write_text(yaml.safe_dump(doc))
-        node = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "serve", "--params", str(params)], cwd=ROOT,
-                                stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        node = start_node(params, Path(tmp))[0]
         try:
-            deadline = time.monotonic() + 600
-            while "serving" not in log.read_text():
-                if node.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the node did not start:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
             ok = 0
             for text in instructions:
                 argv = [sys.executable, "-m", "spec_edge.ros2.client", "--prompt", text, "--tools", str(TOOLS),
@@ -155,9 +148,7 @@ def through_ros(args, instructions: list[str], valid) -> int:
                 ok += bool(calls) and all(valid(c["name"], c["arguments"]) for c in calls)
             return ok
         finally:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGINT)
-                node.wait(30)
+            stop(node)
 
 
 if __name__ == "__main__":
