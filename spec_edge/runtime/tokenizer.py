@@ -33,6 +33,7 @@ class Tokenizer:
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = _tojson
             self._template = env.from_string(self.chat_template)
 
     def vocab(self) -> dict[str, int]:
@@ -122,6 +123,12 @@ def _incomplete_utf8(data: bytes) -> bool:
 
 def _raise(message: str):
     raise ValueError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Hugging Face's tojson filter (transformers' chat_template_utils.py), which templates are written for: keys
+    in their order, no HTML escaping (Jinja's own sorts keys and escapes <, >, &, ')."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class StreamDecoder:
