@@ -151,9 +151,11 @@ def test_parsers_and_streams():
     assert llama.split("Hello {there}") == ("Hello {there}", [])
     assert llama.split('{"name": "say", "parameters": {"te') == ("", [])  # cut short (length): no call
     content, calls = mistral.split('[TOOL_CALLS][{"name": "say", "arguments": {"text": "x"}, "id": "abcDEF123"}, '
-                                   '{"name": "pick", "arguments": {"object": "cup"}}, {"name": "pi')
+                                   '{"name": "pick", "arguments": {"object": "cup"}, "id": "abcDEF123"}, {"name": "pi')
     assert content == "" and [(c.id, c.name) for c in calls][0] == ("abcDEF123", "say") and len(calls) == 2
-    assert MISTRAL_ID.fullmatch(calls[1].id) and calls[1].arguments == '{"object": "cup"}'
+    # the model's id where it gives a new one, else one of ours
+    assert MISTRAL_ID.fullmatch(calls[1].id) and calls[1].id != calls[0].id
+    assert calls[1].arguments == '{"object": "cup"}'
     # the [TOOL_CALLS] token is special in Mistral's tokenizer: decoding skips it
     assert [c.name for c in mistral.split(' [{"name": "say", "arguments": {"text": "x"}}]')[1]] == ["say"]
     assert mistral.split("Sure [1] is it.") == ("Sure [1] is it.", [])
@@ -180,6 +182,11 @@ def test_mistral_grammar_with_the_tool_calls_token(engine):
         assert constraint.complete
     spelled = engine.grammars.constraint("grammar", fmt.grammar(schemas, "required", parallel=False))
     assert spelled.admitted(engine.tokenizer.encode("[TOOL_CALLS] [")) == 0
+    for choice in ("none", "auto"):  # text never starts with the token, nor with "["
+        text = engine.grammars.constraint("grammar", fmt.grammar(schemas, choice, parallel=False))
+        ids = engine.tokenizer.encode("Hi [x]")
+        assert text.admitted(ids) == len(ids) and text.admitted([token]) == (choice == "auto")
+        assert text.admitted(engine.tokenizer.encode("[")) == 0
 
 
 @pytest.mark.parametrize("name", [LLAMA32, NEMO])
@@ -199,3 +206,38 @@ def test_greedy_calls_under_speculation_equal_target_only(engine, fronts, monkey
             assert [(c.name, c.arguments) for c in got.tool_calls] == [(c.name, c.arguments) for c in plain.tool_calls]
             runs.append(got.stats)
     assert_speculated(*runs, what=f"ngram on {name}")
+
+
+def test_the_http_door_serves_a_llama_template(engine, fronts, monkeypatch):
+    """The door needs nothing of its own per format: the openai client's parsed call, and the call and its result
+    going back in (Llama's one call, tool_choice none after it)."""
+    import logging
+
+    import openai
+
+    from spec_edge.http.door import Door
+    from spec_edge.runtime.scheduler import Scheduler
+
+    monkeypatch.setattr(engine, "front", fronts[LLAMA32])
+    cfg = cfgmod.from_params({"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
+                              "graphs.batch_slots": 1, "speculative.k": 4, "http.port": 0, "http.api_key": "k"})
+    logger = logging.getLogger("test_tool_formats")
+    door = Door(cfg, logger).start()
+    scheduler = Scheduler(engine, cfg, logger)
+    door.serve(scheduler, engine)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key="k", max_retries=0)
+        tools = json.loads((REPO / "bench" / "robot_tools.json").read_text())
+        ask = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Go to the kitchen."}], tools=tools,
+                   tool_choice="required", max_tokens=60, temperature=0)
+        choice = c.chat.completions.create(**ask).choices[0]
+        (call,) = choice.message.tool_calls  # parallel_tool_calls defaults to true: Llama's format has one call
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None and call.id.startswith("call_")
+        assert valid(engine, ToolCall(call.id, call.function.name, call.function.arguments))
+        back = ask["messages"] + [choice.message.model_dump(exclude_none=True),
+                                  {"role": "tool", "tool_call_id": call.id, "content": "done"}]
+        final = c.chat.completions.create(**{**ask, "tool_choice": "none", "max_tokens": 20, "messages": back})
+        assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+    finally:
+        scheduler.stop(1.0)
+        door.stop()

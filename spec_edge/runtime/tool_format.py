@@ -290,9 +290,12 @@ class MistralFormat:
         body = body[len(self.opener):].lstrip() if body.startswith(self.opener) else body
         if not body.startswith("["):
             return text, []
-        calls = [ToolCall(str(c["id"]) if re.fullmatch(r"[A-Za-z0-9]{9}", str(c.get("id", ""))) else new_mistral_id(),
-                          str(c["name"]), json.dumps(c["arguments"]))
-                 for c in decode_objects(body, 1) if "name" in c and isinstance(c.get("arguments"), dict)]
+        calls: list[ToolCall] = []
+        for c in decode_objects(body, 1):
+            if "name" in c and isinstance(c.get("arguments"), dict):
+                given = str(c.get("id", ""))  # the model's id, unless it is not one or repeats one
+                fresh = re.fullmatch(r"[A-Za-z0-9]{9}", given) and given not in {k.id for k in calls}
+                calls.append(ToolCall(given if fresh else new_mistral_id(), str(c["name"]), json.dumps(c["arguments"])))
         return "", calls
 
     def content_stream(self) -> ContentStream:
