@@ -155,6 +155,7 @@ class ToolFormat(Protocol):
     def content_stream(self) -> ContentStream:
         """What holds call markup back from the streamed content."""
 
+
 class HermesFormat:
     """`<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one block per call, after optional text."""
     opener, closer = "<tool_call>\n", "\n</tool_call>"
