@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 LLAMA32, LLAMA31 = "meta-llama-Llama-3.2-3B-Instruct.jinja", "vllm-tool_chat_template_llama3.1_json.jinja"
 NEMO, MISTRAL03 = "mistralai-Mistral-Nemo-Instruct-2407.jinja", "vllm-tool_chat_template_mistral_official.jinja"
+SMALL31 = "mistralai-Mistral-Small-3.1-24B-Instruct-2503.jinja"
 MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
@@ -42,7 +43,7 @@ def engine():
 def fronts(engine, tmp_path_factory):
     """{fixture name: a Front of the engine whose tokenizer has that chat template instead of SmolLM2's}."""
     out = {}
-    for name in (LLAMA32, LLAMA31, NEMO, MISTRAL03):
+    for name in (LLAMA32, LLAMA31, NEMO, MISTRAL03, SMALL31):
         folder = tmp_path_factory.mktemp(name.split(".jinja")[0].replace(".", "_"))
         shutil.copy(engine.graph_dir / "tokenizer.json", folder / "tokenizer.json")
         meta = json.loads((engine.graph_dir / "tokenizer_config.json").read_text())
@@ -58,7 +59,7 @@ def test_the_template_picks_the_format(engine, fronts):
     assert isinstance(fronts[LLAMA31].tool_format, LlamaJsonFormat)
     nemo, v03 = fronts[NEMO].tool_format, fronts[MISTRAL03].tool_format
     assert isinstance(nemo, MistralFormat) and not nemo.spaced and nemo.token is None  # no [TOOL_CALLS] token here
-    assert isinstance(v03, MistralFormat) and v03.spaced
+    assert isinstance(v03, MistralFormat) and v03.spaced and fronts[SMALL31].tool_format.spaced
     assert isinstance(engine.front.tool_format, HermesFormat) and not engine.front.tool_format.native
 
 
@@ -84,7 +85,7 @@ def test_llama_renders_tools_calls_and_results_through_its_template(fronts, name
         front.chat_text(GenerateRequest(messages=two, tools=robot_tools()))
 
 
-@pytest.mark.parametrize("name,sep", [(NEMO, ""), (MISTRAL03, " ")])
+@pytest.mark.parametrize("name,sep", [(NEMO, ""), (MISTRAL03, " "), (SMALL31, " ")])
 def test_mistral_renders_tools_calls_and_results_with_ids_its_template_accepts(fronts, name, sep):
     front = fronts[name]
     for given in ("call_1", "a1B2c3D4e"):  # an OpenAI-style id (mapped to 9 letters and digits), a Mistral id (kept)

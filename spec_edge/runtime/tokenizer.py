@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -34,6 +35,7 @@ class Tokenizer:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
             env.filters["tojson"] = _tojson
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
 
     def vocab(self) -> dict[str, int]:
@@ -123,6 +125,11 @@ def _incomplete_utf8(data: bytes) -> bool:
 
 def _raise(message: str):
     raise ValueError(message)
+
+
+def _strftime_now(format: str) -> str:
+    """Hugging Face's strftime_now (the date some templates write, e.g. Llama 3.x's, Mistral Small 3.1's)."""
+    return datetime.now().strftime(format)
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:

@@ -305,8 +305,9 @@ class MistralFormat:
 
 def for_template(chat_template: str, token_id: Callable[[str], int | None] = lambda text: None) -> ToolFormat:
     """The tool format of a model's chat template (docs/tools.md: the formats, how to add a family); token_id:
-    the tokenizer's id of a text that is one token (None otherwise)."""
-    if "[TOOL_CALLS]" in chat_template:
+    the tokenizer's id of a text that is one token (None otherwise). Mistral's later `[TOOL_CALLS]name[ARGS]{...}`
+    templates (tokenizer v11) are not this family's syntax: they get the generic format."""
+    if "[TOOL_CALLS]" in chat_template and "[ARGS]" not in chat_template:
         return MistralFormat(spaced="[TOOL_CALLS] [" in chat_template, token=token_id("[TOOL_CALLS]"))
     if "<|start_header_id|>" in chat_template and '"parameters": ' in chat_template and "tools" in chat_template:
         return LlamaJsonFormat()
