@@ -40,7 +40,6 @@ from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestE
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
-from spec_edge.runtime.tool_format import ContentStream
 
 
 def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
@@ -60,7 +59,7 @@ class InLoop:
         self.engine, self.prepared, self.sink, self.drafter_name, self.choice = engine, prepared, sink, drafter, choice
         self.text = StreamDecoder(engine.tokenizer, tuple(prepared.request.stop))
         fmt = prepared.tool_format  # with tools: the content streams without call markup
-        self.content = ContentStream(fmt.opener.strip()) if fmt is not None else None
+        self.content = fmt.content_stream() if fmt is not None else None
 
     def _send(self, delta: str) -> None:
         if self.content is not None:

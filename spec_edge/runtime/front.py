@@ -55,7 +55,7 @@ class Prepared:
     k: int                          # drafts per verify call asked (speculative_k of the config when unset)
     guide: Any = None               # the decoder's compiled grammar for this request (None: unguided)
     forced_drafts: bool = False     # the grammar's forced tokens are drafts (only with a guide, k and speculate)
-    tool_format: Any = None         # tool_format.HermesFormat that parses the output's calls (tools, choice not none)
+    tool_format: Any = None         # the tool_format.ToolFormat that parses the output's calls (tools, choice not none)
 
 
 def check_text(name: str, text: str) -> None:
@@ -79,7 +79,7 @@ class Front:
 
     def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any]):
         self.cfg, self.tokenizer, self.caps, self.compile = cfg, tokenizer, caps, compile
-        self.tool_format = for_template(tokenizer.chat_template)
+        self.tool_format = for_template(tokenizer.chat_template, tokenizer.token_id)
 
     def chat_text(self, request: GenerateRequest) -> str:
         """The prompt text of a request: its messages (or prompt as the user's message), the system prompt

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime
 from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -33,6 +34,8 @@ class Tokenizer:
         if self.chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
+            env.filters["tojson"] = _tojson
+            env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
 
     def vocab(self) -> dict[str, int]:
@@ -122,6 +125,17 @@ def _incomplete_utf8(data: bytes) -> bool:
 
 def _raise(message: str):
     raise ValueError(message)
+
+
+def _strftime_now(format: str) -> str:
+    """Hugging Face's strftime_now (the date some templates write, e.g. Llama 3.x's, Mistral Small 3.1's)."""
+    return datetime.now().strftime(format)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Hugging Face's tojson filter (transformers' chat_template_utils.py), which templates are written for: keys
+    in their order, no HTML escaping (Jinja's own sorts keys and escapes <, >, &, ')."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class StreamDecoder:

@@ -3,17 +3,25 @@ calls and the tool results into the prompt, builds the grammar of a request's to
 each tool's arguments as an embedded JSON Schema: a call always parses and validates), and parses the output into
 content text and ToolCalls.
 
-One format today, Hermes' `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, in two renderings
-(for_template picks): the template's own where it takes `tools` and knows `<tool_call>` (Qwen2.5 / Qwen3,
-Hermes), else the generic one for templates without tools (the embedded SmolLM2): the tools listed in the system
-turn, assistant calls as blocks in its content, tool results as user turns in `<tool_response>` blocks.
+Three families, picked by for_template from the model's chat template:
+- HermesFormat: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after optional text, rendered by
+  the template where it takes `tools` and knows `<tool_call>` (Qwen2.5 / Qwen3, Hermes), else generically for
+  templates without tools (the embedded SmolLM2: the tools listed in the system turn, assistant calls as blocks in
+  its content, tool results as user turns in `<tool_response>` blocks).
+- LlamaJsonFormat: Llama 3.1 / 3.2's JSON custom tool calls, the assistant's whole message
+  `{"name": ..., "parameters": {...}}`, one call per turn, tool results in role ipython (all rendered by the template).
+- MistralFormat: Mistral's v3-tokenizer templates, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` as the
+  whole message, call ids of 9 letters and digits, tool results in `[TOOL_RESULTS]` (rendered by the template).
 """
 from __future__ import annotations
 
 import json
 import re
+import hashlib
 import secrets
-from collections.abc import Sequence
+import string
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from spec_edge.runtime.grammar import JSON_LAYOUT
 from spec_edge.runtime.requests import ChatMessage, RequestError, Tool, ToolCall, TOOL_CHOICES
@@ -22,9 +30,26 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NEWLINE = "\n"
 
 
+ALNUM = string.ascii_letters + string.digits
+
+
 def new_call_id() -> str:
     """A call id ("call_" + 24 hex digits: unique per request, and across requests in practice)."""
     return "call_" + secrets.token_hex(12)
+
+
+def new_mistral_id() -> str:
+    """A Mistral call id: 9 letters and digits (what its templates accept; 62^9: unique in practice)."""
+    return "".join(secrets.choice(ALNUM) for _ in range(9))
+
+
+def mistral_id(call_id: str) -> str:
+    """The id a Mistral template gets for a call id: itself when 9 letters and digits, else 9 of them derived from
+    it (the same for the call and its tool turn, so ids of any client or format carry through)."""
+    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    return "".join(ALNUM[number // 62 ** i % 62] for i in range(9))
 
 
 def check_tools(tools: Sequence[Tool], choice: str) -> dict[str, dict]:
@@ -69,6 +94,68 @@ def lark_literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
 
 
+def tool_specs(tools: Sequence[Tool]) -> list[dict]:
+    """The tools as Hugging Face templates take them (OpenAI's {"type": "function", "function": {...}})."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": json.loads(t.parameters)}} for t in tools]
+
+
+def template_turns(messages: Sequence[ChatMessage], call_id: Callable[[str], str] = str) -> list[dict]:
+    """The messages as Hugging Face templates take them: assistant calls as `tool_calls` ({"id", "type",
+    "function": {"name", "arguments": a dict}}), tool turns with `tool_call_id`; call_id maps each id."""
+    return [{"role": m.role, "content": m.content} | (
+        {"tool_calls": [{"id": call_id(c.id), "type": "function", "function": {
+            "name": c.name, "arguments": json.loads(c.arguments)}} for c in m.tool_calls]} if m.tool_calls else {})
+        | ({"tool_call_id": call_id(m.tool_call_id)} if m.role == "tool" else {}) for m in messages]
+
+
+def call_bodies(schemas: dict[str, dict], choice: str, key: str, tail: str = "") -> list[str]:
+    """Lark rules `body` (one call object of any tool, or of the named one): `{"name": N, "<key>": ARGS<tail>}`,
+    ARGS the tool's JSON Schema (%json), tail a rule name (optional, after the arguments) or ""."""
+    names = [choice] if choice in schemas else list(schemas)
+    rules = [f"body: {' | '.join(f'body_{i}' for i in range(len(names)))}"]
+    for i, name in enumerate(names):
+        # arguments hold the schema's properties only, unless it says otherwise (OpenAI's strict mode does the same)
+        schema = {"additionalProperties": False, **schemas[name], "x-guidance": JSON_LAYOUT}
+        schema = json.dumps(schema).replace("::=", "\\u003a:=")  # not GBNF
+        head = '{"name": ' + json.dumps(name) + f', "{key}": '
+        rules.append(f'body_{i}: {lark_literal(head)} args_{i}{" " + tail + "?" if tail else ""} "}}"')
+        rules.append(f"args_{i}: %json {schema}")
+    return rules
+
+
+def decode_objects(text: str, at: int) -> list[dict]:
+    """The complete JSON objects at text[at:] separated by commas / whitespace (a list's items; stops at the
+    first that is cut short or is not an object)."""
+    decoder, found = json.JSONDecoder(), []
+    while True:
+        while at < len(text) and text[at] in ", \n\t":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return found
+        if not isinstance(item, dict):
+            return found
+        found.append(item)
+
+
+class ToolFormat(Protocol):
+    """One model family's call syntax (docs/tools.md, "Adding a family")."""
+
+    def render(self, tokenizer, messages: list[ChatMessage], tools: Sequence[Tool]) -> str:
+        """The prompt: the tools, the assistant's earlier calls and the tool results."""
+
+    def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
+        """The Lark grammar of the output under tool_choice (tools given)."""
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        """(the content without call markup, the complete calls with ids) of an output."""
+
+    def content_stream(self) -> ContentStream:
+        """What holds call markup back from the streamed content."""
+
+
 class HermesFormat:
     """`<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one block per call, after optional text."""
     opener, closer = "<tool_call>\n", "\n</tool_call>"
@@ -79,15 +166,9 @@ class HermesFormat:
 
     # -- the prompt
     def render(self, tokenizer, messages: list[ChatMessage], tools: Sequence[Tool]) -> str:
-        specs = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                    "parameters": json.loads(t.parameters)}} for t in tools]
+        specs = tool_specs(tools)
         if self.native:
-            turns = [{"role": m.role, "content": m.content} | (
-                {"tool_calls": [{"id": c.id, "type": "function", "function": {
-                    "name": c.name, "arguments": json.loads(c.arguments)}} for c in m.tool_calls]}
-                if m.tool_calls else {}) | ({"tool_call_id": m.tool_call_id} if m.role == "tool" else {})
-                for m in messages]
-            return tokenizer.render_chat(turns, tools=specs or None)
+            return tokenizer.render_chat(template_turns(messages), tools=specs or None)
         pairs = [(m.role, m.content) if m.role != "tool" else ("user", self.TOOL_TURNS.format(m.content))
                  for m in messages]
         pairs = [(role, "\n".join([content] * bool(content) + [self.block(c.name, c.arguments) for c in m.tool_calls]))
@@ -112,15 +193,7 @@ class HermesFormat:
         free = 'FREE: /(.|\\n)*/ & ~/(.|\\n)*' + re.escape(self.opener.strip()) + '(.|\\n)*/'
         if choice == "none":
             return f"start: FREE\n{free}\n"
-        names = [choice] if choice in schemas else list(schemas)
-        rules = [f"body: {' | '.join(f'body_{i}' for i in range(len(names)))}"]
-        for i, name in enumerate(names):
-            # arguments hold the schema's properties only, unless it says otherwise (OpenAI's strict mode does the same)
-            schema = {"additionalProperties": False, **schemas[name], "x-guidance": JSON_LAYOUT}
-            schema = json.dumps(schema).replace("::=", "\\u003a:=")  # not GBNF
-            head = '{"name": ' + json.dumps(name) + ', "arguments": '
-            rules.append(f'body_{i}: {lark_literal(head)} args_{i} "}}"')
-            rules.append(f"args_{i}: %json {schema}")
+        rules = call_bodies(schemas, choice, "arguments")
         more = f' ({lark_literal(self.closer + NEWLINE + self.opener)} body)*' if parallel else ""
         calls = f"body{more} {lark_literal(self.closer)}"
         start = (f"start: {lark_literal(self.opener)} {calls}" if choice != "auto" else
@@ -142,23 +215,127 @@ class HermesFormat:
                 continue  # a block cut short (length): not a call
         return head.rstrip(), calls
 
+    def content_stream(self) -> ContentStream:
+        return ContentStream(self.opener.strip())
 
-def for_template(chat_template: str) -> HermesFormat:
-    """The tool format of a model's chat template (docs/tools.md: how to add a family)."""
+
+def leading_text(opener: str) -> str:
+    """A Lark terminal TEXT of answers that do not start like a call: optional whitespace, then nothing or a
+    character other than the opener's first (so text and a call part at their first visible character)."""
+    return f"TEXT: /\\s*([^{re.escape(opener[0])}\\s](.|\\n)*)?/"
+
+
+class LlamaJsonFormat:
+    """Llama 3.1 / 3.2 JSON custom tool calls: the assistant's whole message is one call
+    `{"name": N, "parameters": {...}}` (the official template renders calls so, one per assistant turn, and raises
+    on more). parallel_tool_calls does not apply: `required` / a name give exactly one call, `auto` one call or
+    text that does not start with `{`. Tools, earlier calls and tool results (role ipython) go to the template;
+    its tools_in_user_message (default true) puts the tools in the first user message."""
+    opener = "{"
+
+    def render(self, tokenizer, messages: list[ChatMessage], tools: Sequence[Tool]) -> str:
+        for i, m in enumerate(messages):
+            if len(m.tool_calls) > 1:
+                raise RequestError(f"messages[{i}] has {len(m.tool_calls)} tool_calls, but this model's format "
+                                   "(Llama 3.1 JSON calls) holds one call per assistant turn: send each call as an "
+                                   "assistant turn of its own, followed by its tool turn")
+        return tokenizer.render_chat(template_turns(messages), tools=tool_specs(tools) or None)
+
+    def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
+        text = leading_text(self.opener)
+        if choice == "none":
+            return f"start: TEXT\n{text}\n"
+        start = "start: body" if choice != "auto" else f"start: body | TEXT\n{text}"
+        return "\n".join([start] + call_bodies(schemas, choice, "parameters")) + "\n"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.lstrip()
+        if not body.startswith(self.opener):
+            return text, []
+        calls = [ToolCall(new_call_id(), str(c["name"]), json.dumps(c["parameters"]))
+                 for c in decode_objects(body, 0)[:1] if "name" in c and isinstance(c.get("parameters"), dict)]
+        return "", calls
+
+    def content_stream(self) -> ContentStream:
+        return ContentStream(self.opener, leading=True)
+
+
+class MistralFormat:
+    """Mistral's v3-tokenizer templates: the assistant's whole message is `[TOOL_CALLS]` and a JSON list of calls
+    `[{"name": N, "arguments": {...}}, ...]` (", " between calls, `[TOOL_CALLS] [` with the space where the
+    template writes it so), each with an optional `"id"` of 9 letters and digits (the model's, else a new one).
+    `auto`: the calls, or text that does not start with `[`. The opener is the tokenizer's `[TOOL_CALLS]` token
+    where it has one (token: its id; decoding skips it as a special token), else the text. Ids going to the
+    template are mapped to 9 letters and digits (mistral_id), which its templates require."""
+    opener = "[TOOL_CALLS]"
+
+    def __init__(self, spaced: bool, token: int | None):
+        self.spaced, self.token = spaced, token
+
+    def render(self, tokenizer, messages: list[ChatMessage], tools: Sequence[Tool]) -> str:
+        return tokenizer.render_chat(template_turns(messages, mistral_id), tools=tool_specs(tools) or None)
+
+    def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
+        text = leading_text("[") + " & ~/(.|\\n)*" + re.escape(self.opener) + "(.|\\n)*/"
+        if choice == "none":
+            return f"start: TEXT\n{text}\n"
+        opener = f"<[{self.token}]>" if self.token is not None else lark_literal(self.opener)
+        more = f' ({lark_literal(", ")} body)*' if parallel else ""
+        calls = f"{opener} {lark_literal(' [' if self.spaced else '[')} body{more} \"]\""
+        start = f"start: {calls}" if choice != "auto" else f"start: {calls} | TEXT\n{text}"
+        ids = ['call_id: ", \\"id\\": \\"" ID "\\""', "ID: /[A-Za-z0-9]{9}/"]
+        return "\n".join([start] + call_bodies(schemas, choice, "arguments", "call_id") + ids) + "\n"
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.lstrip()
+        body = body[len(self.opener):].lstrip() if body.startswith(self.opener) else body
+        if not body.startswith("["):
+            return text, []
+        calls: list[ToolCall] = []
+        for c in decode_objects(body, 1):
+            if "name" in c and isinstance(c.get("arguments"), dict):
+                given = str(c.get("id", ""))  # the model's id, unless it is not one or repeats one
+                fresh = re.fullmatch(r"[A-Za-z0-9]{9}", given) and given not in {k.id for k in calls}
+                calls.append(ToolCall(given if fresh else new_mistral_id(), str(c["name"]), json.dumps(c["arguments"])))
+        return "", calls
+
+    def content_stream(self) -> ContentStream:
+        return ContentStream("[", leading=True)
+
+
+def for_template(chat_template: str, token_id: Callable[[str], int | None] = lambda text: None) -> ToolFormat:
+    """The tool format of a model's chat template (docs/tools.md: the formats, how to add a family); token_id:
+    the tokenizer's id of a text that is one token (None otherwise). Mistral's later `[TOOL_CALLS]name[ARGS]{...}`
+    templates (tokenizer v11) are not this family's syntax: they get the generic format."""
+    if "[TOOL_CALLS]" in chat_template and "[ARGS]" not in chat_template:
+        return MistralFormat(spaced="[TOOL_CALLS] [" in chat_template, token=token_id("[TOOL_CALLS]"))
+    if "<|start_header_id|>" in chat_template and '"parameters": ' in chat_template and "tools" in chat_template:
+        return LlamaJsonFormat()
     return HermesFormat(native="tools" in chat_template and "<tool_call>" in chat_template)
 
 
 class ContentStream:
     """Streamed text with call markup held back: push(delta) -> the part that is surely content (text that may be
-    the start of the opener waits; from the opener on, nothing more)."""
+    the start of the opener waits; from the opener on, nothing more). leading: a call is the whole message (Llama,
+    Mistral): the text waits until its first visible character, then is all content or (the opener's) all call."""
 
-    def __init__(self, opener: str):
-        self.opener, self.sent, self.text, self.closed = opener, 0, "", False
+    def __init__(self, opener: str, leading: bool = False):
+        self.opener, self.leading, self.sent, self.text, self.closed = opener, leading, 0, "", False
+        self.plain = False  # leading, and the first visible character was not the opener's: all content
 
     def push(self, delta: str) -> str:
         if self.closed:
             return ""
         self.text += delta
+        if self.leading:
+            if not self.plain:
+                if not self.text.strip():
+                    return ""
+                self.closed = self.text.lstrip().startswith(self.opener)
+                self.plain = not self.closed
+                delta = "" if self.closed else self.text
+            self.sent = len(self.text)
+            return delta
         if (at := self.text.find(self.opener, self.sent)) >= 0:
             self.closed = True
             out = self.text[self.sent:at].rstrip()
