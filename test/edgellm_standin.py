@@ -28,8 +28,8 @@ from edgellm_native import SNAPSHOT, accepts, callable_signatures
 SURFACE = json.loads(SNAPSHOT.read_text())["api"]
 # cpp/runtime/decoding/guidedDecoder.cpp (kUnsupportedSchemaKeywords, validateGuidedDecodingParams)
 UNENFORCED_KEYWORDS = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "patternProperties")
-UNENFORCED = ("guided_decoding.json_schema uses '%s', which XGrammar accepts but does not enforce; the generated output "
-              "would not be guaranteed to match the schema")
+UNENFORCED = ("guided_decoding.json_schema uses '%s', which XGrammar accepts but does not enforce; the generated "
+              "output would not be guaranteed to match the schema")
 
 
 def validate(params) -> tuple[bool, str]:
