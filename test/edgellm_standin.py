@@ -9,6 +9,11 @@ the speculative counters one request adds; for RequestEngine a request that reti
 runtime, or a producer deaf to cancel), Script.count(text) -> the runtime's token count of a prompt.
 RequestHandle.ready() turns true when the request is terminal, as the binding documents it.
 Every LLMRuntime / RequestEngine made is recorded on the script (constructor args, requests handled).
+validate_guided_decoding_params refuses a json_schema guide that names a keyword the binary's list says XGrammar
+accepts but does not enforce (UNENFORCED_KEYWORDS, its message UNENFORCED: both read from the binary's strings by
+test_edgellm_api.py), unless the script sets validate. The tool-call surface (LLMGenerationRequest.tools /
+tool_choice / parallel_tool_calls, Message.tool_calls / tool_call_id, ToolDefinition, ToolChoice, MessageToolCall)
+is in the snapshot like every other name, so the stand-in has exactly the binary's tool fields.
 """
 from __future__ import annotations
 
@@ -21,6 +26,19 @@ from dataclasses import dataclass, field
 from edgellm_native import SNAPSHOT, accepts, callable_signatures
 
 SURFACE = json.loads(SNAPSHOT.read_text())["api"]
+# cpp/runtime/decoding/guidedDecoder.cpp (kUnsupportedSchemaKeywords, validateGuidedDecodingParams)
+UNENFORCED_KEYWORDS = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "patternProperties")
+UNENFORCED = ("guided_decoding.json_schema uses '%s', which XGrammar accepts but does not enforce; the generated "
+              "output would not be guaranteed to match the schema")
+
+
+def validate(params) -> tuple[bool, str]:
+    """validate_guided_decoding_params as the binary's list reads (a json_schema guide naming an unenforced keyword)."""
+    if params.type.name == "JSON_SCHEMA":
+        for keyword in UNENFORCED_KEYWORDS:
+            if f'"{keyword}"' in params.guide:
+                return False, UNENFORCED % keyword
+    return True, ""
 
 
 @dataclass
@@ -225,7 +243,7 @@ def build(script: Script) -> types.ModuleType:
         setattr(mod, name, cls)
 
     functions = {"create_text_message": message,
-                 "validate_guided_decoding_params": lambda params: getattr(script, "validate", lambda p: (True, ""))(params)}
+                 "validate_guided_decoding_params": lambda params: getattr(script, "validate", validate)(params)}
     for name, entry in SURFACE.items():
         if entry["kind"] == "function":
             def function(*args, _name=name, **kwargs):

@@ -230,3 +230,61 @@ def test_the_build_stage_uses_only_what_the_binary_has(live):
                 for name in values:
                     assert fields.get(name, {}).get("kind") == "property" and fields[name]["settable"], \
                         f"{cfg.runtime.profile} {folder} {role}: LLMBuilderConfig.{name} is not a settable field"
+
+
+def _binary_bytes() -> bytes:
+    return edgellm_native.extension(edgellm_native.package_dir()).read_bytes()
+
+
+def test_the_tool_surface_is_the_binarys_and_returns_no_calls(live):
+    """What docs/tensorrt.md ("Tool calls on Edge-LLM") says of Edge-LLM's own tool fields, read off the live
+    binary: the request and its messages carry tools (the stand-in has them: it is built from this surface), and
+    nothing a request returns carries a tool call (its server parses calls in Python), so the adapter constrains and
+    parses calls itself and leaves these fields unset."""
+    members = {name: set(entry.get("members", {})) for name, entry in live.items()}
+    assert {"tools", "tool_choice", "parallel_tool_calls", "apply_chat_template"} <= members["LLMGenerationRequest"]
+    assert {"tool_calls", "has_tool_calls", "tool_call_id"} <= members["Message"]
+    assert {"name", "description", "parameters", "strict"} <= members["ToolDefinition"]
+    assert {"mode", "function_name"} <= members["ToolChoice"]
+    assert set(live["ToolChoiceMode"]["enum"]) == {"NONE", "AUTO", "REQUIRED", "FUNCTION"}
+    assert {"id", "type", "name", "arguments", "arguments_is_string"} <= members["MessageToolCall"]
+    returned = members["LLMGenerationResponse"] | members["StreamChunk"]
+    assert not [m for m in returned if "tool" in m or "call" in m], returned
+    assert "STRUCTURAL_TAG" in live["GuideType"]["enum"]
+    source, table, receivers = _adapter()
+    assert not [m for m in ("tools", "tool_choice", "parallel_tool_calls") if f"call.{m}" in source]
+
+
+def test_the_tool_call_structural_tag_speaks_the_binarys_xgrammar(live):
+    """call_structural_tag's format types and keys are in the binary (its vendored xgrammar structural_tag.cc, the
+    vocabulary of xgrammar 0.2.1), and the stand-in's json_schema refusal is the binary's list and message."""
+    from spec_edge.runtime.backends.edgellm import call_structural_tag
+    from spec_edge.runtime.tool_format import HermesFormat
+    import edgellm_standin
+
+    binary = _binary_bytes()
+    schemas = {"say": {"type": "object", "properties": {"text": {"type": "string"}}}, "stop": {"type": "object"}}
+    names: set[str] = set()
+
+    def walk(node) -> None:  # the keys and "type" values of the format, not of the tools' JSON Schemas
+        if isinstance(node, dict):
+            names.update(node)
+            names.add(node["type"])
+            for key, value in node.items():
+                if key != "json_schema" and isinstance(value, (dict, list)):
+                    walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for choice in ("none", "auto", "required", "say"):
+        for parallel in (False, True):
+            walk(call_structural_tag(HermesFormat(native=False), schemas, choice, parallel))
+    assert {"structural_tag", "any_text", "excludes", "or", "sequence", "tags_with_separator", "tag",
+            "json_schema", "at_least_one", "stop_after_first", "separator", "begin", "end"} <= names
+    assert [name for name in sorted(names) if name.encode() not in binary] == []
+    for whole in ("structural_tag", "any_text", "excludes", "tags_with_separator", "at_least_one", "stop_after_first"):
+        assert b"\0" + whole.encode() + b"\0" in binary, whole
+    for keyword in edgellm_standin.UNENFORCED_KEYWORDS:
+        assert b"\0" + keyword.encode() + b"\0" in binary, keyword
+    assert b"\0" + edgellm_standin.UNENFORCED.encode() + b"\0" in binary

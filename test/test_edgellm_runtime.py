@@ -9,6 +9,7 @@ where LLMBuilder copies them (every engine but the draft)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -20,8 +21,8 @@ from edgellm_standin import Reply, Script, build
 from spec_edge.config import ConfigError
 from spec_edge import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine
-from spec_edge.runtime.requests import GenerateRequest, RequestError, Tool
+from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine, call_structural_tag, tool_guide
+from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
 from spec_edge.runtime.scheduler import Job, Scheduler, run_one
 from spec_edge.runtime.tokenizer import Tokenizer
 
@@ -146,7 +147,12 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", ignore_eos=True): "ignore_eos: .* runtime.backend: onnxruntime",
         GenerateRequest(prompt="a", logprobs=2): "logprobs: .* runtime.backend: onnxruntime",
         GenerateRequest(prompt="a", logit_bias=((10 ** 7, 1.0),)): "outside the vocabulary",
-        GenerateRequest(prompt="a", tools=(Tool("say"),)): "tools run on runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", tools=robot_tools(), forced_drafts=True): "onnxruntime only",
+        GenerateRequest(prompt="a", tools=(Tool("count", parameters='{"type": "object", "properties": {"n": '
+                                                "{\"type\": \"integer\", \"multipleOf\": 2}}}"),)):
+            "count's parameters .*multipleOf.* runtime.backend: onnxruntime",
+        GenerateRequest(prompt="a", tools=robot_tools(), regex="a"): "cannot be combined",
+        GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="fly"): "neither auto, none, required",
     }
     for request, words in cases.items():
         for call in (engine.front.prepare, lambda request: run_one(engine, request)):
@@ -361,3 +367,108 @@ def test_an_eagle3_tree_is_served_by_the_engines_built_for_the_chain(edge_cfg, s
     wide = edge_cfg.replace(**{"speculative.eagle3_tree": [16, 4, 64]})
     with pytest.raises(BackendError, match="max_draft_tree_size=60.*spec-edge build"):
         EdgeLLMEngine.from_config(wide, progress=lambda _m: None, native=build(script))
+
+
+TOOL_ROOM = {"graphs.max_context": 1024}  # the tools listed in the prompt take ~500 of the tiny tokenizer's tokens
+
+
+def robot_tools() -> tuple[Tool, ...]:
+    return (Tool("move_to", "Drive to a place.", json.dumps({"type": "object", "properties": {
+                "place": {"enum": ["dock", "kitchen"]}}, "required": ["place"]})),
+            Tool("say", "Say something.", json.dumps({"type": "object", "properties": {
+                "text": {"type": "string"}}, "required": ["text"]})))
+
+
+def _schemas(tools) -> dict[str, dict]:
+    return {t.name: json.loads(t.parameters) for t in tools}
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_tool_calls_through_the_scheduler(tiny_engine, edge_cfg, script, tiny_models, slots):
+    """A tools request through the one scheduler every door uses (LLMRuntime, and RequestEngine): the prompt is the
+    CPU path's (our tool rendering), the call syntax goes as an XGrammar structural tag, Edge-LLM's own tool fields
+    stay unset; the result is the CPU path's shape: ToolCalls (ids ours, unique), finish_reason tool_calls, and the
+    content (streamed and final) without call markup."""
+    tok = _tokenizer(tiny_models)
+    engine = _engine(edge_cfg, script, **{"graphs.batch_slots": slots, **TOOL_ROOM})
+    fmt = engine.front.tool_format
+    answer = "Going. " + fmt.block("move_to", '{"place": "dock"}') + "\n" + fmt.block("say", '{"text": "on my way"}')
+    script.reply = lambda call: Reply(tok.encode(answer))
+    request = GenerateRequest(prompt="Go to the dock and say so.", tools=robot_tools())
+    pieces: list[str] = []
+    worker = Scheduler(engine, engine.cfg, Log())
+    job = Job(request=request, on_text=lambda delta, n: pieces.append(delta))
+    try:
+        assert worker.submit(job) and job.done.wait(10)
+    finally:
+        worker.stop(5)
+    outcome = job.outcome
+    assert outcome.success and outcome.finish_reason == "tool_calls", outcome
+    assert [(c.name, json.loads(c.arguments)) for c in outcome.tool_calls] == [
+        ("move_to", {"place": "dock"}), ("say", {"text": "on my way"})]
+    ids = [c.id for c in outcome.tool_calls]
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids) and len(set(ids)) == 2
+    assert outcome.text == "Going." and "".join(pieces) == "Going."
+    call = script.calls[-1]
+    [item] = call.requests
+    assert item.messages[0].contents[0].content == tiny_engine.front.chat_text(request)
+    assert item.guided_decoding.type.name == "STRUCTURAL_TAG"
+    assert json.loads(item.guided_decoding.guide) == call_structural_tag(fmt, _schemas(robot_tools()), "auto", True)
+    assert (call.tools, call.tool_choice, call.parallel_tool_calls) == (None, None, None)  # never assigned
+
+
+def test_each_tool_choice_constrains_and_answers_as_on_the_cpu_path(tiny_engine, edge_cfg, script, tiny_models):
+    """required / a name / none / auto: the structural tag of each choice (the calls, or text without the opener),
+    what comes back split as the CPU path splits it, and tool turns rendered as the CPU path renders them."""
+    tok = _tokenizer(tiny_models)
+    engine = _engine(edge_cfg, script, **TOOL_ROOM)
+    fmt, tools = engine.front.tool_format, robot_tools()
+    say = fmt.block("say", '{"text": "hi"}')
+
+    def ask(reply: str, reason: str = "END_ID", **fields):
+        script.reply = lambda call: Reply(tok.encode(reply), reason=reason)
+        result = run_one(engine, GenerateRequest(prompt="Greet them.", tools=tools, **fields))
+        return result, json.loads(script.calls[-1].requests[0].guided_decoding.guide)
+
+    result, guide = ask(say, tool_choice="say", parallel_tool_calls=False)
+    assert guide == call_structural_tag(fmt, _schemas(tools), "say", False)
+    [tag] = guide["format"]["tags"]
+    assert guide["format"]["stop_after_first"] is True and tag["begin"].startswith("<tool_call>")
+    assert tag["content"]["json_schema"]["additionalProperties"] is False  # the schema's properties only
+    assert result.finish_reason == "tool_calls" and [c.name for c in result.tool_calls] == ["say"]
+    assert result.text == ""
+    result, guide = ask(say, tool_choice="required")
+    assert [t["begin"].split('"')[3] for t in guide["format"]["tags"]] == ["move_to", "say"]
+    assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1
+    result, guide = ask(say[:20], reason="LENGTH", tool_choice="required")  # cut inside the call: no call
+    assert result.finish_reason == "length" and result.tool_calls == [] and result.text == ""
+    result, guide = ask(" Hello there.", tool_choice="none")
+    assert guide == {"type": "structural_tag", "format": {"type": "any_text", "excludes": ["<tool_call>"]}}
+    assert result.finish_reason == "eos" and result.tool_calls == [] and result.text.strip() == "Hello there."
+    result, guide = ask(" Hello there.")  # auto, answered in text: it stays text
+    assert guide["format"]["type"] == "or" and result.finish_reason == "eos" and result.tool_calls == []
+    assert result.text.strip() == "Hello there."
+    earlier = ToolCall("call_" + "0" * 24, "say", '{"text": "hi"}')
+    turns = GenerateRequest(messages=(ChatMessage("user", "Greet them."), ChatMessage("assistant", "", (earlier,)),
+                                      ChatMessage("tool", "said", tool_call_id=earlier.id)), tools=tools)
+    script.reply = lambda call: Reply(tok.encode(" Done."))
+    result = run_one(engine, turns)
+    sent = script.calls[-1].requests[0].messages[0].contents[0].content
+    assert sent == tiny_engine.front.chat_text(turns) and result.text.strip() == "Done."
+    assert '"name": "say"' in sent and "<tool_response>\nsaid\n</tool_response>" in sent
+
+
+def test_tool_calls_refuse_what_edgellm_cannot_enforce(edge_cfg, script):
+    """A tool schema keyword the binary's XGrammar accepts without enforcing, and a call syntax other than the
+    <tool_call> blocks, are refused with runtime.backend: onnxruntime named; the structural tag Edge-LLM refuses is
+    its reason."""
+    engine = _engine(edge_cfg, script)
+    rt = engine.rt
+    with pytest.raises(RequestError, match="say's parameters .*uniqueItems.* runtime.backend: onnxruntime"):
+        tool_guide(rt, engine.front.tool_format, {"say": {"type": "object", "properties": {
+            "words": {"type": "array", "uniqueItems": True}}}}, "auto", True)
+    with pytest.raises(RequestError, match="object syntax run on runtime.backend: onnxruntime"):
+        tool_guide(rt, object(), _schemas(robot_tools()), "auto", True)
+    script.validate = lambda params: (False, "guided_decoding.structural_tag is too large")
+    with pytest.raises(RequestError, match="structural_tag is too large"):
+        engine.front.prepare(GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="none"))

@@ -75,10 +75,14 @@ def check_text(name: str, text: str) -> None:
 
 class Front:
     """prepare(request) for one decoder: its config, tokenizer, Capabilities and grammar compiler (compile(kind,
-    text) -> the per-request grammar state it runs with; GrammarError or RequestError for one it cannot use)."""
+    text) -> the per-request grammar state it runs with; GrammarError or RequestError for one it cannot use).
+    compile_tools(format, {name: schema}, tool_choice, parallel) -> the grammar state of a request's tool calls, for
+    a decoder whose grammar engine does not take the format's Lark grammar (None: compile("grammar", that grammar))."""
 
-    def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any]):
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any],
+                 compile_tools: Callable[[Any, dict[str, dict], str, bool], Any] | None = None):
         self.cfg, self.tokenizer, self.caps, self.compile = cfg, tokenizer, caps, compile
+        self.compile_tools = compile_tools
         self.tool_format = for_template(tokenizer.chat_template, tokenizer.token_id)
 
     def chat_text(self, request: GenerateRequest) -> str:
@@ -177,10 +181,11 @@ class Front:
             raise RequestError("tools cannot be combined with json_schema / grammar / regex or ignore_eos (tool "
                                "calls are their own grammar): drop one of them")
         choice = request.tool_choice or "auto"
-        schemas = check_tools(request.tools, choice)
-        text = self.tool_format.grammar(schemas, choice, request.parallel_tool_calls)
+        schemas, parallel = check_tools(request.tools, choice), request.parallel_tool_calls
         try:
-            return self.compile("grammar", text), self.tool_format if choice != "none" else None
+            guide = (self.compile_tools(self.tool_format, schemas, choice, parallel) if self.compile_tools else
+                     self.compile("grammar", self.tool_format.grammar(schemas, choice, parallel)))
+            return guide, self.tool_format if choice != "none" else None
         except GrammarError as err:
             raise RequestError(f"tools: a parameters JSON Schema cannot be used: {err}") from None
 

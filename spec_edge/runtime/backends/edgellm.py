@@ -23,8 +23,14 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       the CPU path (StreamDecoder), so both answer the same.
   json_schema / regex -> GuidedDecodingParams(JSON_SCHEMA / REGEX); a GBNF grammar (`::=` rules) -> EBNF (XGrammar
       reads GBNF-style EBNF); the front refuses a Lark grammar, naming runtime.backend: onnxruntime.
-  tools -> refused by the front (Capabilities.tools False), naming runtime.backend: onnxruntime: the call grammar
-      embeds each tool's JSON Schema in Lark (runtime/tool_format.py), which XGrammar's EBNF does not take.
+  tools / tool_choice / parallel_tool_calls, assistant tool_calls and tool turns -> rendered into the prompt by OUR tool
+      format (runtime/tool_format.py, as on the CPU path), and the call syntax constrained by an XGrammar structural
+      tag (tool_guide: GuidedDecodingParams(STRUCTURAL_TAG), each tool's arguments its JSON Schema); the output is
+      split into text and ToolCalls (ids ours, tool_format.new_call_id) by the same format, finish_reason tool_calls.
+      Edge-LLM's own tool fields (LLMGenerationRequest.tools / tool_choice / parallel_tool_calls, Message.tool_calls /
+      tool_call_id) are left unset: they only feed its chat template, which apply_chat_template=False bypasses, and
+      its runtime neither constrains nor parses calls (docs/tensorrt.md, "Tool calls on Edge-LLM"). A schema keyword
+      XGrammar accepts but does not enforce is refused, naming runtime.backend: onnxruntime.
   streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
   cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
       (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer. A batched
@@ -46,6 +52,7 @@ by the exact Jetson L4T / GPU); tests pass a stand-in generated from the real si
 """
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -63,6 +70,7 @@ from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
+from spec_edge.runtime.tool_format import HermesFormat
 
 EDGELLM_VERSION = edgellm_layout.EDGELLM_VERSION
 EDGELLM_DRAFTERS = ("none", "eagle3")  # config.BACKEND_DRAFTERS["tensorrt"]
@@ -83,7 +91,7 @@ EDGELLM_API: dict[str, tuple[str, ...]] = {
     "StreamChunk": ("token_ids", "finished", "reason"),
     "SpecDecodeGenerationMetrics": ("total_iterations", "total_proposed_draft_tokens", "total_accepted_draft_tokens"),
     "LLMPrefillMetrics": ("reused_tokens",),
-    "GuideType": ("JSON_SCHEMA", "REGEX", "EBNF"),
+    "GuideType": ("JSON_SCHEMA", "REGEX", "EBNF", "STRUCTURAL_TAG"),
     "FinishReason": ("NOT_FINISHED", "END_ID", "LENGTH", "CANCELLED", "ERROR", "STOP_WORDS"),
     "ContextCacheLookupPolicy": ("USE_CACHE", "BYPASS"),
     "ContextCacheCommitPolicy": ("PREFILL_STATE_ONLY",),
@@ -173,13 +181,54 @@ def load_native() -> ModuleType:
 
 def guide(rt: ModuleType, kind: str, text: str):
     """The GuidedDecodingParams of a request's (kind, text) (grammar.grammar_spec; the front refused a Lark grammar:
-    XGrammar reads EBNF, GBNF's syntax); RequestError for what Edge-LLM would not enforce."""
-    guide_type = {"json_schema": rt.GuideType.JSON_SCHEMA, "regex": rt.GuideType.REGEX}.get(kind, rt.GuideType.EBNF)
+    XGrammar reads EBNF, GBNF's syntax; tool_guide's structural_tag); RequestError for what Edge-LLM would not
+    enforce."""
+    guide_type = {"json_schema": rt.GuideType.JSON_SCHEMA, "regex": rt.GuideType.REGEX,
+                  "structural_tag": rt.GuideType.STRUCTURAL_TAG}.get(kind, rt.GuideType.EBNF)
     params = rt.GuidedDecodingParams(guide_type, text)
     valid, reason = rt.validate_guided_decoding_params(params)
     if not valid:
         raise RequestError(f"{kind} is refused by Edge-LLM's guided decoding: {reason}")
     return params
+
+
+def call_structural_tag(fmt: HermesFormat, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
+    """The XGrammar structural tag (the xgrammar 0.2 format the binary vendors) of the output under tool_choice, the
+    same language as fmt.grammar's Lark: `none` text without the call opener; `auto` that text, then optionally
+    calls up to the end; `required` / a tool's name only calls. Calls are fmt's blocks (fmt.block around the
+    arguments), one or, with parallel, several separated by a newline; arguments valid against the tool's schema
+    (its properties only, unless it says otherwise, as on the CPU path)."""
+    free = {"type": "any_text", "excludes": [fmt.opener.strip()]}
+    if choice == "none":
+        return {"type": "structural_tag", "format": free}
+    tags = []
+    for name in [choice] if choice in schemas else list(schemas):
+        begin, end = fmt.block(name, "\0").split("\0")
+        tags.append({"type": "tag", "begin": begin, "end": end, "content": {
+            "type": "json_schema", "json_schema": {"additionalProperties": False, **schemas[name]}}})
+    calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+             "stop_after_first": not parallel}
+    if choice == "auto":
+        calls = {"type": "or", "elements": [free, {"type": "sequence", "elements": [free, calls]}]}
+    return {"type": "structural_tag", "format": calls}
+
+
+def tool_guide(rt: ModuleType, fmt, schemas: dict[str, dict], choice: str, parallel: bool):
+    """The GuidedDecodingParams of a request's tool calls (Front.compile_tools): call_structural_tag, each tool's
+    schema first checked as Edge-LLM checks a json_schema guide (validate_guided_decoding_params: a keyword XGrammar
+    accepts but does not enforce is refused; the structural tag itself is only checked to be JSON). RequestError
+    naming runtime.backend: onnxruntime for what it cannot do."""
+    if not isinstance(fmt, HermesFormat):
+        raise RequestError(f"tool calls in the {type(fmt).__name__} syntax run on runtime.backend: onnxruntime only "
+                           "(Edge-LLM's tool calls are constrained as <tool_call> blocks): send the request to a node "
+                           "with runtime.backend: onnxruntime")
+    for name, schema in schemas.items():
+        try:
+            guide(rt, "json_schema", json.dumps(schema))
+        except RequestError as err:
+            raise RequestError(f"tools: {name}'s parameters cannot be enforced by Edge-LLM ({err}): send such a tool "
+                               "to a node with runtime.backend: onnxruntime, or drop the keyword") from None
+    return guide(rt, "structural_tag", json.dumps(call_structural_tag(fmt, schemas, choice, parallel)))
 
 
 class EdgeLLMEngine:
@@ -220,7 +269,8 @@ class EdgeLLMEngine:
             k_remedy=f"the Edge-LLM runtime drafts a chain of k={k} (speculative.k, fixed at load): send k=0 or k={k}",
             max_context=self.max_context, max_input=min(dirs.max_input_len, self.max_context - 1),
             vocab_size=self.vocab_size, eos_ids=(), guided=("json_schema", "regex", "gbnf"), sampling=(),
-            forced_drafts=False, tools=False), lambda kind, text: guide(rt, kind, text))
+            forced_drafts=False), lambda kind, text: guide(rt, kind, text),
+            lambda fmt, schemas, choice, parallel: tool_guide(rt, fmt, schemas, choice, parallel))
         self._check_tokenizer()
 
     @classmethod
@@ -333,28 +383,41 @@ class EdgeLLMEngine:
         call.stream_channels = [channel]
         decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
         stats = Stats(drafter=drafter if k else "none", k=k, prompt_tokens=n_prompt)
+        fmt = prepared.tool_format  # with tools: the content streams without call markup
+        content = fmt.content_stream() if fmt is not None else None
+
+        def send(delta: str, n: int) -> None:
+            if content is not None:
+                delta = content.push(delta)
+            if delta and on_text is not None:
+                on_text(delta, n)
         if self.batcher is not None:
-            finish, error = self._run_batched(call, channel, decoder, on_text, cancel, stats)
+            finish, error = self._run_batched(call, channel, decoder, send, cancel, stats)
         else:
             with self._lock:
                 spec_before, reused_before = self._counters()
-                finish, error = self._run_serial(call, channel, decoder, on_text, cancel, stats)
+                finish, error = self._run_serial(call, channel, decoder, send, cancel, stats)
                 spec_after, reused_after = self._counters()
             stats.verify_calls, stats.drafted, stats.accepted = (a - b for a, b in zip(spec_after, spec_before))
             stats.prompt_tokens_reused = reused_after - reused_before
-        tail = decoder.finish()
-        if tail and on_text is not None:
-            on_text(tail, len(decoder.ids))
+        if tail := decoder.finish():
+            send(tail, len(decoder.ids))
         ids = decoder.kept_ids()
         if finish == "length" and context_bound and len(ids) >= room:
             finish = "context_full"  # the CPU path's name for running out of context before max_new_tokens
+        text, calls = decoder.text, []
+        if content is not None:  # as the CPU path's InLoop.done: calls out of the text, finish tool_calls
+            if (rest := content.finish()) and on_text is not None:
+                on_text(rest, len(decoder.ids))
+            text, calls = fmt.split(text)
+            finish = "tool_calls" if calls and finish == "eos" else finish
         stats.new_tokens = len(ids)
         if self.batcher is None and drafter != "none" and k < asked:  # the policy's k, as the loop counts it
             stats.k = asked
             stats.verify_calls_by_k = [stats.verify_calls if i + 1 == k else 0 for i in range(asked)]
             stats.policy_off_steps = 0 if k else len(ids)
             off_reason = speculation_policy.reason(stats, self.cfg.serve.speculate_k_by_load)
-        return GenerateResult(text=decoder.text, token_ids=ids, finish_reason=finish, stats=stats,
+        return GenerateResult(text=text, token_ids=ids, finish_reason=finish, stats=stats, tool_calls=calls,
                               prompt_tokens=n_prompt, queued_at_start=queued, speculation_off_reason=off_reason,
                               message=error)
 
