@@ -156,7 +156,7 @@ def xg_sequence(*elements: dict) -> dict:
     return {"type": "sequence", "elements": list(elements)}
 
 
-def structural_tag(fmt: dict) -> dict:
+def xg_structural_tag(fmt: dict) -> dict:
     return {"type": "structural_tag", "format": fmt}
 
 
@@ -206,7 +206,7 @@ class ToolFormat(Protocol):
         """The Lark grammar of the output under tool_choice (tools given)."""
 
     def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
-        """grammar's language as an XGrammar structural tag (Edge-LLM); RequestError where it cannot be spelled so."""
+        """grammar's language as an XGrammar structural tag (the constraint on Edge-LLM)."""
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """(the content without call markup, the complete calls with ids) of an output."""
@@ -264,10 +264,10 @@ class HermesFormat:
         call a `tag` of its block around the arguments, calls separated by a newline."""
         free = {"type": "any_text", "excludes": [self.opener.strip()]}
         if choice == "none":
-            return structural_tag(free)
+            return xg_structural_tag(free)
         calls = tag_calls(call_tags(schemas, choice, lambda name: tuple(self.block(name, "\0").split("\0"))),
                           NEWLINE, parallel)
-        return structural_tag(calls if choice != "auto" else xg_any_of(free, xg_sequence(free, calls)))
+        return xg_structural_tag(calls if choice != "auto" else xg_any_of(free, xg_sequence(free, calls)))
 
     # -- the output
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -323,9 +323,9 @@ class LlamaJsonFormat:
         or (auto) that or the text regex."""
         text = xg_regex(leading_text(self.opener))
         if choice == "none":
-            return structural_tag(text)
+            return xg_structural_tag(text)
         call = xg_any_of(*call_tags(schemas, choice, lambda name: (call_head(name, "parameters"), "}")))
-        return structural_tag(call if choice != "auto" else xg_any_of(call, text))
+        return xg_structural_tag(call if choice != "auto" else xg_any_of(call, text))
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.lstrip()
@@ -374,7 +374,7 @@ class MistralFormat:
         text = xg_any_of(xg_regex("\\s*"), xg_sequence(xg_regex("\\s*[^\\[\\s]"),
                                                          {"type": "any_text", "excludes": [self.opener]}))
         if choice == "none":
-            return structural_tag(text)
+            return xg_structural_tag(text)
         call_id = xg_sequence(xg_text(', "id": "'), xg_regex(self.ID), xg_text('"'))
         calls = xg_sequence(
             {"type": "token", "token": self.opener} if self.token is not None else xg_text(self.opener),
@@ -382,7 +382,7 @@ class MistralFormat:
             tag_calls(call_tags(schemas, choice, lambda name: (call_head(name, "arguments"), "}"), call_id),
                       ", ", parallel),
             xg_text("]"))
-        return structural_tag(calls if choice != "auto" else xg_any_of(calls, text))
+        return xg_structural_tag(calls if choice != "auto" else xg_any_of(calls, text))
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.lstrip()
