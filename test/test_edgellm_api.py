@@ -256,10 +256,10 @@ def test_the_tool_surface_is_the_binarys_and_returns_no_calls(live):
 
 
 def test_the_tool_call_structural_tag_speaks_the_binarys_xgrammar(live):
-    """call_structural_tag's format types and keys are in the binary (its vendored xgrammar structural_tag.cc, the
-    vocabulary of xgrammar 0.2.1), and the stand-in's json_schema refusal is the binary's list and message."""
-    from spec_edge.runtime.backends.edgellm import call_structural_tag
-    from spec_edge.runtime.tool_format import HermesFormat
+    """The format types and keys of every tool format's structural tag (tool_format.*.structural_tag, what
+    edgellm.tool_guide sends) are in the binary (its vendored xgrammar structural_tag.cc, the vocabulary of xgrammar
+    0.2.1), and the stand-in's json_schema refusal is the binary's list and message."""
+    from spec_edge.runtime.tool_format import HermesFormat, LlamaJsonFormat, MistralFormat
     import edgellm_standin
 
     binary = _binary_bytes()
@@ -277,13 +277,18 @@ def test_the_tool_call_structural_tag_speaks_the_binarys_xgrammar(live):
             for value in node:
                 walk(value)
 
-    for choice in ("none", "auto", "required", "say"):
-        for parallel in (False, True):
-            walk(call_structural_tag(HermesFormat(native=False), schemas, choice, parallel))
+    formats = (HermesFormat(native=False), LlamaJsonFormat(), MistralFormat(spaced=True, token=None),
+               MistralFormat(spaced=False, token=5))
+    for fmt in formats:
+        for choice in ("none", "auto", "required", "say"):
+            for parallel in (False, True):
+                walk(fmt.structural_tag(schemas, choice, parallel))
     assert {"structural_tag", "any_text", "excludes", "or", "sequence", "tags_with_separator", "tag",
-            "json_schema", "at_least_one", "stop_after_first", "separator", "begin", "end"} <= names
+            "json_schema", "at_least_one", "stop_after_first", "separator", "begin", "end", "regex", "pattern",
+            "const_string", "value", "optional", "content", "token"} <= names
     assert [name for name in sorted(names) if name.encode() not in binary] == []
-    for whole in ("structural_tag", "any_text", "excludes", "tags_with_separator", "at_least_one", "stop_after_first"):
+    for whole in ("structural_tag", "any_text", "excludes", "tags_with_separator", "at_least_one", "stop_after_first",
+                  "const_string", "optional", "pattern"):
         assert b"\0" + whole.encode() + b"\0" in binary, whole
     for keyword in edgellm_standin.UNENFORCED_KEYWORDS:
         assert b"\0" + keyword.encode() + b"\0" in binary, keyword

@@ -21,10 +21,12 @@ from edgellm_standin import Reply, Script, build
 from spec_edge.config import ConfigError
 from spec_edge import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine, call_structural_tag, tool_guide
+from spec_edge.runtime.backends.edgellm import CANCEL_GRACE_S, EdgeLLMEngine, tool_guide
+from spec_edge.runtime.front import Front
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
 from spec_edge.runtime.scheduler import Job, Scheduler, run_one
 from spec_edge.runtime.tokenizer import Tokenizer
+from spec_edge.runtime.tool_format import LlamaJsonFormat, MistralFormat
 
 CAPACITY = 128  # graphs.max_context of tiny_cfg: max_input_len = max_kv_cache_capacity of every engine
 
@@ -413,7 +415,7 @@ def test_tool_calls_through_the_scheduler(tiny_engine, edge_cfg, script, tiny_mo
     [item] = call.requests
     assert item.messages[0].contents[0].content == tiny_engine.front.chat_text(request)
     assert item.guided_decoding.type.name == "STRUCTURAL_TAG"
-    assert json.loads(item.guided_decoding.guide) == call_structural_tag(fmt, _schemas(robot_tools()), "auto", True)
+    assert json.loads(item.guided_decoding.guide) == fmt.structural_tag(_schemas(robot_tools()), "auto", True)
     assert (call.tools, call.tool_choice, call.parallel_tool_calls) == (None, None, None)  # never assigned
 
 
@@ -431,7 +433,7 @@ def test_each_tool_choice_constrains_and_answers_as_on_the_cpu_path(tiny_engine,
         return result, json.loads(script.calls[-1].requests[0].guided_decoding.guide)
 
     result, guide = ask(say, tool_choice="say", parallel_tool_calls=False)
-    assert guide == call_structural_tag(fmt, _schemas(tools), "say", False)
+    assert guide == fmt.structural_tag(_schemas(tools), "say", False)
     [tag] = guide["format"]["tags"]
     assert guide["format"]["stop_after_first"] is True and tag["begin"].startswith("<tool_call>")
     assert tag["content"]["json_schema"]["additionalProperties"] is False  # the schema's properties only
@@ -458,17 +460,57 @@ def test_each_tool_choice_constrains_and_answers_as_on_the_cpu_path(tiny_engine,
     assert '"name": "say"' in sent and "<tool_response>\nsaid\n</tool_response>" in sent
 
 
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"  # test_tool_formats.py's real templates
+
+
+@pytest.mark.parametrize("template,answer", [
+    ("meta-llama-Llama-3.2-3B-Instruct.jinja", '{"name": "say", "parameters": {"text": "hi"}}'),
+    ("mistralai-Mistral-Nemo-Instruct-2407.jinja",
+     '[TOOL_CALLS][{"name": "say", "arguments": {"text": "hi"}, "id": "a1B2c3D4e"}]')])
+def test_llama_and_mistral_formats_run_on_edgellm(edge_cfg, script, tiny_models, tmp_path, template, answer):
+    """A model whose chat template is Llama 3.2's or Mistral Nemo's (moved to chat_template.jinja by Edge-LLM's
+    export, as `spec-edge build` leaves it): a tools request goes out as the CPU path's prompt with that format's
+    structural tag, and its answer comes back as the CPU path's ToolCalls (Mistral: the model's id kept), finish_reason
+    tool_calls, no markup in the content; a text answer under auto stays text."""
+    tok = _tokenizer(tiny_models)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_models["target"], model)
+    meta = json.loads((model / "tokenizer_config.json").read_text())
+    meta["chat_template"] = (TEMPLATES / template).read_text()
+    (model / "tokenizer_config.json").write_text(json.dumps(meta))
+    engine = _engine(edge_cfg, script, **{"model.target": str(model), "runtime.profile": "edge-" + template[:12],
+                                          "graphs.max_context": 2048})  # Llama's template indents the tools' JSON
+    assert (engine.dirs.engine_dir / "chat_template.jinja").read_text() == (TEMPLATES / template).read_text()
+    fmt = engine.front.tool_format
+    assert isinstance(fmt, LlamaJsonFormat if "llama" in template else MistralFormat)
+    cpu = Front(engine.cfg, Tokenizer(model), engine.front.caps, engine.front.compile)  # the CPU path's front
+    for choice, reply in (("required", answer), ("auto", answer), ("auto", " Hello there.")):
+        script.reply = lambda call: Reply(tok.encode(reply))
+        request = GenerateRequest(messages=(("user", "Greet them."),), tools=robot_tools(), tool_choice=choice)
+        pieces: list[str] = []
+        result = run_one(engine, request, on_text=lambda delta, n: pieces.append(delta))
+        [item] = script.calls[-1].requests
+        assert item.messages[0].contents[0].content == cpu.chat_text(request)
+        assert item.guided_decoding.type.name == "STRUCTURAL_TAG"
+        assert json.loads(item.guided_decoding.guide) == fmt.structural_tag(_schemas(robot_tools()), choice, True)
+        if reply == answer:
+            assert result.finish_reason == "tool_calls" and result.text == "" and "".join(pieces) == ""
+            [call] = result.tool_calls
+            assert (call.name, json.loads(call.arguments)) == ("say", {"text": "hi"})
+            assert call.id == "a1B2c3D4e" if "Mistral" in template else re.fullmatch(r"call_[0-9a-f]{24}", call.id)
+        else:
+            assert result.finish_reason == "eos" and result.tool_calls == []
+            assert result.text.strip() == "Hello there." and "".join(pieces).strip() == "Hello there."
+
+
 def test_tool_calls_refuse_what_edgellm_cannot_enforce(edge_cfg, script):
-    """A tool schema keyword the binary's XGrammar accepts without enforcing, and a call syntax other than the
-    <tool_call> blocks, are refused with runtime.backend: onnxruntime named; the structural tag Edge-LLM refuses is
-    its reason."""
+    """A tool schema keyword the binary's XGrammar accepts without enforcing is refused with runtime.backend:
+    onnxruntime named; the structural tag Edge-LLM refuses is its reason."""
     engine = _engine(edge_cfg, script)
     rt = engine.rt
     with pytest.raises(RequestError, match="say's parameters .*uniqueItems.* runtime.backend: onnxruntime"):
         tool_guide(rt, engine.front.tool_format, {"say": {"type": "object", "properties": {
             "words": {"type": "array", "uniqueItems": True}}}}, "auto", True)
-    with pytest.raises(RequestError, match="object syntax run on runtime.backend: onnxruntime"):
-        tool_guide(rt, object(), _schemas(robot_tools()), "auto", True)
     script.validate = lambda params: (False, "guided_decoding.structural_tag is too large")
     with pytest.raises(RequestError, match="structural_tag is too large"):
         engine.front.prepare(GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="none"))

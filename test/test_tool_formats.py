@@ -3,7 +3,9 @@ each with where it came from): Llama 3.1 / 3.2 JSON calls and Mistral `[TOOL_CAL
 tokenizer and model run with the fixture template substituted for its own (no such model is available offline):
 the template picks the format, renders tools, earlier calls and tool results without error, the grammar of each
 tool_choice forces calls that parse and validate, the parser returns calls with ids the template accepts, and
-greedy answers under speculation equal the target-only answer token for token."""
+greedy answers under speculation equal the target-only answer token for token. Each format's XGrammar structural
+tag (Edge-LLM's constraint) is checked against its Lark grammar: the calls it spells are ones the grammar accepts,
+for the tools the tool_choice allows, with text where the grammar allows text."""
 from __future__ import annotations
 
 import json
@@ -18,7 +20,8 @@ from spec_edge.runtime.front import Front
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, ToolCall
 from spec_edge.runtime.scheduler import run_one
 from spec_edge.runtime.tokenizer import Tokenizer
-from spec_edge.runtime.tool_format import HermesFormat, LlamaJsonFormat, MistralFormat, mistral_id, tool_specs
+from spec_edge.runtime.tool_format import (HermesFormat, LlamaJsonFormat, MistralFormat, arguments_schema,
+                                           mistral_id, tool_specs)
 from speculated import assert_speculated
 from test_tools import robot_tools, valid
 
@@ -188,6 +191,69 @@ def test_mistral_grammar_with_the_tool_calls_token(engine):
         ids = engine.tokenizer.encode("Hi [x]")
         assert text.admitted(ids) == len(ids) and text.admitted([token]) == (choice == "auto")
         assert text.admitted(engine.tokenizer.encode("[")) == 0
+
+
+def _nodes(node):
+    """Every format object of a structural tag (not the tools' JSON Schemas)."""
+    if isinstance(node, dict):
+        yield node
+        for key, value in node.items():
+            if key != "json_schema":
+                yield from _nodes(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _nodes(value)
+
+
+ARGS = {"move_to": {"place": "kitchen"}, "pick": {"object": "cup"}, "say": {"text": "hi"}}
+
+
+@pytest.mark.parametrize("family", ["generic", "llama", "mistral-spaced", "mistral-nemo", "mistral-token"])
+def test_each_format_spells_its_grammar_as_a_structural_tag(engine, family):
+    """The structural tag of each tool_choice (Edge-LLM's constraint) and the Lark grammar (the CPU path's) speak of
+    the same calls: every call the tag spells (its tags' begin, arguments of the tool's schema, end) is an answer
+    the grammar accepts, for exactly the tools the choice allows; text where (and only where) the grammar takes
+    text; one call, or several with parallel_tool_calls (never for Llama). Mistral's [TOOL_CALLS] token (SmolLM2's
+    <|im_start|> stands for it) is a `token` of the tag, named by its text. xgrammar is not a dependency: the
+    languages were compared string by string with xgrammar 0.2.1 (docs/tensorrt.md, "Tool calls on Edge-LLM")."""
+    token = engine.tokenizer.token_id("<|im_start|>")
+    fmt = {"generic": HermesFormat(native=False), "llama": LlamaJsonFormat(),
+           "mistral-spaced": MistralFormat(spaced=True, token=None),
+           "mistral-nemo": MistralFormat(spaced=False, token=None),
+           "mistral-token": MistralFormat(spaced=True, token=token)}[family]
+    schemas = {t.name: json.loads(t.parameters) for t in robot_tools()}
+    encode = engine.tokenizer.encode
+
+    def message(call: str) -> list[int]:  # one call as the whole answer
+        if not isinstance(fmt, MistralFormat):
+            return encode(call)
+        opener = [token] if fmt.token is not None else encode(fmt.opener)
+        return opener + encode((" [" if fmt.spaced else "[") + call + "]")
+
+    def accepts(grammar: str, ids: list[int]) -> bool:
+        constraint = engine.grammars.constraint("grammar", grammar)
+        return constraint.admitted(ids) == len(ids) and (constraint.consume(ids) or constraint.complete)
+
+    for choice in ("none", "auto", "required", "say"):
+        for parallel in (False, True):
+            tag, grammar = fmt.structural_tag(schemas, choice, parallel), fmt.grammar(schemas, choice, parallel)
+            assert tag["type"] == "structural_tag" and json.loads(json.dumps(tag)) == tag
+            nodes = list(_nodes(tag["format"]))
+            tags = [n for n in nodes if n["type"] == "tag"]
+            names = [re.search(r'"name": "(\w+)"', t["begin"]).group(1) for t in tags]
+            assert names == {"none": [], "say": ["say"]}.get(choice, list(schemas)), (choice, names)
+            for name, t in zip(names, tags):
+                assert accepts(grammar, message(t["begin"] + json.dumps(ARGS[name]) + t["end"])), (choice, t)
+                [arguments] = [n for n in _nodes(t["content"]) if n["type"] == "json_schema"]
+                assert arguments["json_schema"] == arguments_schema(schemas[name])
+            texts = choice in ("none", "auto")
+            in_calls = {id(x) for t in tags for x in _nodes(t)}  # (Mistral's id is a regex inside a call)
+            assert any(n["type"] in ("any_text", "regex") and id(n) not in in_calls for n in nodes) == texts
+            assert accepts(grammar, encode("Hello there.")) == texts
+            several = [n["stop_after_first"] for n in nodes if n["type"] == "tags_with_separator"]
+            assert several == ([] if isinstance(fmt, LlamaJsonFormat) or choice == "none" else [not parallel])
+            if family == "mistral-token" and choice != "none":
+                assert {"type": "token", "token": "[TOOL_CALLS]"} in nodes
 
 
 @pytest.mark.parametrize("name", [LLAMA32, NEMO])

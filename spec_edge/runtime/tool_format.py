@@ -1,7 +1,7 @@
 """Tool calls in one model family's syntax (docs/tools.md): a ToolFormat renders the tools, the assistant's earlier
-calls and the tool results into the prompt, builds the grammar of a request's tool_choice (llguidance Lark, with
-each tool's arguments as an embedded JSON Schema: a call always parses and validates), and parses the output into
-content text and ToolCalls.
+calls and the tool results into the prompt, builds the constraint of a request's tool_choice in two spellings of one
+language (an llguidance Lark grammar for the CPU path, an XGrammar structural tag for Edge-LLM; each tool's arguments
+its JSON Schema: a call always parses and validates), and parses the output into content text and ToolCalls.
 
 Three families, picked by for_template from the model's chat template:
 - HermesFormat: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks after optional text, rendered by
@@ -109,19 +109,75 @@ def template_turns(messages: Sequence[ChatMessage], call_id: Callable[[str], str
         | ({"tool_call_id": call_id(m.tool_call_id)} if m.role == "tool" else {}) for m in messages]
 
 
+def callable_names(schemas: dict[str, dict], choice: str) -> list[str]:
+    """The tools a call may name under tool_choice (a tool's name: that one; else all)."""
+    return [choice] if choice in schemas else list(schemas)
+
+
+def arguments_schema(schema: dict) -> dict:
+    """The JSON Schema a call's arguments are held to: the tool's, with its properties only unless it says otherwise
+    (OpenAI's strict mode does the same)."""
+    return {"additionalProperties": False, **schema}
+
+
+def call_head(name: str, key: str) -> str:
+    """The start of a JSON call object up to its arguments: `{"name": N, "<key>": `."""
+    return '{"name": ' + json.dumps(name) + f', "{key}": '
+
+
 def call_bodies(schemas: dict[str, dict], choice: str, key: str, tail: str = "") -> list[str]:
     """Lark rules `body` (one call object of any tool, or of the named one): `{"name": N, "<key>": ARGS<tail>}`,
     ARGS the tool's JSON Schema (%json), tail a rule name (optional, after the arguments) or ""."""
-    names = [choice] if choice in schemas else list(schemas)
+    names = callable_names(schemas, choice)
     rules = [f"body: {' | '.join(f'body_{i}' for i in range(len(names)))}"]
     for i, name in enumerate(names):
-        # arguments hold the schema's properties only, unless it says otherwise (OpenAI's strict mode does the same)
-        schema = {"additionalProperties": False, **schemas[name], "x-guidance": JSON_LAYOUT}
+        schema = {**arguments_schema(schemas[name]), "x-guidance": JSON_LAYOUT}
         schema = json.dumps(schema).replace("::=", "\\u003a:=")  # not GBNF
-        head = '{"name": ' + json.dumps(name) + f', "{key}": '
-        rules.append(f'body_{i}: {lark_literal(head)} args_{i}{" " + tail + "?" if tail else ""} "}}"')
+        rules.append(f'body_{i}: {lark_literal(call_head(name, key))} args_{i}{" " + tail + "?" if tail else ""} "}}"')
         rules.append(f"args_{i}: %json {schema}")
     return rules
+
+
+# XGrammar structural tags (the xgrammar 0.2 format that Edge-LLM's binary vendors: docs/tensorrt.md, "Tool calls on
+# Edge-LLM"): each format's structural_tag spells its grammar's language with these pieces.
+def xg_text(text: str) -> dict:
+    return {"type": "const_string", "value": text}
+
+
+def xg_regex(pattern: str) -> dict:
+    return {"type": "regex", "pattern": pattern}
+
+
+def xg_any_of(*elements: dict) -> dict:
+    return {"type": "or", "elements": list(elements)}
+
+
+def xg_sequence(*elements: dict) -> dict:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def xg_structural_tag(fmt: dict) -> dict:
+    return {"type": "structural_tag", "format": fmt}
+
+
+def call_tags(schemas: dict[str, dict], choice: str, around: Callable[[str], tuple[str, str]],
+              tail: dict | None = None) -> list[dict]:
+    """XGrammar `tag`s, one per tool a call may name: around(name) = (begin, end) of the call, between them the
+    arguments (arguments_schema) and, where given, an optional tail."""
+    tags = []
+    for name in callable_names(schemas, choice):
+        begin, end = around(name)
+        content = {"type": "json_schema", "json_schema": arguments_schema(schemas[name])}
+        if tail is not None:
+            content = xg_sequence(content, {"type": "optional", "content": tail})
+        tags.append({"type": "tag", "begin": begin, "end": end, "content": content})
+    return tags
+
+
+def tag_calls(tags: list[dict], separator: str, parallel: bool) -> dict:
+    """One call of the tags, or (parallel) one or more separated by separator."""
+    return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
+            "stop_after_first": not parallel}
 
 
 def decode_objects(text: str, at: int) -> list[dict]:
@@ -148,6 +204,9 @@ class ToolFormat(Protocol):
 
     def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
         """The Lark grammar of the output under tool_choice (tools given)."""
+
+    def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
+        """grammar's language as an XGrammar structural tag (the constraint on Edge-LLM)."""
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """(the content without call markup, the complete calls with ids) of an output."""
@@ -200,6 +259,16 @@ class HermesFormat:
                  f"start: FREE | OPENED {calls}\nOPENED: FREE {lark_literal(self.opener)}\n{free}")
         return "\n".join([start] + rules) + "\n"
 
+    def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
+        """grammar's language as an XGrammar structural tag: the free text an `any_text` without the opener, each
+        call a `tag` of its block around the arguments, calls separated by a newline."""
+        free = {"type": "any_text", "excludes": [self.opener.strip()]}
+        if choice == "none":
+            return xg_structural_tag(free)
+        calls = tag_calls(call_tags(schemas, choice, lambda name: tuple(self.block(name, "\0").split("\0"))),
+                          NEWLINE, parallel)
+        return xg_structural_tag(calls if choice != "auto" else xg_any_of(free, xg_sequence(free, calls)))
+
     # -- the output
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content without call markup, the complete calls) of an output; ids new."""
@@ -220,9 +289,10 @@ class HermesFormat:
 
 
 def leading_text(opener: str) -> str:
-    """A Lark terminal TEXT of answers that do not start like a call: optional whitespace, then nothing or a
-    character other than the opener's first (so text and a call part at their first visible character)."""
-    return f"TEXT: /\\s*([^{re.escape(opener[0])}\\s](.|\\n)*)?/"
+    """The regular expression (Python's, and XGrammar's) of answers that do not start like a call: optional
+    whitespace, then nothing or a character other than the opener's first (so text and a call part at their first
+    visible character)."""
+    return f"\\s*([^{re.escape(opener[0])}\\s][\\s\\S]*)?"
 
 
 class LlamaJsonFormat:
@@ -242,11 +312,20 @@ class LlamaJsonFormat:
         return tokenizer.render_chat(template_turns(messages), tools=tool_specs(tools) or None)
 
     def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
-        text = leading_text(self.opener)
+        text = f"TEXT: /{leading_text(self.opener)}/"
         if choice == "none":
             return f"start: TEXT\n{text}\n"
         start = "start: body" if choice != "auto" else f"start: body | TEXT\n{text}"
         return "\n".join([start] + call_bodies(schemas, choice, "parameters")) + "\n"
+
+    def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
+        """grammar's language as an XGrammar structural tag: one call `tag` (its JSON object around the arguments),
+        or (auto) that or the text regex."""
+        text = xg_regex(leading_text(self.opener))
+        if choice == "none":
+            return xg_structural_tag(text)
+        call = xg_any_of(*call_tags(schemas, choice, lambda name: (call_head(name, "parameters"), "}")))
+        return xg_structural_tag(call if choice != "auto" else xg_any_of(call, text))
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.lstrip()
@@ -268,6 +347,7 @@ class MistralFormat:
     where it has one (token: its id; decoding skips it as a special token), else the text. Ids going to the
     template are mapped to 9 letters and digits (mistral_id), which its templates require."""
     opener = "[TOOL_CALLS]"
+    ID = "[A-Za-z0-9]{9}"  # a call id (the templates check for 9 characters)
 
     def __init__(self, spaced: bool, token: int | None):
         self.spaced, self.token = spaced, token
@@ -276,15 +356,33 @@ class MistralFormat:
         return tokenizer.render_chat(template_turns(messages, mistral_id), tools=tool_specs(tools) or None)
 
     def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
-        text = leading_text("[") + " & ~/(.|\\n)*" + re.escape(self.opener) + "(.|\\n)*/"
+        text = f"TEXT: /{leading_text('[')}/ & ~/(.|\\n)*{re.escape(self.opener)}(.|\\n)*/"
         if choice == "none":
             return f"start: TEXT\n{text}\n"
         opener = f"<[{self.token}]>" if self.token is not None else lark_literal(self.opener)
         more = f' ({lark_literal(", ")} body)*' if parallel else ""
         calls = f"{opener} {lark_literal(' [' if self.spaced else '[')} body{more} \"]\""
         start = f"start: {calls}" if choice != "auto" else f"start: {calls} | TEXT\n{text}"
-        ids = ['call_id: ", \\"id\\": \\"" ID "\\""', "ID: /[A-Za-z0-9]{9}/"]
+        ids = ['call_id: ", \\"id\\": \\"" ID "\\""', f"ID: /{self.ID}/"]
         return "\n".join([start] + call_bodies(schemas, choice, "arguments", "call_id") + ids) + "\n"
+
+    def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
+        """grammar's language as an XGrammar structural tag: the opener (a `token`, named by its text, where the
+        tokenizer has it as one: Edge-LLM gives XGrammar every token's piece, special ones included), the list's
+        calls as `tag`s (the JSON object around the arguments and the optional id) separated by ", "; the text:
+        whitespace, or a first visible character other than `[` and then `any_text` without the opener."""
+        text = xg_any_of(xg_regex("\\s*"), xg_sequence(xg_regex("\\s*[^\\[\\s]"),
+                                                         {"type": "any_text", "excludes": [self.opener]}))
+        if choice == "none":
+            return xg_structural_tag(text)
+        call_id = xg_sequence(xg_text(', "id": "'), xg_regex(self.ID), xg_text('"'))
+        calls = xg_sequence(
+            {"type": "token", "token": self.opener} if self.token is not None else xg_text(self.opener),
+            xg_text(" [" if self.spaced else "["),
+            tag_calls(call_tags(schemas, choice, lambda name: (call_head(name, "arguments"), "}"), call_id),
+                      ", ", parallel),
+            xg_text("]"))
+        return xg_structural_tag(calls if choice != "auto" else xg_any_of(calls, text))
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.lstrip()

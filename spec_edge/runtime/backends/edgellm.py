@@ -24,8 +24,9 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
   json_schema / regex -> GuidedDecodingParams(JSON_SCHEMA / REGEX); a GBNF grammar (`::=` rules) -> EBNF (XGrammar
       reads GBNF-style EBNF); the front refuses a Lark grammar, naming runtime.backend: onnxruntime.
   tools / tool_choice / parallel_tool_calls, assistant tool_calls and tool turns -> rendered into the prompt by OUR tool
-      format (runtime/tool_format.py, as on the CPU path), and the call syntax constrained by an XGrammar structural
-      tag (tool_guide: GuidedDecodingParams(STRUCTURAL_TAG), each tool's arguments its JSON Schema); the output is
+      format (runtime/tool_format.py, as on the CPU path: Hermes blocks, Llama 3.1/3.2 JSON, Mistral), and the call
+      syntax constrained by the format's XGrammar structural tag, its Lark grammar's language (tool_guide:
+      GuidedDecodingParams(STRUCTURAL_TAG), each tool's arguments its JSON Schema); the output is
       split into text and ToolCalls (ids ours, tool_format.new_call_id) by the same format, finish_reason tool_calls.
       Edge-LLM's own tool fields (LLMGenerationRequest.tools / tool_choice / parallel_tool_calls, Message.tool_calls /
       tool_call_id) are left unset: they only feed its chat template, which apply_chat_template=False bypasses, and
@@ -70,7 +71,7 @@ from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
-from spec_edge.runtime.tool_format import HermesFormat
+from spec_edge.runtime.tool_format import ToolFormat
 
 EDGELLM_VERSION = edgellm_layout.EDGELLM_VERSION
 EDGELLM_DRAFTERS = ("none", "eagle3")  # config.BACKEND_DRAFTERS["tensorrt"]
@@ -192,43 +193,19 @@ def guide(rt: ModuleType, kind: str, text: str):
     return params
 
 
-def call_structural_tag(fmt: HermesFormat, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
-    """The XGrammar structural tag (the xgrammar 0.2 format the binary vendors) of the output under tool_choice, the
-    same language as fmt.grammar's Lark: `none` text without the call opener; `auto` that text, then optionally
-    calls up to the end; `required` / a tool's name only calls. Calls are fmt's blocks (fmt.block around the
-    arguments), one or, with parallel, several separated by a newline; arguments valid against the tool's schema
-    (its properties only, unless it says otherwise, as on the CPU path)."""
-    free = {"type": "any_text", "excludes": [fmt.opener.strip()]}
-    if choice == "none":
-        return {"type": "structural_tag", "format": free}
-    tags = []
-    for name in [choice] if choice in schemas else list(schemas):
-        begin, end = fmt.block(name, "\0").split("\0")
-        tags.append({"type": "tag", "begin": begin, "end": end, "content": {
-            "type": "json_schema", "json_schema": {"additionalProperties": False, **schemas[name]}}})
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-             "stop_after_first": not parallel}
-    if choice == "auto":
-        calls = {"type": "or", "elements": [free, {"type": "sequence", "elements": [free, calls]}]}
-    return {"type": "structural_tag", "format": calls}
-
-
-def tool_guide(rt: ModuleType, fmt, schemas: dict[str, dict], choice: str, parallel: bool):
-    """The GuidedDecodingParams of a request's tool calls (Front.compile_tools): call_structural_tag, each tool's
-    schema first checked as Edge-LLM checks a json_schema guide (validate_guided_decoding_params: a keyword XGrammar
-    accepts but does not enforce is refused; the structural tag itself is only checked to be JSON). RequestError
-    naming runtime.backend: onnxruntime for what it cannot do."""
-    if not isinstance(fmt, HermesFormat):
-        raise RequestError(f"tool calls in the {type(fmt).__name__} syntax run on runtime.backend: onnxruntime only "
-                           "(Edge-LLM's tool calls are constrained as <tool_call> blocks): send the request to a node "
-                           "with runtime.backend: onnxruntime")
+def tool_guide(rt: ModuleType, fmt: ToolFormat, schemas: dict[str, dict], choice: str, parallel: bool):
+    """The GuidedDecodingParams of a request's tool calls (Front.compile_tools): the format's structural tag (its
+    grammar's language, tool_format.ToolFormat.structural_tag), each tool's schema first checked as Edge-LLM checks a
+    json_schema guide (validate_guided_decoding_params: a keyword XGrammar accepts but does not enforce is refused;
+    the structural tag itself is only checked to be JSON). RequestError naming runtime.backend: onnxruntime for what
+    it cannot do."""
     for name, schema in schemas.items():
         try:
             guide(rt, "json_schema", json.dumps(schema))
         except RequestError as err:
             raise RequestError(f"tools: {name}'s parameters cannot be enforced by Edge-LLM ({err}): send such a tool "
                                "to a node with runtime.backend: onnxruntime, or drop the keyword") from None
-    return guide(rt, "structural_tag", json.dumps(call_structural_tag(fmt, schemas, choice, parallel)))
+    return guide(rt, "structural_tag", json.dumps(fmt.structural_tag(schemas, choice, parallel)))
 
 
 class EdgeLLMEngine:
