@@ -7,7 +7,7 @@ on and off, and, given --llama-server, llama.cpp's `llama-server` on the same GG
 
     ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST ROS_DOMAIN_ID=77 PYTHONPATH=$PWD .venv/bin/python bench/tool_calls.py
         [--config config/default.yaml] [--engine-dir engines] [--cli] [--ros] [--llama-server PATH]
-        [--out bench/results/tool_calls.json]
+        [--llama-threads N] [--out bench/results/tool_calls.json]
 
 Per path: calls that parse (JSON arguments, a known tool) and validate (the tool's schema, llguidance's matcher),
 out of 20. In process (same engine, greedy, alone): median latency per answer, tok/s, and the share of each call's
@@ -78,6 +78,8 @@ def main() -> int:
     parser.add_argument("--ros", action="store_true", help="also through the node's service (`spec-edge ask` each)")
     parser.add_argument("--llama-server", type=Path, metavar="PATH",
                         help="llama.cpp's llama-server binary: adds the LLAMA_ROWS (built apart: docs/bench.md)")
+    parser.add_argument("--llama-threads", type=int, default=0,
+                        help="llama-server's -t/-tb (default 0: runtime.threads, ours, matched)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from spec_edge import artifacts, config as cfgmod
@@ -112,8 +114,10 @@ def main() -> int:
         if args.llama_server:
             from doors import llama_server, stop
 
+            threads = {"runtime.threads": args.llama_threads} if args.llama_threads else {}
             for j, (name, extra) in enumerate(LLAMA_ROWS.items()):
-                server, base, version = llama_server(args.llama_server, cfg, Path(tmp), name=f"llama{j}", extra=extra)
+                server, base, version = llama_server(args.llama_server, cfg.replace(**threads), Path(tmp),
+                                                     name=f"llama{j}", extra=extra)
                 servers.callback(stop, server)
                 systems[name] = through_llama(openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=600),
                                               openai_tools, valid)
@@ -180,8 +184,9 @@ def main() -> int:
 
 
 def through_llama(client, openai_tools: list[dict], valid):
-    """one(text) -> row: a tool_choice required call to a llama-server (greedy), timed by the server (prompt +
-    generation ms, its tok/s) and by the client (the HTTP call's wall time)."""
+    """one(text) -> row: a tool_choice required call to a llama-server (greedy; parallel calls allowed, as ours by
+    default), timed by the server (prompt + generation ms, its tok/s) and by the client (the HTTP call's wall
+    time)."""
     import openai
 
     def one(text: str) -> dict:
@@ -189,7 +194,7 @@ def through_llama(client, openai_tools: list[dict], valid):
         try:
             answer = client.chat.completions.create(
                 model="smollm2", messages=[{"role": "user", "content": text}], tools=openai_tools,
-                tool_choice="required", max_tokens=MAX_NEW, temperature=0)
+                tool_choice="required", parallel_tool_calls=True, max_tokens=MAX_NEW, temperature=0)
         except openai.APIError as err:  # e.g. its parser refusing the output: not a call
             return {"ok": False, "s": time.perf_counter() - started, "http_s": time.perf_counter() - started,
                     "tok_s": 0.0, "tokens": 0, "prompt_tokens": 0, "calls": [], "text": "", "error": str(err)[:300],
