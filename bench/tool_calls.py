@@ -97,6 +97,7 @@ def main() -> int:
     report: dict = {"instructions": len(instructions), "profile": cfg.runtime.profile, "weights": cfg.graphs.weights,
                     "drafter": cfg.speculative.drafter, "k": cfg.speculative.k, "load1_before": os.getloadavg()[0]}
     openai_tools = json.loads(TOOLS.read_text())
+
     def alone(text: str, forced: bool):
         return run_one(engine, GenerateRequest(messages=(("user", text),), tools=tools, tool_choice="required",
                                                max_new_tokens=MAX_NEW, forced_drafts=forced))
