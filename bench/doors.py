@@ -1,10 +1,11 @@
 """One node through each of its doors, side by side in one run: in process (a Scheduler over the engine, no door),
 the ROS door (the action, streamed: bench/_stream_client.py processes), the HTTP door (the official `openai` client,
-streamed, one thread per client) of the same node process, and llama.cpp's own OpenAI server (`python -m
-llama_cpp.server`, llama-cpp-python) on the same GGUF with the same HTTP clients where it is installed.
+streamed, one thread per client) of the same node process, and, given --llama-server, llama.cpp's own OpenAI server
+(its `llama-server` binary, built apart: docs/bench.md) on the same GGUF with the same HTTP clients.
 
     ROS_DOMAIN_ID=74 PYTHONPATH=$PWD .venv/bin/python bench/doors.py [--params config/default.yaml]
-        [--clients 1 4] [--prompts 4] [--max-new-tokens 64] [--rounds 3] [--out bench/results/doors.json]
+        [--clients 1 4] [--prompts 4] [--max-new-tokens 64] [--rounds 3] [--llama-server PATH]
+        [--out bench/results/doors.json]
 
 Per system and N clients: N clients start at one instant, each streaming the prompts i, i+N, ... of the first
 --prompts quick prompts of bench/prompts.jsonl (greedy) one after another. TTFT (median, first text), decode tok/s
@@ -157,27 +158,37 @@ def start_node(params: Path, tmp: Path) -> tuple[subprocess.Popen, str, str]:
     return server, f"http://127.0.0.1:{port}/v1", profile
 
 
-def llama_server(gguf: Path, tmp: Path) -> tuple[subprocess.Popen | None, str]:
-    """llama.cpp's OpenAI server on the GGUF: (process, base URL), or (None, why not)."""
-    try:
-        import llama_cpp.server  # noqa: F401
-    except ImportError as err:
-        return None, f"llama.cpp server skipped: {err} (pip install 'llama-cpp-python[server]' builds llama.cpp)"
+def llama_server(binary: Path, cfg, tmp: Path, *, name: str = "llama", slots: int = 1,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str]:
+    """llama.cpp's own OpenAI server (the `llama-server` binary at `binary`, model alias `smollm2`) on loopback at a
+    free port, matched to cfg: its GGUF (model.target), graphs.max_context tokens of KV per slot (`-c` that times
+    slots, `-np slots`), runtime.threads (0: one per core, as ONNX Runtime's pool) for decode and prompt (`-t`, `-tb`);
+    `--jinja` (its chat templates and tool calls), plus extra arguments; its log in tmp/<name>.log. (process, base
+    URL, `binary --version`'s version line). Exits with the log's tail when it does not answer /health within 5 min."""
     import httpx
 
+    from spec_edge.graphs.weights import resolve
+
+    gguf, ctx, threads = resolve(cfg.model.target), cfg.graphs.max_context, cfg.runtime.threads or os.cpu_count() or 1
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--port", str(port),
-                               "--n_ctx", "1024", "--model_alias", "smollm2"], stdout=(tmp / "llama.log").open("w"),
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    log = tmp / f"{name}.log"
+    version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    version = next((line for line in (version.stdout + version.stderr).splitlines() if line.startswith("version")),
+                   "version unknown")
+    server = subprocess.Popen([str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--jinja",
+                               "--ctx-size", str(ctx * slots), "--parallel", str(slots), "--threads", str(threads),
+                               "--threads-batch", str(threads), "--alias", "smollm2", "--no-webui", *extra],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while server.poll() is None and time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 200:
-                return server, f"http://127.0.0.1:{port}/v1"
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return server, f"http://127.0.0.1:{port}/v1", version
         except httpx.HTTPError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     stop(server)
-    return None, f"llama.cpp server did not start:\n{(tmp / 'llama.log').read_text()[-2000:]}"
+    raise SystemExit(f"llama-server did not start ({' '.join(server.args)}):\n{log.read_text()[-2000:]}")
 
 
 def stop(server: subprocess.Popen) -> None:
@@ -188,7 +199,6 @@ def stop(server: subprocess.Popen) -> None:
 
 def main() -> int:
     from spec_edge import config as cfgmod
-    from spec_edge.graphs.weights import resolve
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", default=str(ROOT / "config" / "default.yaml"))
@@ -196,6 +206,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (every system at every N)")
+    parser.add_argument("--llama-server", type=Path, metavar="PATH",
+                        help="llama.cpp's llama-server binary: adds its row (the same GGUF, context and threads)")
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args()
     params = Path(args.params)
@@ -207,14 +219,16 @@ def main() -> int:
         run_here, stop_here = in_process(cfg, prompts, args.max_new_tokens)
         reference = {a["prompt"]: a["text"] for a in run_here(1)[0]}
         node, base, model = start_node(params, Path(tmp))
-        llama, note = llama_server(resolve(cfg.model.target), Path(tmp))
+        llama, note = None, "llama.cpp server skipped: no --llama-server"
+        if args.llama_server:
+            llama, llama_base, version = llama_server(args.llama_server, cfg, Path(tmp), slots=max(args.clients))
+            note = f"llama.cpp server: {args.llama_server} {version}, Q4_1 (the GGUF's own weights)"
         try:
             systems = {"in process": run_here,
                        "HTTP door": http_system(base, model, "bench", prompts, args.max_new_tokens),
                        "ROS door": ros_system(prompts, args.max_new_tokens)}
             if llama is not None:
-                systems["llama.cpp server"] = http_system(note, "smollm2", "none", prompts, args.max_new_tokens)
-                note = ""
+                systems["llama.cpp server"] = http_system(llama_base, "smollm2", "none", prompts, args.max_new_tokens)
             for r in range(args.rounds):  # interleaved: the machine's drift falls on every system alike
                 for n in args.clients:
                     for name, run in systems.items():
