@@ -38,14 +38,39 @@ def settle(choice: KChoice, costs: CallCosts, step_width: int, accepted, iterati
 
 @pytest.mark.parametrize("costs,step_width", [(Q4, 2), (FP32, 1)])
 def test_always_wrong_settles_at_plain_and_probes_rarely(costs, step_width):
-    ks = settle(KChoice((2, 3, 4)), costs, step_width, lambda d: 0, iterations=200)
+    choice = KChoice((2, 3, 4))
+    ks = settle(choice, costs, step_width, lambda d: 0, iterations=200)
     first_off = ks.index(0)
     assert first_off < 8 and ks[0] == 4  # starts at the largest k, plain within 8 iterations
     probes = [i for i in range(first_off, len(ks)) if ks[i]]
     assert all(ks[i] == 2 for i in probes)  # a probe drafts the smallest k
-    gap = KChoice((2,)).gap(2, costs, 1, step_width)  # the probe's extra cost over a step, 2 % per iteration
-    assert k_choice.PROBE_GAP <= gap <= k_choice.PROBE_GAP_MAX
-    assert set(np.diff(probes).tolist()) == {gap} and len(probes) <= 200 // gap
+    budget = choice.gap(2, costs, 1, step_width)  # the probe's extra cost over a step, 2 % per iteration
+    assert k_choice.PROBE_GAP < budget <= k_choice.PROBE_GAP_MAX and choice.failed == min(len(probes), 16)
+    gaps = np.diff([first_off - 1] + probes).tolist()  # the first probe PROBE_GAP plain steps after the stop
+    assert gaps[0] == k_choice.PROBE_GAP and gaps[-1] == budget and gaps == sorted(gaps)
+    assert len(probes) <= 200 // budget + 2
+
+
+def test_probes_back_off_and_a_drafter_that_matches_again_is_used_again():
+    """Each probe that fails doubles the gap up to the budget gap (the probe's measured cost, catch-up
+    included, over PROBE_BUDGET): a costly hopeless drafter is tried rarely (6 probes in 400 iterations, not
+    the 100 a fixed gap of PROBE_GAP would make); once it matches again the next probe (at most the budget
+    gap away) starts the back-off over, and the probe after it restarts speculation."""
+    choice, ks = KChoice((2, 4)), []
+    for i in range(600):
+        right = i >= 400
+        k = choice.choose(4, Q4, 1, 2)
+        ks.append(k)
+        if k:  # a probe's proposal catches up on the plain steps' tokens: 30 ms, 3 steps; drafting 2 ms a token
+            choice.drafted(k, 30.0 if choice.probing else 2.0 * k)
+            choice.observe(k, k if right else 0)
+    wrong = [i for i in range(400) if ks[i]][1:]  # the probes (the first iteration ran at the prior's k)
+    budget = (Q4.cost(1, 3, 2) + 30.0 - 10.0) / 10.0 / k_choice.PROBE_BUDGET  # > PROBE_GAP_MAX here
+    assert np.diff(wrong).tolist() == [8, 16, 32, 64, 128, 128] and min(budget, k_choice.PROBE_GAP_MAX) == 128
+    back = next(i for i in range(400, 600) if ks[i])  # the first probe once it matches: at most the gap away
+    assert back - 400 <= k_choice.PROBE_GAP_MAX and choice.failed == 0
+    assert ks[back + 1:back + 5] == [0, 0, 0, 2]  # the next probe soon after
+    assert 0 not in ks[back + 5:] and set(ks[-40:]) == {4}  # used again, up to the largest k
 
 
 @pytest.mark.parametrize("costs,step_width", [(Q4, 2), (FP32, 1)])

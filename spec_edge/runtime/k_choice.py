@@ -22,10 +22,15 @@ Two parts:
               it by KEEP (a drafter that is always wrong stops within 7 verifies where the cheapest verify
               costs 1.1 steps or more; one rejection alone does not stop a drafter accepted half the time).
               At k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot): a
-              probe (one verify at the smallest k) runs every `gap` iterations, so a drafter that starts
-              matching again is used again: gap = the probe's extra cost over a step / PROBE_BUDGET, in
-              [PROBE_GAP, PROBE_GAP_MAX] (a cheap drafter whose probe verify costs 1.2 steps: every 10
-              iterations; a layer-skip drafter costing a quarter step per draft: every 30 or more).
+              probe is one verify at the smallest k. Probes back off: the first comes PROBE_GAP iterations
+              after speculation stopped, and each probe that does not restart it doubles the gap, up to the
+              budget gap = the probe's measured extra cost over a step / PROBE_BUDGET, in [PROBE_GAP,
+              PROBE_GAP_MAX]; a probe whose drafts are all accepted, or speculation running, resets it
+              (one probe rarely lifts a low estimate over plain's: the next few follow soon). A drafter that matches in bursts
+              is tried again soon after it stopped; a hopeless one costs PROBE_BUDGET of a step per
+              iteration at most. A probe's cost is measured, not assumed: its proposal also catches the
+              drafter up on the tokens of the plain steps (a head's cache, ~1 step after 25 steps on q4)
+              and its drafting is layer-skip's whole cost (~0.3 steps per draft token on q4).
               A request starts from the estimates the previous request with the same drafter ended with
               (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
               and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
@@ -52,8 +57,8 @@ PRIOR = 0.5          # a position's acceptance before its first outcome
 MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
 KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
 PROBE_BUDGET = 0.02  # a probe's extra cost over a step, spread over the plain steps between probes: 2 % of a step
-PROBE_GAP = 4        # at least this many iterations at k = 0 between probes
-PROBE_GAP_MAX = 64   # at most this many
+PROBE_GAP = 4        # the first probe after speculation stopped; each probe that fails doubles the gap
+PROBE_GAP_MAX = 128  # the budget gap is at most this many iterations
 FRESH = 0.1          # weight of one live call's time in its row count's level
 
 
@@ -176,6 +181,9 @@ class KChoice:
     draft_ms: float = 0.0      # decayed ms of drafting per draft token
     k: int = -1                # the running k (0 = plain steps); -1: start at the largest
     since_probe: int = 0       # iterations at k = 0 since the last probe (or since k became 0)
+    due: int = PROBE_GAP       # since_probe at which the next probe runs (gap(), set as k becomes 0 and per probe)
+    failed: int = 0            # probes with a rejected draft since speculation ran or a probe's drafts were all accepted
+    probe_ms: float = 0.0      # decayed ms of a probe's proposal, the drafter's catch-up included (0: none yet)
     probing: bool = False      # this iteration's k is a probe
     probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
     probes: int = 0
@@ -194,16 +202,17 @@ class KChoice:
     @classmethod
     def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
         """A new request's choice, starting from where the previous request with the same drafter left its
-        estimates (acceptance per position, drafting cost, running k, the probes' cadence): a drafter that
-        was not repaid starts at plain decoding and probes on schedule, one that was starts at its k. None:
-        the first request (the prior, the largest k)."""
+        estimates (acceptance per position, drafting and probe costs, running k, the probes' cadence and
+        back-off): a drafter that was not repaid starts at plain decoding and probes on schedule, one that
+        was starts at its k. None: the first request (the prior, the largest k)."""
         if previous is None:
             return cls(tuple(ks))
         ks = tuple(sorted(ks))
         accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
         k = previous.k if previous.k in (0, *ks) else ks[-1]
         return cls(ks, accept=accept, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
-                   since_probe=previous.since_probe)
+                   since_probe=previous.since_probe, due=previous.due, failed=previous.failed,
+                   probe_ms=previous.probe_ms)
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k."""
@@ -226,8 +235,10 @@ class KChoice:
 
     def choose(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> int:
         """This iteration's k (0 = a plain step) at most cap (the load policy's k), for rows decoding slots."""
-        rates = self.rates(cap, costs, rows, step_width)
         probed, self.probing, self.probed = self.probed, False, False
+        if self.k == 0 and not probed and self.verifies:  # plain decoding: nothing new to weigh, a probe due?
+            return self._plain(cap)
+        rates = self.rates(cap, costs, rows, step_width)
         if len(rates) < 2 or not self.verifies:  # nothing timed or seen yet (or no k under the cap): the largest
             return max((k for k in self.ks if k <= cap), default=0)
         best = max(rates, key=lambda k: (rates[k], -k))
@@ -246,22 +257,31 @@ class KChoice:
             if new == 0:
                 self.since_probe = 0
         self.k = new
-        self.streak = self.streak + 1 if new else 0
         if new:
+            self.failed = 0
+            self.streak += 1
             return new
+        self.due = self.gap(min(k for k in rates if k), costs, rows, step_width)
+        return self._plain(cap)
+
+    def _plain(self, cap: int) -> int:
+        """At k = 0: a plain step, or a probe at the smallest k when one is due."""
+        self.streak = 0
         self.since_probe += 1
-        probe = min(k for k in rates if k)
-        if self.since_probe >= self.gap(probe, costs, rows, step_width):  # does it match again?
-            self.since_probe, self.probing = 0, True
-            self.probes += 1
-            return probe
-        return 0
+        if self.since_probe < self.due or not (ks := [k for k in self.ks if k <= cap]):
+            return 0
+        self.since_probe, self.probing = 0, True  # does it match again?
+        self.probes += 1
+        return ks[0]
 
     def gap(self, k: int, costs: CallCosts, rows: int, step_width: int) -> int:
-        """Iterations at k = 0 between probes at k: the probe's extra cost over a step / PROBE_BUDGET."""
+        """Iterations at k = 0 before the next probe at k: PROBE_GAP, doubled per failed probe, up to the
+        budget gap = the probe's extra cost over a step (its call, its proposal as measured: catch-up
+        included) / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX]."""
         step = costs.cost(rows, step_width, step_width)
-        extra = (costs.cost(rows, k + 1, step_width) + k * self.draft_ms - step) / step
-        return min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
+        extra = (costs.cost(rows, k + 1, step_width) + (self.probe_ms or k * self.draft_ms) - step) / step
+        budget = min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
+        return min(PROBE_GAP << self.failed, budget)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` drafts accepted the first `accepted`: positions 1..accepted were accepted,
@@ -269,6 +289,8 @@ class KChoice:
         they move toward the last one's estimate, so a k larger than the running one gets tried)."""
         self.verifies += 1
         self.probed = self.probing
+        if self.probing:  # back off after a probe with a rejected draft, start over after one accepted whole
+            self.failed = 0 if accepted == drafted else min(self.failed + 1, 16)
         for i in range(min(accepted + 1, drafted)):
             self.accept[i] += WEIGHT * ((1.0 if i < accepted else 0.0) - self.accept[i])
         if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (at half weight)
@@ -279,14 +301,23 @@ class KChoice:
     def silent(self) -> None:
         """The drafter proposed nothing this iteration: a probe that drafted nothing probes again next time."""
         if self.probing:
-            self.since_probe, self.probes = PROBE_GAP_MAX, self.probes - 1
+            self.since_probe, self.probes = self.due, self.probes - 1
 
     def drafted(self, k: int, ms: float) -> None:
-        """A proposal of at most k drafts took ms. Counted only while speculation runs on (a proposal after
-        plain steps, a probe's or the first, also catches the drafter up on the tokens it has not seen:
-        a cost of switching, not of drafting)."""
-        if k > 0 and self.streak >= 2:
+        """A proposal of at most k drafts took ms. Drafting ms per token counts only while speculation runs
+        on (a proposal after plain steps, a probe's or the first, also catches the drafter up on the tokens
+        it has not seen); a probe's whole proposal is the probe's cost (gap). Until speculation has run on,
+        ms / k stands in for the drafting cost (an upper bound: a drafter that never ran two iterations
+        in a row, e.g. layer-skip, is not taken as free)."""
+        if k <= 0:
+            return
+        if self.streak >= 2:
             self.draft_ms += WEIGHT * (ms / k - self.draft_ms)
+            return
+        if self.probing:
+            self.probe_ms = self.probe_ms + WEIGHT * (ms - self.probe_ms) if self.probe_ms else ms
+        if not self.draft_ms:
+            self.draft_ms = ms / k
 
     def _words(self, rates: dict[int, float], new: int) -> str:
         acceptance = " ".join(f"{a:.2f}" for a in self.accept)
