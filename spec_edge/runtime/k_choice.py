@@ -7,30 +7,34 @@ Two parts:
               row count 1..B at the step width and every verify width, interleaved round by round), then kept
               fresh by the loop, which hands it the time of every call it makes (an exponential average of
               the load level per row count, over the measured ratios between widths).
-  KChoice     one request's choice. It keeps a decayed estimate a_i of the chance that draft i is accepted
-              when drafts 1..i-1 were (per position, weight WEIGHT per observation: a change in the text is
-              followed within a few verifies) and a decayed ms of drafting per draft token. At n decoding
-              slots (the call's rows) it expects, per iteration,
+  KChoice     one request's choice. It keeps two decayed estimates a_i of the chance that draft i is
+              accepted when drafts 1..i-1 were (per position): this stretch's (weight WEIGHT per verify: a
+              change in the text is followed within a few verifies) and the drafter's long run (weight SLOW,
+              carried across requests), and a decayed ms of drafting per draft token. At n decoding slots
+              (the call's rows) it expects, per iteration,
 
                   tokens(k) = 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k      ms(k) = c(n, k+1) + k d
                   rate(k)   = tokens(k) / ms(k)                        rate(0) = 1 / c(n, step width)
 
               over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
-              the load policy (serve.speculate_k_by_load), and runs the best (the largest k until its first
-              verify is seen). Hysteresis: another k > 0 replaces the running one only when its rate is MARGIN
-              higher, speculation starts only when it beats plain by MARGIN and stops once it no longer beats
-              it by KEEP (a drafter that is always wrong stops within 7 verifies where the cheapest verify
-              costs 1.1 steps or more; one rejection alone does not stop a drafter accepted half the time).
+              the load policy (serve.speculate_k_by_load), and runs the best by this stretch's estimate (the
+              largest k until its first verify is seen). Hysteresis: another k > 0 replaces the running one
+              only when its rate is MARGIN higher, speculation starts only when it beats plain by MARGIN, and
+              stops once neither estimate has it beating plain by KEEP: a few rejections in a row pull a
+              five-verify estimate under plain's rate even for a drafter that pays 1.3x on the whole (its
+              estimate alone stopped such a drafter most of the time, test_k_choice.py); a drafter that is
+              always wrong stops within 7 verifies where the cheapest verify costs 1.1 steps or more (its
+              long-run estimate is an average until SLOW takes over: it falls as fast).
               At k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot): a
-              probe is one verify at the smallest k. Probes back off: the first comes PROBE_GAP iterations
-              after speculation stopped, and each probe that does not restart it doubles the gap, up to the
-              budget gap = the probe's measured extra cost over a step / PROBE_BUDGET, in [PROBE_GAP,
-              PROBE_GAP_MAX]; a probe whose drafts are all accepted, or speculation running, resets it
-              (one probe rarely lifts a low estimate over plain's: the next few follow soon). A drafter that matches in bursts
-              is tried again soon after it stopped; a hopeless one costs PROBE_BUDGET of a step per
-              iteration at most. A probe's cost is measured, not assumed: its proposal also catches the
-              drafter up on the tokens of the plain steps (a head's cache, ~1 step after 25 steps on q4)
-              and its drafting is layer-skip's whole cost (~0.3 steps per draft token on q4).
+              probe is one verify at the smallest k, its outcome landing on this stretch's estimate relaxed
+              toward the long-run one by RELAX per plain step before it. Probes back off: the first comes
+              PROBE_GAP iterations after speculation stopped, each probe with a rejected draft doubles the
+              gap, up to the budget gap = the probe's measured extra cost over a step / PROBE_BUDGET, in
+              [PROBE_GAP, PROBE_GAP_MAX]; a probe whose drafts are all accepted, or speculation running,
+              resets it. A drafter that matches in bursts is tried again soon after it stopped; a hopeless
+              one costs PROBE_BUDGET of a step per iteration. A probe's cost is measured, not assumed: its
+              proposal also catches the drafter up on the tokens of the plain steps (a head's cache: ~1 step
+              after 25 plain steps on q4) and is layer-skip's whole drafting (~0.3 steps per draft token).
               A request starts from the estimates the previous request with the same drafter ended with
               (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
               and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
@@ -52,11 +56,13 @@ import numpy as np
 Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
 Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
-WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate
+WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate (this stretch of text)
+SLOW = 0.03          # its weight in the long-run estimate (the drafter's, across requests; 1/n for the first)
+RELAX = 0.05         # per plain step, the stretch's estimate moves this far toward the long-run one
 PRIOR = 0.5          # a position's acceptance before its first outcome
 MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
 KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
-PROBE_BUDGET = 0.02  # a probe's extra cost over a step, spread over the plain steps between probes: 2 % of a step
+PROBE_BUDGET = 0.01  # a probe's extra cost over a step, spread over the plain steps between probes: 1 % of a step
 PROBE_GAP = 4        # the first probe after speculation stopped; each probe that fails doubles the gap
 PROBE_GAP_MAX = 128  # the budget gap is at most this many iterations
 FRESH = 0.1          # weight of one live call's time in its row count's level
@@ -177,11 +183,13 @@ class KChoice:
     """One request's k at every iteration (speculative.k: auto). ks: the k a verify call can carry (the
     runner has its width and the drafter can propose it), ascending, non-empty."""
     ks: tuple[int, ...]
-    accept: list[float] = field(default_factory=list)  # (max k,) a_i: P(draft i accepted | 1..i-1 were)
+    accept: list[float] = field(default_factory=list)  # (max k,) a_i: P(draft i accepted | 1..i-1 were), this stretch
+    mean: list[float] = field(default_factory=list)    # (max k,) the same over the drafter's long run (SLOW)
     draft_ms: float = 0.0      # decayed ms of drafting per draft token
     k: int = -1                # the running k (0 = plain steps); -1: start at the largest
     since_probe: int = 0       # iterations at k = 0 since the last probe (or since k became 0)
     due: int = PROBE_GAP       # since_probe at which the next probe runs (gap(), set as k becomes 0 and per probe)
+    idle: int = 0              # plain steps before the running probe
     failed: int = 0            # probes with a rejected draft since speculation ran or a probe's drafts were all accepted
     probe_ms: float = 0.0      # decayed ms of a probe's proposal, the drafter's catch-up included (0: none yet)
     probing: bool = False      # this iteration's k is a probe
@@ -197,6 +205,7 @@ class KChoice:
             raise ValueError("KChoice needs at least one k")
         self.ks = tuple(sorted(self.ks))
         self.accept = self.accept or [PRIOR] * self.ks[-1]
+        self.mean = self.mean or list(self.accept)
         self.k = self.ks[-1] if self.k < 0 else self.k
 
     @classmethod
@@ -209,28 +218,31 @@ class KChoice:
             return cls(tuple(ks))
         ks = tuple(sorted(ks))
         accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
+        mean = (previous.mean + [PRIOR] * ks[-1])[:ks[-1]]
         k = previous.k if previous.k in (0, *ks) else ks[-1]
-        return cls(ks, accept=accept, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
+        return cls(ks, accept=accept, mean=mean, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
                    since_probe=previous.since_probe, due=previous.due, failed=previous.failed,
                    probe_ms=previous.probe_ms)
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k."""
+    def expected_tokens(self, k: int, estimate: Sequence[float] | None = None) -> float:
+        """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k (a: accept, or estimate)."""
         total, reach = 1.0, 1.0
-        for a in self.accept[:k]:
+        for a in (self.accept if estimate is None else estimate)[:k]:
             reach *= a
             total += reach
         return total
 
-    def rates(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> dict[int, float]:
-        """k -> expected tokens per ms for k = 0 and every k <= cap ({} when the step was never timed)."""
+    def rates(self, cap: int, costs: CallCosts, rows: int, step_width: int,
+              estimate: Sequence[float] | None = None) -> dict[int, float]:
+        """k -> expected tokens per ms for k = 0 and every k <= cap ({} when the step was never timed), from
+        the stretch's acceptance (or estimate)."""
         step = costs.cost(rows, step_width, step_width)
         if not step:
             return {}
         out = {0: 1.0 / step}
         for k in self.ks:
             if k <= cap and (ms := costs.cost(rows, k + 1, step_width)):
-                out[k] = self.expected_tokens(k) / (ms + k * self.draft_ms)
+                out[k] = self.expected_tokens(k, estimate) / (ms + k * self.draft_ms)
         return out
 
     def choose(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> int:
@@ -245,8 +257,9 @@ class KChoice:
         running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
         if running == 0:  # only new evidence restarts speculation, not a cost that moved
             new = best if probed and best and rates[best] > rates[0] * (1 + MARGIN) else 0
-        elif rates[running] < rates[0] * (1 + KEEP):
-            new = 0
+        elif rates[running] < rates[0] * (1 + KEEP) and (
+                (steady := self.rates(cap, costs, rows, step_width, self.mean)).get(running, 0) < steady[0] * (1 + KEEP)):
+            new = 0  # neither this stretch nor the drafter's long run says it pays
         elif best and rates[best] > rates[running] * (1 + MARGIN):
             new = best
         else:
@@ -270,7 +283,7 @@ class KChoice:
         self.since_probe += 1
         if self.since_probe < self.due or not (ks := [k for k in self.ks if k <= cap]):
             return 0
-        self.since_probe, self.probing = 0, True  # does it match again?
+        self.idle, self.since_probe, self.probing = self.since_probe, 0, True  # does it match again?
         self.probes += 1
         return ks[0]
 
@@ -286,17 +299,23 @@ class KChoice:
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` drafts accepted the first `accepted`: positions 1..accepted were accepted,
         position accepted+1 (when drafted) rejected; later positions were not tried (when all were accepted,
-        they move toward the last one's estimate, so a k larger than the running one gets tried)."""
+        they move toward the last one's estimate, so a k larger than the running one gets tried). Both
+        estimates learn it: accept (WEIGHT: this stretch of text) and mean (SLOW: the drafter's long run).
+        A probe's outcome lands on an estimate aged by the plain steps before it: accept relaxes toward
+        mean by RELAX per plain step (what a bad stretch taught fades as the text moves on)."""
         self.verifies += 1
         self.probed = self.probing
         if self.probing:  # back off after a probe with a rejected draft, start over after one accepted whole
             self.failed = 0 if accepted == drafted else min(self.failed + 1, 16)
-        for i in range(min(accepted + 1, drafted)):
-            self.accept[i] += WEIGHT * ((1.0 if i < accepted else 0.0) - self.accept[i])
-        if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (at half weight)
-            last = self.accept[drafted - 1]
-            for i in range(drafted, len(self.accept)):
-                self.accept[i] += WEIGHT / 2 * (last - self.accept[i])
+            keep = (1 - RELAX) ** self.idle
+            self.accept = [m + keep * (a - m) for a, m in zip(self.accept, self.mean)]
+        for estimate, weight in ((self.accept, WEIGHT), (self.mean, max(SLOW, 1 / self.verifies))):
+            for i in range(min(accepted + 1, drafted)):
+                estimate[i] += weight * ((1.0 if i < accepted else 0.0) - estimate[i])
+            if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (half weight)
+                last = estimate[drafted - 1]
+                for i in range(drafted, len(estimate)):
+                    estimate[i] += weight / 2 * (last - estimate[i])
 
     def silent(self) -> None:
         """The drafter proposed nothing this iteration: a probe that drafted nothing probes again next time."""
