@@ -94,6 +94,19 @@ def test_a_drafter_that_pays_in_the_long_run_is_not_stopped_by_a_bad_streak():
     assert tokens / ms * Q4.cost(1, 2, 2) > 1.25 and choice.probes <= 10 and choice.mean[0] == pytest.approx(0.4, abs=0.15)
 
 
+def test_drafts_that_stop_short_do_not_inflate_the_positions_past_them():
+    """An n-gram drafter whose matches run out after 2 tokens, all accepted, when k = 4 was asked: a verify
+    emits 3 tokens at k = 3 and 4 alike, so position 3 counts as not accepted and k = 3, the cheaper call,
+    runs (taking the short window as full made the positions past it follow its last: k = 4 was kept)."""
+    choice = KChoice((3, 4))
+    for _ in range(12):
+        k = choice.choose(4, Q4, 1, 2)
+        choice.drafted(k, 0.01)
+        choice.observe(2, 2, k)
+    assert choice.accept[2] < 0.05 and choice.expected_tokens(4) == pytest.approx(3.0, abs=0.1)
+    assert choice.k == 3
+
+
 @pytest.mark.parametrize("costs,step_width", [(Q4, 2), (FP32, 1)])
 def test_always_right_drafts_the_largest_k(costs, step_width):
     assert set(settle(KChoice((1, 2, 3, 4)), costs, step_width, lambda d: d)) == {4}

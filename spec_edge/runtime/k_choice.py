@@ -296,25 +296,29 @@ class KChoice:
         budget = min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
         return min(PROBE_GAP << self.failed, budget)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A verify of `drafted` drafts accepted the first `accepted`: positions 1..accepted were accepted,
-        position accepted+1 (when drafted) rejected; later positions were not tried (when all were accepted,
-        they move toward the last one's estimate, so a k larger than the running one gets tried). Both
-        estimates learn it: accept (WEIGHT: this stretch of text) and mean (SLOW: the drafter's long run).
-        A probe's outcome lands on an estimate aged by the plain steps before it: accept relaxes toward
-        mean by RELAX per plain step (what a bad stretch taught fades as the text moves on)."""
+    def observe(self, drafted: int, accepted: int, asked: int = 0) -> None:
+        """A verify of `drafted` drafts (the proposal asked for `asked`, 0: as many) accepted the first
+        `accepted`: positions 1..accepted were accepted, position accepted+1 was not, whether drafted and
+        rejected or not drafted at all (a drafter that stops short, an n-gram match running out, emits no
+        more at that position either); later positions were not tried. When a whole full window was
+        accepted, the positions past it move toward the last one's estimate (half weight), so a k larger
+        than the running one gets tried. Both estimates learn it: accept (WEIGHT: this stretch of text)
+        and mean (the drafter's long run: the average of the first 1/SLOW verifies, then SLOW). A probe's
+        outcome lands on an estimate aged by the plain steps before it: accept relaxes toward mean by
+        RELAX per plain step (what a bad stretch taught fades as the text moves on)."""
         self.verifies += 1
         self.probed = self.probing
+        window = max(drafted, asked)
         if self.probing:  # back off after a probe with a rejected draft, start over after one accepted whole
-            self.failed = 0 if accepted == drafted else min(self.failed + 1, 16)
+            self.failed = 0 if accepted == window else min(self.failed + 1, 16)
             keep = (1 - RELAX) ** self.idle
             self.accept = [m + keep * (a - m) for a, m in zip(self.accept, self.mean)]
         for estimate, weight in ((self.accept, WEIGHT), (self.mean, max(SLOW, 1 / self.verifies))):
-            for i in range(min(accepted + 1, drafted)):
+            for i in range(min(accepted + 1, window, len(estimate))):
                 estimate[i] += weight * ((1.0 if i < accepted else 0.0) - estimate[i])
-            if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (half weight)
-                last = estimate[drafted - 1]
-                for i in range(drafted, len(estimate)):
+            if 0 < accepted == window:  # a whole window accepted: the positions past it follow its last (half weight)
+                last = estimate[min(window, len(estimate)) - 1]
+                for i in range(window, len(estimate)):
                     estimate[i] += weight / 2 * (last - estimate[i])
 
     def silent(self) -> None:
