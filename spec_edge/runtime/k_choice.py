@@ -36,8 +36,9 @@ Two parts:
               proposal also catches the drafter up on the tokens of the plain steps (a head's cache: ~1 step
               after 25 plain steps on q4) and is layer-skip's whole drafting (~0.3 steps per draft token).
               A request starts from the estimates the previous request with the same drafter ended with
-              (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
-              and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
+              (KChoice.after, kept by the engine), its stretch estimate at the drafter's long run (a new text):
+              a drafter that pays on the whole starts speculating at once, one that does not starts at plain
+              decoding and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
@@ -211,18 +212,19 @@ class KChoice:
     @classmethod
     def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
         """A new request's choice, starting from where the previous request with the same drafter left its
-        estimates (acceptance per position, drafting and probe costs, running k, the probes' cadence and
-        back-off): a drafter that was not repaid starts at plain decoding and probes on schedule, one that
-        was starts at its k. None: the first request (the prior, the largest k)."""
+        estimates: a new text's stretch is not known yet, so both estimates start at the drafter's long run
+        (and its first choice weighs them, as after a probe: a drafter that pays on the whole starts
+        speculating at once), with the drafting and probe costs, the running k and the probes' cadence and
+        back-off (a drafter that does not pay on the whole stays at plain decoding and probes on
+        schedule). None: the first request (the prior, the largest k)."""
         if previous is None:
             return cls(tuple(ks))
         ks = tuple(sorted(ks))
-        accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
         mean = (previous.mean + [PRIOR] * ks[-1])[:ks[-1]]
         k = previous.k if previous.k in (0, *ks) else ks[-1]
-        return cls(ks, accept=accept, mean=mean, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
+        return cls(ks, accept=list(mean), mean=mean, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
                    since_probe=previous.since_probe, due=previous.due, failed=previous.failed,
-                   probe_ms=previous.probe_ms)
+                   probe_ms=previous.probe_ms, probed=True)
 
     def expected_tokens(self, k: int, estimate: Sequence[float] | None = None) -> float:
         """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k (a: accept, or estimate)."""
