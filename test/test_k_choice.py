@@ -317,8 +317,11 @@ def test_the_next_request_starts_where_the_last_left():
     right = KChoice((2, 4))
     settle(right, Q4, 2, lambda d: d, iterations=10)
     assert KChoice.after(right, (2, 4)).choose(4, Q4, 1, 2) == 4 and KChoice.after(None, (2, 4)).k == 4
-    right.accept, right.k = [0.0] * 4, 0  # its last request ended on a bad stretch, at plain decoding
-    assert KChoice.after(right, (2, 4)).choose(4, Q4, 1, 2) == 4  # a new text: the long run pays, at once
+    right.accept, right.k, right.since_probe = [0.0] * 4, 0, 0  # its last request ended on a bad stretch, at plain
+    following = KChoice.after(right, (2, 4))
+    assert following.choose(4, Q4, 1, 2) == 2 and following.probing  # a new text, the long run pays: probe at once
+    following.observe(2, 2, 2)
+    assert following.choose(4, Q4, 1, 2) == 4  # and the probe restarts it
 
 
 def test_auto_at_plain_keeps_the_grammar_forced_drafts(tiny_engine, loop):

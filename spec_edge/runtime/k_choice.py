@@ -36,9 +36,9 @@ Two parts:
               proposal also catches the drafter up on the tokens of the plain steps (a head's cache: ~1 step
               after 25 plain steps on q4) and is layer-skip's whole drafting (~0.3 steps per draft token).
               A request starts from the estimates the previous request with the same drafter ended with
-              (KChoice.after, kept by the engine), its stretch estimate at the drafter's long run (a new text):
-              a drafter that pays on the whole starts speculating at once, one that does not starts at plain
-              decoding and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
+              (KChoice.after, kept by the engine), its stretch estimate at the drafter's long run (a new text);
+              one that ended at plain decoding probes at once when its long run pays, else on schedule (a
+              probe that drafted nothing is retried next iteration).
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
@@ -195,6 +195,7 @@ class KChoice:
     probe_ms: float = 0.0      # decayed ms of a probe's proposal, the drafter's catch-up included (0: none yet)
     probing: bool = False      # this iteration's k is a probe
     probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
+    fresh: bool = False        # no choice made yet for this request (KChoice.after)
     probes: int = 0
     switches: int = 0          # changes of the running k
     verifies: int = 0          # verify outcomes observed
@@ -212,11 +213,11 @@ class KChoice:
     @classmethod
     def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
         """A new request's choice, starting from where the previous request with the same drafter left its
-        estimates: a new text's stretch is not known yet, so both estimates start at the drafter's long run
-        (and its first choice weighs them, as after a probe: a drafter that pays on the whole starts
-        speculating at once), with the drafting and probe costs, the running k and the probes' cadence and
-        back-off (a drafter that does not pay on the whole stays at plain decoding and probes on
-        schedule). None: the first request (the prior, the largest k)."""
+        estimates: a new text's stretch is not known yet, so both estimates start at the drafter's long run,
+        with the drafting and probe costs, the running k and the probes' cadence and back-off. One that was
+        speculating goes on; one at plain decoding probes at once when its long run pays (a probe's outcome,
+        not the long run alone, restarts it: heads that pay on one kind of prompt do not on the next) and
+        otherwise probes on schedule. None: the first request (the prior, the largest k)."""
         if previous is None:
             return cls(tuple(ks))
         ks = tuple(sorted(ks))
@@ -224,7 +225,7 @@ class KChoice:
         k = previous.k if previous.k in (0, *ks) else ks[-1]
         return cls(ks, accept=list(mean), mean=mean, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
                    since_probe=previous.since_probe, due=previous.due, failed=previous.failed,
-                   probe_ms=previous.probe_ms, probed=True)
+                   probe_ms=previous.probe_ms, fresh=True)
 
     def expected_tokens(self, k: int, estimate: Sequence[float] | None = None) -> float:
         """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k (a: accept, or estimate)."""
@@ -251,7 +252,13 @@ class KChoice:
         """This iteration's k (0 = a plain step) at most cap (the load policy's k), for rows decoding slots."""
         probed, self.probing, self.probed = self.probed, False, False
         if self.k == 0 and not probed and self.verifies:  # plain decoding: nothing new to weigh, a probe due?
+            if self.fresh:  # a new request at plain decoding: probe at once when the drafter pays on the whole
+                rates = self.rates(cap, costs, rows, step_width, self.mean)
+                if len(rates) > 1 and max(rates.values()) > rates[0] * (1 + MARGIN):
+                    self.since_probe = self.due
+            self.fresh = False
             return self._plain(cap)
+        self.fresh = False
         rates = self.rates(cap, costs, rows, step_width)
         if len(rates) < 2 or not self.verifies:  # nothing timed or seen yet (or no k under the cap): the largest
             return max((k for k in self.ks if k <= cap), default=0)
