@@ -107,6 +107,18 @@ def test_drafts_that_stop_short_do_not_inflate_the_positions_past_them():
     assert choice.k == 3
 
 
+def test_the_long_run_does_not_keep_a_drafter_going_through_a_losing_text():
+    """Right for 300 iterations (its long run pays), then always wrong: this stretch's estimate says stop
+    within a few verifies and the long run may keep speculation going DOUBT verifies more, not until the long
+    run itself comes down (~40 verifies here); probes that match nothing do not restart it."""
+    choice = KChoice((3, 4))
+    settle(choice, Q4, 2, lambda d: d, iterations=300)
+    ks = settle(choice, Q4, 2, lambda d: 0, iterations=80)
+    stop = ks.index(0)  # this stretch's estimate needs 8 rejections to fall from 1 under plain's rate
+    assert stop <= 8 + k_choice.DOUBT, ks
+    assert all(ks[i] == 0 for i in range(stop, len(ks) - 1) if ks[i + 1]), ks  # then probes only: none matched
+
+
 @pytest.mark.parametrize("costs,step_width", [(Q4, 2), (FP32, 1)])
 def test_always_right_drafts_the_largest_k(costs, step_width):
     assert set(settle(KChoice((1, 2, 3, 4)), costs, step_width, lambda d: d)) == {4}

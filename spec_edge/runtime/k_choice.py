@@ -20,12 +20,15 @@ Two parts:
               the load policy (serve.speculate_k_by_load), and runs the best by this stretch's estimate (the
               largest k until its first verify is seen). Hysteresis: another k > 0 replaces the running one
               only when its rate is MARGIN higher, speculation starts only when it beats plain by MARGIN, and
-              stops once neither estimate has it beating plain by KEEP: a few rejections in a row pull a
-              five-verify estimate under plain's rate even for a drafter that pays 1.3x on the whole (its
-              estimate alone stopped such a drafter most of the time, test_k_choice.py); a drafter that is
+              stops once neither estimate has it beating plain by KEEP, or once this stretch's has said stop
+              for DOUBT verifies in a row: a few rejections in a row pull a five-verify estimate under plain's
+              rate even for a drafter that pays 1.3x on the whole (its estimate alone stopped such a drafter
+              most of the time, test_k_choice.py), while a head that paid on the last prompts and loses on
+              this one is stopped within DOUBT verifies, not when its long run comes down; a drafter that is
               always wrong stops within 7 verifies where the cheapest verify costs 1.1 steps or more (its
               long-run estimate is an average until SLOW takes over: it falls as fast).
-              At k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot): a
+              At k = 0 only a probe with a draft accepted can restart speculation (a call cost that moved
+              cannot, nor a probe that matched nothing, whatever the relaxed estimate says): a
               probe is one verify at the smallest k, its outcome landing on this stretch's estimate relaxed
               toward the long-run one by RELAX per plain step before it. Probes back off: the first comes
               PROBE_GAP iterations after speculation stopped, each probe with a rejected draft doubles the
@@ -59,6 +62,7 @@ Call = Callable[[int, int], object]   # call(rows, width): one target call with 
 
 WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate (this stretch of text)
 SLOW = 0.03          # its weight in the long-run estimate (the drafter's, across requests; 1/n for the first)
+DOUBT = 16           # the long run keeps speculation going for at most this many verifies this stretch says stop
 RELAX = 0.05         # per plain step, the stretch's estimate moves this far toward the long-run one
 PRIOR = 0.5          # a position's acceptance before its first outcome
 MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
@@ -196,10 +200,12 @@ class KChoice:
     probing: bool = False      # this iteration's k is a probe
     probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
     fresh: bool = False        # no choice made yet for this request (KChoice.after)
+    hit: bool = False          # the last probe had a draft accepted
     probes: int = 0
     switches: int = 0          # changes of the running k
     verifies: int = 0          # verify outcomes observed
     streak: int = 0            # consecutive iterations speculating (not probes) up to this one
+    doubt: int = 0             # consecutive iterations speculating that this stretch's estimate said stop
     why: str = ""              # the last decision in words (speculation_off_reason)
 
     def __post_init__(self):
@@ -264,11 +270,13 @@ class KChoice:
             return max((k for k in self.ks if k <= cap), default=0)
         best = max(rates, key=lambda k: (rates[k], -k))
         running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
+        losing = bool(running) and rates[running] < rates[0] * (1 + KEEP)  # this stretch says stop
+        self.doubt = self.doubt + 1 if losing else 0
         if running == 0:  # only new evidence restarts speculation, not a cost that moved
-            new = best if probed and best and rates[best] > rates[0] * (1 + MARGIN) else 0
-        elif rates[running] < rates[0] * (1 + KEEP) and (
-                (steady := self.rates(cap, costs, rows, step_width, self.mean)).get(running, 0) < steady[0] * (1 + KEEP)):
-            new = 0  # neither this stretch nor the drafter's long run says it pays
+            new = best if probed and self.hit and best and rates[best] > rates[0] * (1 + MARGIN) else 0
+        elif losing and (self.doubt > DOUBT or (steady := self.rates(cap, costs, rows, step_width, self.mean)).get(
+                running, 0) < steady[0] * (1 + KEEP)):
+            new = 0  # the drafter's long run does not say it pays either, or this stretch has said stop too long
         elif best and rates[best] > rates[running] * (1 + MARGIN):
             new = best
         else:
@@ -319,6 +327,7 @@ class KChoice:
         self.probed = self.probing
         window = max(drafted, asked)
         if self.probing:  # back off after a probe with a rejected draft, start over after one accepted whole
+            self.hit = accepted > 0  # only a probe that matched can restart speculation
             self.failed = 0 if accepted == window else min(self.failed + 1, 16)
             keep = (1 - RELAX) ** self.idle
             self.accept = [m + keep * (a - m) for a, m in zip(self.accept, self.mean)]
