@@ -38,14 +38,85 @@ def settle(choice: KChoice, costs: CallCosts, step_width: int, accepted, iterati
 
 @pytest.mark.parametrize("costs,step_width", [(Q4, 2), (FP32, 1)])
 def test_always_wrong_settles_at_plain_and_probes_rarely(costs, step_width):
-    ks = settle(KChoice((2, 3, 4)), costs, step_width, lambda d: 0, iterations=200)
+    choice = KChoice((2, 3, 4))
+    ks = settle(choice, costs, step_width, lambda d: 0, iterations=200)
     first_off = ks.index(0)
     assert first_off < 8 and ks[0] == 4  # starts at the largest k, plain within 8 iterations
     probes = [i for i in range(first_off, len(ks)) if ks[i]]
     assert all(ks[i] == 2 for i in probes)  # a probe drafts the smallest k
-    gap = KChoice((2,)).gap(2, costs, 1, step_width)  # the probe's extra cost over a step, 2 % per iteration
-    assert k_choice.PROBE_GAP <= gap <= k_choice.PROBE_GAP_MAX
-    assert set(np.diff(probes).tolist()) == {gap} and len(probes) <= 200 // gap
+    budget = choice.gap(2, costs, 1, step_width)  # the probe's extra cost over a step, 2 % per iteration
+    assert k_choice.PROBE_GAP < budget <= k_choice.PROBE_GAP_MAX and choice.failed == min(len(probes), 16)
+    gaps = np.diff([first_off - 1] + probes).tolist()  # the first probe PROBE_GAP plain steps after the stop
+    assert gaps[0] == k_choice.PROBE_GAP and gaps[-1] == budget and gaps == sorted(gaps)
+    assert len(probes) <= 200 // budget + 2
+
+
+def test_probes_back_off_and_a_drafter_that_matches_again_is_used_again():
+    """Each probe that fails doubles the gap up to the budget gap (the probe's measured cost, catch-up
+    included, over PROBE_BUDGET): a costly hopeless drafter is tried rarely (6 probes in 400 iterations, not
+    the 100 a fixed gap of PROBE_GAP would make); once it matches again the next probe (at most the budget
+    gap away) starts the back-off over, and the probe after it restarts speculation."""
+    choice, ks = KChoice((2, 4)), []
+    for i in range(600):
+        right = i >= 400
+        k = choice.choose(4, Q4, 1, 2)
+        ks.append(k)
+        if k:  # a probe's proposal catches up on the plain steps' tokens: 30 ms, 3 steps; drafting 2 ms a token
+            choice.drafted(k, 30.0 if choice.probing else 2.0 * k)
+            choice.observe(k, k if right else 0)
+    wrong = [i for i in range(400) if ks[i]][1:]  # the probes (the first iteration ran at the prior's k)
+    budget = (Q4.cost(1, 3, 2) + 30.0 - 10.0) / 10.0 / k_choice.PROBE_BUDGET  # > PROBE_GAP_MAX here
+    assert np.diff(wrong).tolist() == [8, 16, 32, 64, 128, 128] and min(budget, k_choice.PROBE_GAP_MAX) == 128
+    back = next(i for i in range(400, 600) if ks[i])  # the first probe once it matches: at most the gap away
+    assert back - 400 <= k_choice.PROBE_GAP_MAX and choice.failed == 0
+    assert ks[back + 1:back + 5] == [0, 0, 0, 2]  # the next probe soon after
+    assert 0 not in ks[back + 5:] and set(ks[-40:]) == {4}  # used again, up to the largest k
+
+
+def test_a_drafter_that_pays_in_the_long_run_is_not_stopped_by_a_bad_streak():
+    """Draft 1 accepted 40 % of the time, the next ones 60 % (i.i.d., seeded): k = 3 makes 1.3x plain on
+    these costs. A few rejections in a row pull this stretch's estimate under plain's rate, but the
+    drafter's long-run estimate still says it pays, so speculation goes on (with this stretch's estimate
+    alone it ran 14 % of the iterations and made 1.04x)."""
+    import random
+    rng, choice, tokens, ms = random.Random(1), KChoice((3, 4)), 0, 0.0
+    for _ in range(2000):
+        k = choice.choose(4, Q4, 1, 2)
+        if not k:
+            tokens, ms = tokens + 1, ms + Q4.cost(1, 2, 2)
+            continue
+        choice.drafted(k, 0.3 * k)
+        accepted = 0
+        while accepted < k and rng.random() < (0.4 if accepted == 0 else 0.6):
+            accepted += 1
+        choice.observe(k, accepted)
+        tokens, ms = tokens + accepted + 1, ms + Q4.cost(1, k + 1, 2) + 0.3 * k
+    assert tokens / ms * Q4.cost(1, 2, 2) > 1.25 and choice.probes <= 10 and choice.mean[0] == pytest.approx(0.4, abs=0.15)
+
+
+def test_drafts_that_stop_short_do_not_inflate_the_positions_past_them():
+    """An n-gram drafter whose matches run out after 2 tokens, all accepted, when k = 4 was asked: a verify
+    emits 3 tokens at k = 3 and 4 alike, so position 3 counts as not accepted and k = 3, the cheaper call,
+    runs (taking the short window as full made the positions past it follow its last: k = 4 was kept)."""
+    choice = KChoice((3, 4))
+    for _ in range(12):
+        k = choice.choose(4, Q4, 1, 2)
+        choice.drafted(k, 0.01)
+        choice.observe(2, 2, k)
+    assert choice.accept[2] < 0.05 and choice.expected_tokens(4) == pytest.approx(3.0, abs=0.1)
+    assert choice.k == 3
+
+
+def test_the_long_run_does_not_keep_a_drafter_going_through_a_losing_text():
+    """Right for 300 iterations (its long run pays), then always wrong: this stretch's estimate says stop
+    within a few verifies and the long run may keep speculation going DOUBT verifies more, not until the long
+    run itself comes down (~40 verifies here); probes that match nothing do not restart it."""
+    choice = KChoice((3, 4))
+    settle(choice, Q4, 2, lambda d: d, iterations=300)
+    ks = settle(choice, Q4, 2, lambda d: 0, iterations=80)
+    stop = ks.index(0)  # this stretch's estimate needs 8 rejections to fall from 1 under plain's rate
+    assert stop <= 8 + k_choice.DOUBT, ks
+    assert all(ks[i] == 0 for i in range(stop, len(ks) - 1) if ks[i + 1]), ks  # then probes only: none matched
 
 
 @pytest.mark.parametrize("costs,step_width", [(Q4, 2), (FP32, 1)])
@@ -258,6 +329,11 @@ def test_the_next_request_starts_where_the_last_left():
     right = KChoice((2, 4))
     settle(right, Q4, 2, lambda d: d, iterations=10)
     assert KChoice.after(right, (2, 4)).choose(4, Q4, 1, 2) == 4 and KChoice.after(None, (2, 4)).k == 4
+    right.accept, right.k, right.since_probe = [0.0] * 4, 0, 0  # its last request ended on a bad stretch, at plain
+    following = KChoice.after(right, (2, 4))
+    assert following.choose(4, Q4, 1, 2) == 2 and following.probing  # a new text, the long run pays: probe at once
+    following.observe(2, 2, 2)
+    assert following.choose(4, Q4, 1, 2) == 4  # and the probe restarts it
 
 
 def test_auto_at_plain_keeps_the_grammar_forced_drafts(tiny_engine, loop):

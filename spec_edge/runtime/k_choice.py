@@ -7,28 +7,41 @@ Two parts:
               row count 1..B at the step width and every verify width, interleaved round by round), then kept
               fresh by the loop, which hands it the time of every call it makes (an exponential average of
               the load level per row count, over the measured ratios between widths).
-  KChoice     one request's choice. It keeps a decayed estimate a_i of the chance that draft i is accepted
-              when drafts 1..i-1 were (per position, weight WEIGHT per observation: a change in the text is
-              followed within a few verifies) and a decayed ms of drafting per draft token. At n decoding
-              slots (the call's rows) it expects, per iteration,
+  KChoice     one request's choice. It keeps two decayed estimates a_i of the chance that draft i is
+              accepted when drafts 1..i-1 were (per position): this stretch's (weight WEIGHT per verify: a
+              change in the text is followed within a few verifies) and the drafter's long run (weight SLOW,
+              carried across requests), and a decayed ms of drafting per draft token. At n decoding slots
+              (the call's rows) it expects, per iteration,
 
                   tokens(k) = 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k      ms(k) = c(n, k+1) + k d
                   rate(k)   = tokens(k) / ms(k)                        rate(0) = 1 / c(n, step width)
 
               over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
-              the load policy (serve.speculate_k_by_load), and runs the best (the largest k until its first
-              verify is seen). Hysteresis: another k > 0 replaces the running one only when its rate is MARGIN
-              higher, speculation starts only when it beats plain by MARGIN and stops once it no longer beats
-              it by KEEP (a drafter that is always wrong stops within 7 verifies where the cheapest verify
-              costs 1.1 steps or more; one rejection alone does not stop a drafter accepted half the time).
-              At k = 0 only a probe's outcome can restart speculation (a call cost that moved cannot): a
-              probe (one verify at the smallest k) runs every `gap` iterations, so a drafter that starts
-              matching again is used again: gap = the probe's extra cost over a step / PROBE_BUDGET, in
-              [PROBE_GAP, PROBE_GAP_MAX] (a cheap drafter whose probe verify costs 1.2 steps: every 10
-              iterations; a layer-skip drafter costing a quarter step per draft: every 30 or more).
+              the load policy (serve.speculate_k_by_load), and runs the best by this stretch's estimate (the
+              largest k until its first verify is seen). Hysteresis: another k > 0 replaces the running one
+              only when its rate is MARGIN higher, speculation starts only when it beats plain by MARGIN, and
+              stops once neither estimate has it beating plain by KEEP, or once this stretch's has said stop
+              for DOUBT verifies in a row: a few rejections in a row pull a five-verify estimate under plain's
+              rate even for a drafter that pays 1.3x on the whole (its estimate alone stopped such a drafter
+              most of the time, test_k_choice.py), while a head that paid on the last prompts and loses on
+              this one is stopped within DOUBT verifies, not when its long run comes down; a drafter that is
+              always wrong stops within 7 verifies where the cheapest verify costs 1.1 steps or more (its
+              long-run estimate is an average until SLOW takes over: it falls as fast).
+              At k = 0 only a probe with a draft accepted can restart speculation (a call cost that moved
+              cannot, nor a probe that matched nothing, whatever the relaxed estimate says): a
+              probe is one verify at the smallest k, its outcome landing on this stretch's estimate relaxed
+              toward the long-run one by RELAX per plain step before it. Probes back off: the first comes
+              PROBE_GAP iterations after speculation stopped, each probe with a rejected draft doubles the
+              gap, up to the budget gap = the probe's measured extra cost over a step / PROBE_BUDGET, in
+              [PROBE_GAP, PROBE_GAP_MAX]; a probe whose drafts are all accepted, or speculation running,
+              resets it. A drafter that matches in bursts is tried again soon after it stopped; a hopeless
+              one costs PROBE_BUDGET of a step per iteration. A probe's cost is measured, not assumed: its
+              proposal also catches the drafter up on the tokens of the plain steps (a head's cache: ~1 step
+              after 25 plain steps on q4) and is layer-skip's whole drafting (~0.3 steps per draft token).
               A request starts from the estimates the previous request with the same drafter ended with
-              (KChoice.after, kept by the engine): a drafter that was not repaid starts at plain decoding
-              and goes on probing on schedule (a probe that drafted nothing is retried next iteration).
+              (KChoice.after, kept by the engine), its stretch estimate at the drafter's long run (a new text);
+              one that ended at plain decoding probes at once when its long run pays, else on schedule (a
+              probe that drafted nothing is retried next iteration).
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
@@ -47,13 +60,16 @@ import numpy as np
 Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
 Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
-WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate
+WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate (this stretch of text)
+SLOW = 0.03          # its weight in the long-run estimate (the drafter's, across requests; 1/n for the first)
+DOUBT = 16           # the long run keeps speculation going for at most this many verifies this stretch says stop
+RELAX = 0.05         # per plain step, the stretch's estimate moves this far toward the long-run one
 PRIOR = 0.5          # a position's acceptance before its first outcome
 MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
 KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
-PROBE_BUDGET = 0.02  # a probe's extra cost over a step, spread over the plain steps between probes: 2 % of a step
-PROBE_GAP = 4        # at least this many iterations at k = 0 between probes
-PROBE_GAP_MAX = 64   # at most this many
+PROBE_BUDGET = 0.01  # a probe's extra cost over a step, spread over the plain steps between probes: 1 % of a step
+PROBE_GAP = 4        # the first probe after speculation stopped; each probe that fails doubles the gap
+PROBE_GAP_MAX = 128  # the budget gap is at most this many iterations
 FRESH = 0.1          # weight of one live call's time in its row count's level
 
 
@@ -172,16 +188,24 @@ class KChoice:
     """One request's k at every iteration (speculative.k: auto). ks: the k a verify call can carry (the
     runner has its width and the drafter can propose it), ascending, non-empty."""
     ks: tuple[int, ...]
-    accept: list[float] = field(default_factory=list)  # (max k,) a_i: P(draft i accepted | 1..i-1 were)
+    accept: list[float] = field(default_factory=list)  # (max k,) a_i: P(draft i accepted | 1..i-1 were), this stretch
+    mean: list[float] = field(default_factory=list)    # (max k,) the same over the drafter's long run (SLOW)
     draft_ms: float = 0.0      # decayed ms of drafting per draft token
     k: int = -1                # the running k (0 = plain steps); -1: start at the largest
     since_probe: int = 0       # iterations at k = 0 since the last probe (or since k became 0)
+    due: int = PROBE_GAP       # since_probe at which the next probe runs (gap(), set as k becomes 0 and per probe)
+    idle: int = 0              # plain steps before the running probe
+    failed: int = 0            # probes with a rejected draft since speculation ran or a probe's drafts were all accepted
+    probe_ms: float = 0.0      # decayed ms of a probe's proposal, the drafter's catch-up included (0: none yet)
     probing: bool = False      # this iteration's k is a probe
     probed: bool = False       # a probe's outcome came in since the last choice (at k = 0 only that can restart)
+    fresh: bool = False        # no choice made yet for this request (KChoice.after)
+    hit: bool = False          # the last probe had a draft accepted
     probes: int = 0
     switches: int = 0          # changes of the running k
     verifies: int = 0          # verify outcomes observed
     streak: int = 0            # consecutive iterations speculating (not probes) up to this one
+    doubt: int = 0             # consecutive iterations speculating that this stretch's estimate said stop
     why: str = ""              # the last decision in words (speculation_off_reason)
 
     def __post_init__(self):
@@ -189,53 +213,70 @@ class KChoice:
             raise ValueError("KChoice needs at least one k")
         self.ks = tuple(sorted(self.ks))
         self.accept = self.accept or [PRIOR] * self.ks[-1]
+        self.mean = self.mean or list(self.accept)
         self.k = self.ks[-1] if self.k < 0 else self.k
 
     @classmethod
     def after(cls, previous: KChoice | None, ks: Sequence[int]) -> KChoice:
         """A new request's choice, starting from where the previous request with the same drafter left its
-        estimates (acceptance per position, drafting cost, running k, the probes' cadence): a drafter that
-        was not repaid starts at plain decoding and probes on schedule, one that was starts at its k. None:
-        the first request (the prior, the largest k)."""
+        estimates: a new text's stretch is not known yet, so both estimates start at the drafter's long run,
+        with the drafting and probe costs, the running k and the probes' cadence and back-off. One that was
+        speculating goes on; one at plain decoding probes at once when its long run pays (a probe's outcome,
+        not the long run alone, restarts it: heads that pay on one kind of prompt do not on the next) and
+        otherwise probes on schedule. None: the first request (the prior, the largest k)."""
         if previous is None:
             return cls(tuple(ks))
         ks = tuple(sorted(ks))
-        accept = (previous.accept + [PRIOR] * ks[-1])[:ks[-1]]
+        mean = (previous.mean + [PRIOR] * ks[-1])[:ks[-1]]
         k = previous.k if previous.k in (0, *ks) else ks[-1]
-        return cls(ks, accept=accept, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
-                   since_probe=previous.since_probe)
+        return cls(ks, accept=list(mean), mean=mean, draft_ms=previous.draft_ms, k=k, verifies=previous.verifies,
+                   since_probe=previous.since_probe, due=previous.due, failed=previous.failed,
+                   probe_ms=previous.probe_ms, fresh=True)
 
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k."""
+    def expected_tokens(self, k: int, estimate: Sequence[float] | None = None) -> float:
+        """Tokens one verify of k drafts emits: 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k (a: accept, or estimate)."""
         total, reach = 1.0, 1.0
-        for a in self.accept[:k]:
+        for a in (self.accept if estimate is None else estimate)[:k]:
             reach *= a
             total += reach
         return total
 
-    def rates(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> dict[int, float]:
-        """k -> expected tokens per ms for k = 0 and every k <= cap ({} when the step was never timed)."""
+    def rates(self, cap: int, costs: CallCosts, rows: int, step_width: int,
+              estimate: Sequence[float] | None = None) -> dict[int, float]:
+        """k -> expected tokens per ms for k = 0 and every k <= cap ({} when the step was never timed), from
+        the stretch's acceptance (or estimate)."""
         step = costs.cost(rows, step_width, step_width)
         if not step:
             return {}
         out = {0: 1.0 / step}
         for k in self.ks:
             if k <= cap and (ms := costs.cost(rows, k + 1, step_width)):
-                out[k] = self.expected_tokens(k) / (ms + k * self.draft_ms)
+                out[k] = self.expected_tokens(k, estimate) / (ms + k * self.draft_ms)
         return out
 
     def choose(self, cap: int, costs: CallCosts, rows: int, step_width: int) -> int:
         """This iteration's k (0 = a plain step) at most cap (the load policy's k), for rows decoding slots."""
-        rates = self.rates(cap, costs, rows, step_width)
         probed, self.probing, self.probed = self.probed, False, False
+        if self.k == 0 and not probed and self.verifies:  # plain decoding: nothing new to weigh, a probe due?
+            if self.fresh:  # a new request at plain decoding: probe at once when the drafter pays on the whole
+                rates = self.rates(cap, costs, rows, step_width, self.mean)
+                if len(rates) > 1 and max(rates.values()) > rates[0] * (1 + MARGIN):
+                    self.since_probe = self.due
+            self.fresh = False
+            return self._plain(cap)
+        self.fresh = False
+        rates = self.rates(cap, costs, rows, step_width)
         if len(rates) < 2 or not self.verifies:  # nothing timed or seen yet (or no k under the cap): the largest
             return max((k for k in self.ks if k <= cap), default=0)
         best = max(rates, key=lambda k: (rates[k], -k))
         running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
+        losing = bool(running) and rates[running] < rates[0] * (1 + KEEP)  # this stretch says stop
+        self.doubt = self.doubt + 1 if losing else 0
         if running == 0:  # only new evidence restarts speculation, not a cost that moved
-            new = best if probed and best and rates[best] > rates[0] * (1 + MARGIN) else 0
-        elif rates[running] < rates[0] * (1 + KEEP):
-            new = 0
+            new = best if probed and self.hit and best and rates[best] > rates[0] * (1 + MARGIN) else 0
+        elif losing and (self.doubt > DOUBT or (steady := self.rates(cap, costs, rows, step_width, self.mean)).get(
+                running, 0) < steady[0] * (1 + KEEP)):
+            new = 0  # the drafter's long run does not say it pays either, or this stretch has said stop too long
         elif best and rates[best] > rates[running] * (1 + MARGIN):
             new = best
         else:
@@ -246,47 +287,78 @@ class KChoice:
             if new == 0:
                 self.since_probe = 0
         self.k = new
-        self.streak = self.streak + 1 if new else 0
         if new:
+            self.failed = 0
+            self.streak += 1
             return new
+        self.due = self.gap(min(k for k in rates if k), costs, rows, step_width)
+        return self._plain(cap)
+
+    def _plain(self, cap: int) -> int:
+        """At k = 0: a plain step, or a probe at the smallest k when one is due."""
+        self.streak = 0
         self.since_probe += 1
-        probe = min(k for k in rates if k)
-        if self.since_probe >= self.gap(probe, costs, rows, step_width):  # does it match again?
-            self.since_probe, self.probing = 0, True
-            self.probes += 1
-            return probe
-        return 0
+        if self.since_probe < self.due or not (ks := [k for k in self.ks if k <= cap]):
+            return 0
+        self.idle, self.since_probe, self.probing = self.since_probe, 0, True  # does it match again?
+        self.probes += 1
+        return ks[0]
 
     def gap(self, k: int, costs: CallCosts, rows: int, step_width: int) -> int:
-        """Iterations at k = 0 between probes at k: the probe's extra cost over a step / PROBE_BUDGET."""
+        """Iterations at k = 0 before the next probe at k: PROBE_GAP, doubled per failed probe, up to the
+        budget gap = the probe's extra cost over a step (its call, its proposal as measured: catch-up
+        included) / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX]."""
         step = costs.cost(rows, step_width, step_width)
-        extra = (costs.cost(rows, k + 1, step_width) + k * self.draft_ms - step) / step
-        return min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
+        extra = (costs.cost(rows, k + 1, step_width) + (self.probe_ms or k * self.draft_ms) - step) / step
+        budget = min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
+        return min(PROBE_GAP << self.failed, budget)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A verify of `drafted` drafts accepted the first `accepted`: positions 1..accepted were accepted,
-        position accepted+1 (when drafted) rejected; later positions were not tried (when all were accepted,
-        they move toward the last one's estimate, so a k larger than the running one gets tried)."""
+    def observe(self, drafted: int, accepted: int, asked: int = 0) -> None:
+        """A verify of `drafted` drafts (the proposal asked for `asked`, 0: as many) accepted the first
+        `accepted`: positions 1..accepted were accepted, position accepted+1 was not, whether drafted and
+        rejected or not drafted at all (a drafter that stops short, an n-gram match running out, emits no
+        more at that position either); later positions were not tried. When a whole full window was
+        accepted, the positions past it move toward the last one's estimate (half weight), so a k larger
+        than the running one gets tried. Both estimates learn it: accept (WEIGHT: this stretch of text)
+        and mean (the drafter's long run: the average of the first 1/SLOW verifies, then SLOW). A probe's
+        outcome lands on an estimate aged by the plain steps before it: accept relaxes toward mean by
+        RELAX per plain step (what a bad stretch taught fades as the text moves on)."""
         self.verifies += 1
         self.probed = self.probing
-        for i in range(min(accepted + 1, drafted)):
-            self.accept[i] += WEIGHT * ((1.0 if i < accepted else 0.0) - self.accept[i])
-        if 0 < accepted == drafted:  # a whole window accepted: the positions past it follow its last (at half weight)
-            last = self.accept[drafted - 1]
-            for i in range(drafted, len(self.accept)):
-                self.accept[i] += WEIGHT / 2 * (last - self.accept[i])
+        window = max(drafted, asked)
+        if self.probing:  # back off after a probe with a rejected draft, start over after one accepted whole
+            self.hit = accepted > 0  # only a probe that matched can restart speculation
+            self.failed = 0 if accepted == window else min(self.failed + 1, 16)
+            keep = (1 - RELAX) ** self.idle
+            self.accept = [m + keep * (a - m) for a, m in zip(self.accept, self.mean)]
+        for estimate, weight in ((self.accept, WEIGHT), (self.mean, max(SLOW, 1 / self.verifies))):
+            for i in range(min(accepted + 1, window, len(estimate))):
+                estimate[i] += weight * ((1.0 if i < accepted else 0.0) - estimate[i])
+            if 0 < accepted == window:  # a whole window accepted: the positions past it follow its last (half weight)
+                last = estimate[min(window, len(estimate)) - 1]
+                for i in range(window, len(estimate)):
+                    estimate[i] += weight / 2 * (last - estimate[i])
 
     def silent(self) -> None:
         """The drafter proposed nothing this iteration: a probe that drafted nothing probes again next time."""
         if self.probing:
-            self.since_probe, self.probes = PROBE_GAP_MAX, self.probes - 1
+            self.since_probe, self.probes = self.due, self.probes - 1
 
     def drafted(self, k: int, ms: float) -> None:
-        """A proposal of at most k drafts took ms. Counted only while speculation runs on (a proposal after
-        plain steps, a probe's or the first, also catches the drafter up on the tokens it has not seen:
-        a cost of switching, not of drafting)."""
-        if k > 0 and self.streak >= 2:
+        """A proposal of at most k drafts took ms. Drafting ms per token counts only while speculation runs
+        on (a proposal after plain steps, a probe's or the first, also catches the drafter up on the tokens
+        it has not seen); a probe's whole proposal is the probe's cost (gap). Until speculation has run on,
+        ms / k stands in for the drafting cost (an upper bound: a drafter that never ran two iterations
+        in a row, e.g. layer-skip, is not taken as free)."""
+        if k <= 0:
+            return
+        if self.streak >= 2:
             self.draft_ms += WEIGHT * (ms / k - self.draft_ms)
+            return
+        if self.probing:
+            self.probe_ms = self.probe_ms + WEIGHT * (ms - self.probe_ms) if self.probe_ms else ms
+        if not self.draft_ms:
+            self.draft_ms = ms / k
 
     def _words(self, rates: dict[int, float], new: int) -> str:
         acceptance = " ".join(f"{a:.2f}" for a in self.accept)

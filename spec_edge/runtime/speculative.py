@@ -422,7 +422,7 @@ class BatchLoop:
                     slot.request.drafter.observe(len(draft.tokens), n_accepted)
                 slot.stats.verified(slot.k_now, len(draft.tokens), n_accepted)
                 if slot.request.k_choice is not None:
-                    slot.request.k_choice.observe(len(draft.tokens), n_accepted)
+                    slot.request.k_choice.observe(len(draft.tokens), n_accepted, slot.k_now)
                 chunk = draft.tokens[:n_accepted] + [next_token]
                 slot.pos += n_accepted + 1
             slot.seq.extend(chunk)
