@@ -40,6 +40,7 @@ from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestE
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
+from spec_edge.runtime.tool_format import Answer
 
 
 def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
@@ -58,13 +59,10 @@ class InLoop:
     def __init__(self, engine: Engine, prepared: Prepared, sink: Sink, drafter: str, choice: k_choice.KChoice | None):
         self.engine, self.prepared, self.sink, self.drafter_name, self.choice = engine, prepared, sink, drafter, choice
         self.text = StreamDecoder(engine.tokenizer, tuple(prepared.request.stop))
-        fmt = prepared.tool_format  # with tools: the content streams without call markup
-        self.content = fmt.content_stream() if fmt is not None else None
+        self.answer = Answer(prepared.tool_format)  # with tools: the content streams without call markup
 
     def _send(self, delta: str) -> None:
-        if self.content is not None:
-            delta = self.content.push(delta)
-        if delta:
+        if delta := self.answer.push(delta):
             self.sink.on_text(delta, len(self.text.ids))
 
     def drafter(self, slot: int):
@@ -84,12 +82,9 @@ class InLoop:
             self.engine._k_last[self.drafter_name] = choice  # the next request with this drafter starts from it
         if tail := self.text.finish():
             self._send(tail)
-        text, calls = self.text.text, []
-        if self.content is not None:
-            if rest := self.content.finish():
-                self.sink.on_text(rest, len(self.text.ids))
-            text, calls = prepared.tool_format.split(text)
-            finish = "tool_calls" if calls and finish == "eos" else finish
+        rest, text, calls, finish = self.answer.finish(self.text.text, finish)
+        if rest:
+            self.sink.on_text(rest, len(self.text.ids))
         self.sink.done(GenerateResult(
             text=text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats, tool_calls=calls,
             prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,

@@ -412,6 +412,29 @@ def for_template(chat_template: str, token_id: Callable[[str], int | None] = lam
     return HermesFormat(native="tools" in chat_template and "<tool_call>" in chat_template)
 
 
+class Answer:
+    """A request's answer as it streams and as it ends, the same on every decoder: without a tool format the text
+    passes through; with one, call markup is held back from the stream (the format's content_stream) and the calls
+    are split out of the text at the end (finish_reason tool_calls where the output ended in calls)."""
+
+    def __init__(self, fmt: ToolFormat | None):
+        self.fmt = fmt
+        self.content = fmt.content_stream() if fmt is not None else None
+
+    def push(self, delta: str) -> str:
+        """The part of delta to stream."""
+        return self.content.push(delta) if self.content is not None else delta
+
+    def finish(self, text: str, finish: str) -> tuple[str, str, list[ToolCall], str]:
+        """(what was held back and is content after all: stream it, the content, the calls, the finish reason) of
+        the whole output text and the decoder's finish reason."""
+        if self.fmt is None:
+            return "", text, [], finish
+        rest = self.content.finish()
+        text, calls = self.fmt.split(text)
+        return rest, text, calls, "tool_calls" if calls and finish == "eos" else finish
+
+
 class ContentStream:
     """Streamed text with call markup held back: push(delta) -> the part that is surely content (text that may be
     the start of the opener waits; from the opener on, nothing more). leading: a call is the whole message (Llama,

@@ -71,7 +71,7 @@ from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
-from spec_edge.runtime.tool_format import ToolFormat
+from spec_edge.runtime.tool_format import Answer, ToolFormat
 
 EDGELLM_VERSION = edgellm_layout.EDGELLM_VERSION
 EDGELLM_DRAFTERS = ("none", "eagle3")  # config.BACKEND_DRAFTERS["tensorrt"]
@@ -360,13 +360,10 @@ class EdgeLLMEngine:
         call.stream_channels = [channel]
         decoder = StreamDecoder(self.tokenizer, tuple(request.stop))
         stats = Stats(drafter=drafter if k else "none", k=k, prompt_tokens=n_prompt)
-        fmt = prepared.tool_format  # with tools: the content streams without call markup
-        content = fmt.content_stream() if fmt is not None else None
+        answer = Answer(prepared.tool_format)  # with tools: the content streams without call markup
 
         def send(delta: str, n: int) -> None:
-            if content is not None:
-                delta = content.push(delta)
-            if delta and on_text is not None:
+            if (delta := answer.push(delta)) and on_text is not None:
                 on_text(delta, n)
         if self.batcher is not None:
             finish, error = self._run_batched(call, channel, decoder, send, cancel, stats)
@@ -382,12 +379,9 @@ class EdgeLLMEngine:
         ids = decoder.kept_ids()
         if finish == "length" and context_bound and len(ids) >= room:
             finish = "context_full"  # the CPU path's name for running out of context before max_new_tokens
-        text, calls = decoder.text, []
-        if content is not None:  # as the CPU path's InLoop.done: calls out of the text, finish tool_calls
-            if (rest := content.finish()) and on_text is not None:
-                on_text(rest, len(decoder.ids))
-            text, calls = fmt.split(text)
-            finish = "tool_calls" if calls and finish == "eos" else finish
+        rest, text, calls, finish = answer.finish(decoder.text, finish)
+        if rest and on_text is not None:
+            on_text(rest, len(decoder.ids))
         stats.new_tokens = len(ids)
         if self.batcher is None and drafter != "none" and k < asked:  # the policy's k, as the loop counts it
             stats.k = asked
