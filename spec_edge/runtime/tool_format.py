@@ -31,6 +31,7 @@ NEWLINE = "\n"
 
 
 ALNUM = string.ascii_letters + string.digits
+MISTRAL_ID = "[A-Za-z0-9]{9}"  # a Mistral call id (its templates check for 9 letters and digits)
 
 
 def new_call_id() -> str:
@@ -46,7 +47,7 @@ def new_mistral_id() -> str:
 def mistral_id(call_id: str) -> str:
     """The id a Mistral template gets for a call id: itself when 9 letters and digits, else 9 of them derived from
     it (the same for the call and its tool turn, so ids of any client or format carry through)."""
-    if re.fullmatch(r"[A-Za-z0-9]{9}", call_id):
+    if re.fullmatch(MISTRAL_ID, call_id):
         return call_id
     number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
     return "".join(ALNUM[number // 62 ** i % 62] for i in range(9))
@@ -347,7 +348,6 @@ class MistralFormat:
     where it has one (token: its id; decoding skips it as a special token), else the text. Ids going to the
     template are mapped to 9 letters and digits (mistral_id), which its templates require."""
     opener = "[TOOL_CALLS]"
-    ID = "[A-Za-z0-9]{9}"  # a call id (the templates check for 9 characters)
 
     def __init__(self, spaced: bool, token: int | None):
         self.spaced, self.token = spaced, token
@@ -363,7 +363,7 @@ class MistralFormat:
         more = f' ({lark_literal(", ")} body)*' if parallel else ""
         calls = f"{opener} {lark_literal(' [' if self.spaced else '[')} body{more} \"]\""
         start = f"start: {calls}" if choice != "auto" else f"start: {calls} | TEXT\n{text}"
-        ids = ['call_id: ", \\"id\\": \\"" ID "\\""', f"ID: /{self.ID}/"]
+        ids = ['call_id: ", \\"id\\": \\"" ID "\\""', f"ID: /{MISTRAL_ID}/"]
         return "\n".join([start] + call_bodies(schemas, choice, "arguments", "call_id") + ids) + "\n"
 
     def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
@@ -375,7 +375,7 @@ class MistralFormat:
                                                          {"type": "any_text", "excludes": [self.opener]}))
         if choice == "none":
             return xg_structural_tag(text)
-        call_id = xg_sequence(xg_text(', "id": "'), xg_regex(self.ID), xg_text('"'))
+        call_id = xg_sequence(xg_text(', "id": "'), xg_regex(MISTRAL_ID), xg_text('"'))
         calls = xg_sequence(
             {"type": "token", "token": self.opener} if self.token is not None else xg_text(self.opener),
             xg_text(" [" if self.spaced else "["),
@@ -393,7 +393,7 @@ class MistralFormat:
         for c in decode_objects(body, 1):
             if "name" in c and isinstance(c.get("arguments"), dict):
                 given = str(c.get("id", ""))  # the model's id, unless it is not one or repeats one
-                fresh = re.fullmatch(r"[A-Za-z0-9]{9}", given) and given not in {k.id for k in calls}
+                fresh = re.fullmatch(MISTRAL_ID, given) and given not in {k.id for k in calls}
                 calls.append(ToolCall(given if fresh else new_mistral_id(), str(c["name"]), json.dumps(c["arguments"])))
         return "", calls
 
