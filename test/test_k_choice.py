@@ -190,7 +190,7 @@ def test_costs_observed_and_filled_in():
 
 
 def test_ratios_measured_on_a_busy_machine_are_corrected_by_live_calls():
-    """Loaded while another process held the cores, an engine measured verify(5) at 1.05 steps (14.4 /
+    """Loaded while another process held the cores, an engine measured a verify at 1.05 steps (14.4 /
     15.1 ms); the calls it makes (6.0 / 7.6 ms, 1.27 steps) correct the ratio within a few hundred calls:
     with the load-time ratio alone, k auto took verify as nearly free and speculated through losing texts."""
     costs = CallCosts({(1, 2): 14.4, (1, 5): 15.1})
