@@ -4,9 +4,9 @@ acceptance and the runner's measured call costs, so a drafter that is not repaid
 Two parts:
 
   CallCosts   ms of one target call by (rows, width): measured when the engine loads (measure_costs: every
-              row count 1..B at the step width and every verify width, interleaved round by round), then kept
-              fresh by the loop, which hands it the time of every call it makes (an exponential average of
-              the load level per row count, over the measured ratios between widths).
+              row count 1..B at the step width and every verify width, interleaved round by round, the fastest
+              of each), then kept fresh by the loop, which hands it the time of every call it makes (an
+              exponential average of the load level per row count, over the measured ratios between widths).
   KChoice     one request's choice. It keeps two decayed estimates a_i of the chance that draft i is
               accepted when drafts 1..i-1 were (per position): this stretch's (weight WEIGHT per verify: a
               change in the text is followed within a few verifies) and the drafter's long run (weight SLOW,
@@ -18,21 +18,25 @@ Two parts:
 
               over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
               the load policy (serve.speculate_k_by_load), and runs the best by this stretch's estimate (the
-              largest k until its first verify is seen). Hysteresis: another k > 0 replaces the running one
-              only when its rate is MARGIN higher, speculation starts only when it beats plain by MARGIN, and
-              stops once neither estimate has it beating plain by KEEP, or once this stretch's has said stop
-              for DOUBT verifies in a row: a few rejections in a row pull a five-verify estimate under plain's
-              rate even for a drafter that pays 1.3x on the whole (its estimate alone stopped such a drafter
-              most of the time, test_k_choice.py), while a head that paid on the last prompts and loses on
-              this one is stopped within DOUBT verifies, not when its long run comes down; a drafter that is
-              always wrong stops within 7 verifies where the cheapest verify costs 1.1 steps or more (its
-              long-run estimate is an average until SLOW takes over: it falls as fast).
+              largest k until its first verify is seen; a drafter's first verifies replace the prior rather
+              than nudge it). Another k > 0 costs nothing to switch to (the drafter runs either way), so the
+              best k > 0 runs at every iteration; the hysteresis is on starting and stopping the drafter:
+              speculation starts only when it beats plain by MARGIN, and stops once neither estimate has it
+              beating plain by KEEP, or once this stretch's has said stop DOUBT verifies more than it said
+              go on (net: one lucky verify in a losing stretch does not start the count over). A few
+              rejections in a row pull a five-verify estimate under plain's rate even for a drafter that pays
+              1.3x on the whole (its estimate alone stopped such a drafter most of the time,
+              test_k_choice.py), while a head that paid on the last prompts and loses on this one is stopped
+              within about DOUBT verifies, not when its long run comes down; a drafter that is always wrong
+              stops after its first verify (its long-run estimate is an average until SLOW takes over: it
+              falls as fast).
               At k = 0 only a probe with a draft accepted can restart speculation (a call cost that moved
               cannot, nor a probe that matched nothing, whatever the relaxed estimate says): a
               probe is one verify at the smallest k, its outcome landing on this stretch's estimate relaxed
               toward the long-run one by RELAX per plain step before it. Probes back off: the first comes
-              PROBE_GAP iterations after speculation stopped, each probe with a rejected draft doubles the
-              gap, up to the budget gap = the probe's measured extra cost over a step / PROBE_BUDGET, in
+              once it costs at most PROBE_SHARE of the plain steps since speculation stopped (the probe's
+              measured extra cost over a step / PROBE_SHARE iterations, at least PROBE_GAP), each probe with
+              a rejected draft doubles the gap, up to the budget gap = that extra cost / PROBE_BUDGET, in
               [PROBE_GAP, PROBE_GAP_MAX]; a probe whose drafts are all accepted, or speculation running,
               resets it. A drafter that matches in bursts is tried again soon after it stopped; a hopeless
               one costs PROBE_BUDGET of a step per iteration. A probe's cost is measured, not assumed: its
@@ -60,17 +64,21 @@ import numpy as np
 Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
 Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
-WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate (this stretch of text)
+WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate (this stretch of text;
+                     # 1/n for the drafter's first n verifies)
 SLOW = 0.03          # its weight in the long-run estimate (the drafter's, across requests; 1/n for the first)
-DOUBT = 16           # the long run keeps speculation going for at most this many verifies this stretch says stop
+DOUBT = 16           # the long run keeps speculation going until this stretch has said stop this many verifies
+                     # more than it said go on
 RELAX = 0.05         # per plain step, the stretch's estimate moves this far toward the long-run one
 PRIOR = 0.5          # a position's acceptance before its first outcome
-MARGIN = 0.08        # a k replaces the running one (or starts speculation) only when its rate is 8 % higher
+MARGIN = 0.08        # speculation starts (after a probe) only when its rate is 8 % above plain decoding's
 KEEP = 0.05          # speculation goes on while its rate is at least 5 % above plain decoding's
 PROBE_BUDGET = 0.01  # a probe's extra cost over a step, spread over the plain steps between probes: 1 % of a step
-PROBE_GAP = 4        # the first probe after speculation stopped; each probe that fails doubles the gap
+PROBE_SHARE = 0.125  # the first probe after a stop: its extra cost over a step, over the plain steps before it
+PROBE_GAP = 4        # the first probe after a stop is at least this far; each probe that fails doubles the gap
 PROBE_GAP_MAX = 128  # the budget gap is at most this many iterations
 FRESH = 0.1          # weight of one live call's time in its row count's level
+RATIO = 0.03         # weight of one live call's time (over that level) in its width's base cost
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,9 +96,9 @@ def verify_cost(costs: dict[int, float], k: int) -> float:
     return float(intercept + slope * k)
 
 
-def call_costs(calls: dict, rounds: int) -> dict:
-    """key -> median ms of calls[key](), every call warmed up once, then called round by round in a
-    rotating order so load changes hit every call alike."""
+def call_costs(calls: dict, rounds: int, pick: Callable[[list[float]], float] = statistics.median) -> dict:
+    """key -> pick (the median unless told) of the ms of calls[key](), every call warmed up once, then
+    called round by round in a rotating order so load changes hit every call alike."""
     keys = list(calls)
     times: dict = {key: [] for key in keys}
     for key in keys:  # warm-up
@@ -100,14 +108,15 @@ def call_costs(calls: dict, rounds: int) -> dict:
             t0 = time.perf_counter()
             calls[key]()
             times[key].append((time.perf_counter() - t0) * 1000)
-    return {key: statistics.median(values) for key, values in times.items()}
+    return {key: pick(values) for key, values in times.items()}
 
 
 def occupancy_costs(call: Call, occupancies: Sequence[int], widths: Sequence[int], rounds: int = 10,
-                    extra: dict | None = None) -> tuple[Costs, dict[str, float]]:
-    """((rows j, width w) -> median ms of call(j, w) for every j and w; name -> median ms of extra[name]())."""
+                    extra: dict | None = None, pick: Callable[[list[float]], float] = statistics.median
+                    ) -> tuple[Costs, dict[str, float]]:
+    """((rows j, width w) -> median (pick) ms of call(j, w) for every j and w; name -> the same of extra[name]())."""
     calls: dict = {(j, w): (lambda j=j, w=w: call(j, w)) for j in occupancies for w in sorted(set(widths))}
-    med = call_costs({**calls, **(extra or {})}, rounds)
+    med = call_costs({**calls, **(extra or {})}, rounds, pick)
     return {key: med[key] for key in calls}, {name: med[name] for name in (extra or {})}
 
 
@@ -131,20 +140,23 @@ class CallCosts:
     """ms of one target call by (rows, width) = its base cost x the live level at that row count. The base
     costs are measured together, interleaved (measure_costs), so their ratios (what a verify costs in steps)
     hold; every live call moves its row count's level (the machine's load now) by FRESH toward its own
-    time over its base, so a width the choice stopped using is never left at a stale price."""
+    time over its base, so a width the choice stopped using is never left at a stale price, and moves its
+    own width's base by RATIO toward its time over the level, so ratios measured on a busy machine are
+    corrected by the calls the loop makes."""
     ms: Costs = field(default_factory=dict)            # (rows, width) -> base ms
     level: dict[int, float] = field(default_factory=dict)  # rows -> live ms / base ms (1 until a live call)
 
     def observe(self, rows: int, width: int, ms: float) -> None:
         """A live call's time. A width without a base takes it (at the current level); otherwise the level
-        moves by FRESH toward ms / base, one call counting at most 3x or a third of it (a call the OS
-        descheduled)."""
+        moves by FRESH toward ms / base, then the base by RATIO toward ms / level, one call counting at most
+        3x or a third of either (a call the OS descheduled)."""
         level = self.level.get(rows, 1.0)
         base = self.ms.get((rows, width))
         if base is None:
             self.ms[(rows, width)] = ms / level
             return
-        self.level[rows] = level + FRESH * (min(max(ms / base, level / 3), 3 * level) - level)
+        self.level[rows] = level = level + FRESH * (min(max(ms / base, level / 3), 3 * level) - level)
+        self.ms[(rows, width)] = base + RATIO * (min(max(ms / level, base / 3), 3 * base) - base)
 
     def cost(self, rows: int, width: int, step_width: int) -> float | None:
         """ms of a call of rows x width, never less than the step's (more tokens cost no less: a timing below
@@ -162,10 +174,14 @@ class CallCosts:
         return base * self.level.get(rows, 1.0)
 
 
-def measure_costs(runner, rounds: int = 5) -> CallCosts:
+def measure_costs(runner, rounds: int = 7) -> CallCosts:
     """The costs of every row count 1..runner.batch at every width the runner has (step and verify), each
-    the median of `rounds` calls after a warm-up. Forgets what the slots' regions held (forward_call)."""
-    costs, _ = occupancy_costs(forward_call(runner), range(1, runner.batch + 1), sorted(runner.widths), rounds)
+    the fastest of `rounds` calls after a warm-up: the live level follows the load, but the ratios between
+    widths stay as measured here, and a busy machine flattens them in the median (an engine loaded while
+    another process held the cores measured verify(4) at 1.05 steps, not 1.26, and speculated through
+    every losing text). Forgets what the slots' regions held (forward_call)."""
+    costs, _ = occupancy_costs(forward_call(runner), range(1, runner.batch + 1), sorted(runner.widths), rounds,
+                               pick=min)
     return CallCosts(dict(costs))
 
 
@@ -205,7 +221,7 @@ class KChoice:
     switches: int = 0          # changes of the running k
     verifies: int = 0          # verify outcomes observed
     streak: int = 0            # consecutive iterations speculating (not probes) up to this one
-    doubt: int = 0             # consecutive iterations speculating that this stretch's estimate said stop
+    doubt: int = 0             # verifies this stretch's estimate said stop, net of those it said go
     why: str = ""              # the last decision in words (speculation_off_reason)
 
     def __post_init__(self):
@@ -271,16 +287,14 @@ class KChoice:
         best = max(rates, key=lambda k: (rates[k], -k))
         running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
         losing = bool(running) and rates[running] < rates[0] * (1 + KEEP)  # this stretch says stop
-        self.doubt = self.doubt + 1 if losing else 0
+        self.doubt = self.doubt + 1 if losing else max(self.doubt - 1, 0)  # net of the verifies that say go on
         if running == 0:  # only new evidence restarts speculation, not a cost that moved
             new = best if probed and self.hit and best and rates[best] > rates[0] * (1 + MARGIN) else 0
         elif losing and (self.doubt > DOUBT or (steady := self.rates(cap, costs, rows, step_width, self.mean)).get(
                 running, 0) < steady[0] * (1 + KEEP)):
             new = 0  # the drafter's long run does not say it pays either, or this stretch has said stop too long
-        elif best and rates[best] > rates[running] * (1 + MARGIN):
-            new = best
-        else:
-            new = running
+        else:  # another k costs nothing to switch to (only starting and stopping the drafter do): the best k > 0
+            new = max((k for k in rates if k), key=lambda k: (rates[k], -k))
         if new != self.k:
             self.switches += 1
             self.why = self._words(rates, new)
@@ -310,8 +324,9 @@ class KChoice:
         included) / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX]."""
         step = costs.cost(rows, step_width, step_width)
         extra = (costs.cost(rows, k + 1, step_width) + (self.probe_ms or k * self.draft_ms) - step) / step
-        budget = min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX)
-        return min(PROBE_GAP << self.failed, budget)
+        first = max(PROBE_GAP, int(extra / PROBE_SHARE) + 1)
+        budget = max(min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX), first)
+        return min(first << self.failed, budget)
 
     def observe(self, drafted: int, accepted: int, asked: int = 0) -> None:
         """A verify of `drafted` drafts (the proposal asked for `asked`, 0: as many) accepted the first
@@ -331,7 +346,8 @@ class KChoice:
             self.failed = 0 if accepted == window else min(self.failed + 1, 16)
             keep = (1 - RELAX) ** self.idle
             self.accept = [m + keep * (a - m) for a, m in zip(self.accept, self.mean)]
-        for estimate, weight in ((self.accept, WEIGHT), (self.mean, max(SLOW, 1 / self.verifies))):
+        first = 1 / self.verifies  # a drafter's first outcomes replace the prior
+        for estimate, weight in ((self.accept, max(WEIGHT, first)), (self.mean, max(SLOW, first))):
             for i in range(min(accepted + 1, window, len(estimate))):
                 estimate[i] += weight * ((1.0 if i < accepted else 0.0) - estimate[i])
             if 0 < accepted == window:  # a whole window accepted: the positions past it follow its last (half weight)
