@@ -284,17 +284,17 @@ class KChoice:
         rates = self.rates(cap, costs, rows, step_width)
         if len(rates) < 2 or not self.verifies:  # nothing timed or seen yet (or no k under the cap): the largest
             return max((k for k in self.ks if k <= cap), default=0)
-        best = max(rates, key=lambda k: (rates[k], -k))
+        best = max((k for k in rates if k), key=lambda k: (rates[k], -k))  # the best k > 0
         running = self.k if self.k in rates else max((k for k in rates if k <= self.k), default=0)
         losing = bool(running) and rates[running] < rates[0] * (1 + KEEP)  # this stretch says stop
         self.doubt = self.doubt + 1 if losing else max(self.doubt - 1, 0)  # net of the verifies that say go on
         if running == 0:  # only new evidence restarts speculation, not a cost that moved
-            new = best if probed and self.hit and best and rates[best] > rates[0] * (1 + MARGIN) else 0
+            new = best if probed and self.hit and rates[best] > rates[0] * (1 + MARGIN) else 0
         elif losing and (self.doubt > DOUBT or (steady := self.rates(cap, costs, rows, step_width, self.mean)).get(
                 running, 0) < steady[0] * (1 + KEEP)):
             new = 0  # the drafter's long run does not say it pays either, or this stretch has said stop too long
-        else:  # another k costs nothing to switch to (only starting and stopping the drafter do): the best k > 0
-            new = max((k for k in rates if k), key=lambda k: (rates[k], -k))
+        else:  # another k costs nothing to switch to (only starting and stopping the drafter do)
+            new = best
         if new != self.k:
             self.switches += 1
             self.why = self._words(rates, new)
@@ -319,13 +319,14 @@ class KChoice:
         return ks[0]
 
     def gap(self, k: int, costs: CallCosts, rows: int, step_width: int) -> int:
-        """Iterations at k = 0 before the next probe at k: PROBE_GAP, doubled per failed probe, up to the
-        budget gap = the probe's extra cost over a step (its call, its proposal as measured: catch-up
-        included) / PROBE_BUDGET, in [PROBE_GAP, PROBE_GAP_MAX]."""
+        """Iterations at k = 0 before the next probe at k: the first gap = the probe's extra cost over a step
+        (its call, its proposal as measured: catch-up included) / PROBE_SHARE, at least PROBE_GAP, doubled per
+        failed probe up to the budget gap = that extra cost / PROBE_BUDGET, at most PROBE_GAP_MAX (never under
+        the first gap)."""
         step = costs.cost(rows, step_width, step_width)
         extra = (costs.cost(rows, k + 1, step_width) + (self.probe_ms or k * self.draft_ms) - step) / step
         first = max(PROBE_GAP, int(extra / PROBE_SHARE) + 1)
-        budget = max(min(max(PROBE_GAP, int(extra / PROBE_BUDGET) + 1), PROBE_GAP_MAX), first)
+        budget = max(min(int(extra / PROBE_BUDGET) + 1, PROBE_GAP_MAX), first)
         return min(first << self.failed, budget)
 
     def observe(self, drafted: int, accepted: int, asked: int = 0) -> None:
@@ -335,7 +336,8 @@ class KChoice:
         more at that position either); later positions were not tried. When a whole full window was
         accepted, the positions past it move toward the last one's estimate (half weight), so a k larger
         than the running one gets tried. Both estimates learn it: accept (WEIGHT: this stretch of text)
-        and mean (the drafter's long run: the average of the first 1/SLOW verifies, then SLOW). A probe's
+        and mean (SLOW: the drafter's long run), each the average of the drafter's first verifies until its
+        weight takes over (the prior is replaced, not nudged). A probe's
         outcome lands on an estimate aged by the plain steps before it: accept relaxes toward mean by
         RELAX per plain step (what a bad stretch taught fades as the text moves on)."""
         self.verifies += 1
