@@ -42,7 +42,10 @@ from typing import Any, Callable
 OPTIONAL_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "k", "min_p", "repetition_penalty",
                    "presence_penalty", "frequency_penalty")
 GUIDED_FIELDS = ("json_schema", "grammar", "regex")  # msg/Guided.msg, the request's `guided` field
-FEEDBACK_DRAIN_S = 1.0  # after an action's result: how long feedback still on its way is waited for
+# after an action's result: how long feedback still on its way is waited for (the wait ends as soon as the
+# deltas add up to the result's text). Past Fast DDS's default heartbeat period (3 s), after which a reliable
+# writer resends what a reader missed, and a transient-local writer sends its history to a reader matched late.
+FEEDBACK_DRAIN_S = 5.0
 
 
 def fill_request(msg: Any, *, messages: Sequence[Any] = (), tools: Sequence[Any] = (), **fields: Any) -> Any:
@@ -94,7 +97,7 @@ class GenerateClient:
         from rclpy.action import ActionClient
         from rclpy.node import Node
 
-        from spec_edge.ros2.node import ACTION_NAME, SERVICE_NAME, action_qos_kwargs, endpoint_qos
+        from spec_edge.ros2.node import ACTION_NAME, SERVICE_NAME, action_qos_kwargs, endpoint_qos, feedback_qos
         from spec_edge_interfaces.action import Generate as GenerateAction
         from spec_edge_interfaces.srv import Generate as GenerateSrv
         self.node = Node(node_name, namespace=namespace)
@@ -109,7 +112,7 @@ class GenerateClient:
         self._feedback_routes: dict[bytes, Callable[[Any], None]] = {}
         self._feedback_sub = self.node.create_subscription(
             GenerateAction.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback", self._route_feedback,
-            endpoint_qos())
+            feedback_qos())
         self.wait_timeout, self.timeout = wait_timeout, timeout
         self._service_ready = self._action_ready = False
 

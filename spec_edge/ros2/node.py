@@ -71,10 +71,23 @@ def endpoint_qos():
     return qos
 
 
+def feedback_qos():
+    """The QoS of the action's feedback topic (both sides): endpoint_qos() whose history of the last QOS_DEPTH
+    messages also reaches a reader matched after they were sent (transient local). Discovery is not
+    symmetric: a fresh client can see the node's feedback writer, and have its goal accepted and answered,
+    before that writer has matched the client's reader; a short goal's feedback sent in that gap is
+    delivered once the match completes instead of being lost. A volatile reader (ROS's default, e.g.
+    `ros2 action send_goal --feedback`) still matches and gets what is sent after its match."""
+    from rclpy.qos import DurabilityPolicy
+    qos = endpoint_qos()
+    qos.durability = DurabilityPolicy.TRANSIENT_LOCAL
+    return qos
+
+
 def action_qos_kwargs(feedback_key: str) -> dict[str, Any]:
     qos = endpoint_qos()
     return {"goal_service_qos_profile": qos, "result_service_qos_profile": qos,
-            "cancel_service_qos_profile": qos, feedback_key: qos}
+            "cancel_service_qos_profile": qos, feedback_key: feedback_qos()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Jobs:
   {"mode": "call",   "requests": [{...fields...}, ...]}       sequential service calls (tools: [{name, description,
                                                                 parameters}])
   {"mode": "burst",  "requests": [...]}                         all service calls sent at once
-  {"mode": "stream", "request": {...}, "cancel_after": N|null}  the action; cancel after N feedbacks
+  {"mode": "stream", "request": {...}, "cancel_after": N|null, "late_reader": bool}
+                                 the action; cancel after N feedbacks; late_reader: then a new feedback
+                                 subscription reports the text of each goal it receives ("late")
   {"mode": "diagnostics"}                                       the first DiagnosticArray seen
   {"mode": "lifecycle", "node": "/spec_edge", "transitions": [...], "request": {...}}
                                  drive the node's lifecycle; call the service once active and at the end;
@@ -87,6 +89,16 @@ def main() -> None:
 
             result, status = client.stream(on_feedback, timeout=300, **request_fields(job["request"]))
             out = {"deltas": deltas, "num_tokens": counts, "status": status, "result": response_to_dict(result)}
+            if job.get("late_reader"):  # a reader matched after the goal's feedback was sent
+                from spec_edge.ros2.node import ACTION_NAME, feedback_qos
+                by_goal: dict = {}
+                client.node.create_subscription(
+                    client.action_type.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback",
+                    lambda m: by_goal.setdefault(bytes(m.goal_id.uuid), []).append(m.feedback.delta), feedback_qos())
+                deadline = time.monotonic() + 10
+                while result.text not in ("".join(d) for d in by_goal.values()) and time.monotonic() < deadline:
+                    rclpy.spin_once(client.node, timeout_sec=0.05)
+                out["late"] = ["".join(d) for d in by_goal.values()]
         elif mode == "lifecycle":  # [transition label, ...] then the service's presence
             from lifecycle_msgs.msg import Transition
             from lifecycle_msgs.srv import ChangeState

@@ -92,6 +92,16 @@ def test_stream_feedback_concatenates_to_result(server, module_env, reference_en
     assert_stats_equal_core(result["stats"], result["num_tokens"], want.stats)
 
 
+def test_feedback_reaches_a_reader_matched_after_it_was_sent(server, module_env):
+    """Discovery is not symmetric: a fresh client can have its goal accepted and answered before the node's
+    feedback writer has matched the client's reader. The feedback topic keeps its history for such a reader
+    (a subscription made after the goal ended gets the goal's deltas), so no delta is lost in that gap."""
+    out = run_client(module_env, {"mode": "stream", "late_reader": True,
+                                  "request": {"prompt": PROMPT, "max_new_tokens": 12}})
+    assert out["status"] == "SUCCEEDED" and out["result"]["text"]
+    assert out["result"]["text"] in out["late"]
+
+
 def test_stream_cancel_then_next_request_served(server, module_env, reference_engine):
     out = run_client(module_env, {"mode": "stream", "cancel_after": 3,
                                   "request": {"prompt": PROMPT, "max_new_tokens": 200}})
