@@ -97,7 +97,7 @@ class GenerateClient:
         from rclpy.action import ActionClient
         from rclpy.node import Node
 
-        from spec_edge.ros2.node import ACTION_NAME, SERVICE_NAME, action_qos_kwargs, endpoint_qos, feedback_qos
+        from spec_edge.ros2.node import ACTION_NAME, SERVICE_NAME, action_qos_kwargs, endpoint_qos
         from spec_edge_interfaces.action import Generate as GenerateAction
         from spec_edge_interfaces.srv import Generate as GenerateSrv
         self.node = Node(node_name, namespace=namespace)
@@ -110,11 +110,16 @@ class GenerateClient:
         # ActionClient drops a goal's feedback callback once its result is in, and the result (a service reply)
         # can overtake the last feedback (a topic message), whose delta would be lost
         self._feedback_routes: dict[bytes, Callable[[Any], None]] = {}
-        self._feedback_sub = self.node.create_subscription(
-            GenerateAction.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback", self._route_feedback,
-            feedback_qos())
+        self._feedback_sub = self.subscribe_feedback(self._route_feedback)
         self.wait_timeout, self.timeout = wait_timeout, timeout
         self._service_ready = self._action_ready = False
+
+    def subscribe_feedback(self, callback: Callable[[Any], None]) -> Any:
+        """A subscription of this client's node to the action's feedback topic (feedback_qos()): callback gets
+        every goal's FeedbackMessage (goal_id, feedback), the history the node still keeps included."""
+        from spec_edge.ros2.node import ACTION_NAME, feedback_qos
+        return self.node.create_subscription(self.action_type.Impl.FeedbackMessage,
+                                             f"{ACTION_NAME}/_action/feedback", callback, feedback_qos())
 
     def _route_feedback(self, msg: Any) -> None:
         route = self._feedback_routes.get(bytes(msg.goal_id.uuid))

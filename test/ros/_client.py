@@ -90,11 +90,9 @@ def main() -> None:
             result, status = client.stream(on_feedback, timeout=300, **request_fields(job["request"]))
             out = {"deltas": deltas, "num_tokens": counts, "status": status, "result": response_to_dict(result)}
             if job.get("late_reader"):  # a reader matched after the goal's feedback was sent
-                from spec_edge.ros2.node import ACTION_NAME, feedback_qos
                 by_goal: dict = {}
-                client.node.create_subscription(
-                    client.action_type.Impl.FeedbackMessage, f"{ACTION_NAME}/_action/feedback",
-                    lambda m: by_goal.setdefault(bytes(m.goal_id.uuid), []).append(m.feedback.delta), feedback_qos())
+                client.subscribe_feedback(
+                    lambda m: by_goal.setdefault(bytes(m.goal_id.uuid), []).append(m.feedback.delta))
                 deadline = time.monotonic() + 10
                 while result.text not in ("".join(d) for d in by_goal.values()) and time.monotonic() < deadline:
                     rclpy.spin_once(client.node, timeout_sec=0.05)
