@@ -111,7 +111,7 @@ def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
     call = script.calls[-1]
     assert (call.temperature, call.top_p, call.top_k, call.sampling_seed, call.max_generate_length) == \
         (0.7, 0.9, 20, 7, 9)
-    assert call.disable_spec_decode is False and call.skip_special_tokens is True
+    assert call._sampled and call.disable_spec_decode is True and call.skip_special_tokens is True
     assert call.context_cache_lookup_policy.name == "USE_CACHE"
     [item] = call.requests
     assert item.stop_strings == ["END"]
@@ -129,6 +129,62 @@ def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
     run_one(off, GenerateRequest(prompt="a"))
     assert script.calls[-1].context_cache_lookup_policy.name == "BYPASS"
     assert script.runtimes[-1]._kwargs["context_cache_config"].enabled is False
+
+
+def test_a_sampled_request_is_one_edgellms_sampler_accepts(edge_cfg, script, tiny_models):
+    """Edge-LLM's sampler refuses a sampled request with neither top-k nor top-p set (sampling.h SamplingParams:
+    "Either topK or topP must be set"; the stand-in enforces it): "off" goes as top_p TOP_P_OFF, so a request with
+    only a temperature is served, and temperature 1.0 is sampled (sampling.cpp shouldUseNonGreedySampling reads
+    top_k 0 / top_p 1.0 / temperature 1.0 as greedy). The old pair (top_k 0, top_p 1.0) fails on the stand-in."""
+    import numpy as np
+
+    from spec_edge.runtime.backends.edgellm import TOP_P_OFF
+
+    assert np.float32(TOP_P_OFF) < np.float32(1.0) - np.float32(1e-6)  # what shouldUseNonGreedySampling compares
+    engine = _engine(edge_cfg, script, **{"speculative.drafter": "none"})
+    for temperature in (0.7, 1.0, 1.5):
+        result = run_one(engine, GenerateRequest(prompt="a", temperature=temperature))
+        call = script.calls[-1]
+        assert result.finish_reason == "eos" and result.text.strip() == "hello world", result
+        assert (call.temperature, call.top_k, call.top_p) == (temperature, 0, TOP_P_OFF) and call._sampled
+    for top_k, top_p, sent in ((40, 1.0, 1.0), (0, 0.9, 0.9), (0, 0.9999999, TOP_P_OFF), (1, 1.0, 1.0)):
+        run_one(engine, GenerateRequest(prompt="a", temperature=0.8, top_k=top_k, top_p=top_p))
+        call = script.calls[-1]
+        assert (call.top_k, call.top_p) == (top_k, sent) and call._sampled == (top_k != 1)  # top_k 1: the argmax
+    run_one(engine, GenerateRequest(prompt="a", temperature=0.0))
+    assert (script.calls[-1].temperature, script.calls[-1].top_k, script.calls[-1].top_p) == (1.0, 1, 1.0)
+    assert not script.calls[-1]._sampled
+    old = engine._call("a", 4)  # the pair sent before: the binary's sampler throws on it
+    old.temperature, old.top_k, old.top_p = 0.7, 0, 1.0
+    old.stream_channels = [engine.rt.StreamChannel.create()]
+    with pytest.raises(ValueError, match="Either topK or topP must be set"):
+        engine.runtime.handle_request(old)
+    old.temperature = 1.0  # accepted, and silently greedy: why 1.0 must not go as the old pair either
+    engine.runtime.handle_request(old)
+    assert not old._sampled
+    batched = _engine(edge_cfg, script, **{"graphs.batch_slots": 2})
+    result = run_one(batched, GenerateRequest(prompt="a", temperature=0.7))
+    assert result.finish_reason == "eos" and script.calls[-1]._sampled
+    batched.close()
+
+
+def test_a_sampled_request_on_eagle3_says_it_ran_without_speculation(edge_cfg, script):
+    """Edge-LLM's EAGLE-3 decoder is greedy only (a sampled request falls back to its vanilla decoder): the adapter
+    sends it with disable_spec_decode, and the result says so: speculation_off_reason, stats drafter none, no
+    speculative counters; a greedy request on the same engine speculates."""
+    from spec_edge.runtime.backends.edgellm import SAMPLED_OFF_REASON
+
+    engine = _engine(edge_cfg, script)
+    script.reply = lambda call: Reply(engine.tokenizer.encode(" hello world"), spec=(3, 12, 7))
+    sampled = run_one(engine, GenerateRequest(prompt="a", temperature=0.7))
+    call = script.calls[-1]
+    assert call.disable_spec_decode is True and call._decoder == "vanilla" and call._sampled
+    assert sampled.speculation_off_reason == SAMPLED_OFF_REASON and "non_greedy_eagle_unsupported" in SAMPLED_OFF_REASON
+    assert (sampled.stats.drafter, sampled.stats.k, sampled.stats.verify_calls, sampled.stats.accepted) == \
+        ("none", 0, 0, 0)
+    greedy = run_one(engine, GenerateRequest(prompt="a"))
+    assert script.calls[-1]._decoder == "eagle3" and greedy.speculation_off_reason == ""
+    assert (greedy.stats.drafter, greedy.stats.verify_calls, greedy.stats.accepted) == ("eagle3", 3, 7)
 
 
 def test_refusals_name_what_to_change(edge_cfg, script):
