@@ -570,3 +570,43 @@ def test_tool_calls_refuse_what_edgellm_cannot_enforce(edge_cfg, script):
     script.validate = lambda params: (False, "guided_decoding.structural_tag is too large")
     with pytest.raises(RequestError, match="structural_tag is too large"):
         engine.front.prepare(GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="none"))
+
+
+def _thor_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("thor_check", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "thor_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_thor_check_judges_a_divergence_on_both_decoders(edge_cfg, script, tiny_models, tiny_engine):
+    """scripts/thor_check.py's judging path (check()), as the device check runs it, on the Edge-LLM adapter over the
+    stand-in: the speculative and plain answers part at token 2; the float32 reference (transformers on the tiny
+    target checkpoint, thor_check.reference_margin) is asked after the prompt as the decoder's front tokenizes it
+    plus the plain answer's first 2 tokens; under the near-tie bound that is a near tie (passes), at it DIFFERENT
+    (fails). On the ONNX Runtime engine (speculative == plain token for token) every row is equal."""
+    thor = _thor_check()
+    tok = _tokenizer(tiny_models)
+    plain = tok.encode(" the dock is left of the door")
+    spec = plain[:2] + tok.encode(" kitchen table")
+    assert spec[2] != plain[2]
+    script.reply = lambda call: Reply(plain if call.disable_spec_decode else spec, spec=(2, 8, 3))
+    engine = _engine(edge_cfg, script)
+    checkpoint, prompt = Path(edge_cfg.model.target), "Where is the dock?"
+    margin = thor.reference_margin(checkpoint, engine.front.prompt_ids(GenerateRequest(prompt=prompt)) + plain[:2])
+    assert margin > 0
+    rows, failed = thor.check(engine, checkpoint, "eagle3", 4, 16, near_tie=margin + 0.01, prompts=[prompt])
+    assert not failed and rows[0]["greedy"] == f"near tie at token 2 (float32 margin {margin:.3f})", rows
+    assert rows[0]["acceptance"] == round(3 / 8, 3)
+    rows, failed = thor.check(engine, checkpoint, "eagle3", 4, 16, near_tie=margin, prompts=[prompt])
+    assert failed and rows[0]["greedy"] == f"DIFFERENT at token 2 (float32 margin {margin:.3f})", rows
+    script.reply = lambda call: Reply(plain, spec=(2, 8, 3))
+    rows, failed = thor.check(engine, checkpoint, "eagle3", 4, 16, prompts=[prompt])
+    assert not failed and rows[0]["greedy"] == "equal"
+    cfg = tiny_engine.cfg
+    rows, failed = thor.check(tiny_engine, Path(cfg.model.target), cfg.speculative.drafter, cfg.speculative.k, 16,
+                              prompts=thor.PROMPTS[:2])
+    assert not failed and [row["greedy"] for row in rows] == ["equal", "equal"], rows

@@ -415,7 +415,8 @@ class EdgeLLMEngine:
         if rest and on_text is not None:
             on_text(rest, len(decoder.ids))
         stats.new_tokens = len(ids)
-        if self.batcher is None and drafter != "none" and not sampled and k < asked:  # the policy's k, as the loop counts it
+        # the policy's k, as the loop counts it
+        if self.batcher is None and drafter != "none" and not sampled and k < asked:
             stats.k = asked
             stats.verify_calls_by_k = [stats.verify_calls if i + 1 == k else 0 for i in range(asked)]
             stats.policy_off_steps = 0 if k else len(ids)
