@@ -422,8 +422,8 @@ def test_an_eagle3_tree_is_served_by_the_engines_built_for_the_chain(edge_cfg, s
     runtime = script.runtimes[-1]
     assert (runtime._kwargs["draft_top_k"], runtime._kwargs["draft_step"], runtime._kwargs["verify_tree_size"]) == \
         (10, 4, 40)
-    wide = edge_cfg.replace(**{"speculative.eagle3_tree": [16, 4, 64]})
-    with pytest.raises(BackendError, match="max_draft_tree_size=60.*spec-edge build"):
+    wide = edge_cfg.replace(**{"speculative.eagle3_tree": [16, 4, 64]})  # 64 drafted: the draft has room; 64 verified
+    with pytest.raises(BackendError, match="maxVerifyTreeSize=60.*spec-edge build"):
         EdgeLLMEngine.from_config(wide, progress=lambda _m: None, native=build(script))
 
 
