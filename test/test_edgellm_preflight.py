@@ -46,6 +46,25 @@ def test_full_build_without_a_device_stops_at_once_with_the_list(no_device, tmp_
     assert not (tmp_path / "checkpoints").exists()  # the GGUF was not converted
     cfg = load(ROOT / "config" / "smollm2_trt_eagle3.yaml").replace(**{"runtime.engine_dir": str(tmp_path)})
     assert edgellm_layout.read_manifest(edgellm_layout.profile_dir(cfg)) is None  # no stage ran
+    assert list(tmp_path.iterdir()) == []  # and no empty profile folder is left behind
+
+
+def test_on_a_jetson_a_missing_tensorrt_names_jetpack_not_pip():
+    """Edge-LLM's own advice for a missing libnvinfer is a pip tensorrt wheel (_native/dependencies.py); on JetPack
+    TensorRT comes with the platform, and the preflight says so there (elsewhere Edge-LLM's message stands)."""
+    from tensorrt_edgellm import _native
+    from tensorrt_edgellm._native.dependencies import _INSTALL_GUIDANCE
+
+    class Missing:
+        @staticmethod
+        def _find_soname(library):
+            raise _native.TensorRTDependencyError(f"TensorRT is missing. {_INSTALL_GUIDANCE}")
+
+    with pytest.raises(_native.NativeRuntimeError) as jetson:
+        preflight._tensorrt_soname(Missing, jetpack=True)
+    assert "comes with JetPack" in str(jetson.value) and "pip install" not in str(jetson.value)
+    with pytest.raises(_native.NativeRuntimeError, match="tensorrt==10.16.0.72"):
+        preflight._tensorrt_soname(Missing, jetpack=False)
 
 
 def test_plan_device_lists_the_same_and_the_quantize_pieces(no_device, capsys, monkeypatch):
