@@ -137,3 +137,23 @@ def test_the_preflight_imports_no_torch():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_thor_check_sh_builds_the_8b_profile_from_llama_and_llama_head(tmp_path):
+    """scripts/thor_check.sh with LLAMA / LLAMA_HEAD elsewhere than the profile's /models paths: the 8B profile it
+    runs is the committed one with those two paths (written under $OUT/profiles, same profile name); its preflight
+    stage lists it (and stops here at the first profile's MISSING pieces, as on any machine without a device)."""
+    llama, head, out = tmp_path / "llama", tmp_path / "head", tmp_path / "out"
+    for folder in (llama, head):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    done = subprocess.run(["bash", "scripts/thor_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "STAGES": "preflight", "OUT": str(out), "LLAMA": str(llama),
+                               "LLAMA_HEAD": str(head), "PYTHONPATH": str(ROOT)})
+    written = out / "profiles" / "thor_llama31_8b_eagle3.yaml"
+    assert f"== thor_llama31_8b_eagle3: target {llama}, head {head} ({written})" in done.stdout, done.stdout[-3000:]
+    cfg, committed = load(written), load(ROOT / "config" / "thor_llama31_8b_eagle3.yaml")
+    assert (cfg.model.target, cfg.speculative.eagle3_head) == (str(llama), str(head))
+    assert cfg.replace(**{"model.target": committed.model.target,
+                          "speculative.eagle3_head": committed.speculative.eagle3_head}) == committed
+    assert done.returncode == 1 and "MISSING" in (out / "preflight_smollm2_trt_eagle3.txt").read_text()
