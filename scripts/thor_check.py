@@ -23,42 +23,37 @@ PROMPTS = ["Move the arm to the left and report the gripper state.",
 NEAR_TIE = 0.05
 
 
+_REFERENCES: dict[Path, object] = {}  # checkpoint -> its float32 transformers model, loaded once
+
+
 def reference_margin(checkpoint: Path, ids: list[int]) -> float:
     """top-1 minus top-2 logit of the float32 reference after `ids`."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = reference_margin.model = getattr(reference_margin, "model", None) or AutoModelForCausalLM.from_pretrained(
-        str(checkpoint), dtype=torch.float32).eval()
+    if checkpoint not in _REFERENCES:
+        _REFERENCES[checkpoint] = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = _REFERENCES[checkpoint]
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("profile")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--json-out")
-    args = parser.parse_args()
-
-    from spec_edge.config import load
-    from spec_edge.edgellm_layout import profile_dir, read_manifest
-    from spec_edge.device.profiles import resolve_profile
-    from spec_edge.runtime.engine import Engine
+def check(engine, checkpoint: Path, drafter: str, k: int, max_new_tokens: int, near_tie: float = NEAR_TIE,
+          margin=reference_margin, prompts=PROMPTS) -> tuple[list[dict], bool]:
+    """The rows for `prompts` through `engine` (any serving.Decoder: engine.Engine or the Edge-LLM adapter), greedy,
+    with `drafter` (k) and with none, and whether a divergence failed (a part at a reference margin >= near_tie).
+    margin(checkpoint, ids): the reference's top-1 minus top-2 logit after ids; the ids are the prompt's as the
+    decoder's front tokenizes it (Front.prompt_ids) plus the plain answer up to the part."""
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.scheduler import run_one
 
-    cfg = load(resolve_profile(args.profile))
-    drafter, k = cfg.speculative.drafter, cfg.speculative.k
-    checkpoint = Path(read_manifest(profile_dir(cfg))["stages"]["checkpoint"]["target"])
-    engine = Engine.from_config(cfg, lambda text: print(text, file=sys.stderr, flush=True))
     rows, failed = [], False
-    for prompt in PROMPTS:
+    for prompt in prompts:
         runs = {}
         for name in ([drafter] if drafter != "none" else []) + ["none"]:
-            request = GenerateRequest(prompt=prompt, max_new_tokens=args.max_new_tokens, temperature=0.0,
+            request = GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, temperature=0.0,
                                       drafter=name, k=k if name != "none" else None)
             run_one(engine, request)  # warm-up (CUDA graphs, first-call allocations)
             runs[name] = run_one(engine, request)
@@ -75,12 +70,32 @@ def main() -> int:
                 row["greedy"] = "equal"
             else:
                 at = next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)
-                m = reference_margin(checkpoint, engine.prompt_ids(GenerateRequest(prompt=prompt)) + b[:at])
-                row["greedy"] = (f"near tie at token {at} (float32 margin {m:.3f})" if m < NEAR_TIE
+                m = margin(checkpoint, engine.front.prompt_ids(GenerateRequest(prompt=prompt)) + b[:at])
+                row["greedy"] = (f"near tie at token {at} (float32 margin {m:.3f})" if m < near_tie
                                  else f"DIFFERENT at token {at} (float32 margin {m:.3f})")
-                failed |= m >= NEAR_TIE
+                failed |= m >= near_tie
         rows.append(row)
         print(json.dumps(row), flush=True)
+    return rows, failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("profile")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+
+    from spec_edge.config import load
+    from spec_edge.edgellm_layout import profile_dir, read_manifest
+    from spec_edge.device.profiles import resolve_profile
+    from spec_edge.runtime.engine import Engine
+
+    cfg = load(resolve_profile(args.profile))
+    drafter, k = cfg.speculative.drafter, cfg.speculative.k
+    checkpoint = Path(read_manifest(profile_dir(cfg))["stages"]["checkpoint"]["target"])
+    engine = Engine.from_config(cfg, lambda text: print(text, file=sys.stderr, flush=True))
+    rows, failed = check(engine, checkpoint, drafter, k, args.max_new_tokens)
     summary = {"profile": cfg.runtime.profile, "drafter": drafter, "k": k, "rows": rows, "ok": not failed}
     print(f"[thor_check] {cfg.runtime.profile}: " + ("OK" if not failed else "FAILED: speculative != plain beyond "
                                                       "a near tie"), flush=True)

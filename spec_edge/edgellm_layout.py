@@ -218,6 +218,11 @@ ENGINE_FOLDERS = {"engines/eagle3": ("base", "draft"), "engines/plain": ("llm",)
 # _DEFAULT_DRAFT_STEP, _DEFAULT_VERIFY_TREE_SIZE) and LLMBuilderConfig's default tree capacity
 # (max_verify_tree_size = max_draft_tree_size = 60, llmBuilder.h; the binary's defaults in fixtures/edgellm_api.json)
 DEFAULT_TREE_CAPACITY = 60
+# NVIDIA's EAGLE-3 sweep (tensorrt_edgellm/scripts/sweep_eagle3_configs.py _DEFAULT_TOP_KS, _DEFAULT_DRAFT_STEPS; its
+# _generate_combos pairs each with verify sizes up to the base's max_verify_tree_size): its widest proposal,
+# 12 x 8 = 96 draft tokens, is the draft engine's room, so every combination it generates runs on our engines
+SWEEP_TOP_KS, SWEEP_DRAFT_STEPS = (6, 8, 10, 12), (4, 6, 8)
+SWEEP_DRAFT_CAPACITY = max(SWEEP_TOP_KS) * max(SWEEP_DRAFT_STEPS)
 
 
 @dataclass(frozen=True)
@@ -243,26 +248,46 @@ def eagle3_tree(cfg: Config) -> EagleTree:
     return EagleTree(*tree) if tree else EagleTree(1, k, k + 1)
 
 
+def candidate_nodes(tree: EagleTree) -> int:
+    """The nodes Edge-LLM's EAGLE-3 drafting scores, the verify tree's candidates: the root, top_k children, then
+    top_k x top_k per further step (cpp/runtime/decoding/eagleDecoder.cpp EagleDecoder::EagleDecoder
+    draftFullTableLength = 1 + draftTopK + (draftingStep - 1) x draftTopK^2; constructDraftProposal picks the
+    verifySize best of them with selectAllTopK)."""
+    return 1 + tree.top_k + (tree.steps - 1) * tree.top_k ** 2
+
+
 def tree_problems(tree: EagleTree, base: dict[str, Any], draft: dict[str, Any]) -> list[str]:
     """What Edge-LLM refuses (or fails on) when `tree` is served by engines built with these builder_config
-    values; [] when it runs. The checks, as Edge-LLM makes them: draft_step x draft_top_k <= draft
-    max_draft_tree_size and verify_tree_size <= base max_verify_tree_size (the runtime's deployment config), the
-    accept-token step's steps + 1 tokens within the draft engine's profile (EagleDecoder), and a chain's verify
-    size being steps + 1, a tree's at least top_k + 1 (experimental/server/runtime/engine.py _resolve_tree_size)."""
+    values; [] when it runs. Each check is Edge-LLM's, for EAGLE-3:
+      - draft_step x draft_top_k <= the draft engine's max_draft_tree_size, and verify_tree_size <= the base's
+        max_verify_tree_size (cpp/runtime/config/llmEngineConfig.cpp createDeploymentConfig; its messages, quoted,
+        are in the 0.11.0 binary);
+      - every field >= 1 (createDeploymentConfig requirePositiveField);
+      - verify_tree_size <= candidate_nodes(tree) (eagleDecoder.cpp: the verify tree is picked from that table);
+      - the accept-token step's draft_step + 1 tokens within the draft engine's profile (EagleDecoder::
+        runDraftModelAcceptToken feeds up to draftingStep + 1 accepted tokens through the draft engine, whose
+        profile LLMBuilder sizes by max_draft_tree_size).
+    The wheel's server checks a tree size against [top_k + 1, max] (experimental/server/runtime/engine.py
+    _resolve_tree_size) for MTP engines only; for EAGLE-3 it passes verify_tree_size through, so that is not a
+    check here."""
     out = []
     max_draft, max_verify = int(draft["max_draft_tree_size"]), int(base["max_verify_tree_size"])
+    if min(tree.top_k, tree.steps, tree.verify_size) < 1:
+        out.append(f"draft_top_k={tree.top_k}, draft_step={tree.steps}, verify_tree_size={tree.verify_size}: each "
+                   f"must be positive (>= 1)")
     if tree.steps * tree.top_k > max_draft:
-        out.append(f"draft_step={tree.steps} x draft_top_k={tree.top_k} = {tree.steps * tree.top_k} exceeds the draft "
-                   f"engine's max_draft_tree_size={max_draft}")
+        out.append(f"drafting.draftingStep={tree.steps} * drafting.draftingTopK={tree.top_k} = "
+                   f"{tree.steps * tree.top_k} exceeds draft.maxDraftTreeSize={max_draft}. Drafting configuration "
+                   f"exceeds engine proposal size capability.")
     if tree.steps + 1 > max_draft:
         out.append(f"the accept-token step feeds draft_step + 1 = {tree.steps + 1} tokens through the draft engine, "
                    f"built for max_draft_tree_size={max_draft}")
     if tree.verify_size > max_verify:
-        out.append(f"verify_tree_size={tree.verify_size} exceeds the base engine's max_verify_tree_size={max_verify}")
-    low, high = (tree.steps + 1, tree.steps + 1) if tree.top_k == 1 else (tree.top_k + 1, tree.steps * tree.top_k + 1)
-    if not low <= tree.verify_size <= high:
-        out.append(f"verify_tree_size={tree.verify_size} must be in [{low}, {high}] for draft_top_k={tree.top_k}, "
-                   f"draft_step={tree.steps}")
+        out.append(f"drafting.verifySize={tree.verify_size} exceeds base.maxVerifyTreeSize={max_verify}. "
+                   f"Verification size exceeds base engine maximum verification size.")
+    if tree.verify_size > candidate_nodes(tree):
+        out.append(f"verify_tree_size={tree.verify_size} exceeds the {candidate_nodes(tree)} candidates a tree of "
+                   f"draft_top_k={tree.top_k}, draft_step={tree.steps} scores (1 + top_k + (steps - 1) x top_k^2)")
     return out
 
 
@@ -270,15 +295,16 @@ def builder_limits(cfg: Config) -> dict[str, dict[str, dict[str, Any]]]:
     """engine folder (relative to profile_dir) -> role -> the LLMBuilderConfig fields it is built with: the memory
     plan's limits (max_input_len = max_kv_cache_capacity = graphs.max_context, max_batch_size) and, for the EAGLE-3
     pair, tree capacity for every k in graphs.k_values (a chain of k: k + 1 verified tokens, k + 1 accepted ones
-    through the draft), for speculative.eagle3_tree and for Edge-LLM's default tree (DEFAULT_TREE_CAPACITY), so a
-    tree setting is served without a rebuild."""
+    through the draft), for speculative.eagle3_tree, for Edge-LLM's default tree (DEFAULT_TREE_CAPACITY) and, in
+    the draft, for every proposal NVIDIA's sweep tries (SWEEP_DRAFT_CAPACITY), so a tree setting is served
+    without a rebuild."""
     g = cfg.graphs
     common = {"max_input_len": g.max_context, "max_kv_cache_capacity": g.max_context}
     if cfg.speculative.drafter != "eagle3":
         return {"engines/plain": {"llm": {**common, "max_batch_size": g.batch_slots}}}
     trees = [EagleTree(1, k, k + 1) for k in g.k_values] + [eagle3_tree(cfg), DEFAULT_TREE]
     verify = max([DEFAULT_TREE_CAPACITY] + [t.verify_size for t in trees])
-    draft = max([DEFAULT_TREE_CAPACITY] + [t.draft_tokens() for t in trees])
+    draft = max([DEFAULT_TREE_CAPACITY, SWEEP_DRAFT_CAPACITY] + [t.draft_tokens() for t in trees])
     limits = {"engines/eagle3": {"base": {**common, "max_batch_size": 1, "spec_base": True,
                                           "max_verify_tree_size": verify},
                                  "draft": {**common, "max_batch_size": 1, "spec_draft": True,

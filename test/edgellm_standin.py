@@ -6,9 +6,36 @@ required parameters) and raises TypeError as the binding would; a read-only prop
 
 Behaviour is scripted per test: Script.reply(call) -> Reply (the token ids to stream, the finish reason,
 the speculative counters one request adds; for RequestEngine a request that retires without reaching the
-runtime, or a producer deaf to cancel), Script.count(text) -> the runtime's token count of a prompt.
-RequestHandle.ready() turns true when the request is terminal, as the binding documents it.
-Every LLMRuntime / RequestEngine made is recorded on the script (constructor args, requests handled).
+runtime, or a producer deaf to cancel), Script.count(text) -> the runtime's token count of a prompt,
+Script.decode(ids) -> a chunk's text. RequestHandle.ready() turns true when the request is terminal, as the binding
+documents it. Every LLMRuntime / RequestEngine made is recorded on the script (constructor args, requests handled).
+
+What the stand-in does as Edge-LLM does, each from Edge-LLM's own code (a behaviour nothing there states is marked
+ASSUMED):
+  sampling    a request is sampled when sampling.cpp shouldUseNonGreedySampling(temperature, topK, topP) says so
+              (recorded per call as call._sampled), else it is the argmax; a sampled request must have topK > 0 or
+              topP < 1, else it fails with SamplingParams' own message (cpp/sampler/sampling.h, "Either topK or topP
+              must be set"; the string is in the 0.11.0 binary). ASSUMED: the throw reaches Python as ValueError
+              from handle_request (pybind11 translates std::invalid_argument so) and ends a RequestEngine request
+              with a terminal ERROR chunk.
+  speculation a sampled request on an EAGLE-3 LLMRuntime runs on the vanilla decoder (the binary's log line "Decoder
+              fallback: reason=non_greedy_eagle_unsupported, selected=vanilla"), as does one with
+              disable_spec_decode and every RequestEngine request: it adds nothing to the SpecDecode counters
+              (call._decoder: "eagle3" or "vanilla"). The counters cover a request once handle_request has returned
+              (tensorrt_edgellm/scripts/sweep_eagle3_configs.py _run_one reads them right after it).
+  streaming   as the wheel's own consumer reads a StreamChannel (experimental/server/runtime/engine.py
+              LLM.generate_stream): a chunk carries token_ids, its decoded text (chunk.text), prompt_token_count
+              (>= 0 where known, -1 elsewhere), finished, reason, logprobs; the last chunk is finished, its reason the
+              FinishReason, and it may carry ids of its own (the consumer keeps a terminal chunk's ids and text); the
+              producer pushes that chunk before the channel reads is_finished() (the comment in generate_stream's
+              finally); a request that ended in ERROR still delivers a terminal chunk (generate_stream's closing
+              comment); a RequestEngine request that retires without reaching the runtime turns its handle ready()
+              with its channel silent (generate_stream: "the request retired without ever reaching the runtime").
+              ASSUMED (nothing in Edge-LLM's Python states it): a chunk holds Reply.chunk tokens (the channel's
+              stream interval, StreamChannel.set_stream_interval, default unknown; 1 here unless scripted), the
+              first chunk carries prompt_token_count, a cancel ends the production with a terminal CANCELLED chunk
+              (the consumer itself stops at is_cancelled() without waiting for one), and chunk.text is the chunk's
+              ids decoded on their own.
 validate_guided_decoding_params refuses a json_schema guide that names a keyword the binary's list says XGrammar
 accepts but does not enforce (UNENFORCED_KEYWORDS, its message UNENFORCED: both read from the binary's strings by
 test_edgellm_api.py), unless the script sets validate. The tool-call surface (LLMGenerationRequest.tools /
@@ -48,6 +75,7 @@ class Reply:
     spec: tuple[int, int, int] = (0, 0, 0)   # (iterations, proposed, accepted) this request adds
     reused: int = 0                          # prefill tokens reused from the context cache
     fail: str = ""                           # handle_request raises RuntimeError(fail)
+    chunk: int = 1                           # token ids per non-final chunk (ASSUMED: the stream interval)
     retire: bool = False                     # RequestEngine: terminal (ready) without a chunk on its channel
     deaf: bool = False                       # a cancel ends the production with no final chunk, never terminal
 
@@ -56,9 +84,26 @@ class Reply:
 class Script:
     reply: object = None                     # (call) -> Reply
     count: object = None                     # (text) -> int
+    decode: object = None                    # (ids) -> str: a chunk's text ("" when unset)
     runtimes: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     pause: threading.Event | None = None     # set: handle_request waits on it before each token
+
+
+def non_greedy(temperature: float, top_k: int, top_p: float) -> bool:
+    """cpp/sampler/sampling.cpp shouldUseNonGreedySampling, as Edge-LLM's decoders call it per request."""
+    if top_k == 1:
+        return False
+    return top_k > 1 or top_p < 1.0 - 1e-6 or (temperature > 1e-3 and abs(temperature - 1.0) > 1e-3)
+
+
+def sampling_error(temperature: float, top_k: int, top_p: float) -> str:
+    """cpp/sampler/sampling.h SamplingParams::SamplingParams: its std::invalid_argument message, "" when valid."""
+    if not (top_k > 0 or top_p < 1.0):
+        return "Either topK or topP must be set"
+    if temperature < 0:
+        return "Temperature must be greater than 0.0f"
+    return ""
 
 
 def _check(owner: str, member: str | None, args: tuple, kwargs: dict) -> None:
@@ -126,12 +171,13 @@ def build(script: Script) -> types.ModuleType:
     def channel_init(self):
         set_internal(self, _queue=queue.Queue(), _finished=False, _cancelled=False)
 
-    def push(channel, tokens, finished, reason):
+    def push(channel, tokens, finished, reason, prompt_tokens=-1):
         chunk = mod.StreamChunk()
-        set_internal(chunk, token_ids=list(tokens), text="", finished=finished, reason=reason, prompt_token_count=-1,
-                     logprobs=[])
+        text = script.decode(list(tokens)) if script.decode is not None and tokens else ""
+        set_internal(chunk, token_ids=list(tokens), text=text, finished=finished, reason=reason,
+                     prompt_token_count=prompt_tokens, logprobs=[])
         channel._queue.put(chunk)
-        if finished:
+        if finished:  # after the chunk is in the channel (engine.py generate_stream)
             channel._finished = True
 
     def wait_pop(self, timeout_ms):
@@ -154,26 +200,42 @@ def build(script: Script) -> types.ModuleType:
     def cancel_channel(self):
         self._cancelled = True
 
-    def serve(runtime, call, reply=None):
+    def serve(runtime, call, reply=None, batched=False):
         script.calls.append(call)
         reply = reply or script.reply(call)
+        sampled = non_greedy(call.temperature, call.top_k, call.top_p)
+        eagle = "draft_top_k" in runtime._kwargs and not batched and not call.disable_spec_decode and not sampled
+        set_internal(call, _sampled=sampled, _decoder="eagle3" if eagle else "vanilla")
+        channel = call.stream_channels[0]
+        problem = sampling_error(call.temperature, call.top_k, call.top_p) if sampled else ""
+        if problem and batched:  # ASSUMED: the engine ends such a request with a terminal ERROR chunk
+            push(channel, [], True, mod.FinishReason.ERROR)
+            return reply
+        if problem:
+            raise ValueError(problem)
         if reply.fail:
             raise RuntimeError(reply.fail)
-        channel = call.stream_channels[0]
-        for token in reply.tokens:
+        tokens, first = list(reply.tokens), True
+        while True:
             if script.pause is not None:
                 script.pause.wait()
             if channel._cancelled:
                 if not reply.deaf:
                     push(channel, [], True, mod.FinishReason.CANCELLED)
                 return reply
-            push(channel, [token], False, mod.FinishReason.NOT_FINISHED)
-        push(channel, [], True, getattr(mod.FinishReason, reply.reason))
-        spec = runtime._spec
-        set_internal(spec, total_iterations=spec.total_iterations + reply.spec[0],
-                     total_proposed_draft_tokens=spec.total_proposed_draft_tokens + reply.spec[1],
-                     total_accepted_draft_tokens=spec.total_accepted_draft_tokens + reply.spec[2])
+            piece, tokens = tokens[:reply.chunk], tokens[reply.chunk:]
+            prompt = script.count(call.requests[0].messages[0].contents[0].content) if first and script.count else -1
+            if not tokens:  # the last ids ride on the terminal chunk
+                push(channel, piece, True, getattr(mod.FinishReason, reply.reason), prompt)
+                break
+            push(channel, piece, False, mod.FinishReason.NOT_FINISHED, prompt)
+            first = False
         set_internal(runtime._prefill, reused_tokens=runtime._prefill.reused_tokens + reply.reused)
+        if eagle:
+            spec = runtime._spec
+            set_internal(spec, total_iterations=spec.total_iterations + reply.spec[0],
+                         total_proposed_draft_tokens=spec.total_proposed_draft_tokens + reply.spec[1],
+                         total_accepted_draft_tokens=spec.total_accepted_draft_tokens + reply.spec[2])
         return reply
 
     def runtime_init(self, *args, **kwargs):
@@ -195,7 +257,7 @@ def build(script: Script) -> types.ModuleType:
             if reply.retire:
                 script.calls.append(call)
             else:
-                serve(self, call, reply)
+                serve(self, call, reply, batched=True)
                 if reply.deaf and handle._channel._cancelled:
                     return  # never terminal
             set_internal(handle, _ready=True)

@@ -255,10 +255,32 @@ def test_the_tool_surface_is_the_binarys_and_returns_no_calls(live):
     assert not [m for m in ("tools", "tool_choice", "parallel_tool_calls") if f"call.{m}" in source]
 
 
+# each structural-tag type and key we send -> a string of the binary that shows xgrammar's parser reads it: the name
+# as a literal of its own, or one of the parser's messages about that format / field (xgrammar structural_tag.cc)
+XGRAMMAR_EVIDENCE = {
+    "structural_tag": 'Structural tag\'s type must be a string "structural_tag"',
+    "format": "Structural tag must have a format field", "type": "Format's type must be a string",
+    "any_text": "\0any_text\0", "excludes": "\0excludes\0",
+    "or": "Or format must have an elements field", "sequence": "Sequence format must have an elements field",
+    "elements": "Sequence format must have an elements field", "tags_with_separator": "\0tags_with_separator\0",
+    "tags": "Tags with separator format must have a tags field",
+    "separator": "Tags with separator format's separator field", "at_least_one": "\0at_least_one\0",
+    "stop_after_first": "\0stop_after_first\0", "tag": 'Tag format\'s type must be a string "tag"',
+    "begin": "Tag format's begin field must be", "content": "Tag format must have a content field",
+    "end": "Tag format must have an end field", "json_schema": "JSON schema format must have a json_schema field",
+    "regex": "Regex format must have a pattern field", "pattern": "Regex format must have a pattern field",
+    "const_string": "\0const_string\0", "value": "ConstString format must have a value field",
+    "optional": "Optional format must have a content field", "token": "TokenFormat must have a token field",
+}
+
+
 def test_the_tool_call_structural_tag_speaks_the_binarys_xgrammar(live):
     """The format types and keys of every tool format's structural tag (tool_format.*.structural_tag, what
     edgellm.tool_guide sends) are in the binary (its vendored xgrammar structural_tag.cc, the vocabulary of xgrammar
-    0.2.1), and the stand-in's json_schema refusal is the binary's list and message."""
+    0.2.1): each by a distinguishing string of the parser (XGRAMMAR_EVIDENCE: the name as a null-terminated literal
+    of its own, or the parser's message about that format / field; a short name like "or" or "end" is a substring
+    of any large binary, so its bare presence proves nothing); and the stand-in's json_schema refusal is the
+    binary's list and message."""
     from spec_edge.runtime.tool_format import HermesFormat, LlamaJsonFormat, MistralFormat
     import edgellm_standin
 
@@ -286,10 +308,9 @@ def test_the_tool_call_structural_tag_speaks_the_binarys_xgrammar(live):
     assert {"structural_tag", "any_text", "excludes", "or", "sequence", "tags_with_separator", "tag",
             "json_schema", "at_least_one", "stop_after_first", "separator", "begin", "end", "regex", "pattern",
             "const_string", "value", "optional", "content", "token"} <= names
-    assert [name for name in sorted(names) if name.encode() not in binary] == []
-    for whole in ("structural_tag", "any_text", "excludes", "tags_with_separator", "at_least_one", "stop_after_first",
-                  "const_string", "optional", "pattern"):
-        assert b"\0" + whole.encode() + b"\0" in binary, whole
+    assert sorted(names - set(XGRAMMAR_EVIDENCE)) == []  # every name we send has its evidence below
+    for name in sorted(names):
+        assert XGRAMMAR_EVIDENCE[name].encode() in binary, (name, XGRAMMAR_EVIDENCE[name])
     for keyword in edgellm_standin.UNENFORCED_KEYWORDS:
         assert b"\0" + keyword.encode() + b"\0" in binary, keyword
     assert b"\0" + edgellm_standin.UNENFORCED.encode() + b"\0" in binary

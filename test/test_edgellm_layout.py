@@ -7,10 +7,11 @@ The wheel's readers (no GPU needed, pure Python in the wheel):
   experimental/server/runtime/engine_layout.py   detect_engine_type (llm.engine / spec_base + spec_draft)
   experimental/server/runtime/engine.py          _read_bundle_builder_config, _resolve_spec_decode_runtime_options
                                                  (base_config.json + draft_config.json), _resolve_tree_size
-Edge-LLM's C++ deployment checks are read, not run (cpp/runtime: drafting.draftingStep x draftingTopK <=
-draft.maxDraftTreeSize, verifyTreeSize <= base.maxVerifyTreeSize; EagleDecoder's accept-token step feeds up to
+Edge-LLM's C++ deployment checks are read, not run (cpp/runtime/config/llmEngineConfig.cpp createDeploymentConfig:
+draftingStep x draftingTopK <= draft.maxDraftTreeSize, verifySize <= base.maxVerifyTreeSize; eagleDecoder.cpp: the
+verify tree is picked from 1 + top_k + (steps - 1) x top_k^2 candidates, the accept-token step feeds up to
 draftingStep + 1 tokens through the draft engine): edgellm_layout.tree_problems states them, and this test holds
-the builder limits to them and to the wheel's Python checks.
+the builder limits to them and runs every combination NVIDIA's sweep (_generate_combos) generates against them.
 """
 from __future__ import annotations
 
@@ -88,30 +89,12 @@ def test_the_old_hand_written_layout_is_not_what_edgellm_reads(tmp_path):
         layout.read_builder_config(tmp_path, "base")
 
 
-def _deployable(tree: layout.EagleTree, base: dict, draft: dict) -> list[str]:
-    """Edge-LLM's checks of a drafting shape against built engines, each as Edge-LLM states it: the C++
-    deployment config (read), the accept-token step (read), the server's tree-size resolution (run)."""
-    engine, _, _ = _wheel()
-    out = []
-    if tree.steps * tree.top_k > draft["max_draft_tree_size"]:
-        out.append("drafting.draftingStep * drafting.draftingTopK exceeds draft.maxDraftTreeSize")
-    if tree.verify_size > base["max_verify_tree_size"]:
-        out.append("drafting.verifyTreeSize exceeds base.maxVerifyTreeSize")
-    if tree.steps + 1 > draft["max_draft_tree_size"]:  # acceptLength 1 .. draftingStep + 1, batch 1
-        out.append("Failed to prepare draft model for accept token step.")
-    try:
-        engine._resolve_tree_size("eagle3", tree.top_k, tree.verify_size, base["max_verify_tree_size"],
-                                  tree.steps + 1)
-    except ValueError as err:
-        out.append(str(err))
-    return out
-
-
 @pytest.mark.parametrize("path", [p for p in TENSORRT if load(p).speculative.drafter == "eagle3"],
                          ids=lambda p: p.stem)
 def test_draft_and_verify_room_for_every_k_and_the_tree(path, tmp_path):
     """Every k in k_values runs as a chain (k + 1 verified, k + 1 accepted through the draft), and Edge-LLM's
-    default tree and a tree setting run on the same engines, by Edge-LLM's checks and by tree_problems."""
+    default tree and a tree setting run on the same engines (tree_problems: Edge-LLM's checks); the wheel's server
+    resolves the chain's drafting shape from these engine folders as we make it."""
     engine, _, _ = _wheel()
     cfg = load(path)
     root = _write(cfg, tmp_path)
@@ -126,29 +109,66 @@ def test_draft_and_verify_room_for_every_k_and_the_tree(path, tmp_path):
     trees.append(layout.eagle3_tree(tree_cfg))
     assert layout.builder_limits(tree_cfg) == layout.builder_limits(cfg)  # a tree within the default: no rebuild
     for tree in trees:
-        assert _deployable(tree, base, draft) == [] == layout.tree_problems(tree, base, draft), tree
+        assert layout.tree_problems(tree, base, draft) == [], tree
     options = engine._resolve_spec_decode_runtime_options(str(root / "engines/eagle3"), "eagle3", None, 1, k, k + 1)
     assert (options.top_k, options.step, options.verify_size) == (1, k, k + 1)
-    # the limits the build used to write fail the accept-token step at k = max(k_values), by both checks
+    # the limits the build used to write fail the accept-token step at k = max(k_values)
     k_max = max(cfg.graphs.k_values)
-    old = {"max_draft_tree_size": k_max}
-    assert _deployable(layout.EagleTree(1, k_max, k_max + 1), base, old) != []
-    assert layout.tree_problems(layout.EagleTree(1, k_max, k_max + 1), base, old) != []
+    assert layout.tree_problems(layout.EagleTree(1, k_max, k_max + 1), base, {"max_draft_tree_size": k_max}) != []
+
+
+@pytest.mark.parametrize("path", [p for p in TENSORRT if load(p).speculative.drafter == "eagle3"],
+                         ids=lambda p: p.stem)
+def test_every_combination_nvidias_sweep_runs_is_accepted(path, tmp_path):
+    """NVIDIA's own EAGLE-3 sweep (tensorrt_edgellm/scripts/sweep_eagle3_configs.py, run here: _read_engine_limits
+    on our engine folder, _generate_combos over its default grid) generates drafting shapes Edge-LLM runs; every one
+    is accepted by tree_problems on the engines we build (the draft has room for the grid's widest proposal), and
+    the wheel's server passes each through for an EAGLE-3 bundle (_resolve_spec_decode_runtime_options; its
+    _resolve_tree_size bound is MTP's)."""
+    engine, _, sweep = _wheel()
+    assert (tuple(sweep._DEFAULT_TOP_KS), tuple(sweep._DEFAULT_DRAFT_STEPS)) == \
+        (layout.SWEEP_TOP_KS, layout.SWEEP_DRAFT_STEPS)
+    cfg = load(path)
+    folder = _write(cfg, tmp_path) / "engines/eagle3"
+    base, draft = layout.read_builder_config(folder, "base"), layout.read_builder_config(folder, "draft")
+    max_ts, _ = sweep._read_engine_limits(folder)
+    combos = sweep._generate_combos(max_ts, sweep._DEFAULT_TOP_KS, sweep._DEFAULT_DRAFT_STEPS)
+    assert len(combos) >= 30 and any(vts > top_k * steps + 1 for top_k, steps, vts in combos)  # the old bound's
+    for top_k, steps, vts in combos:
+        assert layout.tree_problems(layout.EagleTree(top_k, steps, vts), base, draft) == [], (top_k, steps, vts)
+        options = engine._resolve_spec_decode_runtime_options(str(folder), "eagle3", None, top_k, steps, vts)
+        assert (options.top_k, options.step, options.verify_size) == (top_k, steps, vts)
 
 
 def test_a_wider_tree_widens_the_engines_and_bad_trees_are_refused():
     cfg = load(ROOT / "config" / "smollm2_trt_eagle3.yaml")
     k = cfg.speculative.k
-    wide = cfg.replace(**{"speculative.eagle3_tree": [40, k, 70]})
+    wide = cfg.replace(**{"speculative.eagle3_tree": [60, k, 70]})
     limits = layout.builder_limits(wide)["engines/eagle3"]
-    assert limits["draft"]["max_draft_tree_size"] == 40 * k > 60 and limits["base"]["max_verify_tree_size"] == 70
+    assert limits["draft"]["max_draft_tree_size"] == 60 * k > layout.SWEEP_DRAFT_CAPACITY
+    assert limits["base"]["max_verify_tree_size"] == 70
     for bad in ([2, k], [2, k + 1, 5], [0, k, 3]):
         with pytest.raises(ConfigError, match="eagle3_tree must be"):
             cfg.replace(**{"speculative.eagle3_tree": bad})
     with pytest.raises(ConfigError, match="needs runtime.backend: tensorrt"):
         load(ROOT / "config" / "smollm2_eagle3.yaml").replace(**{"speculative.eagle3_tree": [2, 4, 5]})
-    assert layout.tree_problems(layout.EagleTree(1, k, k), {"max_verify_tree_size": 60},
-                                {"max_draft_tree_size": 60}) != []  # a chain verifies k + 1
+    room = ({"max_verify_tree_size": 60}, {"max_draft_tree_size": 60})
+    assert layout.tree_problems(layout.EagleTree(1, k, k), *room) == []  # a shorter chain verify: Edge-LLM runs it
+    # a chain scores k + 1 candidates (eagleDecoder.cpp draftFullTableLength); a (2, 3) tree 1 + 2 + 2 x 4 = 11
+    assert layout.candidate_nodes(layout.EagleTree(1, k, k + 1)) == k + 1
+    assert layout.candidate_nodes(layout.EagleTree(2, 3, 11)) == 11
+    assert "exceeds the 11 candidates" in " ".join(layout.tree_problems(layout.EagleTree(2, 3, 12), *room))
+    assert "Drafting configuration exceeds" in " ".join(layout.tree_problems(layout.EagleTree(16, 4, 60), *room))
+    assert "Verification size exceeds" in " ".join(layout.tree_problems(layout.EagleTree(10, 6, 61), *room))
+
+
+def test_tree_problems_quotes_edgellms_own_messages():
+    """The refusals tree_problems restates are Edge-LLM's (createDeploymentConfig): their text is in the binary."""
+    binary = edgellm_native.extension(edgellm_native.package_dir()).read_bytes()
+    for quoted in (b". Drafting configuration exceeds engine proposal size capability.",
+                   b". Verification size exceeds base engine maximum verification size.",
+                   b" must be positive (>= 1)."):
+        assert quoted in binary, quoted
 
 
 def test_edgellm_names_are_the_wheels_and_the_binarys():

@@ -46,6 +46,25 @@ def test_full_build_without_a_device_stops_at_once_with_the_list(no_device, tmp_
     assert not (tmp_path / "checkpoints").exists()  # the GGUF was not converted
     cfg = load(ROOT / "config" / "smollm2_trt_eagle3.yaml").replace(**{"runtime.engine_dir": str(tmp_path)})
     assert edgellm_layout.read_manifest(edgellm_layout.profile_dir(cfg)) is None  # no stage ran
+    assert list(tmp_path.iterdir()) == []  # and no empty profile folder is left behind
+
+
+def test_on_a_jetson_a_missing_tensorrt_names_jetpack_not_pip():
+    """Edge-LLM's own advice for a missing libnvinfer is a pip tensorrt wheel (_native/dependencies.py); on JetPack
+    TensorRT comes with the platform, and the preflight says so there (elsewhere Edge-LLM's message stands)."""
+    from tensorrt_edgellm import _native
+    from tensorrt_edgellm._native.dependencies import _INSTALL_GUIDANCE
+
+    class Missing:
+        @staticmethod
+        def _find_soname(library):
+            raise _native.TensorRTDependencyError(f"TensorRT is missing. {_INSTALL_GUIDANCE}")
+
+    with pytest.raises(_native.NativeRuntimeError) as jetson:
+        preflight._tensorrt_soname(Missing, jetpack=True)
+    assert "comes with JetPack" in str(jetson.value) and "pip install" not in str(jetson.value)
+    with pytest.raises(_native.NativeRuntimeError, match="tensorrt==10.16.0.72"):
+        preflight._tensorrt_soname(Missing, jetpack=False)
 
 
 def test_plan_device_lists_the_same_and_the_quantize_pieces(no_device, capsys, monkeypatch):
@@ -118,3 +137,23 @@ def test_the_preflight_imports_no_torch():
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_thor_check_sh_builds_the_8b_profile_from_llama_and_llama_head(tmp_path):
+    """scripts/thor_check.sh with LLAMA / LLAMA_HEAD elsewhere than the profile's /models paths: the 8B profile it
+    runs is the committed one with those two paths (written under $OUT/profiles, same profile name); its preflight
+    stage lists it (and stops here at the first profile's MISSING pieces, as on any machine without a device)."""
+    llama, head, out = tmp_path / "llama", tmp_path / "head", tmp_path / "out"
+    for folder in (llama, head):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    done = subprocess.run(["bash", "scripts/thor_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "STAGES": "preflight", "OUT": str(out), "LLAMA": str(llama),
+                               "LLAMA_HEAD": str(head), "PYTHONPATH": str(ROOT)})
+    written = out / "profiles" / "thor_llama31_8b_eagle3.yaml"
+    assert f"== thor_llama31_8b_eagle3: target {llama}, head {head} ({written})" in done.stdout, done.stdout[-3000:]
+    cfg, committed = load(written), load(ROOT / "config" / "thor_llama31_8b_eagle3.yaml")
+    assert (cfg.model.target, cfg.speculative.eagle3_head) == (str(llama), str(head))
+    assert cfg.replace(**{"model.target": committed.model.target,
+                          "speculative.eagle3_head": committed.speculative.eagle3_head}) == committed
+    assert done.returncode == 1 and "MISSING" in (out / "preflight_smollm2_trt_eagle3.txt").read_text()

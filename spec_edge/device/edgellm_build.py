@@ -78,8 +78,7 @@ class Stages:
 
     def __init__(self, cfg: Config, profile_yaml: str, progress: Progress, force: bool):
         self.cfg, self.progress, self.force = cfg, progress, force
-        self.dir = profile_dir(cfg)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = profile_dir(cfg)  # made by build() once the plan and the preflight passed
         old = read_manifest(self.dir) or {}
         self.old = old if old.get("format") == FORMAT and old.get("tensorrt_edgellm") == edgellm_version() else {}
         self.started = time.monotonic()
@@ -118,6 +117,16 @@ def build(cfg: Config, profile_yaml: str, *, export_only: bool = False, force: b
     """Run the stages (1-4; 5 unless export_only) and return the manifest."""
     require_known_weights(cfg)
     st = Stages(cfg, profile_yaml, progress, force)
+    existed = st.dir.is_dir()
+    try:
+        return _stages(st, cfg, profile_yaml, export_only)
+    except BaseException:  # a refused or stopped build leaves no empty profile folder behind
+        if not existed and st.dir.is_dir() and not any(st.dir.iterdir()):
+            st.dir.rmdir()
+        raise
+
+
+def _stages(st: Stages, cfg: Config, profile_yaml: str, export_only: bool) -> dict[str, Any]:
     # 1 plan
     device = None if export_only else memory.read_device_memory()
     the_plan = memory.check(plan_for_config(cfg, device))
@@ -129,6 +138,7 @@ def build(cfg: Config, profile_yaml: str, *, export_only: bool = False, force: b
                          ("" if export_only else f"; {preflight.EXPORT_ONLY}"))
     if findings:
         st.say("preflight", preflight.report(findings))
+    st.dir.mkdir(parents=True, exist_ok=True)
     inputs = plan_inputs(cfg)
     head = cfg.speculative.drafter == "eagle3"
     # 2 checkpoint

@@ -138,6 +138,22 @@ def quantize_findings(cfg: Config) -> list[Finding]:
     return out
 
 
+def _tensorrt_soname(detect, jetpack: bool) -> str:
+    """detect._find_soname("nvinfer"); on a Jetson its failure names JetPack's own TensorRT instead of Edge-LLM's
+    advice to pip install a tensorrt wheel (_native/dependencies.py _INSTALL_GUIDANCE: x86 / DGX Spark packages;
+    on JetPack libnvinfer comes with the platform)."""
+    from tensorrt_edgellm import _native
+
+    try:
+        return detect._find_soname("nvinfer")
+    except _native.NativeRuntimeError:
+        if not jetpack:
+            raise
+        raise _native.NativeDetectionError(
+            "libnvinfer (TensorRT 10) not found: on a Jetson TensorRT comes with JetPack, not from pip; install "
+            "JetPack's components (sudo apt install nvidia-jetpack) and check `ldconfig -p | grep libnvinfer`") from None
+
+
 def device_findings(cfg: Config, plan: memory.Plan | None) -> list[Finding]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -175,7 +191,8 @@ def device_findings(cfg: Config, plan: memory.Plan | None) -> list[Finding]:
          "TensorRT engines are built on the device that runs them (the Thor).")
     fact("cuda runtime", "cuda_runtime_soname", lambda: detect._find_soname("cudart"),
          fix="Install the CUDA runtime (JetPack ships it).")
-    fact("tensorrt", "tensorrt_runtime_soname", lambda: detect._find_soname("nvinfer"))
+    jetpack = Path("/etc/nv_tegra_release").is_file()  # what _native/detect.py _l4t_probe reads on a Jetson
+    fact("tensorrt", "tensorrt_runtime_soname", lambda: _tensorrt_soname(detect, jetpack))
     manifest = select.load_manifest(Path(detect.__file__).parent / "variants.json")
     rows = [v for v in manifest["variants"] if v["cpu_arch"] == cpu and v["python_abi"] == facts.get("python_abi")]
     names = ", ".join(sorted(v["variant_id"] for v in rows)) or "none"

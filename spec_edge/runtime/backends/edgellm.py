@@ -15,7 +15,10 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       sent as one pre-formatted text message with apply_chat_template=False (Edge-LLM concatenates the text of
       such messages as it is); at load, count_prompt_tokens of a probe conversation must equal our tokenizer's
       count, else the engine refuses to start (the two tokenizers disagree).
-  temperature 0 -> top_k=1 (argmax); top_p, top_k, seed (sampling_seed), max_new_tokens (max_generate_length).
+  temperature / top_k / top_p -> sampler_fields (Edge-LLM's sampler rule: "off" is top_p TOP_P_OFF, temperature 0 is
+      top_k=1, the argmax); seed (sampling_seed), max_new_tokens (max_generate_length). A sampled request (non_greedy)
+      runs without speculation (disable_spec_decode; its speculation_off_reason says so): Edge-LLM's EAGLE-3 decoder
+      is greedy only.
   logit_bias -> Request.logit_bias (id -> bias). min_p, the repetition / presence / frequency penalties,
       ignore_eos and logprobs are refused by the front (its Capabilities), naming runtime.backend: onnxruntime (Edge-LLM's request has no
       such sampling option; its num_logprobs is not mapped: its numbers are not checked against ours).
@@ -109,6 +112,35 @@ EDGELLM_RECEIVERS = {"self.runtime": "LLMRuntime", "self.batcher": "RequestEngin
 POLL_MS = 20  # how long one wait on the stream channel blocks before cancel() is asked again
 CANCEL_GRACE_S = 0.5  # a batched request ends this long after its cancel even without a final chunk
 PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer agreement check at load
+# Edge-LLM's sampler (cpp/sampler/sampling.h SamplingParams::SamplingParams): a sampled step throws
+# std::invalid_argument("Either topK or topP must be set") unless topK > 0 or topP < 1, so "no top-k, no top-p" has
+# no value of its own there. TOP_P_OFF stands for it: the largest top_p that sampling.cpp shouldUseNonGreedySampling
+# reads as set (topP < 1.0f - 1e-6f; float32(0.999998) = 0.99999797 < 0.99999899), so temperature 1.0 samples too.
+# Its top-p cut (sampling.cu topPSampling: the smallest prefix of the sorted probabilities reaching top_p,
+# renormalised) drops a tail of at most 2e-6 of the probability mass.
+TOP_P_OFF = 0.999998
+SAMPLED_OFF_REASON = ("sampling (temperature > 0, top_k != 1) on Edge-LLM runs without speculation: its EAGLE-3 "
+                      "decoder is greedy only (the runtime falls back to its vanilla decoder, 'Decoder fallback: "
+                      "reason=non_greedy_eagle_unsupported'); send temperature 0 to speculate")
+
+
+def non_greedy(temperature: float, top_k: int, top_p: float) -> bool:
+    """Whether Edge-LLM samples a request sent with these fields (sampling.cpp shouldUseNonGreedySampling: top_k 1
+    is the argmax; else top_k > 1, top_p < 1 - 1e-6, or a temperature neither ~0 nor ~1). Greedy otherwise."""
+    if top_k == 1:
+        return False
+    return top_k > 1 or top_p < 1.0 - 1e-6 or (temperature > 1e-3 and abs(temperature - 1.0) > 1e-3)
+
+
+def sampler_fields(params) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) for LLMGenerationRequest from a request's sampling values (runtime.sampling.
+    SamplingParams: top_k 0 and top_p 1 mean off): greedy -> (1.0, 1, 1.0), the argmax; sampled -> the same values,
+    except a top_p Edge-LLM would read as unset while top_k is off (1.0, "off", or above TOP_P_OFF): TOP_P_OFF, so
+    SamplingParams accepts it and shouldUseNonGreedySampling samples at every temperature > 0."""
+    if params.temperature == 0:
+        return 1.0, 1, 1.0
+    top_p = params.top_p if params.top_k > 0 else min(params.top_p, TOP_P_OFF)
+    return params.temperature, params.top_k, top_p
 
 
 @dataclass(frozen=True)
@@ -340,10 +372,8 @@ class EdgeLLMEngine:
         if prepared.guide is not None:
             item.guided_decoding = prepared.guide
         call.requests = [item]
-        greedy = params.temperature == 0
-        call.temperature = 1.0 if greedy else params.temperature
-        call.top_k = 1 if greedy else params.top_k
-        call.top_p = 1.0 if greedy else params.top_p
+        call.temperature, call.top_k, call.top_p = sampler_fields(params)
+        sampled = non_greedy(call.temperature, call.top_k, call.top_p)
         if prepared.seed is not None:
             call.sampling_seed = prepared.seed
         call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE if self.cfg.serve.reuse_prefix
@@ -353,6 +383,8 @@ class EdgeLLMEngine:
         if self.batcher is not None and drafter != "none":
             k, off_reason = 0, (f"graphs.batch_slots={self.cfg.graphs.batch_slots}: Edge-LLM's RequestEngine (in-flight "
                                 f"batching) does not speculate: ran target-only instead of drafter {drafter}")
+        elif drafter != "none" and sampled:
+            k, off_reason = 0, SAMPLED_OFF_REASON
         elif drafter != "none":  # the load as it starts: the whole request runs at that k
             k = speculation_policy.k_at(self.cfg.serve.speculate_k_by_load, queued, asked)
         call.disable_spec_decode = k == 0
@@ -383,7 +415,8 @@ class EdgeLLMEngine:
         if rest and on_text is not None:
             on_text(rest, len(decoder.ids))
         stats.new_tokens = len(ids)
-        if self.batcher is None and drafter != "none" and k < asked:  # the policy's k, as the loop counts it
+        # the policy's k, as the loop counts it
+        if self.batcher is None and drafter != "none" and not sampled and k < asked:
             stats.k = asked
             stats.verify_calls_by_k = [stats.verify_calls if i + 1 == k else 0 for i in range(asked)]
             stats.policy_off_steps = 0 if k else len(ids)
