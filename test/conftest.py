@@ -43,3 +43,96 @@ def tiny_engine(tiny_cfg):
     from spec_edge import artifacts
 
     return artifacts.engine(tiny_cfg, progress=lambda message: None)
+
+
+# ---- tiers and the real model's forms (docs/testing.md, "Tiers") ----
+
+REPO = Path(__file__).resolve().parents[1]
+# The embedded default's graph forms the real-model tests run, by name (test/real_model marks name them): each
+# made once per session by the real_forms fixture below, in <repo>/engines, before the first test runs. Keys
+# are config overrides of Config() (spec_edge/config.py's defaults) with runtime.engine_dir <repo>/engines.
+REAL_FORMS = {
+    # fp32 with one slot: test/ros/rosutil.test_params (every ROS node test), the in-process real-model tests
+    "fp32": {"graphs.weights": "fp32", "graphs.batch_slots": 1},
+    # fp32 with two slots: test_prefix_reuse_real's batched engine (the m = 2 graphs beside the fp32 ones)
+    "fp32-b2": {"graphs.weights": "fp32", "graphs.batch_slots": 2},
+    # the default profile (q4, 4 slots): config/default.yaml, `spec-edge generate` with no options
+    "default": {},
+    # the committed EAGLE-3 head on the default (its own target form: the full-model graphs return hidden states)
+    "eagle3": {"speculative.eagle3_head": str(REPO / "heads" / "smollm2-135m-eagle3"), "speculative.drafter": "eagle3"},
+}
+_MAKE_FORMS = """
+import json, sys, time
+from spec_edge import artifacts
+from spec_edge.config import Config
+for name, overrides in json.loads(sys.argv[1]).items():
+    started = time.monotonic()
+    artifacts.ensure(Config().replace(**overrides), progress=lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps({"form": name, "s": round(time.monotonic() - started, 1)}), flush=True)
+"""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--release", action="store_true",
+                     help="also run the release tier (tests marked release: docs/testing.md, 'Tiers')")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "release: the release tier, run before a release with --release, deselected "
+                                       "otherwise (and in CI): docs/testing.md, 'Tiers'")
+    config.addinivalue_line("markers", "real_model(*forms): the test runs the embedded default's graphs in these "
+                                       "forms (conftest.REAL_FORMS), made once per session by the real_forms fixture")
+
+
+def pytest_collection_modifyitems(config, items):
+    unknown = {form for item in items for mark in item.iter_markers("real_model") for form in mark.args
+               if form not in REAL_FORMS}
+    if unknown:
+        raise pytest.UsageError(f"real_model marks name unknown forms {sorted(unknown)}; known: {sorted(REAL_FORMS)}")
+    if config.getoption("--release") or "release" in (config.option.markexpr or ""):
+        return  # asked for: --release, or -m naming the tier (-m release: the release tier alone)
+    release = [item for item in items if item.get_closest_marker("release")]
+    if release:
+        config.hook.pytest_deselected(items=release)
+        items[:] = [item for item in items if not item.get_closest_marker("release")]
+        config._spec_edge_release_deselected = len(release)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = getattr(config, "_spec_edge_release_deselected", 0)
+    if n:
+        terminalreporter.write_line(f"release tier: {n} tests deselected (run them with --release: docs/testing.md)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def real_forms(request):
+    """Every form of the real model the session's tests mark (real_model), made before the first test runs, in
+    one process of its own (torch's export heap stays out of the test process): a test's time is its own, not
+    the export of whichever test came first. A form already complete costs a check. Tests that will be skipped
+    (rclpy missing) ask for nothing."""
+    import json
+    import subprocess
+    import time
+
+    wanted: list[str] = []
+    for item in request.session.items:
+        if item.get_closest_marker("skip"):
+            continue
+        for mark in item.iter_markers("real_model"):
+            wanted += [form for form in mark.args if form not in wanted]
+    if not wanted:
+        return {}
+    forms = {name: {"runtime.engine_dir": str(REPO / "engines"), **REAL_FORMS[name]} for name in wanted}
+    started = time.monotonic()
+    made = subprocess.run([sys.executable, "-c", _MAKE_FORMS, json.dumps(forms)], cwd=REPO, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                              p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)))
+    if made.returncode != 0:
+        pytest.exit(f"making the real model's forms {wanted} failed ({made.returncode}):\n{made.stderr[-4000:]}",
+                    returncode=1)
+    took = {json.loads(line)["form"]: json.loads(line)["s"] for line in made.stdout.splitlines() if line.startswith("{")}
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\n[real_forms] {', '.join(f'{k} {v:.0f} s' for k, v in took.items())} "
+                            f"(total {time.monotonic() - started:.0f} s, <repo>/engines)")
+    return forms

@@ -21,6 +21,7 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import Job, run_one
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("fp32")
 KEY = "test-key"
 PROMPT = "List three colours of the rainbow."
 COPY = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"

@@ -1,7 +1,9 @@
 """Fixtures of the ROS 2 tests: real rclpy, real DDS (Fast DDS on loopback), separate processes.
 
 Every process these tests start gets ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST and a ROS_DOMAIN_ID of
-its test module's own, so no DDS traffic leaves the machine and parallel runs do not meet.
+its test module's own (rosutil.domain_id_for: claimed with a lock file, so no other module of the run and no
+other run on this host has it, and never the outer ROS_DOMAIN_ID), so no DDS traffic leaves the machine and
+parallel runs do not meet.
 The tests skip, saying why, where rclpy or spec_edge_interfaces does not import: scripts/setup_ros.sh
 installs both (.ci/run runs it).
 """
@@ -18,10 +20,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 
 from rosutil import Server, domain_id_for, ros_env, test_params, write_params  # noqa: E402
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes a minute or more (colcon build)")
 
 
 def _ros_missing() -> str | None:

@@ -14,7 +14,8 @@ from rosutil import REPO, Server, domain_id_for, ros_env, run_client
 VENV_BIN = Path(sys.executable).parent
 COLCON = VENV_BIN / "colcon"
 
-pytestmark = pytest.mark.slow
+# the release tier (docs/testing.md): a packaging check, minutes of colcon build
+pytestmark = [pytest.mark.release, pytest.mark.real_model("default")]
 
 
 def copy_working_tree(dest: Path) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 from rosutil import REPO, Server, finish_client, run_client, start_client, test_params, write_params
 
+pytestmark = pytest.mark.real_model("fp32")
+
 PROMPT = "Write a long story about a robot that learns to paint."
 
 

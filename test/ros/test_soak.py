@@ -7,7 +7,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rosutil import REPO
+
+pytestmark = pytest.mark.real_model("default")
 
 
 def test_soak_20s_loses_nothing(module_env, tmp_path):
