@@ -53,6 +53,22 @@ def domain_id_for(name: str) -> int:
                        f"host hold them all (locks {DOMAIN_LOCKS}/spec_edge_ros_domain_<id>.lock); wait for one to end")
 
 
+# A node's exit after SIGINT / SIGTERM while idle (rclpy shut down, its DDS participant gone, the interpreter
+# ended). The bound is what a robot's launch allows: ros2 launch sends SIGINT, then SIGTERM after sigterm_timeout
+# (default 5 s: launch/actions/execute_local.py, ExecuteLocal.__init__), so a node slower than that is not shut
+# down but signalled again. Server.stop sends SIGKILL at its timeout (this, by default); the exit code says so.
+IDLE_EXIT_S = 5.0
+# Fast DDS's default lease: a participant that leaves without saying so stays in the graph this long.
+DDS_LEASE_S = 20.0
+
+
+def exit_limit(idle_exit_s: float) -> float:
+    """The bound on a node's exit after a signal while it works (generating, exporting), from its idle exit
+    measured in the same run (the machine's load is in both): 3x that, at least 2 s. What it tells apart: an
+    exit that waits for the work to end (a 900-token generation, a first start's export: tens of seconds)."""
+    return max(2.0, 3.0 * idle_exit_s)
+
+
 def ros_env(domain_id: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(domain_id),
@@ -96,7 +112,7 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> float:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = IDLE_EXIT_S) -> float:
         """Signal the server; returns the seconds it took to exit (SIGKILL after timeout)."""
         if self.proc is None or self.proc.poll() is not None:
             return 0.0
