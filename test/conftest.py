@@ -130,7 +130,8 @@ def real_forms(request):
     if made.returncode != 0:
         pytest.exit(f"making the real model's forms {wanted} failed ({made.returncode}):\n{made.stderr[-4000:]}",
                     returncode=1)
-    took = {json.loads(line)["form"]: json.loads(line)["s"] for line in made.stdout.splitlines() if line.startswith("{")}
+    lines = [line for line in made.stdout.splitlines() if line.startswith('{"form"')]
+    took = {entry["form"]: entry["s"] for entry in map(json.loads, lines)}
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_line(f"\n[real_forms] {', '.join(f'{k} {v:.0f} s' for k, v in took.items())} "
