@@ -133,7 +133,9 @@ def real_forms(request):
     lines = [line for line in made.stdout.splitlines() if line.startswith('{"form"')]
     took = {entry["form"]: entry["s"] for entry in map(json.loads, lines)}
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"\n[real_forms] {', '.join(f'{k} {v:.0f} s' for k, v in took.items())} "
-                            f"(total {time.monotonic() - started:.0f} s, <repo>/engines)")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # in the run's log, not in the first test's captured output
+            reporter.write_line(f"\n[real_forms] {', '.join(f'{k} {v:.0f} s' for k, v in took.items())} "
+                                f"(total {time.monotonic() - started:.0f} s, <repo>/engines)")
     return forms
