@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models exported once per test session."""
+"""Shared fixtures: tiny random-weight models exported once per test session; the real model's forms made once per
+session (real_forms); the release tier (--release). docs/testing.md, "Tiers"."""
 from __future__ import annotations
 
 import os
