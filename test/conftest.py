@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("ROS_AUTOMATIC_DISCOVERY_RANGE", "LOCALHOST")
 
+from real_forms import REAL_FORMS, REPO  # noqa: E402
 from tiny import TINY_K_VALUES  # noqa: E402
 
 
@@ -48,20 +49,6 @@ def tiny_engine(tiny_cfg):
 
 # ---- tiers and the real model's forms (docs/testing.md, "Tiers") ----
 
-REPO = Path(__file__).resolve().parents[1]
-# The embedded default's graph forms the real-model tests run, by name (test/real_model marks name them): each
-# made once per session by the real_forms fixture below, in <repo>/engines, before the first test runs. Keys
-# are config overrides of Config() (spec_edge/config.py's defaults) with runtime.engine_dir <repo>/engines.
-REAL_FORMS = {
-    # fp32 with one slot: test/ros/rosutil.test_params (every ROS node test), the in-process real-model tests
-    "fp32": {"graphs.weights": "fp32", "graphs.batch_slots": 1},
-    # fp32 with two slots: test_prefix_reuse_real's batched engine (the m = 2 graphs beside the fp32 ones)
-    "fp32-b2": {"graphs.weights": "fp32", "graphs.batch_slots": 2},
-    # the default profile (q4, 4 slots): config/default.yaml, `spec-edge generate` with no options
-    "default": {},
-    # the committed EAGLE-3 head on the default (its own target form: the full-model graphs return hidden states)
-    "eagle3": {"speculative.eagle3_head": str(REPO / "heads" / "smollm2-135m-eagle3"), "speculative.drafter": "eagle3"},
-}
 _MAKE_FORMS = """
 import json, sys, time
 from spec_edge import artifacts

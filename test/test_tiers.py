@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from conftest import REAL_FORMS
+from real_forms import REAL_FORMS
 
 TEST = Path(__file__).resolve().parent
 DOCS = TEST.parent / "docs" / "testing.md"
