@@ -69,7 +69,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "release: the release tier, run before a release with --release, deselected "
                                        "otherwise (and in CI): docs/testing.md, 'Tiers'")
     config.addinivalue_line("markers", "real_model(*forms): the test runs the embedded default's graphs in these "
-                                       "forms (conftest.REAL_FORMS), made once per session by the real_forms fixture")
+                                       "forms (test/real_forms.py REAL_FORMS), made once per session by the real_forms fixture")
 
 
 def pytest_collection_modifyitems(config, items):

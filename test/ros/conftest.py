@@ -65,7 +65,7 @@ def server_factory(module_env, tmp_path_factory):
         made = [line for line in server.log().splitlines() if any(mark in line for mark in MAKING)]
         if params.get("runtime.engine_dir") == str(REPO / "engines") and made:
             pytest.fail(f"the node made graphs in <repo>/engines that the session should have made first: mark the "
-                        f"module real_model(<its form>) (test/conftest.py REAL_FORMS):\n" + "\n".join(made[:5]))
+                        f"module real_model(<its form>) (test/real_forms.py REAL_FORMS):\n" + "\n".join(made[:5]))
         return server
 
     yield start
