@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # README command 2: set up everything the tests need (core + ROS 2 wheels + spec_edge_interfaces)
-# into .venv, then run the whole test suite. Extra arguments go to pytest.
+# into .venv, then run the test suite but its release tier (CI's run). Extra arguments go to pytest:
+# `scripts/test.sh --release` runs the release tier too (docs/testing.md, "Tiers").
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 "$repo/scripts/setup.sh" --ros
 cd "$repo"
-# DDS discovery stays on this machine; a domain id of the test run's own.
+# DDS discovery stays on this machine. The tests' ROS processes run on ids their modules claim
+# (test/ros/rosutil.py domain_id_for), never on this outer one, which they skip.
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-57}
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@" test

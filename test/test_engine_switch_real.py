@@ -9,7 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+# the release tier (docs/testing.md): the exact-output check here is test_real_model's; what is its own (switching
+# forms re-exports nothing) needs the EAGLE-3 form, minutes of export that no other test uses
+pytestmark = [pytest.mark.release, pytest.mark.real_model("default", "eagle3")]
 PROMPT = ("Rewrite this status report for the operator, keeping every number: Robot arm 2 finished 14 picks in "
           "3 minutes, battery at 76 percent.")
 MAKING = ("[export]", "[fused]", "[q4]", "[q8]", "[packed]")

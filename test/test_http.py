@@ -21,6 +21,7 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import Job, run_one
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("fp32")
 KEY = "test-key"
 PROMPT = "List three colours of the rainbow."
 COPY = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
@@ -218,7 +219,9 @@ def test_key_model_and_body_limit(served, base):
 
 
 def served_soon_after(c, want: str) -> None:
-    """The next request is taken (not busy) and starts within 1 s of the clients before it going away."""
+    """The next request is taken (not busy) and starts soon after the clients before it went away: within 1 s
+    plus 10 decode calls, a call priced by this answer's own calls (the load of the moment is in both). Their
+    jobs end at their next decode call; what this tells apart is a slot held until the abandoned 600 tokens end."""
     import openai
 
     left = time.monotonic()
@@ -228,11 +231,14 @@ def served_soon_after(c, want: str) -> None:
                                                messages=[{"role": "user", "content": PROMPT}])
             break
         except openai.RateLimitError:
-            assert time.monotonic() - left < 1.0, "still busy 1 s after the clients went away"
+            assert time.monotonic() - left < 60.0, "still busy 60 s after the clients went away"
             time.sleep(0.02)
-    waited = time.monotonic() - left - answer.model_extra["spec_edge"]["stats"]["total_time_s"]
+    stats = answer.model_extra["spec_edge"]["stats"]
+    call_s = (stats["target_time_s"] + stats["draft_time_s"]) / max(1, stats["verify_calls"] + stats["step_calls"])
+    limit = 1.0 + 10 * call_s
+    waited = time.monotonic() - left - stats["total_time_s"]
     assert answer.choices[0].message.content == want
-    assert waited < 1.0, f"the slot of the clients that went away was free only after {waited:.2f} s"
+    assert waited < limit, f"the slot of the clients that went away was free only after {waited:.2f} s (> {limit:.2f})"
 
 
 def test_busy_and_a_client_that_leaves_frees_its_slot(served, base):

@@ -15,6 +15,7 @@ from spec_edge.runtime.requests import GenerateRequest
 from test_k_choice import call_ms, oracle_run
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("default")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import run_one
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("fp32", "fp32-b2")
 SYSTEMS = ["You control RB-7, a mobile robot with a 6-axis arm and a gripper (payload 2 kg). Tools: move_base(x, y), "
            "move_arm(x, y, z), open_gripper(width), close_gripper(force), read_battery(), dock(). Never move the "
            "arm while a person is within one metre. Answer briefly.",

@@ -19,6 +19,7 @@ from tiny import run_alone
 from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("fp32", "default")
 EDIT = ("Rewrite the following text, replacing 'robot' with 'rover' and changing nothing else: "
         "The robot drove to the charging dock, checked its battery, and then the robot sent a status "
         "report saying that the robot was ready for the next mission.")

@@ -26,6 +26,7 @@ from speculated import assert_speculated
 from test_tools import robot_tools, valid
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("fp32")
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
 LLAMA32, LLAMA31 = "meta-llama-Llama-3.2-3B-Instruct.jinja", "vllm-tool_chat_template_llama3.1_json.jinja"
 NEMO, MISTRAL03 = "mistralai-Mistral-Nemo-Instruct-2407.jinja", "vllm-tool_chat_template_mistral_official.jinja"

@@ -18,6 +18,7 @@ from spec_edge.runtime.tool_format import ContentStream, HermesFormat, tools_fro
 from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model("fp32")
 TOOLS = REPO / "bench" / "robot_tools.json"  # move_to(place: a room), pick(object), say(text): the issue's
 
 

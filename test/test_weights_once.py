@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 
 from spec_edge.artifacts import ensure_packed
 from spec_edge.runtime.backends.onnxruntime import cpu_session, graph_session, packed_dir
@@ -93,6 +94,7 @@ if sys.argv[2] == "measure":
 """
 
 
+@pytest.mark.real_model("fp32")
 def test_the_default_node_holds_its_weights_once():
     """The embedded default (fp32; a prefill, a step and a verify graph: three sessions): its Pss
     after a request stays under 1.5x weights.bin + the KV cache (three private pre-packed copies: ~2.9x), and

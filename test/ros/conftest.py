@@ -1,7 +1,9 @@
 """Fixtures of the ROS 2 tests: real rclpy, real DDS (Fast DDS on loopback), separate processes.
 
 Every process these tests start gets ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST and a ROS_DOMAIN_ID of
-its test module's own, so no DDS traffic leaves the machine and parallel runs do not meet.
+its test module's own (rosutil.domain_id_for: claimed with a lock file, so no other module of the run and no
+other run on this host has it, and never the outer ROS_DOMAIN_ID), so no DDS traffic leaves the machine and
+parallel runs do not meet.
 The tests skip, saying why, where rclpy or spec_edge_interfaces does not import: scripts/setup_ros.sh
 installs both (.ci/run runs it).
 """
@@ -17,11 +19,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 # Before anything here could create a ROS context: discovery stays on this machine.
 os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
 
-from rosutil import Server, domain_id_for, ros_env, test_params, write_params  # noqa: E402
+from rosutil import REPO, Server, domain_id_for, ros_env, test_params, write_params  # noqa: E402
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes a minute or more (colcon build)")
+MAKING = ("[export]", "[fused]", "[q4]", "[q8]", "[packed]")  # progress lines of a graph being made (artifacts.py)
 
 
 def _ros_missing() -> str | None:
@@ -61,7 +61,12 @@ def server_factory(module_env, tmp_path_factory):
     def start(params: dict, name: str = "server") -> Server:
         server = Server(module_env, write_params(tmp / f"{name}.yaml", params), tmp / f"{name}.log")
         started.append(server)
-        return server.start()
+        server.start()
+        made = [line for line in server.log().splitlines() if any(mark in line for mark in MAKING)]
+        if params.get("runtime.engine_dir") == str(REPO / "engines") and made:
+            pytest.fail(f"the node made graphs in <repo>/engines that the session should have made first: mark the "
+                        f"module real_model(<its form>) (test/real_forms.py REAL_FORMS):\n" + "\n".join(made[:5]))
+        return server
 
     yield start
     for server in started:

@@ -10,6 +10,8 @@ import pytest
 from rosutil import REPO, engine_request, finish_client, run_client, start_client, test_params
 from spec_edge.runtime.scheduler import run_one
 
+pytestmark = pytest.mark.real_model("fp32")
+
 PROMPT = "List three colours of the rainbow."
 COPY_PROMPT = "Repeat exactly: the quick brown fox jumps over the lazy dog. The quick brown fox"
 

@@ -15,6 +15,8 @@ import pytest
 
 from rosutil import REPO, finish_client, run_client, start_client, test_params
 
+pytestmark = pytest.mark.real_model("fp32", "default")
+
 SLOTS, QUEUE = 4, 12
 CUT_PROMPT = "Café au lait? — 你好 🤖"  # its greedy answer is emoji: 8 tokens end inside the third one
 SCHEMA = '{"type":"object","properties":{"room":{"type":"string"}},"required":["room"]}'

@@ -11,6 +11,8 @@ import pytest
 
 from rosutil import REPO, finish_client, start_client
 
+pytestmark = pytest.mark.real_model("default")
+
 PROMPTS = [f"Robot {name} moves the {thing} to the {place}. Repeat that sentence twice."
            for name, thing, place in (("A", "box", "door"), ("B", "cup", "kitchen"), ("C", "arm", "window"),
                                       ("D", "tray", "table"), ("E", "tool", "lab"), ("F", "cart", "dock"),

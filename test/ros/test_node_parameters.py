@@ -8,6 +8,8 @@ import pytest
 
 from rosutil import Server, run_client, test_params, write_params
 
+pytestmark = pytest.mark.real_model("fp32")
+
 NAMES = ["serve.speculate_k_by_load", "model.draft", "memory.os_ros_reserve_gb", "graphs.max_context",
          "speculative.forced_drafts", "graphs.k_values"]
 

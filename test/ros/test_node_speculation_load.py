@@ -10,6 +10,8 @@ import pytest
 from rosutil import engine_request, run_client, test_params
 from spec_edge.runtime.scheduler import run_one
 
+pytestmark = pytest.mark.real_model("fp32")
+
 PROMPTS = [f"Repeat exactly: robot {name} moves to the {place}. Robot {name} moves to the {place}."
            for name, place in (("A", "door"), ("B", "kitchen"), ("C", "window"), ("D", "table"), ("E", "lab"))]
 MAX_NEW = 16

@@ -13,6 +13,8 @@ import pytest
 
 from rosutil import REPO, engine_request, run_client, test_params
 
+pytestmark = pytest.mark.real_model("fp32")
+
 sys.path.insert(0, str(REPO / "examples"))
 from robot_tools import ROOMS, SYSTEM_PROMPT, TOOLS  # noqa: E402
 

@@ -8,6 +8,8 @@ import pytest
 from rosutil import engine_request, run_client, test_params
 from spec_edge.runtime.scheduler import run_one
 
+pytestmark = pytest.mark.real_model("fp32")
+
 SYSTEM = ("You control RB-7, a mobile robot with an arm and a gripper. Tools: move_base(x, y), move_arm(x, y, z), "
           "read_battery(), dock(). Answer briefly.")
 PARAMS = test_params(**{"serve.system_prompt": SYSTEM, "serve.warm_system_prompt": True})

@@ -7,14 +7,25 @@ import json
 import subprocess
 import sys
 
+import pytest
+import yaml
+
 from rosutil import REPO
+
+# the release tier (docs/testing.md): load over time; CI serves concurrent clients in test_generate_node.py
+# (eight clients), test_node_as_found.py (16 fresh streaming clients) and test_node_batch.py
+pytestmark = [pytest.mark.release, pytest.mark.real_model("default")]
 
 
 def test_soak_20s_loses_nothing(module_env, tmp_path):
     summary_path = tmp_path / "soak.json"
+    params = tmp_path / "default.yaml"  # the default profile on <repo>/engines, where the session made its graphs
+    tree = yaml.safe_load((REPO / "config" / "default.yaml").read_text())
+    tree["/**"]["ros__parameters"].setdefault("runtime", {})["engine_dir"] = str(REPO / "engines")
+    params.write_text(yaml.safe_dump(tree))
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "soak.py"), "--duration", "20", "--clients", "8", "--burst-every", "8",
-         "--log", str(tmp_path / "node.log"), "--json", str(summary_path)],
+         "--params", str(params), "--log", str(tmp_path / "node.log"), "--json", str(summary_path)],
         env=module_env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert summary_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
