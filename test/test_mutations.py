@@ -188,3 +188,29 @@ def test_every_mutation_applies_and_is_documented():
     assert {case.id for case in LOOP} == {m.loop for m in MUTATIONS} - {""}
     assert len({m.name for m in MUTATIONS}) == len(MUTATIONS)
     assert table() in DOC.read_text(), f"docs/testing.md's mutation table differs from mutations.table():\n{table()}"
+
+
+def test_only_an_assertion_or_a_listed_refusal_is_a_catch(request):
+    """The harness's own rule, on stand-in tests: an assertion and pytest.fail are catches; a TypeError (a test
+    whose signature drifted), an argument the test does not take and an unlisted refusal fail loudly; the
+    refusal a mutation lists is a catch."""
+    def asserts():
+        assert 1 == 2
+
+    def fails():
+        pytest.fail("differs")
+
+    def drifted():
+        raise TypeError("test() got an unexpected keyword argument 'k'")
+
+    def refuses():
+        raise RuntimeError("grammar matcher refused tokens it had allowed: x")
+
+    plain, grammar = MUTATIONS[0], next(m for m in MUTATIONS if m.refusal)
+    assert first_failure(plain, [Case("a", asserts)], request) == ("a", "AssertionError")
+    assert first_failure(plain, [Case("f", fails)], request) == ("f", "pytest.fail")
+    assert first_failure(grammar, [Case("r", refuses)], request) == ("r", "RuntimeError")
+    for mutation, case in ((plain, Case("t", drifted)), (plain, Case("p", asserts, {"k": 3})),
+                           (plain, Case("r", refuses))):
+        with pytest.raises(AssertionError, match="not an assertion of the test"):
+            first_failure(mutation, [case], request)
