@@ -22,8 +22,8 @@ import torch
 
 from spec_edge.heads import eagle3
 from spec_edge.tools.prompts import load_prompts
-from spec_edge.training import data as train_data, fit
-from spec_edge.training.eagle3 import answer_agreement, collate
+from spec_edge_training import data as train_data, fit
+from spec_edge_training.eagle3 import answer_agreement, collate
 
 
 def main() -> int:

@@ -260,19 +260,19 @@ def test_eagle3_without_head_is_a_clear_error(tiny_cfg):
 
 
 def test_train_draft_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
-    """`spec-edge train-draft` end to end on the tiny target (a few steps): a head folder that loads
+    """`spec-edge-train` end to end on the tiny target (a few steps): a head folder that loads
     against the target, and a second run that resumes from the first run's step."""
-    from spec_edge import cli
+    from spec_edge_training import train
     from spec_edge.graphs import weights
 
     out = tmp_path / "head"
     argv = train_draft_argv(tmp_path, tiny_models, out) + ["--dtype", "float32"]
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     hcfg, state, draft_ids = eagle3.load_head(out, target_cfg)
     assert hcfg.draft_vocab_size == 64 and hcfg.aux_layers == (0, 1, 2) and len(set(draft_ids)) == 64
     assert json.loads((out / "config.json").read_text())["spec_edge"]["trained_steps"] == 3
     argv[argv.index("--steps") + 1] = "5"
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
     eagle3.load_head(out, target_cfg)  # the kept (best held-out) checkpoint still loads

@@ -2,7 +2,7 @@
 random-weight head drafting all k tokens in one pass (through the real ONNX Runtime graphs), the
 drafter's bookkeeping, sampling through the full-vocabulary q_draft, static draft graphs that match
 the torch module, a saved head loads back identically, a head that does not fit is refused, two
-heads configured together share the target's hidden outputs, and train-draft --kind peagle trains
+heads configured together share the target's hidden outputs, and spec-edge-train --kind peagle trains
 and resumes."""
 from __future__ import annotations
 
@@ -199,21 +199,21 @@ def test_two_heads_share_the_target_hidden_outputs(tiny_models, tiny_cfg):
 
 
 def test_train_draft_peagle_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
-    from spec_edge import cli
+    from spec_edge_training import train
     from spec_edge.graphs import weights
 
     out = tmp_path / "peagle"
     argv = train_draft_argv(tmp_path, tiny_models, out, "--kind", "peagle", "--parallel-k", "3", "--anchors", "4") + [
         "--save-every", "2", "--data-cache", str(tiny_models["root"] / "train_data.pt"), "--gen-batch", "4",
         "--dtype", "float32"]
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     hcfg, _, draft_ids = peagle.load_head(out, target_cfg)
     assert hcfg.draft_vocab_size == 64 and hcfg.aux_layers == AUX and len(set(draft_ids)) == 64
     config = json.loads((out / "config.json").read_text())
     assert config["parallel_drafting"] == {"k": 3}
-    assert config["spec_edge"]["command"].startswith("spec-edge train-draft --kind peagle")
+    assert config["spec_edge"]["command"].startswith("spec-edge-train --kind peagle")
     argv[argv.index("--steps") + 1] = "5"
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
     peagle.load_head(out, target_cfg)

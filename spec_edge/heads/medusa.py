@@ -16,7 +16,7 @@ draft_vocab_size, target_num_hidden_layers; model.safetensors with
 medusa_head.{i}.{j}.linear.weight / .bias (ResBlock j of head i), medusa_head.{i}.{L}.weight (the
 output rows), d2t (Vd,) offsets and t2d (V,) bool.
 
-Training (spec-edge train-draft --kind medusa): spec_edge/training/medusa.py.
+Training (spec-edge train-draft --kind medusa): spec_edge_training/medusa.py.
 """
 from __future__ import annotations
 

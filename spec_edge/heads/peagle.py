@@ -25,7 +25,7 @@ Graphs (static; S = max context, W = width, V = target vocab, Vd = draft vocab):
 Layout: an EAGLE-3 head folder (SafeAILab names, eagle_config) + tensors mask_embed, mask_hidden and
 config "parallel_drafting": {"k": the draft width it was trained for}.
 
-Training (spec-edge train-draft --kind peagle): spec_edge/training/peagle.py, through the module's
+Training (spec-edge train-draft --kind peagle): spec_edge_training/peagle.py, through the module's
 train_forward (real rows + the mask rows of sampled anchors under one attention mask).
 """
 from __future__ import annotations

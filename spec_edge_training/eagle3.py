@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind eagle3: an EAGLE-3 head trained with training-time test.
+"""spec-edge-train --kind eagle3: an EAGLE-3 head trained with training-time test.
 
 Each batch (collate) is unrolled --ttt-steps draft steps, step j consuming the head's own hidden
 state of step j-1, the loss (decayed by 0.8 per step) against the target's own softmax over the
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.heads import eagle3
-from spec_edge.training.data import feature_std
-from spec_edge.training.fit import draft_vocab_map, fit, load_resume, split
+from spec_edge_training.data import feature_std
+from spec_edge_training.fit import draft_vocab_map, fit, load_resume, split
 
 
 def collate(items: list[dict], t2d, embed, ttt: int, with_hlast: bool = False):

@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind peagle: a parallel-drafting P-EAGLE head (spec_edge/heads/peagle.py).
+"""spec-edge-train --kind peagle: a parallel-drafting P-EAGLE head (spec_edge/heads/peagle.py).
 
 Per batch: all real pairs of a sequence (draft 1 at every position) plus, for --anchors sampled
 positions per sequence, k-1 mask rows that see the real pairs up to their anchor and the anchor's
@@ -16,8 +16,8 @@ import numpy as np
 from spec_edge.config import ConfigError, ModelConfig
 from spec_edge.heads import eagle3
 from spec_edge.heads.peagle import build_module, init_state, save_head
-from spec_edge.training.data import feature_std
-from spec_edge.training.fit import draft_vocab_map, fit, load_resume, split
+from spec_edge_training.data import feature_std
+from spec_edge_training.fit import draft_vocab_map, fit, load_resume, split
 
 
 def _collate(items: list[dict], t2d, embed, k: int, anchors_per_seq: int, rng: np.random.Generator | None):

@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind medusa: Medusa heads (spec_edge/heads/medusa.py) trained Medusa-1 style.
+"""spec-edge-train --kind medusa: Medusa heads (spec_edge/heads/medusa.py) trained Medusa-1 style.
 
 The heads learn from the target's own final-norm states of its greedy answers (the target is
 frozen): head i's label is the target's argmax i positions ahead (_rows), the loss decayed by 0.8
@@ -13,7 +13,7 @@ import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
 from spec_edge.heads.medusa import build_module, config_for, init_state, save_heads
-from spec_edge.training.fit import draft_vocab_map, fit, load_resume, split
+from spec_edge_training.fit import draft_vocab_map, fit, load_resume, split
 
 
 def _rows(items: list[dict], t2d, n_heads: int, answer_only: bool = False):
