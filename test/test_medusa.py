@@ -13,6 +13,7 @@ import torch
 
 from spec_edge.config import ConfigError
 from spec_edge.heads import medusa
+from spec_edge_training import medusa as medusa_training
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import Sampler, SamplingParams
@@ -25,8 +26,8 @@ from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, a
 def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):
     """Random-weight Medusa heads for a tiny target, saved in the layout spec_edge loads."""
     target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
-    mcfg = medusa.config_for(target_cfg, n_heads, draft_vocab)
-    medusa.save_heads(path, mcfg, medusa.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
+    mcfg = medusa_training.config_for(target_cfg, n_heads, draft_vocab)
+    medusa.save_heads(path, mcfg, medusa_training.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
                       dtype="float32")
     return path, target_cfg
 

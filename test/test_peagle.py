@@ -15,6 +15,7 @@ import torch
 from spec_edge.config import ConfigError
 from spec_edge.graphs import hidden
 from spec_edge.heads import eagle3, peagle
+from spec_edge_training import eagle3 as eagle3_training, peagle as peagle_training
 from spec_edge import artifacts
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
@@ -26,8 +27,8 @@ AUX = (0, 1, 2)  # the tiny target has 4 layers
 def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=20.0):
     """A random-weight P-EAGLE head for a tiny target, saved in the layout spec_edge loads."""
     target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
-    hcfg = eagle3.head_config_for(target_cfg, draft_vocab, aux)
-    head_state = peagle.init_state(hcfg, state, draft_ids, seed=seed)
+    hcfg = eagle3_training.head_config_for(target_cfg, draft_vocab, aux)
+    head_state = peagle_training.init_state(hcfg, state, draft_ids, seed=seed)
     for name, tensor in head_state.items():
         if name.startswith("midlayer.") and tensor.dim() == 2:
             head_state[name] = tensor * scale
@@ -147,7 +148,8 @@ def test_peagle_train_forward_matches_the_draft_pass(tiny_models):
     hid3 = torch.randn(n, 3 * hcfg.target_hidden_size, generator=gen)
     module = peagle.build_module(hcfg, state, width=k).eval()
     with torch.no_grad():
-        normed = module.train_forward(embed[tokens[1:]][None], hid3[None], torch.tensor([[anchor]]), k)[0]
+        normed = peagle_training.train_forward(module, hcfg, embed[tokens[1:]][None], hid3[None], torch.tensor([[anchor]]),
+                                                k)[0]
         train_logits = module.lm_head(torch.cat((normed[anchor:anchor + 1], normed[n:]))).float()
         ingest = eagle3.build_module(hcfg, state).eval()
         S = 32
