@@ -46,7 +46,7 @@ def test_data_cache_reuses_answers_and_loses_none(tmp_path, tiny_models, monkeyp
         answered.append(len(prompts)) or real_answer_batch(model, prompts, *rest)))
 
     def data_for(max_prompts: int) -> list[dict]:
-        args = train.parse_args(argv[1:] + ["--max-prompts", str(max_prompts)])
+        args = train.parse_args(argv + ["--max-prompts", str(max_prompts)])
         return train_data.make_data(args, model, tok, (0, 1, 2), eos, out)
 
     first = data_for(2)
