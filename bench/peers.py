@@ -206,10 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     from spec_edge.config import ConfigError
     from spec_edge.tools import bench
 
-    own = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=False)
+    own = argparse.ArgumentParser(prog="bench/peers.py", add_help=False,
+                                  description="spec-edge bench's run loop with llama.cpp and transformers beside spec_edge")
     own.add_argument("--peers", nargs="+", choices=PEERS, default=["transformers", "llama.cpp"],
                      help="peer systems (default: transformers llama.cpp; skipped with a note when not installed)")
     mine, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:
+        print(own.format_help() + "\nand every option of spec-edge bench:\n")
     args = cli.build_parser().parse_args(["bench", *rest])
     if args.guided:
         raise SystemExit("bench/peers.py: --guided runs spec_edge alone: spec-edge bench --guided")
