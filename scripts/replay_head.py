@@ -22,8 +22,8 @@ import torch
 
 from spec_edge.heads import eagle3
 from spec_edge.tools.prompts import load_prompts
-from spec_edge.training import data as train_data, fit
-from spec_edge.training.eagle3 import answer_agreement, collate
+from spec_edge_training import data as train_data, fit
+from spec_edge_training.eagle3 import answer_agreement, collate, train_forward
 
 
 def main() -> int:
@@ -65,7 +65,7 @@ def main() -> int:
             for start in range(0, len(items), 8):
                 batch = items[start:start + 8]
                 emb, hid, _ = collate(batch, t2d, embed, n_steps)
-                outs = module.train_forward(emb, hid, n_steps)
+                outs = train_forward(module, hcfg, emb, hid, n_steps)
                 chain_preds = [to_target[module.lm_head(normed).argmax(-1)] for normed in outs]  # (B, N) each
                 for b, item in enumerate(batch):
                     for k in args.ks:
@@ -73,7 +73,7 @@ def main() -> int:
                                                                  item["tokens"], item["n_prompt"], k)
                         replayed[k][0] += calls
                         replayed[k][1] += emitted
-            agreement = " / ".join(f"{a:.3f}" for a in answer_agreement(module, items, t2d, embed, n_steps, 8))
+            agreement = " / ".join(f"{a:.3f}" for a in answer_agreement(module, hcfg, items, t2d, embed, n_steps, 8))
         lengths = " / ".join(f"{emitted / calls:.3f}" for calls, emitted in replayed.values())
         steps = json.loads((Path(head) / "config.json").read_text()).get("spec_edge", {}).get("trained_steps", "?")
         print(f"{head} (step {steps}): agreement per draft position {agreement}; "

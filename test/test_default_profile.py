@@ -67,7 +67,6 @@ def test_every_entry_point_without_options_resolves_the_default_profile():
         "ros2 launch spec_edge llm.launch.py": cfgmod.load(launch_default_params()),
         "spec-edge generate": cli_config(["generate", "--prompt", "hi"]),
         "spec-edge bench": cli_config(["bench"]),
-        "spec-edge bench --accuracy": cli_config(["bench", "--accuracy"]),
         "spec-edge bench --guided": cli_config(["bench", "--guided"]),
         "spec-edge tune": cli_config(["tune"]),
         "spec-edge export": cli_config(["export"]),

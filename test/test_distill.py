@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind draft: a small draft model distilled from the target, saved as a
+"""spec-edge-train --kind draft: a small draft model distilled from the target, saved as a
 Hugging Face folder that `model.draft` loads; speculative output with it == target-only output."""
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from spec_edge import cli
 from spec_edge.config import ConfigError
 from spec_edge.runtime import speculative
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
-from spec_edge.training import draft_model
+from spec_edge_training import draft_model, train
 from spec_edge.runtime.scheduler import run_one
 from tiny import run_alone
 
@@ -27,14 +26,14 @@ def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models,
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n")
     out = tmp_path / "draft"
-    argv = ["train-draft", "--kind", "draft", "--target", str(tiny_models["target"]), "--out", str(out),
+    argv = ["--kind", "draft", "--target", str(tiny_models["target"]), "--out", str(out),
             "--prompts", str(prompts), "--max-new-tokens", "12", "--draft-layers", "2", "--aux-layers", "0", "1", "2", "--batch", "2",
             "--steps", "3", "--dtype", "float32", "--save-every", "2"]
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and config["spec_edge"]["initialised_from_target_layers"] == [0, 3]
     argv[argv.index("--steps") + 1] = "4"
-    assert cli.main(argv) == 0  # resumes from step 3
+    assert train.main(argv) == 0  # resumes from step 3
 
     cfg = tiny_cfg.replace(**{"model.draft": str(out), "runtime.profile": "tiny-distilled",
                               "speculative.drafter": "draft"})

@@ -12,6 +12,7 @@ import torch
 from spec_edge.config import ConfigError
 from spec_edge.graphs import hidden
 from spec_edge.heads import eagle3, eagle3_layouts
+from spec_edge_training import eagle3 as eagle3_training
 from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
                   exported_graphs, fake_drafter, head_inputs, ort_session, set_config, train_draft_argv)
@@ -22,8 +23,8 @@ AUX = (0, 1, 2)  # the tiny target has 4 layers: EAGLE-3's default (1, L/2-1, L-
 def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=1.0):
     """A random-weight head for a tiny target, saved in the layout spec_edge loads."""
     target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
-    hcfg = eagle3.head_config_for(target_cfg, draft_vocab, aux)
-    head_state = eagle3.init_state(hcfg, state, draft_ids, seed=seed)
+    hcfg = eagle3_training.head_config_for(target_cfg, draft_vocab, aux)
+    head_state = eagle3_training.init_state(hcfg, state, draft_ids, seed=seed)
     if scale != 1.0:
         for name, tensor in head_state.items():
             if name.startswith("midlayer.") and tensor.dim() == 2:
@@ -260,19 +261,19 @@ def test_eagle3_without_head_is_a_clear_error(tiny_cfg):
 
 
 def test_train_draft_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
-    """`spec-edge train-draft` end to end on the tiny target (a few steps): a head folder that loads
+    """`spec-edge-train` end to end on the tiny target (a few steps): a head folder that loads
     against the target, and a second run that resumes from the first run's step."""
-    from spec_edge import cli
+    from spec_edge_training import train
     from spec_edge.graphs import weights
 
     out = tmp_path / "head"
     argv = train_draft_argv(tmp_path, tiny_models, out) + ["--dtype", "float32"]
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     hcfg, state, draft_ids = eagle3.load_head(out, target_cfg)
     assert hcfg.draft_vocab_size == 64 and hcfg.aux_layers == (0, 1, 2) and len(set(draft_ids)) == 64
     assert json.loads((out / "config.json").read_text())["spec_edge"]["trained_steps"] == 3
     argv[argv.index("--steps") + 1] = "5"
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
     eagle3.load_head(out, target_cfg)  # the kept (best held-out) checkpoint still loads

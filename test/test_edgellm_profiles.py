@@ -29,7 +29,8 @@ def stand_ins(tmp_path_factory):
     """family -> (tiny target folder, tiny head folder)."""
     from tiny import head_inputs, make_checkpoint, train_tokenizer
 
-    from spec_edge.heads.eagle3 import head_config_for, init_state, save_head
+    from spec_edge.heads.eagle3 import save_head
+    from spec_edge_training.eagle3 import head_config_for, init_state
 
     root = tmp_path_factory.mktemp("thor_stand_ins")
     tok = train_tokenizer()

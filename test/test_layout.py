@@ -1,6 +1,7 @@
 """The package's layout: imports run one way between the subpackages, no module imports itself
-back through others, modules stay readable in one sitting, and the ROS node pulls in neither the
-training nor the benchmark code.
+back through others, modules stay readable in one sitting, the package is the serving product (no
+training code and no peer harness in it: those are spec_edge_training/ and bench/), and the ROS node and
+the HTTP door pull in neither training nor the benchmark code.
 
 Imports are read from the source (ast), lazy ones inside functions included: an import that runs
 only on some call still ties the modules together."""
@@ -30,12 +31,10 @@ ALLOWED = {
     "device": {"config", "edgellm_layout", "graphs", "heads"},
     "runtime": {"config", "speculation_policy", "edgellm_layout", "graphs", "heads"},
     "artifacts": {"config", "graphs", "heads", "runtime"},
-    "training": {"config", "graphs", "heads", "runtime"},
-    "tools": {"config", "speculation_policy", "edgellm_layout", "graphs", "heads", "device", "runtime", "artifacts"},
+    "tools": {"config", "speculation_policy", "graphs", "runtime", "artifacts"},
     "http": {"config", "runtime", "artifacts"},
     "ros2": {"config", "runtime", "artifacts", "http"},  # the node runs the HTTP door beside its ROS interfaces
-    "cli": {"config", "edgellm_layout", "graphs", "heads", "device", "runtime", "artifacts", "training", "tools",
-            "ros2", "http"},
+    "cli": {"config", "edgellm_layout", "graphs", "heads", "device", "runtime", "artifacts", "tools", "ros2", "http"},
 }
 # what makes model files: the runtime loads what these made and imports none of them (build before serve)
 BUILD = ("spec_edge.graphs.export", "spec_edge.graphs.quantize", "spec_edge.graphs.ort_attention",
@@ -180,32 +179,73 @@ def test_modules_stay_readable_in_one_sitting():
     assert not over, f"modules over {MAX_LINES} lines (split them, or say in LONGER why they read better whole): {over}"
 
 
-def test_the_node_pulls_in_no_training_or_benchmark_code():
+def test_the_package_holds_no_training_and_no_peer_harness():
+    """Training (an optimizer, a backward pass) and the peers' engines (llama.cpp, transformers' generate) are
+    nowhere in spec_edge/: they live in spec_edge_training/ and bench/ beside it, and nothing here imports those."""
+    assert not (PACKAGE / "training").exists() and not (PACKAGE / "tools" / "peers.py").exists()
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""]
+            else:
+                targets = []
+            found += [f"{name} imports {t}" for t in targets
+                      if t.split(".")[0] in ("llama_cpp", "spec_edge_training", "bench") or t.startswith("torch.optim")]
+            if isinstance(node, ast.Attribute) and node.attr in ("backward", "optim", "generate", "zero_grad"):
+                found.append(f"{name}:{node.lineno} uses .{node.attr}")
+            if isinstance(node, ast.keyword) and node.arg in ("assistant_model", "prompt_lookup_num_tokens"):
+                found.append(f"{name}:{node.lineno} passes {node.arg}=")
+    assert not found, "\n".join(found)
+
+
+def test_the_node_and_the_http_door_pull_in_no_training_or_benchmark_code():
     edges = graph()
-    seen, todo = set(), ["spec_edge.ros2.node", "spec_edge.ros2.client"]
+    seen, todo = set(), ["spec_edge.ros2.node", "spec_edge.ros2.client", "spec_edge.http.door"]
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
             todo.extend(edges[name])
-    assert not {n for n in seen if room(n) in ("training", "tools")}, sorted(seen)
+    assert not {n for n in seen if room(n) == "tools"}, sorted(seen)
 
 
-def test_the_node_imports_with_training_and_tools_unimportable():
-    """The same, at run time: the node module and the engine import with spec_edge.training and
-    spec_edge.tools blocked (a finder that refuses them)."""
-    pytest.importorskip("rclpy")
-    code = """
+BLOCKED = ("spec_edge_training", "bench", "spec_edge.tools")
+IMPORT_BLOCKED = f"""
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[:2] in (["spec_edge", "training"], ["spec_edge", "tools"]):
-            raise ImportError(f"blocked: {name}")
+        if any(name == b or name.startswith(b + ".") for b in {BLOCKED!r}):
+            raise ImportError(f"blocked: {{name}}")
 sys.meta_path.insert(0, Block())
+"""
+
+
+def run_fresh(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", IMPORT_BLOCKED + code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
+
+
+def test_the_http_door_imports_without_training_or_bench():
+    """At run time, in a fresh interpreter: the HTTP door and the engine import with spec_edge_training, bench/
+    and spec_edge.tools unimportable (a finder that refuses them), and none of them is in sys.modules after."""
+    out = run_fresh("""
+import spec_edge.http.door, spec_edge.runtime.engine, spec_edge.artifacts
+print("ok", sorted(m for m in sys.modules if m.split(".")[0] in ("spec_edge_training", "bench", "torch")
+                   or m.startswith("spec_edge.tools")))
+""")
+    assert out.returncode == 0 and out.stdout.strip() == "ok []", out.stdout + out.stderr[-2000:]
+
+
+def test_the_node_imports_without_training_or_bench():
+    """The same for the ROS node and client, the node class built."""
+    pytest.importorskip("rclpy")
+    out = run_fresh("""
 import spec_edge.ros2.node, spec_edge.ros2.client, spec_edge.runtime.engine
 node_cls = spec_edge.ros2.node.make_node_class()
-print("ok", node_cls.__name__)
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
-    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+print("ok", sorted(m for m in sys.modules if m.split(".")[0] in ("spec_edge_training", "bench")
+                   or m.startswith("spec_edge.tools")))
+""")
+    assert out.returncode == 0 and out.stdout.strip() == "ok []", out.stdout + out.stderr[-2000:]

@@ -1,7 +1,7 @@
 """Medusa heads: greedy speculative output == target-only greedy with random-weight heads drafting
 (through the real ONNX Runtime graphs), sampling runs through the full-vocabulary q_draft, the heads'
 graph is static and matches the torch module, saved heads load back identically, heads that do not
-fit the target (or a k above their head count) are refused, and train-draft --kind medusa trains
+fit the target (or a k above their head count) are refused, and spec-edge-train --kind medusa trains
 and resumes."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from spec_edge.config import ConfigError
 from spec_edge.heads import medusa
+from spec_edge_training import medusa as medusa_training
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.sampling import Sampler, SamplingParams
@@ -25,8 +26,8 @@ from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, a
 def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):
     """Random-weight Medusa heads for a tiny target, saved in the layout spec_edge loads."""
     target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
-    mcfg = medusa.config_for(target_cfg, n_heads, draft_vocab)
-    medusa.save_heads(path, mcfg, medusa.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
+    mcfg = medusa_training.config_for(target_cfg, n_heads, draft_vocab)
+    medusa.save_heads(path, mcfg, medusa_training.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
                       dtype="float32")
     return path, target_cfg
 
@@ -129,21 +130,21 @@ def test_profile_k_above_head_count_refused(medusa_engine):
 
 
 def test_train_draft_medusa_tiny_saves_loadable_heads_and_resumes(tmp_path, tiny_models):
-    from spec_edge import cli
+    from spec_edge_training import train
     from spec_edge.graphs import weights
 
     out = tmp_path / "medusa"
     argv = train_draft_argv(tmp_path, tiny_models, out, "--kind", "medusa", "--medusa-heads", "3") + [
         "--save-every", "2", "--data-cache", str(tiny_models["root"] / "train_data.pt"), "--gen-batch", "4",
         "--dtype", "float32"]
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     mcfg, _, draft_ids = medusa.load_heads(out, target_cfg)
     assert mcfg.n_heads == 3 and mcfg.draft_vocab_size == 64 and len(set(draft_ids)) == 64
     config = json.loads((out / "config.json").read_text())
-    assert config["spec_edge"]["command"].startswith("spec-edge train-draft --kind medusa")
+    assert config["spec_edge"]["command"].startswith("spec-edge-train --kind medusa")
     argv[argv.index("--steps") + 1] = "5"
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
     assert json.loads((out / "train_log.json").read_text())["kind"] == "medusa"
     medusa.load_heads(out, target_cfg)

@@ -2,7 +2,7 @@
 random-weight head drafting all k tokens in one pass (through the real ONNX Runtime graphs), the
 drafter's bookkeeping, sampling through the full-vocabulary q_draft, static draft graphs that match
 the torch module, a saved head loads back identically, a head that does not fit is refused, two
-heads configured together share the target's hidden outputs, and train-draft --kind peagle trains
+heads configured together share the target's hidden outputs, and spec-edge-train --kind peagle trains
 and resumes."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from spec_edge.config import ConfigError
 from spec_edge.graphs import hidden
 from spec_edge.heads import eagle3, peagle
+from spec_edge_training import eagle3 as eagle3_training, peagle as peagle_training
 from spec_edge import artifacts
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
@@ -26,8 +27,8 @@ AUX = (0, 1, 2)  # the tiny target has 4 layers
 def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=20.0):
     """A random-weight P-EAGLE head for a tiny target, saved in the layout spec_edge loads."""
     target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
-    hcfg = eagle3.head_config_for(target_cfg, draft_vocab, aux)
-    head_state = peagle.init_state(hcfg, state, draft_ids, seed=seed)
+    hcfg = eagle3_training.head_config_for(target_cfg, draft_vocab, aux)
+    head_state = peagle_training.init_state(hcfg, state, draft_ids, seed=seed)
     for name, tensor in head_state.items():
         if name.startswith("midlayer.") and tensor.dim() == 2:
             head_state[name] = tensor * scale
@@ -147,7 +148,8 @@ def test_peagle_train_forward_matches_the_draft_pass(tiny_models):
     hid3 = torch.randn(n, 3 * hcfg.target_hidden_size, generator=gen)
     module = peagle.build_module(hcfg, state, width=k).eval()
     with torch.no_grad():
-        normed = module.train_forward(embed[tokens[1:]][None], hid3[None], torch.tensor([[anchor]]), k)[0]
+        normed = peagle_training.train_forward(module, hcfg, embed[tokens[1:]][None], hid3[None], torch.tensor([[anchor]]),
+                                                k)[0]
         train_logits = module.lm_head(torch.cat((normed[anchor:anchor + 1], normed[n:]))).float()
         ingest = eagle3.build_module(hcfg, state).eval()
         S = 32
@@ -199,21 +201,21 @@ def test_two_heads_share_the_target_hidden_outputs(tiny_models, tiny_cfg):
 
 
 def test_train_draft_peagle_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
-    from spec_edge import cli
+    from spec_edge_training import train
     from spec_edge.graphs import weights
 
     out = tmp_path / "peagle"
     argv = train_draft_argv(tmp_path, tiny_models, out, "--kind", "peagle", "--parallel-k", "3", "--anchors", "4") + [
         "--save-every", "2", "--data-cache", str(tiny_models["root"] / "train_data.pt"), "--gen-batch", "4",
         "--dtype", "float32"]
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     target_cfg = weights.load(str(tiny_models["target"]))[0]
     hcfg, _, draft_ids = peagle.load_head(out, target_cfg)
     assert hcfg.draft_vocab_size == 64 and hcfg.aux_layers == AUX and len(set(draft_ids)) == 64
     config = json.loads((out / "config.json").read_text())
     assert config["parallel_drafting"] == {"k": 3}
-    assert config["spec_edge"]["command"].startswith("spec-edge train-draft --kind peagle")
+    assert config["spec_edge"]["command"].startswith("spec-edge-train --kind peagle")
     argv[argv.index("--steps") + 1] = "5"
-    assert cli.main(argv) == 0
+    assert train.main(argv) == 0
     assert torch.load(str(out / "train_state.pt"), weights_only=False)["step"] == 5  # resumed at 3
     peagle.load_head(out, target_cfg)

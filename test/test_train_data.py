@@ -1,12 +1,12 @@
-"""The training data of `spec-edge train-draft`: answering prompts in a batch (left-padded, one
+"""The training data of `spec-edge-train`: answering prompts in a batch (left-padded, one
 forward per token for all rows) gives each prompt the same answer, argmax labels and hidden states
 as answering it alone, and the recorded final-norm state is what the target's lm_head reads."""
 from __future__ import annotations
 
 import torch
 
-from spec_edge.training import data as train_data, fit, train
-from spec_edge.training.data import answer_batch, load_hf_target
+from spec_edge_training import data as train_data, fit, train
+from spec_edge_training.data import answer_batch, load_hf_target
 from tiny import train_draft_argv
 
 
@@ -46,7 +46,7 @@ def test_data_cache_reuses_answers_and_loses_none(tmp_path, tiny_models, monkeyp
         answered.append(len(prompts)) or real_answer_batch(model, prompts, *rest)))
 
     def data_for(max_prompts: int) -> list[dict]:
-        args = train.parse_args(argv[1:] + ["--max-prompts", str(max_prompts)])
+        args = train.parse_args(argv + ["--max-prompts", str(max_prompts)])
         return train_data.make_data(args, model, tok, (0, 1, 2), eos, out)
 
     first = data_for(2)

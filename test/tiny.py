@@ -211,10 +211,10 @@ class FakeHiddenTarget:
 
 
 def train_draft_argv(tmp_path: Path, tiny_models: dict, out: Path, *extra: str) -> list[str]:
-    """spec-edge train-draft arguments for a few steps on the tiny target (extra: the kind's own)."""
+    """spec-edge-train arguments for a few steps on the tiny target (extra: the kind's own)."""
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(TRAIN_PROMPTS)
-    return ["train-draft", *extra, "--target", str(tiny_models["target"]), "--out", str(out),
+    return [*extra, "--target", str(tiny_models["target"]), "--out", str(out),
             "--prompts", str(prompts), "--max-new-tokens", "12", "--draft-vocab", "64",
             "--aux-layers", "0", "1", "2", "--batch", "2", "--steps", "3"]
 

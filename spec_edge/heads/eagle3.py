@@ -20,23 +20,21 @@ Graphs (heads/export.py; all static, S = max context): an ingest graph per width
 
 The published checkpoint layouts (SafeAILab, Model Optimizer, vLLM speculators, ours) and what each
 config key means are heads/eagle3_layouts.py's; HeadConfig lives there and is re-exported here.
-Saved heads (spec-edge train-draft) use the SafeAILab tensor names and the NVIDIA-style eagle_config.
+Saved heads (spec-edge-train) use the SafeAILab tensor names and the NVIDIA-style eagle_config.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.graphs.hidden import default_aux_layers
 from spec_edge.heads import head_folder
 from spec_edge.heads.eagle3_layouts import HeadConfig, parse_head_config, read_tensors
 
-__all__ = ["HEAD_FORMAT", "HeadConfig", "build_module", "check_head", "head_class", "head_config_for",
-           "head_fingerprint", "head_parameter_names", "init_state", "load_head", "parse_head_config", "save_head"]
+__all__ = ["HEAD_FORMAT", "HeadConfig", "build_module", "check_head", "head_class", "head_fingerprint",
+           "head_parameter_names", "load_head", "parse_head_config", "save_head"]
 
 HEAD_FORMAT = 1
 
@@ -95,7 +93,7 @@ def load_head(path: str | Path, target: ModelConfig) -> tuple[HeadConfig, dict, 
     """(config, float32 state dict, draft-to-target id map (Vd,) int64) of a head folder, checked
     against the target."""
     path = Path(path).expanduser()
-    raw = head_folder.read_config(path, "EAGLE-3 head", "spec-edge train-draft")
+    raw = head_folder.read_config(path, "EAGLE-3 head", "spec-edge-train")
     state = read_tensors(path)
     try:
         hcfg = parse_head_config(raw, target)
@@ -140,53 +138,6 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
                              hcfg.target_vocab_size, dtype, config)
 
 
-def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
-               feature_std=None) -> dict:
-    """A fresh head: small random layer, lm_head rows and final norm from the target's own head
-    (a warm start that already speaks the target's output space), fc starting as the high layer's
-    state. feature_std (3Ht,): the spread of each input feature in the training data; fc is scaled
-    by its inverse, so a few huge ("massive activation") features do not swamp the rest."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    H, Ht = hcfg.hidden_size, hcfg.target_hidden_size
-    q_out, kv_out = hcfg.n_heads * hcfg.head_dim, hcfg.n_kv_heads * hcfg.head_dim
-
-    def rand(*shape, std=0.02):
-        return torch.randn(*shape, generator=gen) * std
-
-    target_head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
-    inv = torch.ones(3 * Ht) if feature_std is None else 1.0 / torch.as_tensor(feature_std).float().clamp(min=1e-3)
-    fc = torch.zeros(H, 3 * Ht)
-    fc[:, 2 * Ht:] = torch.eye(H, Ht)  # start from the high layer's state
-    fc += rand(H, 3 * Ht, std=0.005)
-    fc = fc * inv[None, :]
-    return {
-        "fc.weight": fc, "norm.weight": target_state["model.norm.weight"].clone(),
-        "lm_head.weight": target_head[torch.from_numpy(np.asarray(draft_ids))].clone(),
-        "midlayer.hidden_norm.weight": torch.ones(H), "midlayer.input_layernorm.weight": torch.ones(H),
-        "midlayer.post_attention_layernorm.weight": torch.ones(H),
-        "midlayer.self_attn.q_proj.weight": rand(q_out, 2 * H), "midlayer.self_attn.k_proj.weight": rand(kv_out, 2 * H),
-        "midlayer.self_attn.v_proj.weight": rand(kv_out, 2 * H),
-        "midlayer.self_attn.o_proj.weight": rand(H, q_out, std=0.02 / math.sqrt(2)),
-        "midlayer.mlp.gate_proj.weight": rand(hcfg.intermediate_size, H),
-        "midlayer.mlp.up_proj.weight": rand(hcfg.intermediate_size, H),
-        "midlayer.mlp.down_proj.weight": rand(H, hcfg.intermediate_size, std=0.02 / math.sqrt(2)),
-    }
-
-
-def head_config_for(target: ModelConfig, draft_vocab_size: int, aux_layers: tuple[int, ...] | None = None,
-                    intermediate_size: int | None = None) -> HeadConfig:
-    """The geometry spec_edge trains for a target: the target's own attention/MLP shapes."""
-    return HeadConfig(
-        hidden_size=target.hidden_size, intermediate_size=intermediate_size or target.intermediate_size,
-        n_heads=target.n_heads, n_kv_heads=target.n_kv_heads, head_dim=target.head_dim,
-        target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
-        draft_vocab_size=draft_vocab_size, aux_layers=tuple(aux_layers or default_aux_layers(target.n_layers)),
-        rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta, rope_llama3=target.rope_llama3,
-        target_layers=target.n_layers)
-
-
 # ---------------------------------------------------------------------------------------------
 # The head as a torch module (export graphs and training share it)
 
@@ -199,7 +150,7 @@ def head_class(hcfg: HeadConfig):
     import torch
     from torch import nn
 
-    from spec_edge.graphs.model import MLP, Attention, RMSNorm, rope_and_mask, rope_inv_freq, rotate_half
+    from spec_edge.graphs.model import MLP, Attention, RMSNorm, rope_and_mask, rope_inv_freq
 
     mcfg = hcfg.as_model_config()
 
@@ -267,49 +218,5 @@ def head_class(hcfg: HeadConfig):
             h = residual + attn
             h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
             return h, k_new, v_new
-
-        # -- training: all positions of a batch, several draft steps unrolled ("training-time test")
-        def train_forward(self, emb_steps, hid3, n_steps: int):
-            """emb_steps: (n_steps, B, N, H) embeddings of the tokens each step consumes (step j at
-            index t consumes token t+j+1); hid3: (B, N, 3Ht). Returns a list of (B, N, Vd) logits,
-            step j at index t predicting token t+j+2 (chain t: real pairs <= t, then j own steps)."""
-            attn = self.midlayer.self_attn
-            B, N = hid3.shape[:2]
-            nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
-            group = nh // nkv
-            h = self.fuse(hid3)
-            causal = torch.ones(N, N, dtype=torch.bool).tril()
-            neg = torch.finfo(h.dtype).min
-            keys, values, outs = [], [], []
-            for j in range(n_steps):
-                pos = torch.arange(N, dtype=torch.float32) + j
-                freqs = pos[:, None] * self.inv_freq[None, :]
-                rot = torch.cat((freqs, freqs), dim=-1)
-                cos, sin = rot.cos(), rot.sin()  # (N, D)
-                x, residual = self.layer_inputs(emb_steps[j], h)
-                q = attn.q_proj(x).view(B, N, nh, hd).transpose(1, 2)    # (B, nh, N, D)
-                k = attn.k_proj(x).view(B, N, nkv, hd).transpose(1, 2)   # (B, nkv, N, D)
-                v = attn.v_proj(x).view(B, N, nkv, hd).transpose(1, 2)
-                q = q * cos + rotate_half(q) * sin
-                k = k * cos + rotate_half(k) * sin
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-                keys.append(k)
-                values.append(v)
-                scale = 1.0 / math.sqrt(hd)
-                s0 = torch.matmul(q, keys[0].transpose(-1, -2)) * scale       # (B, nh, N, N)
-                s0 = s0.masked_fill(~causal, neg)
-                diag = [(q * keys[i]).sum(-1, keepdim=True) * scale for i in range(1, j + 1)]  # (B, nh, N, 1)
-                probs = torch.softmax(torch.cat([s0] + diag, dim=-1), dim=-1)
-                out = torch.matmul(probs[..., :N], values[0])
-                for i in range(1, j + 1):
-                    out = out + probs[..., N + i - 1:N + i] * values[i]
-                out = out.transpose(1, 2).reshape(B, N, nh * hd)
-                h = residual + attn.o_proj(out)
-                h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-                outs.append(self.norm(h))
-                if hcfg.norm_output:
-                    h = outs[-1]
-            return outs
 
     return Eagle3Head

@@ -16,7 +16,7 @@ draft_vocab_size, target_num_hidden_layers; model.safetensors with
 medusa_head.{i}.{j}.linear.weight / .bias (ResBlock j of head i), medusa_head.{i}.{L}.weight (the
 output rows), d2t (Vd,) offsets and t2d (V,) bool.
 
-Training (spec-edge train-draft --kind medusa): spec_edge/training/medusa.py.
+Training (spec-edge-train --kind medusa): spec_edge_training/medusa.py.
 """
 from __future__ import annotations
 
@@ -40,11 +40,6 @@ class MedusaConfig:
     draft_vocab_size: int        # Vd
     n_layers: int = 1            # ResBlocks per head
     target_layers: int = 0       # layer count of the target it was made for (0 = not recorded)
-
-
-def config_for(target: ModelConfig, n_heads: int, draft_vocab_size: int, n_layers: int = 1) -> MedusaConfig:
-    return MedusaConfig(n_heads=n_heads, hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
-                        draft_vocab_size=draft_vocab_size, n_layers=n_layers, target_layers=target.n_layers)
 
 
 def parameter_names(mcfg: MedusaConfig) -> list[str]:
@@ -94,7 +89,7 @@ def load_heads(path: str | Path, target: ModelConfig) -> tuple[MedusaConfig, dic
     """(config, float32 state dict, draft-to-target id map (Vd,) int64) of a Medusa folder, checked
     against the target."""
     path = Path(path).expanduser()
-    raw = head_folder.read_config(path, "Medusa head", "spec-edge train-draft --kind medusa")
+    raw = head_folder.read_config(path, "Medusa head", "spec-edge-train --kind medusa")
     if "medusa_num_heads" not in raw:
         raise ConfigError(f"'{path}' is not a Medusa head: its config.json has no medusa_num_heads")
     # medusa_lm_head.pt: FasterDecoding's own file name
@@ -126,26 +121,6 @@ def save_heads(path: str | Path, mcfg: MedusaConfig, state: dict, draft_ids: np.
 
 def head_fingerprint(path: str | Path) -> str:
     return head_folder.fingerprint(path, (".json", ".safetensors", ".bin", ".pt"), ("train_state.pt", "train_data.pt"))
-
-
-def init_state(mcfg: MedusaConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
-               std: float = 0.0) -> dict:
-    """Fresh heads: each head's output rows are the target's lm_head rows of the draft vocabulary;
-    the ResBlocks start at zero (std = 0: every head begins as the target's own next-token head, as
-    Medusa does) or random with std (for tests)."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    H = mcfg.hidden_size
-    target_head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
-    rows = target_head[torch.from_numpy(np.asarray(draft_ids))].float()
-    state = {}
-    for i in range(mcfg.n_heads):
-        for j in range(mcfg.n_layers):
-            state[f"medusa_head.{i}.{j}.linear.weight"] = torch.randn(H, H, generator=gen) * std
-            state[f"medusa_head.{i}.{j}.linear.bias"] = torch.randn(H, generator=gen) * std
-        state[f"medusa_head.{i}.{mcfg.n_layers}.weight"] = rows.clone()
-    return state
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,12 +25,11 @@ Graphs (static; S = max context, W = width, V = target vocab, Vd = draft vocab):
 Layout: an EAGLE-3 head folder (SafeAILab names, eagle_config) + tensors mask_embed, mask_hidden and
 config "parallel_drafting": {"k": the draft width it was trained for}.
 
-Training (spec-edge train-draft --kind peagle): spec_edge/training/peagle.py, through the module's
-train_forward (real rows + the mask rows of sampled anchors under one attention mask).
+Training (spec-edge-train --kind peagle): spec_edge_training/peagle.py, its
+train_forward (real rows + the mask rows of sampled anchors under one attention mask) over this module.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
@@ -67,27 +66,12 @@ def save_head(path: str | Path, hcfg: HeadConfig, state: dict, draft_ids: np.nda
                                          "parallel_drafting": {"k": parallel_k}})
 
 
-def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
-               feature_std=None) -> dict:
-    """EAGLE-3's fresh head + mask_embed (the target's mean token embedding) and a small random
-    mask_hidden."""
-    import torch
-
-    state = eagle3.init_state(hcfg, target_state, draft_ids, seed, feature_std)
-    gen = torch.Generator().manual_seed(seed + 1)
-    state["mask_embed"] = target_state["model.embed_tokens.weight"].float().mean(0).clone()
-    state["mask_hidden"] = torch.randn(hcfg.hidden_size, generator=gen) * 0.02
-    return state
-
-
 # ---------------------------------------------------------------------------------------------
 # The module (the draft graph and training share it; the ingest graph is EAGLE-3's)
 
 def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
     import torch
     from torch import nn
-
-    from spec_edge.graphs.model import rotate_half
 
     class PEagleHead(eagle3.head_class(hcfg)):
         """forward(tokens (1, 1), hidden (1, 3Ht), position, k_cache, v_cache, embed_table)
@@ -109,45 +93,5 @@ def build_module(hcfg: HeadConfig, state: dict | None = None, width: int = 1):
             h, k_new, v_new = self.layer(emb, h, position, k_cache, v_cache, seq)
             logits = self.lm_head(self.norm(h)).float()  # (k, Vd)
             return logits, k_new[None], v_new[None]
-
-        # -- training: real rows + mask rows of sampled anchors, one attention mask
-        def train_forward(self, emb_real, hid3, anchors, k: int):
-            """emb_real (B, n, H): embedding of token t+1 for real row t; hid3 (B, n, 3Ht);
-            anchors (B, A) int64 in [0, n). Returns normed states (B, n + A*(k-1), H): real rows,
-            then per anchor its k-1 mask rows (mask row j of anchor t sits at position t+j)."""
-            attn = self.midlayer.self_attn
-            B, n = hid3.shape[:2]
-            A, m = anchors.shape[1], k - 1
-            H = hcfg.hidden_size
-            nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
-            R = n + A * m
-            h = torch.cat((self.fuse(hid3), self.mask_hidden.expand(B, A * m, H)), dim=1)  # (B, R, H)
-            emb = torch.cat((emb_real, self.mask_embed.expand(B, A * m, H)), dim=1)     # (B, R, H)
-            depth = torch.arange(1, k).repeat(A)                                        # (A*m,)
-            group = torch.arange(A).repeat_interleave(m)                                # (A*m,)
-            anchor_row = anchors.repeat_interleave(m, dim=1)                            # (B, A*m)
-            pos = torch.cat((torch.arange(n).expand(B, n), anchor_row + depth[None, :]), dim=1).float()
-            allowed = torch.zeros(B, R, R, dtype=torch.bool)
-            allowed[:, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-            allowed[:, n:, :n] = torch.arange(n)[None, None, :] <= anchor_row[:, :, None]
-            allowed[:, n:, n:] = (group[:, None] == group[None, :]) & (depth[None, :] <= depth[:, None])
-            freqs = pos[..., None] * self.inv_freq                                      # (B, R, D/2)
-            rot = torch.cat((freqs, freqs), dim=-1)[:, None]                            # (B, 1, R, D)
-            cos, sin = rot.cos(), rot.sin()
-            x, residual = self.layer_inputs(emb, h)
-            q = attn.q_proj(x).view(B, R, nh, hd).transpose(1, 2)    # (B, nh, R, D)
-            kk = attn.k_proj(x).view(B, R, nkv, hd).transpose(1, 2)  # (B, nkv, R, D)
-            v = attn.v_proj(x).view(B, R, nkv, hd).transpose(1, 2)
-            q = q * cos + rotate_half(q) * sin
-            kk = kk * cos + rotate_half(kk) * sin
-            kk = kk.repeat_interleave(nh // nkv, dim=1)
-            v = v.repeat_interleave(nh // nkv, dim=1)
-            scores = torch.matmul(q, kk.transpose(-1, -2)) / math.sqrt(hd)     # (B, nh, R, R)
-            scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
-            out = torch.matmul(torch.softmax(scores, dim=-1), v)             # (B, nh, R, D)
-            out = out.transpose(1, 2).reshape(B, R, nh * hd)
-            h = residual + attn.o_proj(out)
-            h = h + self.midlayer.mlp(self.midlayer.post_attention_layernorm(h))
-            return self.norm(h)
 
     return head_folder.load_state(PEagleHead(), state, "P-EAGLE head")

@@ -1,5 +1,7 @@
-"""Measurement: spec-edge bench (bench: the run loop; systems, peers, report), spec-edge tune (tune),
-and the prompt files they share (prompts).
+"""Measurement of this engine on the user's device: spec-edge bench (bench: the run loop; systems, report;
+guided_bench: constrained decoding), spec-edge tune (tune), and the prompt files and schema check they share
+(prompts, schema_check). The comparisons with other engines (bench/peers.py) and the accuracy study of the
+weights forms (bench/accuracy.py) are scripts outside the package.
 
-May import: config, graphs, heads, device, runtime.
+May import: config, speculation_policy, graphs, runtime, artifacts.
 """

@@ -1,19 +1,13 @@
-"""`spec-edge bench`: spec_edge against itself and its peers, same weights, same prompts, one run.
-
-Systems (each optional peer is skipped with a note when its package is missing):
-  spec_edge       target-only, and every drafter x k, for each graphs.weights asked (fp32, q4 ...)
-  transformers    generate() on the same fp32 weights (dequantized from the same GGUF): plain,
-                  prompt_lookup_num_tokens=k, and an assistant (the configured draft model, else the
-                  early-exit self-assistant `assistant_early_exit`)
-  llama.cpp       llama-cpp-python on the same GGUF (Q4_1 weights: lower precision than fp32; marked so):
-                  plain, and LlamaPromptLookupDecoding(k)
+"""`spec-edge bench`: this engine against itself, same weights, same prompts, one run: target-only, and
+every drafter x k, for each graphs.weights asked (fp32, q4 ...). The peers (llama.cpp, transformers) join
+the same run loop from a script outside the package, bench/peers.py, through main's `peers`.
 
 Interleaving: for every repeat, prompt and temperature, every system runs once, in an order rotated
 each round, so load on this shared machine hits all systems alike; speed is reported as the median
 over repeats and as ratios taken within a round (to the same round's target-only run).
 
 Exactness (temperature 0): each speculative run must give the token ids of the target-only greedy run
-with the same weights; every peer run is compared with its own plain greedy run and with spec_edge's
+with the same weights; a peer's run is compared with its own plain greedy run and with spec_edge's
 fp32 target-only run. A mismatch is flagged with the first differing token and the fp32 target's
 top-2 logit margin there (~1e-5: a near-tie, numerics; larger: a real difference).
 
@@ -23,8 +17,7 @@ profile's k values): about two minutes here. --full runs every prompt, temperatu
 three repeats.
 
 This module is the interleaved run loop (main); spec_edge.tools.systems builds spec_edge's systems,
-spec_edge.tools.peers the transformers and llama.cpp ones, spec_edge.tools.report the summary, the
-table and the plot.
+spec_edge.tools.report the summary, the table and the plot.
 """
 from __future__ import annotations
 
@@ -33,17 +26,20 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from spec_edge.config import AUTO_K
-from spec_edge.tools.peers import hf_systems, llama_systems
 from spec_edge.tools.prompts import load_prompts
 from spec_edge.tools.report import format_report, plot, summarize
-from spec_edge.tools.systems import INEXACT_VARIANTS, Run, spec_systems
+from spec_edge.tools.systems import INEXACT_VARIANTS, Run, System, spec_systems
+
+# peers(cfg, ks, eos_ids, progress) -> (their systems, notes): what a script outside the package adds to the run
+Peers = Callable[..., tuple[list[System], list[str]]]
 
 
-def main(cfg, args, progress) -> int:
+def main(cfg, args, progress, peers: Peers | None = None) -> int:
     from spec_edge.tools import tune
 
     full = getattr(args, "full", False)
@@ -54,11 +50,6 @@ def main(cfg, args, progress) -> int:
     ks = sorted({k for k in asked if k != AUTO_K} or set(cfg.graphs.k_values))
     fixed = [k for k in ks if k in asked]
     weights = getattr(args, "weights", None) or (["fp32", "q4"] if full else [cfg.graphs.weights])
-    peers = getattr(args, "peers", None) or ["transformers", "llama.cpp"]
-    if getattr(args, "hf_baseline", False) and "transformers" not in peers:
-        peers.append("transformers")
-    if "none" in peers:
-        peers = []
     prompts = load_prompts(Path(args.prompts) if getattr(args, "prompts", None) else None, args.kinds, quick=not full)
     max_new = args.max_new_tokens
     seed0 = 1234
@@ -77,14 +68,8 @@ def main(cfg, args, progress) -> int:
     from spec_edge.runtime.requests import GenerateRequest
 
     prompt_ids = {p["id"]: ref_engine.front.prompt_ids(GenerateRequest(prompt=p["prompt"])) for p in prompts}
-    if "transformers" in peers or "transformers-early-exit" in peers:
-        progress("[bench] loading transformers peer ...")
-        extra, more = hf_systems(cfg, ks, eos_ids, progress, "transformers-early-exit" in peers)
-        systems += extra
-        notes += more
-    if "llama.cpp" in peers:
-        progress("[bench] loading llama.cpp peer ...")
-        extra, more = llama_systems(cfg, ks, eos_ids, cfg.runtime.threads, progress)
+    if peers is not None:
+        extra, more = peers(cfg, ks, eos_ids, progress)
         systems += extra
         notes += more
     for note in notes:
@@ -134,19 +119,3 @@ def main(cfg, args, progress) -> int:
     # attention only): its mismatches are reported, not failed; every other variant must be exact
     return 1 if any(m["weights"] not in INEXACT_VARIANTS for m in report["mismatches_spec"]) else 0
 
-
-def accuracy_main(cfg, args, progress) -> int:
-    """`spec-edge bench --accuracy`: the accuracy table of each --weights form against fp32 (tools/accuracy.py)."""
-    from spec_edge.tools import accuracy
-
-    forms = getattr(args, "weights", None) or ["q4", "q4_fp32act"]
-    prompts = [p["prompt"] for p in load_prompts(Path(args.prompts) if args.prompts else None, args.kinds)]
-    # the drafters run on each form's own engine (eagle3: a profile with its head, e.g. config/smollm2_eagle3.yaml)
-    drafters = {name: {} for name in args.drafters if name != "layerskip" or len(args.drafters) == 1}
-    rows = accuracy.evaluate(cfg, forms, prompts, accuracy.HELDOUT_TEXT.read_text(encoding="utf-8"), drafters,
-                             max_new=min(args.max_new_tokens, 48), progress=progress)
-    text = accuracy.table(rows)
-    print(text)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    return 0

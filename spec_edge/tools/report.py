@@ -174,10 +174,10 @@ def format_report(report: dict) -> str:
 
 
 def verdict(rows: list[dict]) -> list[str]:
-    """The issue's two goals at T=0, in within-round ratios (absolute medians drift with the machine's
-    load): the best spec_edge speculative system against every peer, in units of spec_edge fp32
-    target-only (peers at lower precision marked), and our best speed-up over our own plain decode
-    against llama.cpp prompt lookup's over its own."""
+    """At T=0, in within-round ratios (absolute medians drift with the machine's load): the best spec_edge
+    speculative system per weights, in units of spec_edge fp32 target-only; with peers in the run (bench/peers.py)
+    also against every peer (a peer below fp32 precision marked), and our best speed-up over our own plain decode
+    against each speculative peer's over its own."""
     rows0 = [r for r in rows if r["temperature"] == 0.0 and r["ratio_to_spec_edge_fp32_plain"]]
     out = []
     for weights in sorted({r["weights"] for r in rows0 if r["family"] == "spec_edge"}):
@@ -189,10 +189,11 @@ def verdict(rows: list[dict]) -> list[str]:
         out.append(f"best spec_edge[{weights}] speculative: {best['system']} {ours:.2f}x spec_edge fp32 target-only "
                    f"({best['ratio_to_own_plain']:.2f}x its own plain)")
         for peer in (r for r in rows0 if r["family"] != "spec_edge"):
-            low = " [peer runs lower precision: Q4_1]" if peer["weights"] == "Q4_1" and weights == "fp32" else ""
+            low = (f" [peer runs lower precision: {peer['weights']}]" if peer["weights"] != "fp32" and weights == "fp32"
+                   else "")
             status = "above" if ours > peer["ratio_to_spec_edge_fp32_plain"] else "BELOW"
             out.append(f"  {status} {peer['system']} {peer['ratio_to_spec_edge_fp32_plain']:.2f}x{low}")
-        for peer in (r for r in rows0 if r["family"] == "llama.cpp" and r["drafter"] == "prompt-lookup"):
+        for peer in (r for r in rows0 if r["family"] != "spec_edge" and r["drafter"] != "none"):
             status = "above" if (best["ratio_to_own_plain"] or 0) > (peer["ratio_to_own_plain"] or 0) else "BELOW"
             out.append(f"  speed-up over own plain: ours {best['ratio_to_own_plain']:.2f}x {status} "
                        f"{peer['system']} {peer['ratio_to_own_plain']:.2f}x")

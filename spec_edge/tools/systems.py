@@ -3,8 +3,8 @@
 A System is one thing the bench times: a name, its family (spec_edge, transformers, llama.cpp), the
 weights it runs, its drafter and k, the plain system of its family (its ratio baseline) and a run()
 that decodes one prompt into a Run. spec_systems builds spec_edge's: target-only and every drafter x k
-per weights x ort_attention variant, each variant on its own Engine. The peers' systems are in
-spec_edge.tools.peers.
+per weights x ort_attention variant, each variant on its own Engine. The peers' systems (llama.cpp,
+transformers) are bench/peers.py's, outside the package.
 """
 from __future__ import annotations
 

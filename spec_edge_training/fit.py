@@ -1,4 +1,4 @@
-"""The training loop every kind of spec-edge train-draft shares (eagle3, medusa, peagle, draft).
+"""The training loop every kind of spec-edge-train shares (eagle3, medusa, peagle, draft).
 
 AdamW, warm-up then cosine learning rate, gradient clipping, a progress bar on stderr, bounded by
 --steps and --time-budget; every --save-every steps the held-out score is measured and the head
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_edge.training.data import batches, draft_vocabulary, log
+from spec_edge_training.data import batches, draft_vocabulary, log
 
 
 def load_resume(out: Path, identity: dict) -> dict | None:
@@ -32,7 +32,7 @@ def load_resume(out: Path, identity: dict) -> dict | None:
         return None
     saved = torch.load(str(path), weights_only=False)
     if saved.get("identity") != identity:
-        log(f"[train-draft] {path} is for {saved.get('identity')}, not {identity}: starting fresh")
+        log(f"[spec-edge-train] {path} is for {saved.get('identity')}, not {identity}: starting fresh")
         return None
     return saved
 
@@ -104,7 +104,7 @@ def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, 
         optim.load_state_dict(resume["optim"])
         step = resume["step"]
         best = list(resume.get("best", best))
-        log(f"[train-draft] resuming {state_path} at step {step}")
+        log(f"[spec-edge-train] resuming {state_path} at step {step}")
     module.train()
     rng = np.random.default_rng(args.seed + step)
     stream = batches(train_data, min(args.batch, len(train_data)), rng)
@@ -115,7 +115,7 @@ def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, 
 
     def save() -> None:
         save_head({"trained_steps": step, "train_prompts": args.prompts, "target": args.target,
-                   "command": "spec-edge train-draft " + " ".join(argv)})
+                   "command": "spec-edge-train " + " ".join(argv)})
         save_state()
 
     def score() -> tuple[list[float], float]:
@@ -126,7 +126,7 @@ def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, 
         return accuracy, expected_length(accuracy)
 
     started = time.monotonic()
-    bar = tqdm(total=args.steps, initial=step, desc=f"[train-draft] {kind}", unit="step", file=sys.stderr)
+    bar = tqdm(total=args.steps, initial=step, desc=f"[spec-edge-train] {kind}", unit="step", file=sys.stderr)
     loss_avg = None
     while step < args.steps and time.monotonic() - started < args.time_budget:
         loss = batch_loss(next(stream))
@@ -150,20 +150,20 @@ def fit(*, args, argv: list[str], out: Path, kind: str, module, identity: dict, 
                 save()
             else:
                 save_state()
-            bar.write(f"[train-draft] step {step}: held-out agreement per draft position "
+            bar.write(f"[spec-edge-train] step {step}: held-out agreement per draft position "
                       + ", ".join(f"{a:.2f}" for a in accuracy)
                       + f" (expected accepted {value:.2f}; best {best[0]:.2f} at step {best[1]})", file=sys.stderr)
     bar.close()
     accuracy, value = score()
-    log(f"[train-draft] step {step}: held-out top-1 agreement with the target per draft position: "
+    log(f"[spec-edge-train] step {step}: held-out top-1 agreement with the target per draft position: "
         + ", ".join(f"{a:.2f}" for a in accuracy) + f" (expected accepted {value:.2f})")
     if value >= best[0]:
         best[:] = [value, step]
         save()
-        log(f"[train-draft] saved {kind} head after {step} steps to {out}")
+        log(f"[spec-edge-train] saved {kind} head after {step} steps to {out}")
     else:
         save_state()
-        log(f"[train-draft] kept the checkpoint of step {best[1]} (expected accepted {best[0]:.2f})")
+        log(f"[spec-edge-train] kept the checkpoint of step {best[1]} (expected accepted {best[0]:.2f})")
     (out / "train_log.json").write_text(json.dumps({
         "kind": kind, "step": step, "eval_top1_per_position": accuracy,
         "train_seconds_this_run": round(time.monotonic() - started, 1), "kept_step": best[1],

@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind medusa: Medusa heads (spec_edge/heads/medusa.py) trained Medusa-1 style.
+"""spec-edge-train --kind medusa: Medusa heads (spec_edge/heads/medusa.py) trained Medusa-1 style.
 
 The heads learn from the target's own final-norm states of its greedy answers (the target is
 frozen): head i's label is the target's argmax i positions ahead (_rows), the loss decayed by 0.8
@@ -12,8 +12,33 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.heads.medusa import build_module, config_for, init_state, save_heads
-from spec_edge.training.fit import draft_vocab_map, fit, load_resume, split
+from spec_edge.heads.medusa import MedusaConfig, build_module, save_heads
+from spec_edge_training.fit import draft_vocab_map, fit, load_resume, split
+
+
+def config_for(target: ModelConfig, n_heads: int, draft_vocab_size: int, n_layers: int = 1) -> MedusaConfig:
+    return MedusaConfig(n_heads=n_heads, hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+                        draft_vocab_size=draft_vocab_size, n_layers=n_layers, target_layers=target.n_layers)
+
+
+def init_state(mcfg: MedusaConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
+               std: float = 0.0) -> dict:
+    """Fresh heads: each head's output rows are the target's lm_head rows of the draft vocabulary;
+    the ResBlocks start at zero (std = 0: every head begins as the target's own next-token head, as
+    Medusa does) or random with std (for tests)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    H = mcfg.hidden_size
+    target_head = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
+    rows = target_head[torch.from_numpy(np.asarray(draft_ids))].float()
+    state = {}
+    for i in range(mcfg.n_heads):
+        for j in range(mcfg.n_layers):
+            state[f"medusa_head.{i}.{j}.linear.weight"] = torch.randn(H, H, generator=gen) * std
+            state[f"medusa_head.{i}.{j}.linear.bias"] = torch.randn(H, generator=gen) * std
+        state[f"medusa_head.{i}.{mcfg.n_layers}.weight"] = rows.clone()
+    return state
 
 
 def _rows(items: list[dict], t2d, n_heads: int, answer_only: bool = False):

@@ -1,6 +1,6 @@
-"""spec-edge train-draft: train a drafter on the target's own greedy outputs.
+"""spec-edge-train: train a drafter on the target's own greedy outputs.
 
-    spec-edge train-draft --out heads/smollm2-135m-eagle3 [--kind eagle3|medusa|peagle|draft]
+    spec-edge-train --out heads/smollm2-135m-eagle3 [--kind eagle3|medusa|peagle|draft]
                           [--target embedded] [--prompts data/train_prompts.txt] [--time-budget 300] ...
 
 1. data   the target (transformers, fp32) answers every prompt greedily, --gen-batch prompts at a
@@ -20,7 +20,7 @@
           <out>/train_state.pt (optimizer, step); a rerun resumes.
 Bounded by --steps and --time-budget (seconds of training), with a progress bar on stderr.
 
-The other kinds' training lives beside it in spec_edge/training/: medusa.train_medusa (Medusa
+The other kinds' training lives beside it in spec_edge_training/: medusa.train_medusa (Medusa
 heads), peagle.train_peagle (parallel drafting), draft_model.train_draft_model (a small separate
 draft model); the heads themselves (config, checkpoints, module, export) are in spec_edge/heads/.
 The exact commands that made the committed heads are in heads/README.md.
@@ -32,16 +32,16 @@ import sys
 from pathlib import Path
 
 from spec_edge.config import EMBEDDED, ConfigError
-from spec_edge.training.data import load_hf_target, log, make_data
+from spec_edge_training.data import load_hf_target, log, make_data
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="spec-edge train-draft",
+    p = argparse.ArgumentParser(prog="spec-edge-train",
                                 description="train an EAGLE-3 head on the target's own greedy outputs")
     p.add_argument("--kind", choices=("eagle3", "medusa", "peagle", "draft"), default="eagle3",
                    help="what to train: an EAGLE-3 head, Medusa heads (spec_edge/heads/medusa.py), a "
                         "parallel-drafting P-EAGLE head (spec_edge/heads/peagle.py) or a small separate "
-                        "draft model (spec_edge/training/draft_model.py)")
+                        "draft model (spec_edge_training/draft_model.py)")
     p.add_argument("--draft-layers", type=int, default=4, help="--kind draft: decoder layers of the draft model")
     p.add_argument("--target", default=EMBEDDED, help="target model: 'embedded', a .gguf file or a HF folder")
     p.add_argument("--out", required=True, help="head folder to write (and resume from)")
@@ -88,7 +88,7 @@ def train_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from spec_edge.graphs import hidden
 
-    log(f"[train-draft] loading target {args.target} ...")
+    log(f"[spec-edge-train] loading target {args.target} ...")
     model, tok, cfg = load_hf_target(args.target)
     aux = tuple(args.aux_layers) if args.aux_layers else hidden.default_aux_layers(cfg.n_layers)
     if list(aux) != sorted(set(aux)) or not all(0 <= i < cfg.n_layers for i in aux):
@@ -102,21 +102,30 @@ def train_main(argv: list[str]) -> int:
     hf_config = model.config.to_dict()
     del model
     if args.kind == "draft":
-        from spec_edge.training.draft_model import train_draft_model
+        from spec_edge_training.draft_model import train_draft_model
 
         return train_draft_model(args, argv, data, target_state, cfg, hf_config, out)
     if args.kind == "medusa":
-        from spec_edge.training.medusa import train_medusa
+        from spec_edge_training.medusa import train_medusa
 
         return train_medusa(args, argv, data, target_state, cfg, out, eos)
     if args.kind == "peagle":
-        from spec_edge.training.peagle import train_peagle
+        from spec_edge_training.peagle import train_peagle
 
         return train_peagle(args, argv, data, target_state, cfg, out, eos, aux)
-    from spec_edge.training.eagle3 import train_eagle3
+    from spec_edge_training.eagle3 import train_eagle3
 
     return train_eagle3(args, argv, data, target_state, cfg, out, eos, aux)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train_main(sys.argv[1:] if argv is None else argv)
+    """The spec-edge-train console script: exit 2 with the message on a setting that cannot be used."""
+    try:
+        return train_main(sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"spec-edge-train: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

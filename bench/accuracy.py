@@ -1,4 +1,4 @@
-"""`spec-edge bench --accuracy`: what each graphs.weights form (q4, q4_fp32act) costs in accuracy
+"""What each graphs.weights form (q4, q4_fp32act) costs in accuracy
 against fp32, and that speculation stays exact on it. ONNX Runtime runs the very files each form produces.
 
 Per form, on the held-out prompts (bench/prompts.jsonl) and a held-out text (bench/heldout.txt):
@@ -10,18 +10,25 @@ Per form, on the held-out prompts (bench/prompts.jsonl) and a held-out text (ben
              and how many continuations are identical
   exact      speculative greedy == the form's own target-only greedy, per drafter (runs / runs)
   tok/s      target-only greedy decode speed on this machine
+
+    PYTHONPATH=$PWD .venv/bin/python bench/accuracy.py [--weights q4 q4_fp32act] [--drafters ngram] \
+        [--config PROFILE] [--prompts FILE] [--kinds ...] [--max-new-tokens 48] [--json-out FILE]
+(spec-edge bench's options; the drafters run on each form's own engine: eagle3 needs a profile with its head,
+e.g. config/smollm2_eagle3.yaml)
 """
 from __future__ import annotations
 
+import json
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from spec_edge.config import speculative_k
 
-HELDOUT_TEXT = Path(__file__).resolve().parents[2] / "bench" / "heldout.txt"
+HELDOUT_TEXT = Path(__file__).resolve().parent / "heldout.txt"
 
 
 @dataclass
@@ -129,3 +136,29 @@ def table(rows: list[Row]) -> str:
         lines.append(f"{r.weights:<10s} {r.top1:6.3f} {r.kl:8.4f} {r.ppl:7.2f} {r.greedy_prefix:13.3f} "
                      f"{f'{r.greedy_same}/{r.n_prompts}':>6s} {exact} {r.tokens_per_s:7.1f}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spec_edge import cli
+    from spec_edge.config import ConfigError
+    from spec_edge.tools.prompts import load_prompts
+
+    args = cli.build_parser().parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        cfg = cli.config_from_args(args)
+        forms = args.weights or ["q4", "q4_fp32act"]
+        prompts = [p["prompt"] for p in load_prompts(Path(args.prompts) if args.prompts else None, args.kinds)]
+        drafters = {name: {} for name in args.drafters if name != "layerskip" or len(args.drafters) == 1}
+        rows = evaluate(cfg, forms, prompts, HELDOUT_TEXT.read_text(encoding="utf-8"), drafters,
+                        max_new=min(args.max_new_tokens, 48), progress=cli.progress)
+    except ConfigError as err:
+        print(f"bench/accuracy.py: error: {err}", file=sys.stderr)
+        return 2
+    print(table(rows))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

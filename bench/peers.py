@@ -1,4 +1,9 @@
-"""The peers `spec-edge bench` runs beside spec_edge, on the same weights and the same prompts.
+"""spec_edge beside its peers, same weights, same prompts, one run: `spec-edge bench`'s run loop
+(spec_edge/tools/bench.py: interleaved rounds, ratios within a round, exactness) with these systems added.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/peers.py [any spec-edge bench option] \
+        [--peers transformers llama.cpp | transformers-early-exit | none]
+
 
   transformers    generate() on the same fp32 weights (dequantized from the same GGUF): plain,
                   prompt_lookup_num_tokens=k, and an assistant (the configured draft model, else the
@@ -7,10 +12,13 @@
                   plain, and LlamaPromptLookupDecoding(k)
 
 Each is skipped with a note when its package is missing; peer_run times a peer's run like spec_edge's.
+The table's verdict puts the best spec_edge system against each peer (spec_edge/tools/report.py).
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import time
 
 from spec_edge.tools.systems import Run, System, rss_mb
@@ -169,3 +177,52 @@ def llama_systems(cfg, ks: list[int], eos_ids: tuple[int, ...], threads: int, pr
                    note=f"llama-cpp-python {version}, {n_threads} threads; {low}"),
             System(f"llama.cpp prompt-lookup k={k_pl}", "llama.cpp", "Q4_1", "prompt-lookup", k_pl, plain,
                    make(lookup_model), memory_mb=memory, note=low)], []
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: spec-edge bench's options and loop, these peers added
+
+PEERS = ("transformers", "transformers-early-exit", "llama.cpp", "none")
+
+
+def peer_systems(names: list[str]):
+    """bench.main's `peers`: the systems of the peers named (none: spec_edge alone)."""
+    def make(cfg, ks, eos_ids, progress):
+        systems, notes = [], []
+        if "transformers" in names or "transformers-early-exit" in names:
+            progress("[bench] loading transformers peer ...")
+            extra, more = hf_systems(cfg, ks, eos_ids, progress, "transformers-early-exit" in names)
+            systems, notes = systems + extra, notes + more
+        if "llama.cpp" in names:
+            progress("[bench] loading llama.cpp peer ...")
+            extra, more = llama_systems(cfg, ks, eos_ids, cfg.runtime.threads, progress)
+            systems, notes = systems + extra, notes + more
+        return systems, notes
+    return make
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spec_edge import cli
+    from spec_edge.config import ConfigError
+    from spec_edge.tools import bench
+
+    own = argparse.ArgumentParser(prog="bench/peers.py", add_help=False,
+                                  description="spec-edge bench's run loop with llama.cpp and transformers beside spec_edge")
+    own.add_argument("--peers", nargs="+", choices=PEERS, default=["transformers", "llama.cpp"],
+                     help="peer systems (default: transformers llama.cpp; skipped with a note when not installed)")
+    mine, rest = own.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:
+        print(own.format_help() + "\nand every option of spec-edge bench:\n")
+    args = cli.build_parser().parse_args(["bench", *rest])
+    if args.guided:
+        raise SystemExit("bench/peers.py: --guided runs spec_edge alone: spec-edge bench --guided")
+    try:
+        return bench.main(cli.config_from_args(args), args, cli.progress,
+                          peer_systems([] if "none" in mine.peers else mine.peers))
+    except ConfigError as err:
+        print(f"bench/peers.py: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""The training data of spec-edge train-draft: the target's own greedy answers and what is read from them.
+"""The training data of spec-edge-train: the target's own greedy answers and what is read from them.
 
 The target (transformers, fp32; load_hf_target) answers every prompt (read_prompts, in its chat
 template: chat_prompt_ids) greedily, --gen-batch prompts at a time (answer_batch), recording per
@@ -149,9 +149,9 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
             data = [by_prompt.get(tuple(ids)) for ids in prompt_ids]
             n_reused = sum(item is not None for item in data)
             if n_reused == len(prompts):  # a cache of more prompts stays as it is: nothing is dropped
-                log(f"[train-draft] reusing {n_reused} target answers from {cache}")
+                log(f"[spec-edge-train] reusing {n_reused} target answers from {cache}")
                 return data
-            log(f"[train-draft] reusing {n_reused} of {len(prompts)} target answers from {cache}; "
+            log(f"[spec-edge-train] reusing {n_reused} of {len(prompts)} target answers from {cache}; "
                 f"answering the other {len(prompts) - n_reused}")
     missing = sorted((i for i, item in enumerate(data) if item is None), key=lambda i: len(prompt_ids[i]))
 
@@ -161,7 +161,7 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
         torch.save({"key": key, "data": data}, str(tmp))  # None = not answered yet
         tmp.replace(cache)
 
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(missing), desc="[train-draft] target answers",
+    bar = tqdm(total=len(prompts), initial=len(prompts) - len(missing), desc="[spec-edge-train] target answers",
                unit="prompt", file=sys.stderr)
     since_save = 0
     for start in range(0, len(missing), args.gen_batch):
@@ -176,7 +176,7 @@ def make_data(args, model, tok, aux_layers, eos_ids: set[int], out: Path) -> lis
             since_save = 0
     bar.close()
     n_tokens = sum(len(item["tokens"]) for item in data)
-    log(f"[train-draft] {len(data)} answers, {n_tokens} tokens (prompts included)")
+    log(f"[spec-edge-train] {len(data)} answers, {n_tokens} tokens (prompts included)")
     save()
     return data
 
@@ -192,7 +192,7 @@ def draft_vocabulary(data: list[dict], vocab_size: int, draft_vocab: int, eos_id
     draft_vocab = min(draft_vocab, vocab_size)
     top = np.argsort(-counts, kind="stable")[:draft_vocab]
     covered = counts[top].sum() / max(counts.sum(), 1)
-    log(f"[train-draft] draft vocabulary {draft_vocab} of {vocab_size} tokens covers {covered:.1%} "
+    log(f"[spec-edge-train] draft vocabulary {draft_vocab} of {vocab_size} tokens covers {covered:.1%} "
         f"of the target's tokens in the training answers")
     return np.sort(top)
 

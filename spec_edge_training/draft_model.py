@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind draft: a small separate draft model distilled from the target.
+"""spec-edge-train --kind draft: a small separate draft model distilled from the target.
 
 The draft model is the target's architecture with --draft-layers decoder layers, initialised from
 evenly spaced target layers (the first and the last included) and the target's embedding, final
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.training.data import log
-from spec_edge.training.fit import fit, load_resume, split
+from spec_edge_training.data import log
+from spec_edge_training.fit import fit, load_resume, split
 
 
 def layer_choice(n_target: int, n_draft: int) -> list[int]:
@@ -112,7 +112,7 @@ def train_draft_model(args, argv: list[str], data: list[dict], target_state: dic
     module = build_module(hf_config, len(layers), init_state(target_state, layers, cfg.tie_embeddings))
     tokenizer_files = weights.load(args.target)[2]
     eval_data, train_data = split(data)
-    log(f"[train-draft] draft model: {len(layers)} layers initialised from target layers {layers}")
+    log(f"[spec-edge-train] draft model: {len(layers)} layers initialised from target layers {layers}")
 
     def batch_loss(items):
         tokens, labels = _batch(items)

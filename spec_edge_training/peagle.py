@@ -1,4 +1,4 @@
-"""spec-edge train-draft --kind peagle: a parallel-drafting P-EAGLE head (spec_edge/heads/peagle.py).
+"""spec-edge-train --kind peagle: a parallel-drafting P-EAGLE head (spec_edge/heads/peagle.py).
 
 Per batch: all real pairs of a sequence (draft 1 at every position) plus, for --anchors sampled
 positions per sequence, k-1 mask rows that see the real pairs up to their anchor and the anchor's
@@ -9,15 +9,75 @@ position an anchor. The loop is fit.fit; the head is saved as a P-EAGLE folder (
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 
 from spec_edge.config import ConfigError, ModelConfig
-from spec_edge.heads import eagle3
-from spec_edge.heads.peagle import build_module, init_state, save_head
-from spec_edge.training.data import feature_std
-from spec_edge.training.fit import draft_vocab_map, fit, load_resume, split
+from spec_edge.heads.eagle3 import HeadConfig
+from spec_edge.heads.peagle import build_module, save_head
+from spec_edge_training import eagle3 as eagle3_training
+from spec_edge_training.data import feature_std
+from spec_edge_training.fit import draft_vocab_map, fit, load_resume, split
+
+
+def init_state(hcfg: HeadConfig, target_state: dict, draft_ids: np.ndarray, seed: int = 0,
+               feature_std=None) -> dict:
+    """EAGLE-3's fresh head + mask_embed (the target's mean token embedding) and a small random
+    mask_hidden."""
+    import torch
+
+    state = eagle3_training.init_state(hcfg, target_state, draft_ids, seed, feature_std)
+    gen = torch.Generator().manual_seed(seed + 1)
+    state["mask_embed"] = target_state["model.embed_tokens.weight"].float().mean(0).clone()
+    state["mask_hidden"] = torch.randn(hcfg.hidden_size, generator=gen) * 0.02
+    return state
+
+
+def train_forward(module, hcfg: HeadConfig, emb_real, hid3, anchors, k: int):
+    """The head (heads/peagle.build_module) over real rows + the mask rows of sampled anchors under one
+    attention mask. emb_real (B, n, H): embedding of token t+1 for real row t; hid3 (B, n, 3Ht);
+    anchors (B, A) int64 in [0, n). Returns normed states (B, n + A*(k-1), H): real rows,
+    then per anchor its k-1 mask rows (mask row j of anchor t sits at position t+j)."""
+    import torch
+
+    from spec_edge.graphs.model import rotate_half
+
+    attn = module.midlayer.self_attn
+    B, n = hid3.shape[:2]
+    A, m = anchors.shape[1], k - 1
+    H = hcfg.hidden_size
+    nh, nkv, hd = hcfg.n_heads, hcfg.n_kv_heads, hcfg.head_dim
+    R = n + A * m
+    h = torch.cat((module.fuse(hid3), module.mask_hidden.expand(B, A * m, H)), dim=1)  # (B, R, H)
+    emb = torch.cat((emb_real, module.mask_embed.expand(B, A * m, H)), dim=1)     # (B, R, H)
+    depth = torch.arange(1, k).repeat(A)                                        # (A*m,)
+    group = torch.arange(A).repeat_interleave(m)                                # (A*m,)
+    anchor_row = anchors.repeat_interleave(m, dim=1)                            # (B, A*m)
+    pos = torch.cat((torch.arange(n).expand(B, n), anchor_row + depth[None, :]), dim=1).float()
+    allowed = torch.zeros(B, R, R, dtype=torch.bool)
+    allowed[:, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    allowed[:, n:, :n] = torch.arange(n)[None, None, :] <= anchor_row[:, :, None]
+    allowed[:, n:, n:] = (group[:, None] == group[None, :]) & (depth[None, :] <= depth[:, None])
+    freqs = pos[..., None] * module.inv_freq                                      # (B, R, D/2)
+    rot = torch.cat((freqs, freqs), dim=-1)[:, None]                            # (B, 1, R, D)
+    cos, sin = rot.cos(), rot.sin()
+    x, residual = module.layer_inputs(emb, h)
+    q = attn.q_proj(x).view(B, R, nh, hd).transpose(1, 2)    # (B, nh, R, D)
+    kk = attn.k_proj(x).view(B, R, nkv, hd).transpose(1, 2)  # (B, nkv, R, D)
+    v = attn.v_proj(x).view(B, R, nkv, hd).transpose(1, 2)
+    q = q * cos + rotate_half(q) * sin
+    kk = kk * cos + rotate_half(kk) * sin
+    kk = kk.repeat_interleave(nh // nkv, dim=1)
+    v = v.repeat_interleave(nh // nkv, dim=1)
+    scores = torch.matmul(q, kk.transpose(-1, -2)) / math.sqrt(hd)     # (B, nh, R, R)
+    scores = scores.masked_fill(~allowed[:, None], torch.finfo(scores.dtype).min)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)             # (B, nh, R, D)
+    out = out.transpose(1, 2).reshape(B, R, nh * hd)
+    h = residual + attn.o_proj(out)
+    h = h + module.midlayer.mlp(module.midlayer.post_attention_layernorm(h))
+    return module.norm(h)
 
 
 def _collate(items: list[dict], t2d, embed, k: int, anchors_per_seq: int, rng: np.random.Generator | None):
@@ -73,7 +133,7 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
                 "train_lm_head": args.train_lm_head}
     resume = load_resume(out, identity)
     draft_ids, t2d = draft_vocab_map(resume, data, cfg.vocab_size, args.draft_vocab, eos_ids)
-    hcfg = eagle3.head_config_for(cfg, len(draft_ids), aux)
+    hcfg = eagle3_training.head_config_for(cfg, len(draft_ids), aux)
     module = build_module(hcfg, init_state(hcfg, target_state, draft_ids, args.seed, feature_std(data)))
     if not args.train_lm_head:  # keep the target's own output rows and final norm: less to overfit
         module.lm_head.weight.requires_grad_(False)
@@ -85,7 +145,7 @@ def train_peagle(args, argv: list[str], data: list[dict], target_state: dict, cf
 
     def per_depth(items, sample):
         emb, hid, anchors, labels = _collate(items, t2d, embed, k, args.anchors, rng if sample else None)
-        normed = module.train_forward(emb, hid, anchors, k)
+        normed = train_forward(module, hcfg, emb, hid, anchors, k)
         depth = _depth_of_rows(hid.shape[1], anchors.shape[1], k)
         for j in range(k):
             rows = normed[:, depth == j]   # (B, rows, H)
