@@ -101,18 +101,21 @@ def test_greedy_speculative_equals_target_only_with_each_option(tiny_engine, opt
     params, eos_ids = option_params(tiny_engine, option)
     favoured = option_params(tiny_engine, "penalties")[0].logit_bias[0][0]
     changed = False
+    lookup = with_lookup(params, favoured)
     for text in PROMPTS:
         prompt_ids = ids_of(tiny_engine, text)
-        changed |= run(tiny_engine, prompt_ids, params, eos_ids=eos_ids)[0] != run(
-            tiny_engine, prompt_ids, SamplingParams(), eos_ids=tiny_engine.eos_ids)[0]
-        for name, drafted in (("layerskip", params), ("ngram", with_lookup(params, favoured)),
-                              ("draft", with_lookup(params, favoured))):
-            target_only, finish, _ = run(tiny_engine, prompt_ids, drafted, eos_ids=eos_ids)
+        target_only = {params: run(tiny_engine, prompt_ids, params, eos_ids=eos_ids)}
+        if lookup != params:
+            target_only[lookup] = run(tiny_engine, prompt_ids, lookup, eos_ids=eos_ids)
+        default = run(tiny_engine, prompt_ids, SamplingParams(), eos_ids=tiny_engine.eos_ids)
+        changed |= target_only[params][0] != default[0]
+        for name, drafted in (("layerskip", params), ("ngram", lookup), ("draft", lookup)):
+            want, finish, _ = target_only[drafted]
             if option == "ignore_eos":
-                assert finish == "length" and eos_ids[0] not in target_only
+                assert finish == "length" and eos_ids[0] not in want
             drafter = NgramDrafter() if name == "ngram" else tiny_engine.drafter(name)
             spec, spec_finish, stats = run(tiny_engine, prompt_ids, drafted, drafter, 4, eos_ids)
-            assert (spec, spec_finish) == (target_only, finish), (option, name, text)
+            assert (spec, spec_finish) == (want, finish), (option, name, text)
             assert_speculated(stats, what=f"{option} {name} {text[:12]!r}")
             if name == "ngram":  # repeats drafted, the move-on rejected
                 assert 0 < stats.accepted < stats.drafted, stats
