@@ -50,6 +50,16 @@ def _is_off(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value in (None, "none")
 
 
+_CALLS: dict[int, tuple[ast.AST, list[ast.Call]]] = {}  # id -> (the node, kept alive so no id is reused; its calls)
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    """Every call under node (kept: the fixed points below walk each function many times)."""
+    if id(node) not in _CALLS:
+        _CALLS[id(node)] = (node, [c for c in ast.walk(node) if isinstance(c, ast.Call)])
+    return _CALLS[id(node)][1]
+
+
 def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
 
@@ -61,8 +71,7 @@ def _proof_helpers(functions: dict[str, ast.FunctionDef], known: set[str]) -> se
     while grew:
         grew = False
         for name, node in functions.items():
-            if name not in helpers and any(isinstance(c, ast.Call) and _name(c.func) in helpers
-                                           for c in ast.walk(node)):
+            if name not in helpers and any(_name(c.func) in helpers for c in _calls(node)):
                 helpers.add(name)
                 grew = True
     return helpers
@@ -122,8 +131,7 @@ def _runners(functions: dict[str, ast.FunctionDef], drafter_params: dict[str, in
         for name, node in functions.items():
             if name in runners or name in drafter_params or name.startswith("test_"):
                 continue
-            if any(isinstance(c, ast.Call) and _speculates(c, drafter_params, runners, proofs)
-                   for c in ast.walk(node)):
+            if any(_speculates(c, drafter_params, runners, proofs) for c in _calls(node)):
                 runners.add(name)
                 grew = True
     return runners
@@ -157,7 +165,7 @@ def _references(functions: dict[str, ast.FunctionDef], drafter_params: dict[str,
         for name, node in functions.items():
             if name in references or name.startswith("test_"):
                 continue
-            if any(isinstance(c, ast.Call) and _target_only(c, drafter_params, references) for c in ast.walk(node)):
+            if any(_target_only(c, drafter_params, references) for c in _calls(node)):
                 references.add(name)
                 grew = True
     return references
