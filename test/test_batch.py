@@ -100,26 +100,43 @@ def solo(runner, engine, request_args):
 
 
 def target_only(request_args) -> speculative.SlotRequest:
-    """The same request without speculation (plain greedy steps)."""
+    """The same request without speculation (plain steps, its own sampling)."""
     args = request_args()
     return speculative.SlotRequest(prompt_ids=args["prompt_ids"], max_new_tokens=args["max_new_tokens"],
-                                   eos_ids=args["eos_ids"])
+                                   eos_ids=args["eos_ids"], sampling=args["sampling"], seed=args["seed"])
 
 
-def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None, ks=None):
-    """Factories (a drafter keeps state: each run gets a fresh one) for one request per prompt."""
+def draft_graphs(engine):
+    """The graph folder of a draft model whose greedy drafts the tiny target accepts now and then (the
+    session's random draft model never agrees with it): test_speculative.truncated_draft_runner's."""
+    from test_speculative import truncated_draft_runner
+
+    return truncated_draft_runner(engine).runner.graph_dir
+
+
+def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingParams(), seeds=None, ks=None,
+                  accepted=False):
+    """Factories (a drafter keeps state: each run gets a fresh one) for one request per prompt. accepted: greedy
+    requests whose drafts are accepted: the draft model is draft_graphs', and a prompt-lookup request favours
+    its prompt's last token under penalties (test_request_fields.PENALTIES: lookup drafts its repeats)."""
     from spec_edge.runtime.backends.ort_runner import b1_runner
+    from test_request_fields import PENALTIES
+
+    draft_dir = draft_graphs(engine) if accepted else engine.drafter("draft").runner.runner.graph_dir
 
     def drafter(name):
         if name == "ngram":
             return NgramDrafter()
         if name == "draft":  # a separate model with its own cache: one runner per request
-            return ModelDrafter(b1_runner(engine.drafter("draft").runner.runner.graph_dir), name="draft")
+            return ModelDrafter(b1_runner(draft_dir), name="draft")
         return None
+
+    def own_sampling(text, name):
+        return PENALTIES(prompt_ids(engine, text)[-1]) if accepted and name == "ngram" else sampling
 
     factories = []
     for i, (text, name, max_new) in enumerate(zip(PROMPTS, drafter_names, max_news)):
-        def args(text=text, name=name, max_new=max_new, i=i):
+        def args(text=text, name=name, max_new=max_new, i=i, sampling=own_sampling(text, name)):
             return dict(prompt_ids=prompt_ids(engine, text), max_new_tokens=max_new, eos_ids=engine.eos_ids,
                         sampling=sampling, seed=None if seeds is None else seeds[i], drafter=drafter(name),
                         k=K if ks is None else ks[i])
@@ -130,19 +147,21 @@ def make_requests(engine, runner, drafter_names, max_news, sampling=SamplingPara
 def test_each_output_equals_its_solo_output(batch_runner, tiny_engine):
     """Five requests (mixed drafters and lengths) over four slots, two joining mid-stream and one
     reusing a freed slot, so calls run 1 to 4 rows: each == the same request alone, and greedy == B=1
-    target-only."""
-    factories = make_requests(tiny_engine, batch_runner, ["ngram", "draft", None, "ngram", None], [40, 12, 30, 25, 20])
+    target-only; each drafting request accepted drafts."""
+    names = ["ngram", "draft", None, "ngram", None]
+    factories = make_requests(tiny_engine, batch_runner, names, [40, 12, 30, 25, 20], accepted=True)
     calls = dict(batch_runner.calls)
     together = run_together(batch_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 5, 0, 3])
     used = {key for key, count in batch_runner.calls.items() if count > calls.get(key, 0)}
     assert {rows for _, rows in used} == {1, 2, 3, 4}, used
-    for f, (ids, finish, stats) in zip(factories, together):
+    for name, f, (ids, finish, stats) in zip(names, factories, together):
         alone_ids, alone_finish, _ = solo(batch_runner, tiny_engine, f)
         assert (ids, finish) == (alone_ids, alone_finish)
         plain, plain_finish, _ = run_alone(tiny_engine.runner, target_only(f))
         assert (ids, finish) == (plain, plain_finish)
-    assert_speculated(*[stats for _, _, stats in together], accepted=False, what="batch of drafters")
+        if name is not None:
+            assert_speculated(stats, what=name)
 
 
 def test_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
@@ -278,12 +297,15 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
             np.testing.assert_array_equal(logits[j, :rows], single.forward(list(tokens[j, :rows]), at[j]))
         filled(batched, tiny_engine, PROMPTS[:SLOTS])
     batched.row_counts = exported
-    factories = make_requests(tiny_engine, batched, ["ngram", None, "ngram", None, "ngram"], [30, 30, 20, 25, 15])
+    names = ["ngram", None, "ngram", None, "ngram"]
+    factories = make_requests(tiny_engine, batched, names, [30, 30, 20, 25, 15], accepted=True)
     together = run_together(batched, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 3, 0, 6])
-    for f, (ids, finish, _) in zip(factories, together):
+    for name, f, (ids, finish, stats) in zip(names, factories, together):
         plain = run_alone(single.runner, target_only(f))
         assert (ids, finish) == plain[:2]
+        if name is not None:
+            assert_speculated(stats, what=name)
 
 
 @pytest.fixture(scope="module")
@@ -300,13 +322,16 @@ def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engi
     drafts are cut to that k and verified in its graph; every greedy output == its solo output == the
     B=1 target-only output, whatever k its iterations ran at; the stats count the verify calls by k."""
     table = [K, 2, 0]
-    factories = make_requests(tiny_engine, policy_runner, ["draft", "ngram", "draft", "draft"], [40, 12, 30, 25])
+    names = ["draft", "ngram", "draft", "draft"]
+    factories = make_requests(tiny_engine, policy_runner, names, [40, 12, 30, 25], accepted=True)
     together = run_together(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 4, 8, 12], k_by_load=table)
     by_k = [0] * K
-    for f, (ids, finish, stats) in zip(factories, together):
+    for i, (name, f, (ids, finish, stats)) in enumerate(zip(names, factories, together)):
         plain = run_alone(tiny_engine.runner, target_only(f))
         assert (ids, finish) == plain[:2]
+        # the two that join late verify only a few windows beside the others: verified, not always accepted
+        assert_speculated(stats, accepted=i < 2, what=f"{name} joining at {[0, 4, 8, 12][i]}")
         if stats.k:
             assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
             assert sum(stats.verify_calls_by_k) == stats.verify_calls
@@ -343,15 +368,16 @@ def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
     """Requests asking k = 3, 1, 2 and 3 share the batch: each verify call of a slot carries at most its
     own k (its stats count them at that k), and every greedy output == the B=1 target-only output."""
     ks = [K, 1, 2, K]
-    factories = make_requests(tiny_engine, policy_runner, ["draft", "draft", "draft", "ngram"], [30, 25, 20, 15],
-                              ks=ks)
+    names = ["draft", "draft", "draft", "ngram"]
+    factories = make_requests(tiny_engine, policy_runner, names, [30, 25, 20, 15], ks=ks, accepted=True)
     together = run_together(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
                                         join_at=[0, 0, 2, 3])
-    for f, k, (ids, finish, stats) in zip(factories, ks, together):
+    for name, f, k, (ids, finish, stats) in zip(names, factories, ks, together):
         plain = run_alone(tiny_engine.runner, target_only(f))
         assert (ids, finish) == plain[:2]
+        assert_speculated(stats, what=f"{name} k={k}")
         assert stats.k == k and len(stats.verify_calls_by_k) == k and stats.drafted <= k * stats.verify_calls
-        if f()["drafter"].name == "draft":  # a draft model proposes at every iteration
+        if name == "draft":  # a draft model proposes at every iteration
             assert stats.verify_calls_by_k[k - 1] == stats.verify_calls > 0
 
 
@@ -361,7 +387,7 @@ def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_eng
     from spec_edge.runtime.backends.ort_runner import b1_runner
 
     def draft():
-        return ModelDrafter(b1_runner(tiny_engine.drafter("draft").runner.runner.graph_dir), name="draft")
+        return ModelDrafter(b1_runner(draft_graphs(tiny_engine)), name="draft")
 
     long = prompt_ids(tiny_engine, " ".join([PROMPTS[3]] * 6))[:policy_runner.max_context - 12]
     short = prompt_ids(tiny_engine, PROMPTS[0])
@@ -369,10 +395,11 @@ def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_eng
                 for ids, k in ((long, 1), (short, K))]
     together = run_together(policy_runner, requests)
     assert together[0][1] == "context_full"
-    for request, (ids, finish, _) in zip(requests, together):
+    for request, (ids, finish, stats) in zip(requests, together):
         plain = run_alone(tiny_engine.runner, speculative.SlotRequest(
             prompt_ids=request.prompt_ids, max_new_tokens=40, eos_ids=()))
         assert (ids, finish) == plain[:2]
+        assert_speculated(stats, what=f"k={request.k}")
 
 
 def test_tune_occupancy_costs(policy_runner):

@@ -17,6 +17,8 @@ from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.speculative import BatchLoop, Keep, SlotRequest
 from spec_edge.runtime.scheduler import run_one
+from speculated import assert_speculated
+from test_speculation_load import drafted_fields
 from tiny import chi2_critical, chi2_statistic, exact_first
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40
@@ -279,7 +281,8 @@ def test_oracle_drafters_in_the_loop(tiny_engine, loop, right):
     load), so the settling and the speed are asserted on the real model (test_k_choice_real.py)."""
     want, got, stats, per_iteration = oracle_run(loop, tiny_engine.tokenizer.encode("Move the arm"), 100, right)
     assert got == want and len(got) == 100
-    assert stats.accepted == (stats.drafted if right else 0) and stats.verify_calls > 0
+    assert stats.accepted == (stats.drafted if right else 0)
+    assert_speculated(stats, accepted=right, what=f"right={right}")
     assert stats.auto_off_steps == per_iteration.count(0)
     if right:
         assert stats.auto_off_steps == 0
@@ -294,12 +297,18 @@ def test_engine_measures_costs_and_auto_is_exact(auto_engine, tiny_engine):
     widths = set(auto_engine.runner.widths)
     assert {w for (rows, w) in auto_engine.loop.costs.ms} == widths  # measured at load, every width
     assert "k_choice" in auto_engine.info()
-    for drafter in ("ngram", "draft", "layerskip"):
+    for drafter in ("ngram", "layerskip"):  # (auto turns the random draft model off: plain decoding, no case)
         for prompt in ("Move the arm to the left, the arm to the left, the arm to the left", "def add(a, b):"):
-            plain_result = run_one(tiny_engine, GenerateRequest(prompt=prompt, max_new_tokens=40, speculate=False))
-            result = run_one(auto_engine, GenerateRequest(prompt=prompt, max_new_tokens=40, drafter=drafter))
+            # prompt lookup drafts the repeats of a favoured token; layer skip's own drafts are accepted as they are
+            fields = ({**drafted_fields(tiny_engine, prompt), "max_new_tokens": 40} if drafter == "ngram"
+                      else {"prompt": prompt, "max_new_tokens": 40})
+            plain_result = run_one(tiny_engine, GenerateRequest(**fields, speculate=False))
+            auto_engine._k_last.pop(drafter, None)  # each case starts at the largest k, not where the last one left
+            result = run_one(auto_engine, GenerateRequest(**fields, drafter=drafter))
             assert result.token_ids == plain_result.token_ids, (drafter, prompt)
             assert result.stats.k == max(w - 1 for w in widths if w > 1)
+            # layer skip's first drafts here are rejected and auto goes plain after its probes: verified, not accepted
+            assert_speculated(result.stats, accepted=drafter == "ngram", what=f"{drafter} {prompt[:12]!r}")
             if result.stats.auto_off_steps:
                 assert "speculative.k auto" in result.speculation_off_reason
     fixed = run_one(auto_engine, GenerateRequest(prompt="def add(a, b):", max_new_tokens=20, drafter="draft", k=3))
@@ -315,6 +324,7 @@ def test_sampling_under_auto_keeps_the_target_distribution(tiny_engine, loop):
     costs = CallCosts({(1, 1): 10.0, (1, 2): 10.5, (1, 4): 16.0})  # k = 1 pays only when a_1 > ~0.13
     counts: dict = {}
     used = {"plain": 0, "verify": 0}
+    runs = []
     n = 1200
     for seed in range(n):
         test_loop = BatchLoop(tiny_engine.runner, costs=CallCosts(dict(costs.ms)))
@@ -326,7 +336,11 @@ def test_sampling_under_auto_keeps_the_target_distribution(tiny_engine, loop):
         counts[tuple(ids)] = counts.get(tuple(ids), 0) + 1
         used["plain"] += stats.auto_off_steps
         used["verify"] += stats.verify_calls
+        runs.append(stats)
     assert all(used.values()), used  # every kind of iteration ran
+    # one case (the seeds sample one distribution): the probes verified; the random draft model's k = 1 drafts are
+    # rejected, the point here is the switch between plain steps and probes
+    assert_speculated(*runs, accepted=False, what="the probes")
     stat, df = chi2_statistic(counts, exact, n)
     assert stat < chi2_critical(df), (stat, df)
 
@@ -354,7 +368,8 @@ def test_q4_never_verifies_with_its_two_row_step(tiny_cfg, tiny_engine, tmp_path
     want = decode(loop, SlotRequest(prompt_ids=ids, max_new_tokens=30, eos_ids=()))[0]
     got, stats, _ = decode(loop, SlotRequest(prompt_ids=ids, max_new_tokens=30, eos_ids=(), k=1,
                                              drafter=Oracle(len(ids), want, runner.vocab_size, True)))
-    assert got == want and stats.accepted == stats.drafted == stats.verify_calls > 0
+    assert got == want and stats.accepted == stats.drafted == stats.verify_calls
+    assert_speculated(stats)
 
 
 def test_the_next_request_starts_where_the_last_left():

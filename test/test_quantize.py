@@ -223,15 +223,23 @@ def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
     from spec_edge.runtime.drafters.draft_model import ModelDrafter
     from spec_edge.runtime.drafters.ngram import NgramDrafter
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.sampling import SamplingParams
+    from speculated import assert_speculated
+    from test_request_fields import PENALTIES
 
     self_drafter = ModelDrafter(b1_runner(tiny_q4.runner.graph_dir), name="self")
     for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
         ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
-        plain, _, _ = run_alone(tiny_q4.runner, speculative.SlotRequest(
-            prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids))
-        for drafter, k in ((NgramDrafter(), 4), (self_drafter, 3), (self_drafter, 7)):
+        first = run_alone(tiny_q4.runner, speculative.SlotRequest(prompt_ids=ids, max_new_tokens=1, eos_ids=()))[0][0]
+        # prompt lookup drafts the repeats of a favoured token (a random target never repeats itself)
+        for drafter, k, sampling in ((NgramDrafter(), 4, PENALTIES(first)), (self_drafter, 3, SamplingParams()),
+                                     (self_drafter, 7, SamplingParams())):
+            plain, _, _ = run_alone(tiny_q4.runner, speculative.SlotRequest(
+                prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, sampling=sampling))
             spec, _, stats = run_alone(tiny_q4.runner, speculative.SlotRequest(
-                prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, drafter=drafter, k=k))
+                prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, sampling=sampling, drafter=drafter,
+                k=k))
             assert spec == plain, (prompt, drafter.name, k)
+            assert_speculated(stats, what=f"{prompt[:12]!r} {drafter.name} k={k}")
             if drafter is self_drafter:
                 assert stats.acceptance_rate == 1.0, (prompt, k, stats)

@@ -6,6 +6,7 @@ busy batch), logprobs are the same numbers with speculation on or off (the refus
 and the CLI carries the flags and `logprobs` in --json."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -19,6 +20,7 @@ from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams, probabilities, processed_logits, token_logprobs
 from spec_edge.runtime.scheduler import run_one
+from speculated import assert_speculated
 from tiny import run_alone, run_together
 
 PROMPTS = ["The robot picks up the red box and places it on the shelf. The robot picks up the",
@@ -81,25 +83,43 @@ def PENALTIES(favoured: int, logprobs: int = 0) -> SamplingParams:
                           frequency_penalty=30.0, logprobs=logprobs)
 
 
+def with_lookup(params: SamplingParams, favoured: int) -> SamplingParams:
+    """params with the penalties' favoured token on top, so prompt lookup drafts its repeats (accepted) under
+    the option too (a random target never repeats itself)."""
+    lookup = PENALTIES(favoured)
+    if lookup.logit_bias[0] in params.logit_bias:  # the penalties option itself
+        return params
+    return dataclasses.replace(params, logit_bias=params.logit_bias + lookup.logit_bias,
+                               repetition_penalty=lookup.repetition_penalty, presence_penalty=lookup.presence_penalty,
+                               frequency_penalty=lookup.frequency_penalty)
+
+
 @pytest.mark.parametrize("option", OPTIONS)
 def test_greedy_speculative_equals_target_only_with_each_option(tiny_engine, option):
+    """Each option alone with layer skip drafting, and with the favoured token on top (with_lookup) with prompt
+    lookup and the draft model drafting: every (prompt, drafter) case accepts drafts."""
     params, eos_ids = option_params(tiny_engine, option)
+    favoured = option_params(tiny_engine, "penalties")[0].logit_bias[0][0]
     changed = False
-    verified = 0
+    lookup = with_lookup(params, favoured)
     for text in PROMPTS:
         prompt_ids = ids_of(tiny_engine, text)
-        target_only, finish, _ = run(tiny_engine, prompt_ids, params, eos_ids=eos_ids)
-        changed |= target_only != run(tiny_engine, prompt_ids, SamplingParams(), eos_ids=tiny_engine.eos_ids)[0]
-        if option == "ignore_eos":
-            assert finish == "length" and eos_ids[0] not in target_only
-        for drafter in (NgramDrafter(), tiny_engine.drafter("draft")):
-            spec, spec_finish, stats = run(tiny_engine, prompt_ids, params, drafter, 4, eos_ids)
-            assert (spec, spec_finish) == (target_only, finish), (option, drafter.name, text)
-            verified += stats.verify_calls
-            if option == "penalties" and drafter.name == "ngram":  # repeats drafted, the move-on rejected
+        target_only = {params: run(tiny_engine, prompt_ids, params, eos_ids=eos_ids)}
+        if lookup != params:
+            target_only[lookup] = run(tiny_engine, prompt_ids, lookup, eos_ids=eos_ids)
+        default = run(tiny_engine, prompt_ids, SamplingParams(), eos_ids=tiny_engine.eos_ids)
+        changed |= target_only[params][0] != default[0]
+        for name, drafted in (("layerskip", params), ("ngram", lookup), ("draft", lookup)):
+            want, finish, _ = target_only[drafted]
+            if option == "ignore_eos":
+                assert finish == "length" and eos_ids[0] not in want
+            drafter = NgramDrafter() if name == "ngram" else tiny_engine.drafter(name)
+            spec, spec_finish, stats = run(tiny_engine, prompt_ids, drafted, drafter, 4, eos_ids)
+            assert (spec, spec_finish) == (want, finish), (option, name, text)
+            assert_speculated(stats, what=f"{option} {name} {text[:12]!r}")
+            if name == "ngram":  # repeats drafted, the move-on rejected
                 assert 0 < stats.accepted < stats.drafted, stats
     assert changed  # the option really changes the output (the test can fail)
-    assert verified > 0
 
 
 def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
@@ -116,23 +136,25 @@ def test_busy_batch_with_options_equals_target_only(tiny_cfg, tiny_engine):
     bias, _ = option_params(tiny_engine, "logit_bias")
     ignore, eos = option_params(tiny_engine, "ignore_eos")
     favoured = penalties.logit_bias[0][0]
-    cases = [(PROMPTS[0], penalties, tiny_engine.eos_ids, "ngram"), (PROMPTS[1], bias, tiny_engine.eos_ids, "draft"),
-             (PROMPTS[2], SamplingParams(), tiny_engine.eos_ids, None), (PROMPTS[3], ignore, eos, "ngram"),
+    cases = [(PROMPTS[0], penalties, tiny_engine.eos_ids, "ngram"),
+             (PROMPTS[1], with_lookup(bias, favoured), tiny_engine.eos_ids, "draft"),
+             (PROMPTS[2], SamplingParams(), tiny_engine.eos_ids, None), (PROMPTS[3], with_lookup(ignore, favoured), eos, "ngram"),
              (PROMPTS[1], PENALTIES(favoured, logprobs=3), tiny_engine.eos_ids, "ngram"),
-             (PROMPTS[0], SamplingParams(repetition_penalty=1.3, logprobs=3), tiny_engine.eos_ids, "draft")]
+             (PROMPTS[0], with_lookup(SamplingParams(min_p=0.05, logprobs=3), favoured), tiny_engine.eos_ids, "draft")]
     requests = [speculative.SlotRequest(
         prompt_ids=ids_of(tiny_engine, text), max_new_tokens=MAX_NEW, eos_ids=eos_ids, sampling=params,
         drafter={"ngram": NgramDrafter(), "draft": ModelDrafter(b1_runner(draft_dir), name="draft"),
                  None: None}[name], k=K if name else 0) for text, params, eos_ids, name in cases]
     together = run_together(runner, requests, join_at=[0, 0, 2, 0, 4, 6])
-    for (text, params, eos_ids, _), (ids, finish, stats) in zip(cases, together):
+    for (text, params, eos_ids, name), (ids, finish, stats) in zip(cases, together):
         alone, alone_finish, alone_stats = run(tiny_engine, ids_of(tiny_engine, text), params, eos_ids=eos_ids)
         assert (ids, finish) == (alone, alone_finish), text
-        assert len(stats.logprobs) == (len(ids) if params.logprobs else 0)
+        if name is not None:
+            assert_speculated(stats, what=f"{name} {params}")
+        assert len(stats.logprobs) == (len(ids) if params.logprobs else 0) == len(alone_stats.logprobs)
         for got, want in zip(stats.logprobs, alone_stats.logprobs):
             assert got.token_id == want.token_id and got.top_ids == want.top_ids
             np.testing.assert_allclose(got.top_logprobs, want.top_logprobs, atol=1e-4)
-    assert sum(stats.verify_calls for _, _, stats in together) > 0
 
 
 def test_logprobs_equal_with_speculation_on_or_off(tiny_engine):
@@ -150,7 +172,8 @@ def test_logprobs_equal_with_speculation_on_or_off(tiny_engine):
         assert len(entry.top_ids) == 4 and list(entry.top_logprobs) == sorted(entry.top_logprobs, reverse=True)
     for drafter in ("ngram", "draft"):
         spec = run_one(tiny_engine, GenerateRequest(**base, drafter=drafter, k=4))
-        assert spec.token_ids == plain.token_ids and spec.stats.verify_calls > 0
+        assert spec.token_ids == plain.token_ids and len(spec.logprobs) == len(plain.logprobs)
+        assert_speculated(spec.stats, what=drafter)
         for got, want in zip(spec.logprobs, plain.logprobs):
             assert (got.token_id, got.top_ids) == (want.token_id, want.top_ids)
             np.testing.assert_allclose([got.logprob, *got.top_logprobs], [want.logprob, *want.top_logprobs],

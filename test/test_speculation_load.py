@@ -9,6 +9,21 @@ from spec_edge.config import Config, ConfigError, from_params
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import run_one
+from speculated import assert_speculated
+from test_request_fields import PENALTIES
+
+PROMPT = "Move the arm to the left and back, the arm to the left and back"
+
+
+def drafted_fields(engine, prompt: str) -> dict:
+    """Request fields under which both tiny drafters' drafts are accepted on prompt: the target-only output's
+    first token favoured with penalties (test_request_fields.PENALTIES): prompt lookup drafts its repeats, the
+    random draft model agrees with them now and then."""
+    favoured = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=1, speculate=False)).token_ids[0]
+    params = PENALTIES(favoured)
+    return dict(prompt=prompt, max_new_tokens=24, logit_bias=params.logit_bias,
+                repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty)
 
 
 def test_k_at_load():
@@ -66,9 +81,9 @@ def _engine(tiny_engine, table) -> Engine:
 @pytest.mark.parametrize("drafter", ["ngram", "draft"])
 def test_every_k_the_policy_picks_gives_the_same_greedy_output(tiny_engine, drafter):
     engine = _engine(tiny_engine, [4, 3, 1, 0])  # tiny k_values [1, 3, 4, 7]
-    request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
-                              max_new_tokens=24, drafter=drafter, k=4)
-    plain = run_one(engine, GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
+    fields = drafted_fields(tiny_engine, PROMPT)
+    request = GenerateRequest(**fields, drafter=drafter, k=4)
+    plain = run_one(engine, GenerateRequest(**fields, speculate=False))
     for queued, k in ((1, 4), (2, 3), (3, 1), (4, 0), (9, 0)):  # the load stays `queued` for the whole run
         result = run_one(engine, request, queued=queued)
         stats = result.stats
@@ -78,10 +93,9 @@ def test_every_k_the_policy_picks_gives_the_same_greedy_output(tiny_engine, draf
         assert sum(stats.verify_calls_by_k) == stats.verify_calls  # all at the policy's k
         if k:
             assert stats.verify_calls_by_k[k - 1] == stats.verify_calls and stats.policy_off_steps == 0
+            assert_speculated(stats, what=f"{drafter} queued={queued} k={k}")
         else:
             assert stats.verify_calls == 0 and stats.policy_off_steps == stats.step_calls > 0
-        if k and drafter == "draft":  # a draft model proposes at every iteration
-            assert stats.verify_calls > 0
         assert stats.drafted <= k * stats.verify_calls
         if k == 4 or not (stats.verify_calls or stats.policy_off_steps):  # nothing ran below its k
             assert result.speculation_off_reason == ""
@@ -112,14 +126,17 @@ def test_the_load_policy_caps_auto(tiny_engine):
                     tiny_engine.runner, tiny_engine.targets, tiny_engine.tokenizer, tiny_engine.graph_dir,
                     progress=lambda message: None)
     engine.loop.costs = k_choice.measure_costs(engine.runner)  # as Engine.from_config does for auto
-    request = GenerateRequest(prompt="Move the arm to the left and back, the arm to the left and back",
-                              max_new_tokens=24, drafter="draft")
-    plain = run_one(engine, GenerateRequest(prompt=request.prompt, max_new_tokens=24, speculate=False))
+    fields = drafted_fields(tiny_engine, PROMPT)
+    request = GenerateRequest(**fields, drafter="ngram")  # free drafts, mostly accepted: auto speculates
+    plain = run_one(engine, GenerateRequest(**fields, speculate=False))
     for queued, cap in ((1, 7), (2, 3), (3, 0)):
+        engine._k_last.pop("ngram", None)  # each load starts at the largest k, not where the last request left
         result = run_one(engine, request, queued=queued)
         stats = result.stats
         assert result.token_ids == plain.token_ids and stats.k == 7  # auto: up to the largest exported k
         assert sum(stats.verify_calls_by_k[cap:]) == 0, (queued, stats.verify_calls_by_k)
+        if cap:
+            assert_speculated(stats, what=f"queued={queued} cap={cap}")
         if cap == 0:
             assert stats.policy_off_steps == stats.step_calls and stats.auto_off_steps == 0
             assert "by load" in result.speculation_off_reason

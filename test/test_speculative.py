@@ -139,7 +139,6 @@ def sampling_for(engine, name, prompt_ids):
 @pytest.mark.parametrize("k", TINY_K_VALUES)
 @pytest.mark.parametrize("name", ["ngram", "draft", "layerskip", "self", "wrong"])
 def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
-    runs = []
     for prompt in PROMPTS:
         prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
         sampling = sampling_for(tiny_engine, name, prompt_ids)
@@ -149,45 +148,97 @@ def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
         assert_same(tiny_engine, spec, plain, prompt_ids)
         assert spec_finish == plain_finish
         assert stats.accepted <= stats.drafted == stats.verify_calls * k
-        runs.append(stats)
+        assert_speculated(stats, accepted=name != "wrong", what=f"{name} k={k} prompt={prompt!r}")
         if name == "self":
             assert stats.acceptance_rate > 0.95, stats  # the target drafting for itself
             assert stats.mean_accepted_length > k  # k drafts + the bonus token per verify
         if name == "wrong":
             assert stats.accepted == 0 and stats.mean_accepted_length == 1.0
-    assert_speculated(*runs, accepted=name != "wrong", what=f"{name} k={k}")
+
+
+class Recording:
+    """A drafter that keeps every draft its inner drafter proposes (the windows the loop verified)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.drafts, self.asked_at = inner, inner.name, [], []
+
+    def start(self, prompt_ids):
+        self.inner.start(prompt_ids)
+
+    def propose(self, seq, k, sampler):
+        draft = self.inner.propose(seq, k, sampler)
+        self.asked_at.append(len(seq))
+        if draft is not None:
+            self.drafts.append(list(draft.tokens))
+        return draft
+
+    def observe(self, n_proposed, n_accepted):
+        self.inner.observe(n_proposed, n_accepted)
+
+    def check_k(self, k):
+        self.inner.check_k(k)
+
+    def forget(self):
+        self.inner.forget()
+
+    def finish(self):
+        self.inner.finish()
 
 
 def test_eos_inside_a_draft(tiny_engine, self_runner):
-    """The model's 7th greedy token is declared EOS: the self-drafter proposes it in the middle of
-    a draft window; output must stop right before it, as plain decoding does."""
+    """The model's 14th greedy token is declared EOS: the self-drafter proposes it inside a verify window,
+    with drafts after it for k > 1 (the windows start at tokens 1 + n (k + 1): token 13 is draft 1 of 2, 1 of 4,
+    3 of 4, 5 of 7); output must stop right before it, as plain decoding does."""
     prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
     free, _, _ = run(tiny_engine, prompt_ids, None, 0, max_new=20)
-    eos = free[6]
+    eos = free[13]
+    assert eos not in free[:13]
     plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0, eos_ids=(eos,))
     for k in TINY_K_VALUES:
-        spec, finish, stats = run(tiny_engine, prompt_ids, ModelDrafter(self_runner), k, eos_ids=(eos,))
+        drafter = Recording(ModelDrafter(self_runner))
+        spec, finish, stats = run(tiny_engine, prompt_ids, drafter, k, eos_ids=(eos,))
         assert plain_finish == finish == "eos"
         assert spec == plain == free[:free.index(eos)]
+        assert_speculated(stats, what=f"k={k}")
+        # the premise: the last verified window drafted the EOS, with drafts after it where the window has room
+        assert eos in drafter.drafts[-1], (k, drafter.drafts)
+        assert k == 1 or drafter.drafts[-1].index(eos) < k - 1, (k, drafter.drafts)
+
+
+def stop_across_chunks(engine, prompt_ids: list[int], drafter, k: int) -> tuple[str, int]:
+    """(stop, at): the text of tokens of the greedy output from the last of one verify's chunk to one before the
+    end of the next chunk (so that chunk has two or more tokens), first occurring at token `at` (the premise of
+    test_stop_string_split_across_chunks; the chunks are read from where the drafter was asked)."""
+    recording = Recording(drafter)
+    ids, _, _ = run_alone(engine.runner, speculative.SlotRequest(
+        prompt_ids=prompt_ids, max_new_tokens=30, eos_ids=engine.eos_ids, drafter=recording, k=k))
+    starts = [n - len(prompt_ids) for n in recording.asked_at]  # the index of each verify's first new token
+    decode = engine.tokenizer.decode
+    for a, b in zip(starts, starts[1:]):
+        for end in range(a + 1, b):  # the stop ends inside the chunk [a, b), before its last token
+            before = decode(ids[:a - 1])
+            stop = decode(ids[:end])[len(before):]
+            shown = all((c.isprintable() and c != "\ufffd") or c in "\n\t" for c in stop)  # a request's stop
+            if stop and shown and decode(ids).find(stop) == len(before) and len(decode(ids[:a])) > len(before):
+                return stop, a - 1
+    raise AssertionError(f"no chunk of two tokens or more ends a stop string: chunks start at {starts}")
 
 
 def test_stop_string_split_across_chunks(tiny_engine):
-    """A stop string made of text from several tokens (so several accepted chunks): the text and
-    token ids match plain decoding, which checks after every token."""
-    plain = run_one(tiny_engine, GenerateRequest(prompt=PROMPTS[1], speculate=False, max_new_tokens=30))
-    ids = plain.token_ids
-    text = tiny_engine.tokenizer.decode(ids[:12])
-    # 4 printable characters ending as late as possible in the first 12 tokens' text
-    stop = next(text[end - 4:end] for end in range(len(text), 3, -1)
-                if all(c.isprintable() and c != "\ufffd" for c in text[end - 4:end]))
-    assert len(tiny_engine.tokenizer.decode(ids[:3])) < plain.text.find(stop) + len(stop)
-    base = GenerateRequest(prompt=PROMPTS[1], max_new_tokens=30, stop=(stop,))
-    want = run_one(tiny_engine, base.__class__(**{**base.__dict__, "speculate": False}))
-    assert want.finish_reason == "stop" and stop not in want.text
-    for drafter in ("draft", "layerskip"):
+    """A stop string made of the text of three tokens, across the boundary of two verify chunks and completed
+    inside the second (chosen per k from the chunks of the run without it): the text and token ids match plain
+    decoding, which checks after every token."""
+    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
+    for drafter in ("layerskip",):  # the tiny engine's drafter whose drafts this prompt accepts
         for k in (3, 7):
-            got = run_one(tiny_engine, GenerateRequest(**{**base.__dict__, "drafter": drafter, "k": k}))
+            stop, at = stop_across_chunks(tiny_engine, prompt_ids, tiny_engine.drafter(drafter), k)
+            fields = dict(prompt=PROMPTS[0], max_new_tokens=30, drafter=drafter, k=k, stop=(stop,))
+            want = run_one(tiny_engine, GenerateRequest(**fields, speculate=False))
+            assert want.finish_reason == "stop" and stop not in want.text
+            assert want.text == tiny_engine.tokenizer.decode(want.token_ids[:at])  # the text before the stop
+            got = run_one(tiny_engine, GenerateRequest(**fields))
             assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+            assert_speculated(got.stats, what=f"{drafter} k={k}")
 
 
 def test_streamed_deltas_concatenate_to_text(tiny_engine):
@@ -201,17 +252,23 @@ def test_streamed_deltas_concatenate_to_text(tiny_engine):
 
 
 def test_context_full_edge(tiny_engine, self_runner):
-    """Prompt near the end of the 128-token cache: verify windows stop fitting, the loop falls back
-    to plain steps and both paths end with context_full at the same token."""
+    """Prompt near the end of the 128-token cache: both paths end with context_full at the same token,
+    whether the last verify window fills the cache exactly (k = 1, 4: 10 = 5 x 2 = 2 x 5 rows) or windows stop
+    fitting and the loop falls back to plain steps (k = 3, 7)."""
     cache = tiny_engine.target.max_context
     prompt_ids = tiny_engine.tokenizer.encode("the robot moves " * 80)[:cache - 10]
     assert len(prompt_ids) == cache - 10
     plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0, max_new=cache - 1)
     assert plain_finish == "context_full"
     assert len(prompt_ids) + len(plain) == cache + 1  # the last token is chosen, never cached
+    ends = set()
     for k in TINY_K_VALUES:
-        spec, finish, _ = run(tiny_engine, prompt_ids, ModelDrafter(self_runner), k, max_new=cache - 1)
+        spec, finish, stats = run(tiny_engine, prompt_ids, ModelDrafter(self_runner), k, max_new=cache - 1)
         assert finish == "context_full" and spec == plain
+        assert_speculated(stats, what=f"k={k}")
+        ends.add("steps" if stats.step_calls else "verify")
+        assert stats.step_calls == (0 if 10 % (k + 1) == 0 else 10 % (k + 1)), (k, stats)
+    assert ends == {"steps", "verify"}
 
 
 def test_max_new_tokens_cuts_inside_a_chunk(tiny_engine, self_runner):
@@ -219,6 +276,10 @@ def test_max_new_tokens_cuts_inside_a_chunk(tiny_engine, self_runner):
     plain, _, _ = run(tiny_engine, prompt_ids, None, 0, max_new=11)
     spec, finish, stats = run(tiny_engine, prompt_ids, ModelDrafter(self_runner), 7, max_new=11)
     assert finish == "length" and spec == plain and len(spec) == 11
+    assert_speculated(stats)
+    # the premise: the first token (prefill) + two fully accepted windows of 7 drafts + bonus = 17 > 11: the
+    # second window's chunk was cut after 2 of its 8 tokens
+    assert (stats.step_calls, stats.verify_calls, stats.accepted) == (0, 2, 14), stats
 
 
 def test_stats_are_filled(tiny_engine):
