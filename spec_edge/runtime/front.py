@@ -200,7 +200,7 @@ class Front:
             try:
                 self.compile("json_schema", json.dumps(arguments_schema(schemas[tool.name])))
             except (GrammarError, RequestError) as err:
-                reason = str(err).removeprefix("json_schema is invalid: ")
+                reason = str(err).removeprefix("json_schema is invalid: ").removeprefix("failed to compile JSON schema: ")
                 return (f"tools[{i}] ({tool.name}) parameters: this JSON Schema cannot be enforced: {reason} "
                         "(docs/tools.md, \"What is enforced\"): rewrite or drop that keyword")
         return None
