@@ -296,23 +296,28 @@ def make_node_class():
             """Frees the engine as cleanup does: a finalized node may stay up (ros2 lifecycle set ... shutdown
             without a signal), and it answers every request that it is shutting down."""
             self._active = False
-            self._unload(release=not self.exiting)  # a process about to end has no heap to hand back
+            self._unload(release=not self.exiting)  # a process about to end has nothing to hand back
             return TransitionCallbackReturn.SUCCESS
 
         def _unload(self, timeout: float = 1.0, release: bool = True):
+            """Stop serving and free the engine. release False (the process ends next, within the 2 s of a
+            signal): the worker and the door's thread are not waited for and the engine not closed (the OS takes
+            them at once; a decode call on a loaded machine, a close of the ONNX Runtime sessions or a graceful HTTP
+            shutdown can each take most of a second)."""
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
             if self.door is not None:
                 self.door.pause(SHUTTING_DOWN)
             if self.worker is not None:
-                self.worker.stop(timeout)
+                self.worker.stop(timeout if release else 0.0)  # (exiting: stop_generation waited for it already)
                 self.worker = None
             if self.door is not None:
-                self.door.stop()
+                self.door.stop(timeout=3.0 if release else 0.0)
                 self.door = None
             if self.engine is not None:
-                self.engine.close()
+                if release:
+                    self.engine.close()
                 self.engine = None
                 self._info = {}
                 if release:
@@ -487,11 +492,11 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
         if node.configuring:  # a lifecycle manager's configure is still running in an executor thread
             exit_while_configuring(node)
         node.get_logger().info("shutting down")
-        node.stop_generation(timeout=1.0)   # answers every waiting call, so no thread stays blocked
+        node.stop_generation(timeout=0.5)   # answers every waiting call, so no thread stays blocked
         flush_until = time.monotonic() + 0.2  # deliver those answers (action results need spinning)
         while time.monotonic() < flush_until:
             executor.spin_once(timeout_sec=0.05)
-        executor.shutdown(timeout_sec=0.5)
+        executor.shutdown(timeout_sec=0.3)
     finally:
         node.exiting = True
         if node.state_name() in ("unconfigured", "inactive", "active"):  # finalized (ros2 lifecycle set ...
