@@ -436,3 +436,36 @@ def test_langchain_agent_example_runs_call_result_answer(served, base, tmp_path,
     assert isinstance(answer, AIMessage) and not answer.tool_calls and answer.content.strip()
     assert "<tool_call>" not in answer.content
     assert list(tmp_path.iterdir()) == []
+
+def test_spec_edge_http_exits_within_2s_of_ctrl_c_with_a_stream_open(tmp_path):
+    """`spec-edge http` serving a stream, then SIGINT: the process is gone within 2 s, status 0 (it took 3.7 s and
+    aborted, status -6, when the engine was closed under a decode call still running)."""
+    import signal
+    import subprocess
+
+    nested: dict = {}
+    for key, value in PARAMS.items():
+        section, name = key.split(".")
+        nested.setdefault(section, {})[name] = value
+    config = tmp_path / "http.yaml"
+    config.write_text(json.dumps({"/**": {"ros__parameters": nested}}))  # JSON is YAML
+    proc = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "http", "--config", str(config), "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if match := re.search(r"serving \S+ on (http://\S+/v1)", line):
+                break
+        else:
+            raise AssertionError(f"spec-edge http ended ({proc.wait()}) before serving")
+        chunks = client(match.group(1)).chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}], max_tokens=900, stream=True,
+            extra_body={"ignore_eos": True})
+        next(iter(chunks))
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(30)
+        took = time.monotonic() - started
+        assert status == 0 and took < 2.0, (status, took)
+    finally:
+        proc.kill()
+        proc.wait()

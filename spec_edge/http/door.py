@@ -360,8 +360,11 @@ def _sse(event: dict | None) -> str:
     return "" if event is None else f"data: {json.dumps(event, allow_nan=False)}\n\n"
 
 
-def run(cfg: cfgmod.Config, progress: Any) -> int:
-    """`spec-edge http`: the door alone (no ROS), answering 503 while the engine loads, until SIGINT / SIGTERM."""
+def run(cfg: cfgmod.Config, progress: Any, on_signal: Any = lambda: None) -> int:
+    """`spec-edge http`: the door alone (no ROS), answering 503 while the engine loads, until SIGINT / SIGTERM
+    (on_signal() is called first: the CLI starts its exit watchdog). Returns for the process to end at once (the
+    CLI's exit_process): the worker and the door's thread are not waited for beyond a moment and the engine is not
+    closed (a close while a decode call still runs would abort; the OS frees it all)."""
     import logging
     import signal
 
@@ -371,23 +374,27 @@ def run(cfg: cfgmod.Config, progress: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     logger = logging.getLogger("http")
     door = Door(cfg, logger).start()
-    engine = scheduler = None
+    scheduler = None
     stop = threading.Event()
+
+    def signalled(signum, frame) -> None:
+        if not stop.is_set():
+            on_signal()
+        stop.set()
+
     try:
         engine = artifacts.engine(cfg, progress)  # built first where missing, then loaded
         if cfg.serve.warm_system_prompt:
             progress(f"[http] warmed the cache with the system prompt: {engine.warm()} tokens")
         scheduler = Scheduler(engine, cfg, logger)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: stop.set())
+            signal.signal(sig, signalled)
         door.serve(scheduler, engine)
         progress(f"[http] serving {door.model} on http://{cfg.http.host}:{door.port}/v1")
         stop.wait()
     finally:
         door.pause("the server is shutting down")
         if scheduler is not None:
-            scheduler.stop(1.0)
-        door.stop()
-        if engine is not None:
-            engine.close()
+            scheduler.stop(0.5)  # refuses what waits, cancels what runs
+        door.stop(timeout=0.5)
     return 0

@@ -159,3 +159,40 @@ def test_clients_gone_while_queued_health_and_exit(module_env, tmp_path):
         assert server.proc.returncode == 0 and took < 2.0, (took, server.log()[-2000:])
     finally:
         server.stop()
+
+
+def test_health_says_what_the_node_waits_for(module_env, monkeypatch):
+    """In this process (rclpy on a context of its own, the module's domain): a node that configures and activates
+    itself (run() without --no-autostart) says, between the two, that it is starting, not that it waits for a
+    lifecycle manager; once deactivated it says how it gets activated again; the ROS endpoints say the same."""
+    import os
+
+    import httpx
+    import rclpy
+    from rclpy.parameter import Parameter
+
+    from rosutil import test_params
+    from spec_edge.ros2.node import STARTING, make_node_class
+
+    monkeypatch.setitem(os.environ, "ROS_DOMAIN_ID", module_env["ROS_DOMAIN_ID"])
+    port = _free_port()
+    params = test_params(**{"http.enabled": True, "http.port": port, "http.api_key": KEY})
+    context = rclpy.Context()
+    rclpy.init(context=context)
+    node = make_node_class()(autostart=True, context=context,
+                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    try:
+        node.trigger_configure()
+        health = httpx.get(f"http://127.0.0.1:{port}/health")
+        assert health.status_code == 503 and health.json()["error"]["message"] == STARTING
+        assert node._not_serving() == STARTING
+        node.trigger_activate()
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+        node.trigger_deactivate()
+        message = httpx.get(f"http://127.0.0.1:{port}/health").json()["error"]["message"]
+        assert "inactive" in message and "ros2 lifecycle set <node> activate" in message, message
+        assert "not active" in node._not_serving() and "lifecycle" in node._not_serving()
+    finally:
+        node.trigger_shutdown()  # frees the engine and stops the door
+        node.destroy_node()
+        rclpy.shutdown(context=context)
