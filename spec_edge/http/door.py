@@ -5,7 +5,9 @@ Door(cfg, logger).start() binds http.host:http.port and serves from a thread of 
 engine) it answers 503 (loading, or whatever `pause(reason)` said), so the ROS node can run it beside its ROS
 interfaces and `spec-edge http` alone. Every request is a scheduler Job: refused at submit (400 invalid, 429 busy,
 503 unavailable, each with the scheduler's message, the ROS door's words), or streamed / answered when it ends. A
-client that goes away cancels its job (checked every POLL_S), so its slot frees before the next decode call.
+client that goes away cancels its job (checked every POLL_S): waiting, it leaves the queue at once
+(Scheduler.withdraw); running, its slot frees before the next decode call. Refusals name the fields as the client
+named them (schema.in_openai_words); /metrics counts every outcome, a client gone included.
 """
 from __future__ import annotations
 
