@@ -171,6 +171,7 @@ def real_launch(installed_share, module_env):
         pytest.skip(f"launch / launch_ros do not import ({err}): build them from github.com/ros2/launch and "
                     "github.com/ros2/launch_ros (docs/testing.md, \"The launch file\")")
     import os
+    import signal
     import subprocess
 
     prefix = installed_share.parents[1]
@@ -181,9 +182,16 @@ def real_launch(installed_share, module_env):
     env = dict(module_env, AMENT_PREFIX_PATH=str(prefix), PYTHONPATH=os.pathsep.join(sys.path))
 
     def run(*arguments: str, timeout: float = 120) -> tuple[int, str]:
-        proc = subprocess.run([sys.executable, "-c", LAUNCH, str(installed_share / "launch" / "llm.launch.py"),
-                               *arguments], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-        return proc.returncode, proc.stdout + proc.stderr
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(installed_share / "launch" / "llm.launch.py"),
+                                 *arguments], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a launch that serves instead of failing: it and its node go
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise AssertionError(f"the launch still ran after {timeout} s:\n{output}") from None
+        return proc.returncode, output
 
     return run
 
