@@ -147,7 +147,10 @@ def cmd_http(args) -> int:
     cfg = config_from_args(args)
     cfg = cfg.replace(**{key: value for key, value in (("http.host", args.host), ("http.port", args.port))
                          if value is not None})
-    return door.run(cfg, progress)
+    from spec_edge.ros2.shutdown import exit_process, start_watchdog
+
+    # once serving, a signal ends the process within 2 s, as the node's (docs/http.md)
+    exit_process(door.run(cfg, progress, on_signal=start_watchdog))
 
 
 def cmd_tune(args) -> int:

@@ -9,7 +9,9 @@ import asyncio
 import importlib.util
 import json
 import logging
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -173,32 +175,136 @@ def expected_refusal(door, fields: dict) -> str:
     return job.outcome.message
 
 
-def test_bad_requests_get_the_ros_doors_words(served, base):
+def test_bad_requests_get_the_ros_doors_refusals_in_openai_words(served, base):
+    """The one table of refusals (test/ros/test_generate_node.py BAD_REQUESTS, the ROS door's words there): through
+    HTTP each is the same refusal, with the fields named as the client named them (max_tokens or
+    max_completion_tokens, messages; param: that field), never the ROS / CLI names."""
     door, alone = served
     cases = ros_bad_requests()
     assert len(cases) >= 10
-    for what, fields, hint in cases:
+    for i, (what, fields, hint) in enumerate(cases):
         body = {"model": "smollm2-135m"}
         body["messages"] = [{"role": r, "content": c} for r, c in fields.get("messages", [])] or \
             [{"role": "user", "content": fields.get("prompt", "")}]
-        names = {"max_new_tokens": "max_tokens"}
-        body |= {names.get(k, k): v for k, v in fields.items() if k not in ("prompt", "messages")}
+        sent = "max_completion_tokens" if i % 2 else "max_tokens"  # both of OpenAI's names, alternately
+        body |= {sent if k == "max_new_tokens" else k: v for k, v in fields.items() if k not in ("prompt", "messages")}
         response = httpx.post(f"{base}/chat/completions", content=json.dumps(body),
                               headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
         assert response.status_code == 400, (what, response.text)
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-        assert error["message"] == expected_refusal(door, fields), what
-        hint = "messages are empty" if fields.get("prompt") == "" else hint  # the prompt went as a user message
+        ros_words = expected_refusal(door, fields)
+        assert error["message"] == ros_words.replace("max_new_tokens", sent), what
+        assert "max_new_tokens" not in error["message"] and error["param"] == (sent if "max_new_tokens" in ros_words
+                                                                              else None), (what, error)
+        hint = "messages are empty" if fields.get("prompt") == "" else hint.replace("max_new_tokens", sent)
         assert hint.lower() in error["message"].lower(), what
+    raw = httpx.post(f"{base}/completions", headers={"Authorization": f"Bearer {KEY}"},
+                     json={"prompt": "hi", "max_tokens": 10**9}).json()["error"]
+    assert raw["message"].startswith("max_tokens must be in [1, ") and raw["param"] == "max_tokens"
+    empty = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": []}).json()["error"]
+    assert empty["message"] == "messages is empty: send at least one message", empty
     n = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"messages": [{"role": "user", "content": "hi"}], "n": 2})
     unknown = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"messages": [{"role": "user", "content": "hi"}], "tools_of_mars": 1})
     assert n.status_code == unknown.status_code == 400
     assert "n=1" in n.json()["error"]["message"] and "tools_of_mars" in unknown.json()["error"]["message"]
+    assert unknown.json()["error"]["param"] == "tools_of_mars"
     for response in (n, unknown):
-        assert "/" not in response.json()["error"]["message"] and "Traceback" not in response.text
+        assert "/" not in response.json()["error"]["message"].split("(docs")[0] and "Traceback" not in response.text
+
+
+def test_body_errors_say_what_is_wrong(served, base):
+    """A body that is not JSON says where it breaks (line, column) and names no field; one that is not a JSON object
+    says so; a wrong field is named in param (OpenAI's shape, 400)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def error(content: str, kind: str = "application/json") -> dict:
+        response = httpx.post(f"{base}/chat/completions", content=content, headers=auth | {"Content-Type": kind})
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    broken = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": }'
+    got = error(broken)
+    assert got["message"].startswith(f"the body is not valid JSON (line 1, column {len(broken)})"), got  # at the }
+    assert got["param"] is None and got["code"] == "invalid_json"
+    got = error('{\n  "messages": [\n    {"role": "user", "content": "hi"},\n  ]\n}')
+    assert got["message"].startswith("the body is not valid JSON (line 4, column 3)") and got["param"] is None
+    for content, kind in (("hello", "text/plain"), ('[{"role": "user"}]', "application/json"),
+                          ('"hi"', "application/json")):
+        got = error(content, kind)
+        assert got["message"].startswith("the body must be a JSON object") and got["param"] is None, (content, got)
+    got = error(json.dumps({"messages": [{"content": "hi"}]}))
+    assert got["message"] == "messages[0].role: Field required" and got["param"] == "messages[0].role"
+
+
+def test_docs_and_openapi_need_the_key(served, base):
+    """Every path but /health needs the key (FastAPI's own /docs and /openapi.json routes skip the app's
+    dependencies: they answered without it)."""
+    root = base[:-3]
+    for path in ("/docs", "/openapi.json", "/v1/models", "/metrics"):
+        assert httpx.get(root + path).status_code == 401, path
+        assert httpx.get(root + path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200, path
+    assert "/v1/chat/completions" in httpx.get(root + "/openapi.json",
+                                               headers={"Authorization": f"Bearer {KEY}"}).json()["paths"]
+    assert httpx.get(root + "/health").status_code == 200
+
+
+def outcomes(base: str) -> dict[str, int]:
+    text = httpx.get(f"{base[:-3]}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    return {m[1]: int(m[2]) for m in re.finditer(r'spec_edge_http_requests_total\{outcome="(\w+)"\} (\d+)', text)}
+
+
+def test_metrics_count_every_outcome(served, base):
+    """413, a bad body, a wrong key, a refused request and a client gone before its answer each count once."""
+    before = outcomes(base)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = f"{base}/chat/completions"
+    assert httpx.post(chat, headers=auth, json={"messages": [{"role": "user", "content": "x" * 70000}]}).status_code == 413
+    assert httpx.post(chat, headers=auth | {"Content-Type": "application/json"}, content="{").status_code == 400
+    assert httpx.post(chat, headers=auth, json={"messages": []}).status_code == 400
+    assert httpx.post(chat, json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 401
+    with pytest.raises(httpx.ReadTimeout):  # a client that stops waiting
+        httpx.post(chat, headers=auth, timeout=1.0, json={"messages": [{"role": "user", "content": PROMPT}],
+                                                          "max_tokens": 600, "ignore_eos": True})
+    deadline = time.monotonic() + 5
+    while outcomes(base).get("disconnected", 0) == before.get("disconnected", 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = outcomes(base)
+    grown = {k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) != before.get(k, 0)}
+    assert grown == {"too_large": 1, "invalid": 2, "unauthorized": 1, "disconnected": 1}, grown
+
+
+def test_clients_gone_while_queued_free_their_places_at_once(served, base):
+    """The slot busy with a long request, the queue's place taken by a client that then times out: the next request
+    is taken at once (not 429 until the slot frees), and answered once the slot is free."""
+    import openai
+
+    door, alone = served
+    c = client(base)
+    long = dict(model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}], max_tokens=900,
+                extra_body={"ignore_eos": True})
+    running = c.chat.completions.create(**long, stream=True)
+    next(iter(running))
+    with pytest.raises(openai.APITimeoutError):  # queued behind it, gives up after 1.5 s
+        client(base, timeout=1.5).chat.completions.create(**long)
+    time.sleep(0.2)
+    assert door.scheduler.queue_depth == 0
+    taken = time.monotonic()
+    done: dict = {}
+    waiter = threading.Thread(target=lambda: done.setdefault("answer", c.chat.completions.create(
+        model="smollm2-135m", max_tokens=24, messages=[{"role": "user", "content": PROMPT}])))
+    waiter.start()  # queued, not busy (busy would raise at once, the thread would end with an exception)
+    deadline = time.monotonic() + 5
+    while door.scheduler.queue_depth == 0 and time.monotonic() < deadline and waiter.is_alive():
+        time.sleep(0.02)
+    assert door.scheduler.queue_depth == 1 and time.monotonic() - taken < 2.0
+    running.close()
+    waiter.join(60)
+    assert done["answer"].choices[0].message.content == alone["chat"].text
+    assert door.in_flight == 0
 
 
 def test_key_model_and_body_limit(served, base):
@@ -336,3 +442,36 @@ def test_langchain_agent_example_runs_call_result_answer(served, base, tmp_path,
     assert isinstance(answer, AIMessage) and not answer.tool_calls and answer.content.strip()
     assert "<tool_call>" not in answer.content
     assert list(tmp_path.iterdir()) == []
+
+def test_spec_edge_http_exits_within_2s_of_ctrl_c_with_a_stream_open(tmp_path):
+    """`spec-edge http` serving a stream, then SIGINT: the process is gone within 2 s, status 0 (it took 3.7 s and
+    aborted, status -6, when the engine was closed under a decode call still running)."""
+    import signal
+    import subprocess
+
+    nested: dict = {}
+    for key, value in PARAMS.items():
+        section, name = key.split(".")
+        nested.setdefault(section, {})[name] = value
+    config = tmp_path / "http.yaml"
+    config.write_text(json.dumps({"/**": {"ros__parameters": nested}}))  # JSON is YAML
+    proc = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "http", "--config", str(config), "--port", "0"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if match := re.search(r"serving \S+ on (http://\S+/v1)", line):
+                break
+        else:
+            raise AssertionError(f"spec-edge http ended ({proc.wait()}) before serving")
+        chunks = client(match.group(1)).chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": PROMPT}], max_tokens=900, stream=True,
+            extra_body={"ignore_eos": True})
+        next(iter(chunks))
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        status = proc.wait(30)
+        took = time.monotonic() - started
+        assert status == 0 and took < 2.0, (status, took)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -189,3 +189,41 @@ def test_a_front_that_fails_answers_the_request_and_keeps_serving(tiny_engine, m
         assert worker.submit(good) and good.done.wait(60) and good.outcome.success, good.outcome
     finally:
         worker.stop(30)
+
+
+def test_a_waiting_request_whose_client_is_gone_leaves_the_queue_at_once(tiny_cfg):
+    """The slots full and the queue full of requests whose clients then gave up (an HTTP client that timed out, a
+    cancelled goal) or whose deadline passed: the next request is taken at once, not "busy" until a slot frees;
+    withdraw() answers the abandoned ones now (cancelled / timed out) and the queue counts only live ones."""
+    cfg = tiny_cfg.replace(**{"serve.queue_limit": 4})
+    backend = Held(cfg, 2)
+    worker = Scheduler(backend, cfg, Log())
+    try:
+        running = run_jobs(worker, 2)
+        deadline = time.monotonic() + 5
+        while backend.occupied < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone = threading.Event()
+        queued = [Job(request=GenerateRequest(prompt=f"q{i}"), cancel_requested=gone.is_set) for i in range(3)]
+        late = Job(request=GenerateRequest(prompt="late"))
+        for job in queued + [late]:
+            assert worker.submit(job)
+        assert not worker.submit(Job(request=GenerateRequest(prompt="full")))  # 2 running + 4 waiting
+        gone.set()
+        late.deadline = time.monotonic() - 1  # past serve.request_timeout_s while it waited
+        worker.withdraw()
+        assert all(job.done.is_set() and job.outcome.finish_reason == "cancelled" for job in queued)
+        assert late.done.is_set() and "timed out" in late.outcome.message
+        assert worker.queue_depth == 0 and backend.occupied == 2  # the running ones run on
+        fresh = [Job(request=GenerateRequest(prompt=f"new{i}")) for i in range(4)]
+        assert all(worker.submit(job) for job in fresh)  # the four places are free again
+        # a client gone with no withdraw() call: the next submit drops it before it counts the places
+        fresh[0].cancel_requested = lambda: True
+        assert worker.submit(Job(request=GenerateRequest(prompt="after")))
+        assert fresh[0].done.is_set() and fresh[0].outcome.finish_reason == "cancelled"
+        backend.release.set()
+        for job in running + fresh[1:]:
+            assert job.done.wait(10) and job.outcome.success
+    finally:
+        backend.release.set()
+        worker.stop(5)

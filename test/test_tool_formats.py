@@ -309,3 +309,62 @@ def test_the_http_door_serves_a_llama_template(engine, fronts, monkeypatch):
     finally:
         scheduler.stop(1.0)
         door.stop()
+
+
+MARKUP = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tool_call_body>", "<tools>",
+          "</tools>"]
+
+
+@pytest.mark.parametrize("family", ["generic", "mistral"])
+def test_text_never_holds_the_formats_markup(engine, family):
+    """Under tool_choice none and auto the text may not contain any of the format's tags (the embedded model echoed
+    <tool_response> ... </tool_response> and made up <tool_call_body> after a tool result): a robot may speak the
+    text as it is. Plain text, and (auto) the calls, still pass; the structural tag excludes the same markup."""
+    fmt = HermesFormat(native=False) if family == "generic" else MistralFormat(spaced=True, token=None)
+    markup = MARKUP if family == "generic" else ["[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS]"]
+    schemas = {t.name: json.loads(t.parameters) for t in robot_tools()}
+    encode = engine.tokenizer.encode
+    for choice in ("none", "auto"):
+        grammar = fmt.grammar(schemas, choice, parallel=True)
+        for tag in markup:
+            text = encode(f"Sure. {tag}\narrived\n")
+            assert engine.grammars.constraint("grammar", grammar).admitted(text) < len(text), (choice, tag)
+        plain = encode("Sure, I am in the kitchen <3 and a < b.")
+        assert engine.grammars.constraint("grammar", grammar).admitted(plain) == len(plain), choice
+        excludes = [n["excludes"] for n in _nodes(fmt.structural_tag(schemas, choice, True)["format"])
+                    if n["type"] == "any_text"]
+        assert excludes and all(set(fmt.markup) <= set(e) for e in excludes), excludes
+    call = encode('Going.<tool_call>\n{"name": "say", "arguments": {"text": "hi"}}\n</tool_call>')
+    if family == "generic":  # a call after text is still one (the opener ends the text)
+        constraint = engine.grammars.constraint("grammar", fmt.grammar(schemas, "auto", parallel=True))
+        assert constraint.admitted(call) == len(call)
+
+
+def test_after_a_tool_result_the_answer_is_plain_text(engine):
+    """The embedded model after a tool result (its generic format: the result as a <tool_response> block), under
+    none and auto: the answer's text has no markup (greedy, so the same answer each run)."""
+    tools = robot_tools()
+    call = ToolCall("call_1", "move_to", '{"place": "kitchen"}')
+    turns = (("user", "Go to the kitchen and tell me what you see."), ChatMessage("assistant", "", (call,)),
+             ChatMessage("tool", '{"arrived": true, "sees": ["a red cup", "a table"]}', tool_call_id="call_1"))
+    for choice in ("none", "auto"):
+        result = run_one(engine, GenerateRequest(messages=turns, tools=tools, tool_choice=choice, max_new_tokens=80))
+        assert "<tool" not in result.text and "</tool" not in result.text, (choice, result.text)
+
+
+def test_a_tool_schema_that_cannot_be_enforced_names_the_tool_and_keyword(engine):
+    """Refused with the tool (index and name) and the compiler's reason naming the keyword, never the calls'
+    internal Lark grammar (which also showed the schema as rewritten, additionalProperties added)."""
+    from spec_edge.runtime.requests import Tool
+
+    ok = Tool("ok", "", json.dumps({"type": "object"}))
+    for schema, keyword in (({"type": "object", "if": {"properties": {"a": {}}}, "then": {}}, '"if"'),
+                            ({"type": "object", "properties": {"x": {"type": "string", "format": "hostnamez"}}},
+                             "format"),
+                            ({"type": "object", "properties": {"x": {"$ref": "#/nope"}}}, "/nope")):
+        with pytest.raises(RequestError) as err:
+            engine.front.prepare(GenerateRequest(prompt="Go.", tools=(ok, Tool("go", "", json.dumps(schema)))))
+        message = str(err.value)
+        assert message.startswith("tools[1] (go) parameters: this JSON Schema cannot be enforced: "), message
+        assert keyword in message, message
+        assert not any(piece in message for piece in ("%json", "args_", "body_", "x-guidance", "additionalProperties"))

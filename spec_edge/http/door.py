@@ -5,7 +5,9 @@ Door(cfg, logger).start() binds http.host:http.port and serves from a thread of 
 engine) it answers 503 (loading, or whatever `pause(reason)` said), so the ROS node can run it beside its ROS
 interfaces and `spec-edge http` alone. Every request is a scheduler Job: refused at submit (400 invalid, 429 busy,
 503 unavailable, each with the scheduler's message, the ROS door's words), or streamed / answered when it ends. A
-client that goes away cancels its job (checked every POLL_S), so its slot frees before the next decode call.
+client that goes away cancels its job (checked every POLL_S): waiting, it leaves the queue at once
+(Scheduler.withdraw); running, its slot frees before the next decode call. Refusals name the fields as the client
+named them (schema.in_openai_words); /metrics counts every outcome, a client gone included.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -55,6 +58,27 @@ def refusal(outcome: Outcome) -> ApiError:
     if status == 500 and not message.startswith("timed out"):
         message = "generation failed; the server's log has the details"
     return ApiError(status, kind, message, code=reason or outcome.finish_reason or None)
+
+
+def body_error(err: RequestValidationError) -> ApiError:
+    """The 400 of a body that is not the JSON object an endpoint takes: where the JSON breaks (line, column), that
+    it must be an object, or which field is wrong (param: that field, and only then)."""
+    first = err.errors()[0]
+    path = list(first["loc"])[1:] if first["loc"] and first["loc"][0] == "body" else list(first["loc"])
+    if first["type"] == "json_invalid":
+        doc, at = str(err.body), int(path[0]) if path else 0
+        line, column = doc.count("\n", 0, at) + 1, at - doc.rfind("\n", 0, at)
+        reason = first.get("ctx", {}).get("error", "")
+        return ApiError(400, "invalid_request_error", f"the body is not valid JSON (line {line}, column {column})"
+                        + (f": {reason[0].lower() + reason[1:]}" if reason else ""), "invalid_json")
+    if not path:
+        what = "the body is empty" if first["type"] == "missing" else "the body must be a JSON object"
+        return ApiError(400, "invalid_request_error", f"{what}: send a JSON object of the request's fields "
+                        "(Content-Type: application/json)", "invalid_body")
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in path).lstrip(".")
+    message = ("unknown field: this server takes OpenAI's fields and its own (docs/http.md)"
+               if first["type"] == "extra_forbidden" else first["msg"])
+    return ApiError(400, "invalid_request_error", f"{where}: {message}", "invalid_field", where)
 
 
 class BodyLimit:
@@ -168,7 +192,10 @@ class Door:
                     raise ApiError(401, "invalid_request_error", "missing or wrong API key: send "
                                    "`Authorization: Bearer <http.api_key>`", "invalid_api_key")
 
-        app = FastAPI(title="spec_edge", docs_url="/docs", redoc_url=None, dependencies=[Depends(authorize)])
+        # /docs and /openapi.json as routes of their own: FastAPI's built-in ones skip the app's dependencies
+        # (they answered without the key)
+        app = FastAPI(title="spec_edge", docs_url=None, redoc_url=None, openapi_url=None,
+                      dependencies=[Depends(authorize)])
         app.add_middleware(BodyLimit, limit=self.cfg.http.max_body_bytes)
 
         @app.exception_handler(ApiError)
@@ -178,16 +205,24 @@ class Door:
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, err: HTTPException):
             if err.status_code == 413:
+                self.metrics.count("too_large")
                 return ApiError(413, "invalid_request_error", f"the request body is larger than "
                                 f"http.max_body_bytes={self.cfg.http.max_body_bytes}", "body_too_large").response()
+            self.metrics.count("not_found" if err.status_code == 404 else "invalid")
             return ApiError(err.status_code, "invalid_request_error", str(err.detail)).response()
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, err: RequestValidationError):
-            first = err.errors()[0]
-            where = ".".join(str(part) for part in first["loc"] if part != "body")
-            return ApiError(400, "invalid_request_error", f"{where}: {first['msg']}", "invalid_field",
-                            where or None).response()
+            self.metrics.count("invalid")
+            return body_error(err).response()
+
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi():
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs():
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="spec_edge")
 
         @app.get("/health")
         async def health():
@@ -248,7 +283,10 @@ class Door:
         if not await run_in_threadpool(scheduler.submit, job):  # the checks tokenize, compile grammars: off the loop
             self.in_flight -= 1
             self.metrics.count(job.outcome.refusal)
-            raise refusal(job.outcome)
+            error = refusal(job.outcome)
+            if job.outcome.refusal == "invalid":  # the engine's words name the ROS fields: the client's names
+                error.message, error.param = schema.in_openai_words(body, error.message)
+            raise error
         rid, created = schema.new_id(body)
         head = schema.envelope(body, rid, created, self.model)
 
@@ -259,8 +297,11 @@ class Door:
             try:
                 while not job.done.is_set():
                     await asyncio.sleep(POLL_S)
-                    if await request.is_disconnected():
+                    if await request.is_disconnected():  # no one to answer: the job leaves the queue now
                         cancelled.set()
+                        scheduler.withdraw()
+                        self.metrics.count("disconnected")
+                        return PlainTextResponse("", status_code=499)  # never read: the connection is gone
             finally:
                 self.in_flight -= 1
             return self._answer(body, job.outcome, head, piece)
@@ -269,6 +310,9 @@ class Door:
             if not cancelled.is_set():
                 cancelled.set()
                 self.in_flight -= 1
+                if not job.done.is_set():  # the client went away first
+                    scheduler.withdraw()
+                    self.metrics.count("disconnected")
 
         async def events():
             sent = ""
@@ -279,6 +323,8 @@ class Door:
                     try:
                         delta = await asyncio.wait_for(deltas.get(), POLL_S)
                     except asyncio.TimeoutError:
+                        if await request.is_disconnected():  # (a stream learns it otherwise only at a send)
+                            return
                         continue
                     sent += delta
                     yield _sse(head | {"choices": [schema.choice(body, None, delta, piece)]})
@@ -316,8 +362,11 @@ def _sse(event: dict | None) -> str:
     return "" if event is None else f"data: {json.dumps(event, allow_nan=False)}\n\n"
 
 
-def run(cfg: cfgmod.Config, progress: Any) -> int:
-    """`spec-edge http`: the door alone (no ROS), answering 503 while the engine loads, until SIGINT / SIGTERM."""
+def run(cfg: cfgmod.Config, progress: Any, on_signal: Any = lambda: None) -> int:
+    """`spec-edge http`: the door alone (no ROS), answering 503 while the engine loads, until SIGINT / SIGTERM
+    (on_signal() is called first: the CLI starts its exit watchdog). Returns for the process to end at once (the
+    CLI's exit_process): the worker and the door's thread are not waited for beyond a moment and the engine is not
+    closed (a close while a decode call still runs would abort; the OS frees it all)."""
     import logging
     import signal
 
@@ -327,23 +376,27 @@ def run(cfg: cfgmod.Config, progress: Any) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     logger = logging.getLogger("http")
     door = Door(cfg, logger).start()
-    engine = scheduler = None
+    scheduler = None
     stop = threading.Event()
+
+    def signalled(signum, frame) -> None:
+        if not stop.is_set():
+            on_signal()
+        stop.set()
+
     try:
         engine = artifacts.engine(cfg, progress)  # built first where missing, then loaded
         if cfg.serve.warm_system_prompt:
             progress(f"[http] warmed the cache with the system prompt: {engine.warm()} tokens")
         scheduler = Scheduler(engine, cfg, logger)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, frame: stop.set())
+            signal.signal(sig, signalled)
         door.serve(scheduler, engine)
         progress(f"[http] serving {door.model} on http://{cfg.http.host}:{door.port}/v1")
         stop.wait()
     finally:
         door.pause("the server is shutting down")
         if scheduler is not None:
-            scheduler.stop(1.0)
-        door.stop()
-        if engine is not None:
-            engine.close()
+            scheduler.stop(0.5)  # refuses what waits, cancels what runs
+        door.stop(timeout=0.5)
     return 0

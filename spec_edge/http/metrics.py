@@ -41,7 +41,9 @@ class Metrics:
         self.tps = Histogram(TPS_BUCKETS)
 
     def count(self, outcome: str, stats: dict | None = None, completion_tokens: int = 0) -> None:
-        """outcome: success | cancelled | invalid | busy | unavailable | error | unauthorized | not_found"""
+        """outcome, one per HTTP request the door answered or lost: success | cancelled (the server stopped it) |
+        invalid (a bad body or request: 400) | too_large (413) | unauthorized (401) | not_found (404) | busy (429) |
+        unavailable (503) | error (500) | disconnected (the client went away before its answer)"""
         with self._lock:
             self.requests[outcome] += 1
             if not stats:
@@ -60,7 +62,7 @@ class Metrics:
             return [f"# HELP {name} {about}", f"# TYPE {name} {kind}", *lines]
 
         with self._lock:
-            out = block("spec_edge_http_requests_total", "counter", "HTTP generation requests by outcome",
+            out = block("spec_edge_http_requests_total", "counter", "HTTP requests by outcome (every refusal, and clients gone before their answer)",
                         [f'spec_edge_http_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(self.requests.items())])
             out += block("spec_edge_tokens_total", "counter", "tokens of the requests this door served",
                          [f'spec_edge_tokens_total{{kind="{k}"}} {self.tokens[k]}' for k in ("prompt", "completion")])

@@ -5,6 +5,7 @@ k, speculate, grammar, regex). A field the door does not know is refused (400), 
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any, Literal
 
@@ -143,7 +144,14 @@ class ChatBody(Common):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 
+    def names(self) -> dict[str, str]:
+        """The request fields the engine's refusals name (the ROS / CLI names) -> this body's fields."""
+        return {"max_new_tokens": "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens",
+                "json_schema": "response_format"}
+
     def request(self) -> GenerateRequest:
+        if not self.messages:
+            raise RequestError("messages is empty: send at least one message")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
         messages = [message.chat_message() for message in self.messages]
@@ -169,12 +177,26 @@ class CompletionBody(Common):
     logprobs: int | None = None        # the top N of each token (OpenAI: at most 5; here at most 20)
     echo: Literal[False] = False
 
+    def names(self) -> dict[str, str]:
+        """The request fields the engine's refusals name (the ROS / CLI names) -> this body's fields."""
+        return {"max_new_tokens": "max_tokens"}
+
     def request(self) -> GenerateRequest:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
         if len(prompts) != 1:
             raise RequestError(f"prompt holds {len(prompts)} prompts: send one per request")
         return GenerateRequest(prompt=prompts[0], chat=False, max_new_tokens=self.max_tokens,
                                logprobs=max(self.logprobs, 1) if self.logprobs is not None else 0, **self.fields())
+
+
+def in_openai_words(body: ChatBody | CompletionBody, message: str) -> tuple[str, str | None]:
+    """(an engine refusal's message with the fields named as this body names them, the first such field: the
+    error's param) (docs/http.md, "Refusals")."""
+    param = None
+    for ours, theirs in body.names().items():
+        message, n = re.subn(rf"(?<![\w.]){ours}\b", theirs, message)  # not sampling.max_new_tokens
+        param = param or (theirs if n else None)
+    return message, param
 
 
 def usage(outcome: Outcome) -> dict[str, int]:

@@ -245,6 +245,24 @@ class GenerateClient:
                 turns.append(ChatMessage("tool", result, tool_call_id=call.id))
         raise RuntimeError(f"call {max_turns} asked with tool_choice none and still got tool calls: a node bug")
 
+    def answered_by(self, timeout: float | None = None) -> dict[str, str]:
+        """{"profile": runtime.profile, "weights": graphs.weights} of the node (its parameters, read at configure
+        and fixed while it holds the engine: what its answers came from), as `spec-edge generate --json` names them."""
+        from rcl_interfaces.srv import GetParameters
+
+        from spec_edge.ros2.node import NODE_NAME
+        names = {"runtime.profile": "profile", "graphs.weights": "weights"}
+        client = self.node.create_client(GetParameters, f"{NODE_NAME}/get_parameters")
+        try:
+            timeout = self.timeout if timeout is None else timeout
+            if not client.wait_for_service(timeout_sec=min(timeout, self.wait_timeout)):
+                raise TimeoutError(f"{client.srv_name} did not appear: is the node running?")
+            reply = self._spin_until(client.call_async(GetParameters.Request(names=list(names))), timeout,
+                                     f"from {client.srv_name}")
+        finally:
+            self.node.destroy_client(client)
+        return {key: value.string_value for key, value in zip(names.values(), reply.values)}
+
     def stream(self, on_feedback: Callable[[Any], bool | None] | None = None,
                timeout: float | None = None, **fields: Any) -> tuple[Any, str]:
         """Run the action; on_feedback(feedback) may return True to cancel the goal. The goal's acceptance and
@@ -356,13 +374,14 @@ def ask_main(argv: list[str] | None = None) -> int:
                         print()
                 else:
                     response = client.call(**fields)
+                answered = client.answered_by() if args.json else {}
             except TimeoutError as err:
                 print(f"spec-edge ask: {err}", file=sys.stderr)
                 return 3
     finally:
         rclpy.try_shutdown()
     if args.json:
-        print(json.dumps(response_to_dict(response), ensure_ascii=False, allow_nan=False))
+        print(json.dumps({**response_to_dict(response), **answered}, ensure_ascii=False, allow_nan=False))
     elif response.success:
         if not args.stream:
             print(response.text)

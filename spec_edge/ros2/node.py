@@ -52,7 +52,10 @@ TOKENIZE_NAME = "~/tokenize"  # private: /spec_edge/tokenize, or /<namespace>/sp
 # ROS's default of 10 drops requests when more than 10 arrive at once (they are taken only as
 # executor threads free up) and drops feedback deltas a slow client has not read yet.
 QOS_DEPTH = 256
-INACTIVE = "the node is not active: it serves once a lifecycle manager activates it"
+# why the node does not serve yet (the HTTP door's 503, /health): the mode decides what it waits for
+INACTIVE = ("the node is inactive, not active: it serves once it is activated (by its lifecycle manager, or "
+            "`ros2 lifecycle set <node> activate`)")
+STARTING = "the node is starting: it activates itself once the engine is loaded; retry shortly"
 # Parameters ROS itself may receive as overrides without the node declaring them
 ROS_PARAMETER_PREFIXES = ("qos_overrides.", "use_sim_time", "start_type_description_service")
 
@@ -123,8 +126,11 @@ def make_node_class():
     class GenerateNode(LifecycleNode):
         """spec_edge's lifecycle node; see the module docstring."""
 
-        def __init__(self, **kwargs):
+        def __init__(self, autostart: bool = False, **kwargs):
+            """autostart: the node configures and activates itself (run()), so until then it waits for nothing
+            else; without, for a lifecycle manager."""
             super().__init__(NODE_NAME, **kwargs)
+            self.starting = autostart  # until the first activate: what /health and refusals say it waits for
             self._group = ReentrantCallbackGroup()
             self.cfg: cfgmod.Config | None = None
             self.engine: Any = None
@@ -262,7 +268,7 @@ def make_node_class():
                 return TransitionCallbackReturn.FAILURE
             self.worker = Scheduler(self.engine, self.cfg, self.get_logger())
             if self.door is not None:
-                self.door.pause(INACTIVE)
+                self.door.pause(STARTING if self.starting else INACTIVE)
             self._diag_timer = self.create_timer(self.cfg.serve.diagnostics_period_s,
                                                  self.publish_diagnostics, callback_group=self._group)
             self.get_logger().info(f"engine loaded in {time.monotonic() - started:.1f} s: {self._info} "
@@ -270,7 +276,7 @@ def make_node_class():
             return TransitionCallbackReturn.SUCCESS
 
         def on_activate(self, state):
-            self._active = True
+            self._active, self.starting = True, False
             if self.door is not None:
                 self.door.serve(self.worker, self.engine)
             self.get_logger().info(f"serving {self.resolve_service_name(SERVICE_NAME)} (service and action)")
@@ -290,23 +296,28 @@ def make_node_class():
             """Frees the engine as cleanup does: a finalized node may stay up (ros2 lifecycle set ... shutdown
             without a signal), and it answers every request that it is shutting down."""
             self._active = False
-            self._unload(release=not self.exiting)  # a process about to end has no heap to hand back
+            self._unload(release=not self.exiting)  # a process about to end has nothing to hand back
             return TransitionCallbackReturn.SUCCESS
 
         def _unload(self, timeout: float = 1.0, release: bool = True):
+            """Stop serving and free the engine. release False (the process ends next, within the 2 s of a
+            signal): the worker and the door's thread are not waited for and the engine not closed (the OS takes
+            them at once; a decode call on a loaded machine, a close of the ONNX Runtime sessions or a graceful HTTP
+            shutdown can each take most of a second)."""
             if self._diag_timer is not None:
                 self.destroy_timer(self._diag_timer)
                 self._diag_timer = None
             if self.door is not None:
                 self.door.pause(SHUTTING_DOWN)
             if self.worker is not None:
-                self.worker.stop(timeout)
+                self.worker.stop(timeout if release else 0.0)  # (exiting: stop_generation waited for it already)
                 self.worker = None
             if self.door is not None:
-                self.door.stop()
+                self.door.stop(timeout=3.0 if release else 0.0)
                 self.door = None
             if self.engine is not None:
-                self.engine.close()
+                if release:
+                    self.engine.close()
                 self.engine = None
                 self._info = {}
                 if release:
@@ -337,7 +348,10 @@ def make_node_class():
             state = self.state_name()
             if state in ("shuttingdown", "finalized"):
                 return SHUTTING_DOWN
-            return f"the node is {state}, not active: it serves once a lifecycle manager configures and activates it"
+            if self.starting:
+                return STARTING
+            return (f"the node is {state}, not active: it serves once it is configured and activated (by its "
+                    "lifecycle manager, or `ros2 lifecycle set <node> configure`, then `activate`)")
 
         def _run_job(self, msg: Any, **job_kwargs) -> Outcome:
             worker, cfg, engine = self.worker, self.cfg, self.engine
@@ -346,9 +360,13 @@ def make_node_class():
             job = Job(to_engine_request(msg), **job_kwargs)
             if worker.submit(job):  # a bad request is refused at once, without taking a place in the queue
                 # the worker always finishes a job; the margin only guards against a hung engine
-                if not job.done.wait(cfg.serve.request_timeout_s + 30.0):
-                    return Outcome(success=False, finish_reason="error",
-                                   message="the engine did not return; the node needs a restart")
+                hung = time.monotonic() + cfg.serve.request_timeout_s + 30.0
+                while not job.done.wait(0.05):
+                    if job.cancel_requested():  # a cancelled goal leaves the queue now, not when a slot frees
+                        worker.withdraw()
+                    if time.monotonic() > hung:
+                        return Outcome(success=False, finish_reason="error",
+                                       message="the engine did not return; the node needs a restart")
             return job.outcome
 
         def _on_tokenize(self, request, response):
@@ -449,7 +467,7 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    node = make_node_class()()
+    node = make_node_class()(autostart=autostart)
     try:
         if autostart:
             configured = unless_stopped(node.trigger_configure, stop)
@@ -474,17 +492,18 @@ def run(ros_args: list[str], *, autostart: bool = True) -> int:
         if node.configuring:  # a lifecycle manager's configure is still running in an executor thread
             exit_while_configuring(node)
         node.get_logger().info("shutting down")
-        node.stop_generation(timeout=1.0)   # answers every waiting call, so no thread stays blocked
+        node.stop_generation(timeout=0.5)   # answers every waiting call, so no thread stays blocked
         flush_until = time.monotonic() + 0.2  # deliver those answers (action results need spinning)
         while time.monotonic() < flush_until:
             executor.spin_once(timeout_sec=0.05)
-        executor.shutdown(timeout_sec=0.5)
+        executor.shutdown(timeout_sec=0.3)
     finally:
         node.exiting = True
-        try:
-            node.trigger_shutdown()
-        except Exception as err:  # already finalized or in an error state: nothing left to free
-            node.get_logger().warning(f"lifecycle shutdown: {err}")
+        if node.state_name() in ("unconfigured", "inactive", "active"):  # finalized (ros2 lifecycle set ...
+            try:                                                           # shutdown) has nothing left to free
+                node.trigger_shutdown()
+            except Exception as err:  # a transition failed half-way: leave_graph still takes the node down
+                node.get_logger().warning(f"lifecycle shutdown: {err}")
         leave_graph(node)
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -33,8 +33,10 @@ def unless_stopped(call: Callable[[], Any], stop: threading.Event) -> Any:
 
 
 # Signal -> process gone, at most (a launch system allows 2 s): what the teardown has not finished by
-# then is cut short by the watchdog.
-EXIT_WITHIN_S = 1.8
+# then is cut short by the watchdog. The rest of the 2 s is for what comes around it on a loaded machine: the
+# signal handler runs once the main thread is back in Python (up to an executor wait of 0.1 s), and the kernel's
+# teardown of the process's memory after os._exit.
+EXIT_WITHIN_S = 1.5
 
 
 def start_watchdog(seconds: float = EXIT_WITHIN_S) -> None:

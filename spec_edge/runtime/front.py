@@ -6,6 +6,7 @@ declares (Capabilities), checked here; a decoder starts from the Prepared reques
 """
 from __future__ import annotations
 
+import json
 import math
 import unicodedata
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import Tokenizer
-from spec_edge.runtime.tool_format import check_tools, for_template
+from spec_edge.runtime.tool_format import arguments_schema, check_tools, for_template
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask per token
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -187,7 +188,22 @@ class Front:
                      self.compile("grammar", self.tool_format.grammar(schemas, choice, parallel)))
             return guide, self.tool_format if choice != "none" else None
         except GrammarError as err:
-            raise RequestError(f"tools: a parameters JSON Schema cannot be used: {err}") from None
+            raise RequestError(self._tool_schema_problem(request.tools, schemas, choice) or
+                               f"tools: the calls' grammar cannot be built: {str(err).splitlines()[0][:200]}") from None
+
+    def _tool_schema_problem(self, tools, schemas: dict[str, dict], choice: str) -> str | None:
+        """The first tool whose arguments' schema (as enforced: tool_format.arguments_schema) does not compile alone,
+        with the compiler's reason (its keyword), never the calls' internal grammar (None: each compiles alone)."""
+        for i, tool in enumerate(tools):
+            if choice in schemas and tool.name != choice:
+                continue
+            try:
+                self.compile("json_schema", json.dumps(arguments_schema(schemas[tool.name])))
+            except (GrammarError, RequestError) as err:
+                reason = str(err).removeprefix("json_schema is invalid: ").removeprefix("failed to compile JSON schema: ")
+                return (f"tools[{i}] ({tool.name}) parameters: this JSON Schema cannot be enforced: {reason} "
+                        "(docs/tools.md, \"What is enforced\"): rewrite or drop that keyword")
+        return None
 
     def _sampling(self, request: GenerateRequest) -> SamplingParams:
         caps, defaults = self.caps, self.cfg.sampling

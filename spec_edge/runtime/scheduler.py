@@ -13,7 +13,10 @@ A scheduler holds at most capacity (the slots: requests running at once) + serve
 at submit: a request beyond them is answered "busy" at once (a burst of exactly that many to an idle node is
 served in full, whether or not the thread has moved the first ones into slots yet),
 serve.request_timeout_s how long a request may take from submit to finish (queue wait
-included; past it, finish_reason "error"). cancel and stop are seen before each decode call; stop()
+included; past it, finish_reason "error"). A waiting job whose client is gone (its cancel_requested: an HTTP client
+that disconnected or timed out, a cancelled ROS goal) or whose deadline passed leaves the queue at once, answered,
+when the next request is submitted, when the queue is read, and when a door calls withdraw(): the held count is
+of requests someone still waits for. cancel and stop are seen before each decode call; stop()
 refuses what waits and cancels what runs. No door here: a door hands in its logger and answers with the
 Outcome a job ends with. run_one is the same scheduling in the caller's thread for one request alone (the CLI's
 `generate`, the tools, the tests).
@@ -107,8 +110,30 @@ class Scheduler:
 
     @property
     def queue_depth(self) -> int:
-        """Requests waiting (not counting those running)."""
-        return len(self._waiting)
+        """Requests waiting that someone still waits for (not counting those running)."""
+        with self._lock:
+            self._drop_abandoned()
+            return len(self._waiting)
+
+    def withdraw(self) -> None:
+        """A door learnt that a client is gone (its job's cancel_requested is true now): every waiting job
+        whose client is gone or whose deadline passed is answered and leaves the queue now (a running one ends
+        before its next decode call)."""
+        with self._lock:
+            self._drop_abandoned()
+
+    def _drop_abandoned(self) -> None:
+        """(under the lock) Answer and remove the waiting jobs nobody waits for any more, and forget finished ones."""
+        if self._waiting:
+            kept: collections.deque[Job] = collections.deque()
+            for job in self._waiting:
+                early = None if self._stopping else self._early_outcome(job)
+                if early is None:
+                    kept.append(job)
+                else:
+                    job.finish(early)
+            self._waiting = kept
+        self._held = [held for held in self._held if not held.done.is_set()]
 
     def submit(self, job: Job) -> bool:
         """Prepare the job's request (the engine's front: every check, the tokenization, the grammar compile, once)
@@ -130,7 +155,7 @@ class Scheduler:
             if self._stopping:
                 job.finish(Outcome.refused(SHUTTING_DOWN, "unavailable"))
                 return False
-            self._held = [held for held in self._held if not held.done.is_set()]
+            self._drop_abandoned()
             if len(self._held) >= self.capacity + limit:
                 self.refused_busy += 1
                 job.finish(Outcome.refused(

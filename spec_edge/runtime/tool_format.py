@@ -91,6 +91,12 @@ def tools_from_json(text: str) -> tuple[Tool, ...]:
                            f"{{\"name\": ..., \"parameters\": {{...}}}}}}): {type(err).__name__}: {err}") from None
 
 
+def without(markup: Sequence[str]) -> str:
+    """A Lark regex term (`& ~/.../`) refusing text that contains any of markup (`/` escaped for Lark)."""
+    alternatives = "|".join(re.escape(m).replace("/", "\\/") for m in markup)
+    return f"& ~/(.|\\n)*({alternatives})(.|\\n)*/"
+
+
 def lark_literal(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
 
@@ -220,6 +226,9 @@ class HermesFormat:
     """`<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, one block per call, after optional text."""
     opener, closer = "<tool_call>\n", "\n</tool_call>"
     TOOL_TURNS = "<tool_response>\n{}\n</tool_response>"
+    # what the text never holds: every tag of the format (<tool_call>, </tool_call>, <tool_response>,
+    # </tool_response>, <tools>) and the ones a model makes up from them (<tool_call_body>, <tool_result>)
+    markup = ("<tool", "</tool")
 
     def __init__(self, native: bool):
         self.native = native  # the chat template renders tools, calls and tool turns itself
@@ -248,9 +257,9 @@ class HermesFormat:
 
     # -- the constraint
     def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
-        """The Lark grammar of the output under tool_choice (tools given): `none` free text without the opener,
+        """The Lark grammar of the output under tool_choice (tools given): `none` free text without the markup,
         `auto` that text then optionally calls, `required` / a name only calls (one, or several when parallel)."""
-        free = 'FREE: /(.|\\n)*/ & ~/(.|\\n)*' + re.escape(self.opener.strip()) + '(.|\\n)*/'
+        free = f"FREE: /(.|\\n)*/ {without(self.markup)}"
         if choice == "none":
             return f"start: FREE\n{free}\n"
         rules = call_bodies(schemas, choice, "arguments")
@@ -261,9 +270,9 @@ class HermesFormat:
         return "\n".join([start] + rules) + "\n"
 
     def structural_tag(self, schemas: dict[str, dict], choice: str, parallel: bool) -> dict:
-        """grammar's language as an XGrammar structural tag: the free text an `any_text` without the opener, each
+        """grammar's language as an XGrammar structural tag: the free text an `any_text` without the markup, each
         call a `tag` of its block around the arguments, calls separated by a newline."""
-        free = {"type": "any_text", "excludes": [self.opener.strip()]}
+        free = {"type": "any_text", "excludes": list(self.markup)}
         if choice == "none":
             return xg_structural_tag(free)
         calls = tag_calls(call_tags(schemas, choice, lambda name: tuple(self.block(name, "\0").split("\0"))),
@@ -348,6 +357,7 @@ class MistralFormat:
     where it has one (token: its id; decoding skips it as a special token), else the text. Ids going to the
     template are mapped to 9 letters and digits (mistral_id), which its templates require."""
     opener = "[TOOL_CALLS]"
+    markup = ("[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]")
 
     def __init__(self, spaced: bool, token: int | None):
         self.spaced, self.token = spaced, token
@@ -356,7 +366,7 @@ class MistralFormat:
         return tokenizer.render_chat(template_turns(messages, mistral_id), tools=tool_specs(tools) or None)
 
     def grammar(self, schemas: dict[str, dict], choice: str, parallel: bool) -> str:
-        text = f"TEXT: /{leading_text('[')}/ & ~/(.|\\n)*{re.escape(self.opener)}(.|\\n)*/"
+        text = f"TEXT: /{leading_text('[')}/ {without(self.markup)}"
         if choice == "none":
             return f"start: TEXT\n{text}\n"
         opener = f"<[{self.token}]>" if self.token is not None else lark_literal(self.opener)
@@ -370,9 +380,9 @@ class MistralFormat:
         """grammar's language as an XGrammar structural tag: the opener (a `token`, named by its text, where the
         tokenizer has it as one: Edge-LLM gives XGrammar every token's piece, special ones included), the list's
         calls as `tag`s (the JSON object around the arguments and the optional id) separated by ", "; the text:
-        whitespace, or a first visible character other than `[` and then `any_text` without the opener."""
+        whitespace, or a first visible character other than `[` and then `any_text` without the markup."""
         text = xg_any_of(xg_regex("\\s*"), xg_sequence(xg_regex("\\s*[^\\[\\s]"),
-                                                         {"type": "any_text", "excludes": [self.opener]}))
+                                                         {"type": "any_text", "excludes": list(self.markup)}))
         if choice == "none":
             return xg_structural_tag(text)
         call_id = xg_sequence(xg_text(', "id": "'), xg_regex(MISTRAL_ID), xg_text('"'))

@@ -50,6 +50,8 @@ def test_ask_json_equals_core(server, module_env, reference_engine):
     assert proc.returncode == 0, proc.stderr
     answer = json.loads(proc.stdout)
     assert set(answer) >= {"success", "message", "text", "num_tokens", "finish_reason", "stats"}
+    # what answered, as `spec-edge generate --json` names it: the node's runtime.profile and graphs.weights
+    assert (answer["profile"], answer["weights"]) == ("smollm2-135m", "fp32")
     want = expected(reference_engine, prompt=COPY_PROMPT, max_new_tokens=24)
     assert answer["success"] is True, answer["message"]
     assert answer["text"] == want.text

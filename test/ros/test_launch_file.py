@@ -117,12 +117,20 @@ def test_launch_file_declares_arguments_params_file_and_node(installed_share, mo
     # a lifecycle manager's later cleanup -> configure -> activate must not meet a second activate)
     emitted = [e for e in entities if isinstance(e, EmitEvent)]
     assert [e.given["event"].given["transition_id"] for e in emitted] == [Transition.TRANSITION_CONFIGURE]
-    (handler,) = [e.given["event_handler"] for e in entities if isinstance(e, RegisterEventHandler)]
+    handlers = [e.given["event_handler"] for e in entities if isinstance(e, RegisterEventHandler)]
+    (handler,) = [h for h in handlers if type(h).__name__ == "OnStateTransition"]
     assert handler.given["target_lifecycle_node"] is lifecycle and handler.given["handle_once"] is True
     assert handler.given["goal_state"] == "inactive"
     (activate,) = handler.given["entities"]
     assert activate.given["event"].given["transition_id"] == Transition.TRANSITION_ACTIVATE
     assert activate.given["event"].given["lifecycle_node_matcher"] == ("matches_action", {"target_action": lifecycle})
+    # the params file checked before the nodes; a node process that ends non-zero ends the launch (both run under
+    # the real launch below)
+    from launch.actions import OpaqueFunction
+    (check,) = [i for i, e in enumerate(entities) if isinstance(e, OpaqueFunction)]
+    assert check < min(entities.index(n) for n in nodes)
+    (exited,) = [h for h in handlers if type(h).__name__ == "OnProcessExit"]
+    assert exited.given["target_action"](plain) and exited.given["target_action"](lifecycle)
 
 
 def test_standin_refuses_what_the_real_api_refuses():
@@ -134,3 +142,82 @@ def test_standin_refuses_what_the_real_api_refuses():
         modules["launch.actions"].DeclareLaunchArgument()  # name is required
     node = modules["launch_ros.actions"].Node(executable="x", output="screen", condition=None, additional_env={})
     assert node.given["output"] == "screen" and "additional_env" in node.given
+
+
+# -- the real launch file under the real launch (a ROS 2 machine, or launch / launch_ros built from their source:
+# docs/testing.md, "The launch file"), as `ros2 launch spec_edge llm.launch.py ARG:=VALUE` runs it
+
+LAUNCH = """
+import sys
+from launch import LaunchService
+from launch.actions import IncludeLaunchDescription
+from launch.launch_description_sources import PythonLaunchDescriptionSource
+
+service = LaunchService()
+service.include_launch_description(IncludeLaunchDescription(
+    PythonLaunchDescriptionSource(sys.argv[1]), launch_arguments=[a.split(":=", 1) for a in sys.argv[2:]]))
+sys.exit(service.run())
+"""
+
+
+@pytest.fixture
+def real_launch(installed_share, module_env):
+    """ros2 launch spec_edge llm.launch.py ARG:=VALUE ... -> (exit status, output): the installed prefix of
+    installed_share with generate_server in lib/spec_edge (as colcon installs it), this checkout's spec_edge."""
+    try:
+        import launch.actions  # noqa: F401
+        import launch_ros.actions  # noqa: F401
+    except ImportError as err:
+        pytest.skip(f"launch / launch_ros do not import ({err}): build them from github.com/ros2/launch and "
+                    "github.com/ros2/launch_ros (docs/testing.md, \"The launch file\")")
+    import os
+    import signal
+    import subprocess
+
+    prefix = installed_share.parents[1]
+    server = prefix / "lib" / "spec_edge" / "generate_server"
+    server.parent.mkdir(parents=True)
+    server.write_text(f"#!{sys.executable}\nimport sys\nfrom spec_edge.ros2.node import main\nsys.exit(main())\n")
+    server.chmod(0o755)
+    env = dict(module_env, AMENT_PREFIX_PATH=str(prefix), PYTHONPATH=os.pathsep.join(sys.path))
+
+    def run(*arguments: str, timeout: float = 120) -> tuple[int, str]:
+        proc = subprocess.Popen([sys.executable, "-c", LAUNCH, str(installed_share / "launch" / "llm.launch.py"),
+                                 *arguments], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            output, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a launch that serves instead of failing: it and its node go
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+            raise AssertionError(f"the launch still ran after {timeout} s:\n{output}") from None
+        return proc.returncode, output
+
+    return run
+
+
+def test_launch_refuses_a_params_file_that_is_not_there(real_launch, tmp_path):
+    """launch_ros alone only warns ("Parameter file path is not a file") and starts the node on its defaults: the
+    embedded default profile would serve instead of the one asked for."""
+    missing = tmp_path / "profiles" / "no_such_file.yaml"
+    status, output = real_launch(f"params_file:={missing}")
+    assert status == 1, output
+    assert f"params_file:={missing} does not exist" in output and "the node was not started" in output, output
+    assert "process started" not in output, output  # refused before any node started
+    status, output = real_launch(f"params_file:={tmp_path}")  # a folder
+    assert status == 1 and "is not a file" in output, output
+
+
+@pytest.mark.parametrize("managed", ["false", "true"])
+def test_a_node_that_fails_makes_the_launch_fail(real_launch, tmp_path, managed):
+    """A node process that exits non-zero ends the launch with status 1 and the reason, so a supervisor watching
+    the launch sees it: unmanaged, an unknown key in the params file (refused at configure, the process exits 1);
+    managed (a failed configure leaves a lifecycle node up, unconfigured, for its manager), a params file rcl
+    cannot parse (the process fails as it starts)."""
+    params = tmp_path / "typo.yaml"
+    params.write_text("/**:\n  ros__parameters:\n    speculative:\n      drafterr: none\n")
+    if managed == "true":
+        params.write_text("/**:\n  ros__parameters: [not, a, mapping\n")
+    status, output = real_launch(f"params_file:={params}", f"managed:={managed}")
+    assert status == 1, output
+    assert "the spec_edge node exited with status" in output, output

@@ -133,3 +133,15 @@ def test_unknown_parameter_is_refused_like_serve_refuses_it(module_env, tmp_path
     with pytest.raises(RuntimeError, match="exited with 1"):
         server.start(timeout=120)
     assert f"configure: {message}" in server.log()
+
+
+def test_sigint_after_a_lifecycle_shutdown_exits_quietly_within_2s(server_factory, module_env):
+    """`ros2 lifecycle set /spec_edge shutdown`, then Ctrl-C: the finalized node is not shut down a second time
+    (rclpy raised "Shutdown transtion not possible", logged as a warning), and exits within 2 s."""
+    server = server_factory(test_params(), name="finalized")
+    out = run_client(module_env, {"mode": "lifecycle", "node": "/spec_edge", "transitions": ["shutdown_active"],
+                                  "request": {"prompt": PROMPT, "max_new_tokens": 2}})
+    assert out["shutdown_active"] and out["after"]["success"] is False, out
+    took = server.stop(signal.SIGINT)
+    assert server.proc.returncode == 0 and took < 2.0, (took, server.log()[-2000:])
+    assert "transtion" not in server.log() and "lifecycle shutdown" not in server.log(), server.log()[-2000:]
