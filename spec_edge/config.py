@@ -156,7 +156,7 @@ class SpeculativeSection:
     # engine's earlier answers; the store keeps the suffix_max_requests most recent (oldest evicted first)
     suffix_max_requests: int = 256
     suffix_max_depth: int = 32         # longest suffix match looked for (tokens)
-    suffix_spec_factor: float = 1.0    # a draft is at most this x the match length (and k)
+    suffix_spec_factor: float = 2.0    # a draft is at most this x the match length (and k)
     suffix_min_prob: float = 0.1       # a draft stops before a token whose estimated probability falls under this
 
 
