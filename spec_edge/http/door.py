@@ -239,7 +239,8 @@ class Door:
         async def metrics():
             scheduler = self.scheduler
             text = self.metrics.render(scheduler.queue_depth if scheduler else 0, self.in_flight,
-                                       scheduler.capacity if scheduler else 0)
+                                       scheduler.capacity if scheduler else 0,
+                                       self.engine.info().get("suffix_store") if self.engine else None)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
         @app.post("/v1/chat/completions")

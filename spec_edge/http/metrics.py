@@ -57,7 +57,7 @@ class Metrics:
             if completion_tokens > 1:
                 self.tps.observe(float(stats.get("tokens_per_s", 0.0)))
 
-    def render(self, queue_depth: int, in_flight: int, capacity: int) -> str:
+    def render(self, queue_depth: int, in_flight: int, capacity: int, suffix: dict | None = None) -> str:
         def block(name: str, kind: str, about: str, lines: list[str]) -> list[str]:
             return [f"# HELP {name} {about}", f"# TYPE {name} {kind}", *lines]
 
@@ -80,4 +80,7 @@ class Metrics:
                          self.ttft.lines("spec_edge_time_to_first_token_seconds"))
             out += block("spec_edge_decode_tokens_per_second", "histogram", "decode speed after the first token",
                          self.tps.lines("spec_edge_decode_tokens_per_second"))
+            if suffix:  # the engine's SuffixStore.memory()
+                out += block("spec_edge_suffix_store", "gauge", "the suffix drafter's store of past answers",
+                             [f'spec_edge_suffix_store{{kind="{k}"}} {v}' for k, v in sorted(suffix.items())])
         return "\n".join(out) + "\n"

@@ -417,6 +417,8 @@ def make_node_class():
                 # speculative.k auto: the call costs as the loop keeps them now
                 if "k_choice" in self._info and self.engine is not None:
                     values["k_choice"] = self.engine.info()["k_choice"]
+                if "suffix_store" in self._info and self.engine is not None:  # its memory now
+                    values["suffix_store"] = self.engine.info()["suffix_store"]
                 values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
                 values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
                 values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,

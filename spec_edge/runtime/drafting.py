@@ -6,6 +6,7 @@ request drafts alone.
 
 What each drafter runs on, per slot (loaded once, on first use; what a slot's drafter reads):
   ngram            nothing (the drafter object is per request)
+  suffix           the engine's store of earlier answers (drafters/suffix.SuffixStore), one for every slot
   draft            the draft model with B regions (slotted(): an OrtRunner over its export with slots=B):
                    the slot's region, its record held there
   eagle3, hybrid   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
@@ -26,6 +27,7 @@ from spec_edge.runtime.backends.base import Runner
 from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.backends.slot_views import SlotHead, SlotRunner
+from spec_edge.runtime.drafters.suffix import SuffixDrafter, SuffixStore
 from spec_edge.runtime.requests import RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
@@ -63,6 +65,8 @@ class Drafters:
         self.medusa_heads = None  # backends.ort_heads.OrtMedusaHeads
         self.peagle_head = None   # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
         self._heads: dict[str, list[SlotHead]] = {}  # "eagle3" / "peagle" -> the head's view per slot
+        spec = cfg.speculative
+        self.suffix_store = SuffixStore(spec.suffix_max_requests, spec.suffix_max_depth)  # every slot's past answers
         self.hidden_layers = hidden.returned_hidden_layers(graph_dir)  # what the target's graphs return
 
     def load(self, name: str) -> None:
@@ -108,6 +112,8 @@ class Drafters:
         spec, target = self.cfg.speculative, self.targets[slot]
         if name == "ngram":
             return NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max)
+        if name == "suffix":
+            return SuffixDrafter(self.suffix_store, spec.suffix_max_depth, spec.suffix_spec_factor, spec.suffix_min_prob)
         if name == "layerskip":
             return LayerSkipDrafter(self.layer_skip[slot], self.cfg.graphs.layer_skip_layers)
         if name == "draft":
@@ -136,7 +142,7 @@ class Drafters:
         if self.eagle3_head is None:
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = self._head_dir(name, "eagle3", "an EAGLE-3 head", made_by="spec-edge train-draft")
+            head_dir = self._head_dir(name, "eagle3", "an EAGLE-3 head", made_by="spec-edge-train --kind eagle3")
             self.eagle3_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
                                              slots=self.slots)
         return self.eagle3_head
@@ -148,7 +154,7 @@ class Drafters:
         field = f"{kind}_head"
         path = getattr(self.cfg.speculative, field)
         if not path:
-            made_by = made_by or f"spec-edge train-draft --kind {kind}"
+            made_by = made_by or f"spec-edge-train --kind {kind}"
             raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
                                f"made by `{made_by}`) and restart")
         self.targets[0].hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs

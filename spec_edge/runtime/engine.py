@@ -238,7 +238,8 @@ class Engine:
                 "max_context": self.runner.max_context, "k_values": sorted(w - 1 for w in self.runner.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
                 "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
-                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load)} | (
+                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
+                "suffix_store": self._drafters.suffix_store.memory()} | (
             {"k_choice": "per request and iteration from its acceptance and the call costs: "
                          + k_choice.describe(self.loop.costs, self.runner.step_width)}
             if self.cfg.speculative.k == AUTO_K else {})

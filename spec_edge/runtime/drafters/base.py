@@ -1,6 +1,8 @@
 """What the loop calls on a drafter (Drafter) and what a drafter proposes (Draft). In propose(seq, k, sampler)
 seq is the whole sequence so far (prompt + generated); its last token is the target's pending token, not yet in
-the target's cache (it sits at position len(seq) - 1); None: nothing worth verifying, take a plain step."""
+the target's cache (it sits at position len(seq) - 1); None: nothing worth verifying, take a plain step. seq is the
+loop's own list of the request, extended in place until the request leaves (so at finish() it holds every token
+chosen: drafters/suffix.py reads the answer's last tokens there); a drafter never changes it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

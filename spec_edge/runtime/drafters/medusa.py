@@ -24,7 +24,7 @@ class MedusaDrafter(HeadDrafter):
         if not 1 <= k <= self.head.n_heads:
             raise ConfigError(f"k={k} needs {k} Medusa heads; the heads in {self.head.head_dir} have "
                               f"{self.head.n_heads}: use k <= {self.head.n_heads} or train more heads "
-                              f"(spec-edge train-draft --kind medusa --medusa-heads {k})")
+                              f"(spec-edge-train --kind medusa --medusa-heads {k})")
 
     def propose(self, seq: list[int], k: int, sampler: Sampler) -> Draft | None:
         self.check_k(k)

@@ -1,0 +1,201 @@
+"""The suffix drafter (runtime/drafters/suffix.py): its store's rules (longest match, most frequent continuation,
+length from the match, probability floor, eviction, memory bound), and on tiny random models through the real loop:
+greedy == target-only token for token and sampling the target's distribution, each proven to have speculated and
+to have accepted drafts that only ANOTHER, earlier request's answer could give; in the batched loop (a shared
+store, each slot its own part), with guided decoding (forced drafts on and off), tool calls and speculative.k auto."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from speculated import assert_speculated
+from tiny import Collect, assert_sampling_follows_target, engine_with, plain, run_alone
+
+from spec_edge.config import ConfigError
+from spec_edge.http.metrics import Metrics
+from spec_edge.runtime import speculative
+from spec_edge.runtime.drafters.suffix import SuffixDrafter, SuffixStore
+from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.scheduler import run_one
+
+PROMPTS = ["Move the arm to the left", "def add(a, b):", "Navigate to the kitchen and report the battery level.",
+           "The robot picks up the red box"]
+
+
+def store_with(*answers, max_requests=8, max_depth=32) -> SuffixStore:
+    store = SuffixStore(max_requests, max_depth)
+    for answer in answers:
+        store.extend(store.open(), answer)
+    return store
+
+
+# -- the store's rules -------------------------------------------------------------------------------
+
+
+def test_longest_match_wins_over_more_frequent_shorter_ones():
+    store = store_with([1, 2, 3, 4, 5, 6, 7], [9, 3, 4, 8, 8], [9, 3, 4, 8, 8])
+    # [2, 3, 4] occurs once (-> 5 6 7); [3, 4] three times, most often -> 8: the longest match decides
+    assert store.propose([0, 2, 3, 4], 8, 1.0, 0.1) == ([5, 6, 7], 3.0)
+
+
+def test_most_frequent_continuation_and_probability_floor():
+    store = store_with([1, 2, 7, 7], [1, 2, 7, 8], [1, 2, 7, 8], [1, 2, 5, 5])
+    draft, score = store.propose([0, 1, 2], 4, 2.0, 0.1)
+    assert draft == [7, 8] and score == pytest.approx(0.75 + 0.5)  # D: 3/4, then 3/4 x 2/3
+    assert store.propose([0, 1, 2], 4, 2.0, 0.6)[0] == [7]  # 0.5 < 0.6: the draft stops before the 8
+
+
+def test_draft_length_from_the_match_length_and_k():
+    store = store_with(list(range(1, 30)))
+    assert store.propose([5, 6], 8, 1.0, 0.1)[0] == [7, 8]               # match 2 x factor 1
+    assert store.propose([3, 4, 5, 6], 8, 1.0, 0.1)[0] == [7, 8, 9, 10]  # match 4
+    assert store.propose([3, 4, 5, 6], 8, 1.5, 0.1)[0] == [7, 8, 9, 10, 11, 12]
+    assert store.propose([1, 2, 3, 4, 5, 6], 3, 1.0, 0.1)[0] == [7, 8, 9]  # at most k
+    assert store.propose([8, 5, 6], 8, 1.0, 0.1)[0] == [7, 8]  # the match stops where the context differs
+    assert store.propose([6, 5], 8, 1.0, 0.1) == ([], 0.0)     # no match
+
+
+def test_the_store_is_bounded_and_evicts_the_oldest():
+    store = SuffixStore(3, 32)
+    for i in range(10):
+        store.extend(store.open(), [100 + i, 1, 2, 3, 50 + i] * 4)
+    memory = store.memory()
+    assert (memory["answers"], memory["tokens"]) == (3, 60)
+    # only the three newest answers are in the index: [1, 2, 3] continues with 57, 58 or 59 (the newest first)
+    assert store.propose([1, 2, 3], 1, 1.0, 0.0)[0] == [59]
+    assert all(entry >> 24 in store.lists for entries in store.index.values() for entry in entries)
+    assert not any(key >> 20 in range(100, 107) for key in store.index)  # the evicted answers' keys are gone
+    store.extend(1, [1, 2, 3])  # an evicted answer takes nothing
+    assert store.memory()["tokens"] == 60
+    assert Metrics().render(0, 0, 1, memory).count("spec_edge_suffix_store{") == 4
+
+
+def test_a_request_drafts_from_its_prompt_and_from_other_answers_not_its_own_store_entry():
+    store = SuffixStore(8, 32)
+    first = SuffixDrafter(store, 32, 1.0, 0.1)
+    first.start([1, 2, 3, 4])
+    assert first.propose([1, 2, 3, 4, 1, 2], 4, None).tokens == [3, 4]  # its prompt (own part)
+    first.propose([1, 2, 3, 4, 1, 2, 9, 8, 7], 4, None)
+    first.finish()
+    assert list(store.lists[1]) == [1, 2, 9, 8, 7]  # the output only, the last tokens taken at finish
+    second = SuffixDrafter(store, 32, 1.0, 0.1)
+    second.start([5, 5])
+    assert second.propose([5, 5, 2, 9], 4, None).tokens == [8, 7]  # the first request's answer (store)
+    assert second.store.propose([5, 5, 2, 9], 4, 1.0, 0.1, skip=second._answer)[0] == [8, 7]
+
+
+def test_config_keys_and_refusals(tiny_cfg):
+    assert tiny_cfg.replace(**{"speculative.drafter": "suffix", "speculative.suffix_max_requests": 4}) \
+        .speculative.suffix_max_requests == 4
+    for key, value in (("suffix_max_requests", 0), ("suffix_max_depth", 1), ("suffix_min_prob", 1.5),
+                       ("suffix_spec_factor", 0.0)):
+        with pytest.raises(ConfigError, match="speculative.suffix_"):
+            tiny_cfg.replace(**{f"speculative.{key}": value})
+    with pytest.raises(ConfigError, match="cannot run on runtime.backend=tensorrt"):
+        tiny_cfg.replace(**{"runtime.backend": "tensorrt", "graphs.dtype": "float16", "graphs.weights": "fp32",
+                            "speculative.drafter": "suffix", "speculative.k": 4})
+
+
+# -- exactness through the real loop -----------------------------------------------------------------
+
+
+class Sourced:
+    """A SuffixDrafter that counts, per part the draft came from ("own": its request; "store": other answers), the
+    drafts proposed and accepted tokens (a draft differing from what its own part alone proposes is the store's)."""
+    name = "suffix"
+
+    def __init__(self, inner: SuffixDrafter):
+        self.inner, self._last = inner, None
+        self.proposed = {"own": 0, "store": 0}
+        self.accepted = {"own": 0, "store": 0}
+
+    def start(self, prompt_ids):
+        self.inner.start(prompt_ids)
+
+    def propose(self, seq, k, sampler):
+        draft = self.inner.propose(seq, k, sampler)
+        if draft is not None:
+            own = self.inner.own.propose(seq, k, self.inner.spec_factor, self.inner.min_prob)[0]
+            self._last = "own" if own == draft.tokens else "store"
+            self.proposed[self._last] += 1
+        return draft
+
+    def observe(self, n_proposed, n_accepted):
+        self.accepted[self._last] += n_accepted
+
+    def check_k(self, k):
+        self.inner.check_k(k)
+
+    def forget(self):
+        self.inner.forget()
+
+    def finish(self):
+        self.inner.finish()
+
+
+def test_greedy_equals_target_only_and_accepts_drafts_from_earlier_answers(tiny_engine):
+    store = SuffixStore(16, 32)
+    drafter = Sourced(SuffixDrafter(store, 32, 1.0, 0.1))
+    runs = []
+    for round_ in range(2):  # the second round's requests find the first round's answers in the store
+        for prompt in PROMPTS:
+            ids = tiny_engine.tokenizer.encode(prompt)
+            got, _, stats = run_alone(tiny_engine.runner, speculative.SlotRequest(
+                prompt_ids=ids, max_new_tokens=40, eos_ids=tiny_engine.eos_ids, drafter=drafter, k=4))
+            assert got == plain(tiny_engine, ids, 40), (round_, prompt)
+            runs.append(stats)
+    assert_speculated(*runs)
+    assert drafter.accepted["store"] > 0, drafter.accepted  # a draft from ANOTHER request's answer, accepted
+    assert store.memory()["answers"] == 2 * len(PROMPTS)
+
+
+def test_sampling_keeps_the_target_distribution_with_drafts_from_earlier_answers(tiny_engine):
+    drafter = Sourced(SuffixDrafter(SuffixStore(64, 32), 32, 1.0, 0.1))
+    assert_sampling_follows_target(tiny_engine, drafter, must_accept=True, n=600)
+    assert drafter.accepted["store"] > 0, drafter.accepted
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_cfg):
+    """The tiny profile over 3 slots, drafter suffix, speculative.k auto (each request's k per iteration)."""
+    return engine_with(tiny_cfg, {"graphs.batch_slots": 3, "speculative.drafter": "suffix", "speculative.k": "auto"})
+
+
+def test_batched_slots_share_the_store_and_answer_as_target_only(batched, tiny_engine):
+    """Six requests (each prompt twice) through 3 slots joining at different iterations, k auto: each answers
+    the target-only answer; the shared store holds every answer; drafts were verified and accepted."""
+    prepared = [batched.front.prepare(GenerateRequest(prompt=p, max_new_tokens=40)) for p in PROMPTS + PROMPTS[:2]]
+    join_at, sinks, waiting = [0, 0, 3, 9, 20, 30], [Collect() for _ in prepared], list(range(len(prepared)))
+    before = batched._drafters.suffix_store.memory()["answers"]
+    while waiting or batched.occupied:
+        while waiting and join_at[waiting[0]] <= batched.loop.iterations and batched.loop.free:
+            i = waiting.pop(0)
+            batched.add(prepared[i], sinks[i])
+        batched.iterate()
+    for p, sink in zip(prepared, sinks):
+        assert sink.result.token_ids == plain(tiny_engine, p.prompt_ids, 40)
+        assert sink.result.stats.drafter == "suffix"
+    assert_speculated(*(sink.result.stats for sink in sinks))
+    assert batched._drafters.suffix_store.memory()["answers"] == before + len(prepared)
+    assert batched.info()["suffix_store"]["tokens"] > 0
+
+
+def test_guided_forced_drafts_and_tool_calls_equal_target_only(batched):
+    """A JSON schema with and without grammar-forced drafts, and a Lark grammar (what a tool call runs under: the
+    tiny context cannot hold a tool prompt; bench/robot_shift.py asks the real model for tool calls), each asked
+    twice (the second time the first answer is in the store): the answer without speculation, token for token."""
+    schema = json.dumps({"type": "object", "required": ["action", "speed"], "additionalProperties": False,
+                         "properties": {"action": {"enum": ["pick", "place", "move"]},
+                                        "speed": {"type": "integer", "minimum": 0, "maximum": 99}}})
+    asks = [dict(prompt="Move the arm", json_schema=schema, forced_drafts=False),
+            dict(prompt="Move the arm", json_schema=schema, forced_drafts=True),
+            dict(prompt="Say it", grammar='root ::= "say(" ("yes" | "no" | "done") ")"')]  # a tool call's kind
+    runs = []
+    for ask in asks:
+        base = run_one(batched, GenerateRequest(**ask, max_new_tokens=48, speculate=False))
+        for _ in range(2):
+            got = run_one(batched, GenerateRequest(**ask, max_new_tokens=48, drafter="suffix"))
+            assert (got.token_ids, got.finish_reason, got.tool_calls) == \
+                (base.token_ids, base.finish_reason, base.tool_calls), ask
+            runs.append(got.stats)
+    assert_speculated(*runs)
