@@ -197,12 +197,43 @@ class Front:
         for i, tool in enumerate(tools):
             if choice in schemas and tool.name != choice:
                 continue
+            schema = arguments_schema(schemas[tool.name])
             try:
-                self.compile("json_schema", json.dumps(arguments_schema(schemas[tool.name])))
+                self.compile("json_schema", json.dumps(schema))
             except (GrammarError, RequestError) as err:
                 reason = str(err).removeprefix("json_schema is invalid: ").removeprefix("failed to compile JSON schema: ")
-                return (f"tools[{i}] ({tool.name}) parameters: this JSON Schema cannot be enforced: {reason} "
+                where = self._schema_keyword(schema)
+                at = f" at {where}" if where else ""
+                return (f"tools[{i}] ({tool.name}) parameters: this JSON Schema cannot be enforced{at}: {reason} "
                         "(docs/tools.md, \"What is enforced\"): rewrite or drop that keyword")
+        return None
+
+    def _schema_keyword(self, schema: dict, limit: int = 64) -> str | None:
+        """The path of the first keyword (depth first, at most `limit` tried) whose removal lets `schema` compile,
+        e.g. `properties.x.pattern` (None: no single keyword is to blame)."""
+        paths: list[tuple[str, ...]] = []
+
+        def walk(node: Any, path: tuple[str, ...]) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    walk(value, path + (str(key),))
+                    paths.append(path + (str(key),))
+            elif isinstance(node, list):
+                for j, value in enumerate(node):
+                    walk(value, path + (str(j),))
+
+        walk(schema, ())
+        for path in paths[:limit]:
+            trial = json.loads(json.dumps(schema))
+            parent = trial
+            for part in path[:-1]:
+                parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+            del parent[path[-1]]
+            try:
+                self.compile("json_schema", json.dumps(trial))
+            except (GrammarError, RequestError):
+                continue
+            return ".".join(path)
         return None
 
     def _sampling(self, request: GenerateRequest) -> SamplingParams:
