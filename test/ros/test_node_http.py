@@ -81,7 +81,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_clients_gone_while_queued_health_and_exit(module_env, tmp_path):
+def test_clients_gone_while_queued_health_and_exit(tmp_path):
     """One node (fp32, 1 slot, serve.queue_limit 2, the door on):
     - /health from the process's start until it serves never says it waits for a lifecycle manager (it configures
       and activates itself), and says what it does wait for;
@@ -93,7 +93,11 @@ def test_clients_gone_while_queued_health_and_exit(module_env, tmp_path):
     import httpx
     import openai
 
-    from rosutil import Server, test_params, write_params
+    from rosutil import Server, domain_id_for, ros_env, test_params, write_params
+
+    # a domain of its own: the module's door_url node serves /generate on the module's domain and would answer
+    # the ROS call this test expects to wait
+    module_env = ros_env(domain_id_for(f"{__name__}.abandon"))
 
     port = _free_port()
     root = f"http://127.0.0.1:{port}"
