@@ -20,7 +20,7 @@ from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.scheduler import run_one
 from speculated import assert_speculated
 from test_request_fields import PENALTIES
-from tiny import TINY_K_VALUES, run_alone
+from tiny import TINY_K_VALUES, Wrapped, run_alone
 
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
            "The robot picks up the red box and places it on the shelf. The robot picks up the"]
@@ -156,14 +156,12 @@ def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
             assert stats.accepted == 0 and stats.mean_accepted_length == 1.0
 
 
-class Recording:
+class Recording(Wrapped):
     """A drafter that keeps every draft its inner drafter proposes (the windows the loop verified)."""
 
     def __init__(self, inner):
-        self.inner, self.name, self.drafts, self.asked_at = inner, inner.name, [], []
-
-    def start(self, prompt_ids):
-        self.inner.start(prompt_ids)
+        super().__init__(inner)
+        self.drafts, self.asked_at = [], []
 
     def propose(self, seq, k, sampler):
         draft = self.inner.propose(seq, k, sampler)
@@ -171,18 +169,6 @@ class Recording:
         if draft is not None:
             self.drafts.append(list(draft.tokens))
         return draft
-
-    def observe(self, n_proposed, n_accepted):
-        self.inner.observe(n_proposed, n_accepted)
-
-    def check_k(self, k):
-        self.inner.check_k(k)
-
-    def forget(self):
-        self.inner.forget()
-
-    def finish(self):
-        self.inner.finish()
 
 
 def test_eos_inside_a_draft(tiny_engine, self_runner):

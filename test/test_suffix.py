@@ -9,7 +9,7 @@ import json
 
 import pytest
 from speculated import assert_speculated
-from tiny import Collect, assert_sampling_follows_target, engine_with, plain, run_alone
+from tiny import Collect, Wrapped, assert_sampling_follows_target, engine_with, plain, run_alone
 
 from spec_edge.config import ConfigError
 from spec_edge.http.metrics import Metrics
@@ -99,18 +99,15 @@ def test_config_keys_and_refusals(tiny_cfg):
 # -- exactness through the real loop -----------------------------------------------------------------
 
 
-class Sourced:
+class Sourced(Wrapped):
     """A SuffixDrafter that counts, per part the draft came from ("own": its request; "store": other answers), the
     drafts proposed and accepted tokens (a draft differing from what its own part alone proposes is the store's)."""
-    name = "suffix"
 
     def __init__(self, inner: SuffixDrafter):
-        self.inner, self._last = inner, None
+        super().__init__(inner)
+        self._last = None
         self.proposed = {"own": 0, "store": 0}
         self.accepted = {"own": 0, "store": 0}
-
-    def start(self, prompt_ids):
-        self.inner.start(prompt_ids)
 
     def propose(self, seq, k, sampler):
         draft = self.inner.propose(seq, k, sampler)
@@ -122,15 +119,6 @@ class Sourced:
 
     def observe(self, n_proposed, n_accepted):
         self.accepted[self._last] += n_accepted
-
-    def check_k(self, k):
-        self.inner.check_k(k)
-
-    def forget(self):
-        self.inner.forget()
-
-    def finish(self):
-        self.inner.finish()
 
 
 def test_greedy_equals_target_only_and_accepts_drafts_from_earlier_answers(tiny_engine):

@@ -418,3 +418,28 @@ class Collect:
 
     def failed(self, err: Exception) -> None:
         self.error = err
+
+
+class Wrapped:
+    """A drafter that hands every call to its inner drafter: tests subclass it to watch propose / observe."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def start(self, prompt_ids):
+        self.inner.start(prompt_ids)
+
+    def propose(self, seq, k, sampler):
+        return self.inner.propose(seq, k, sampler)
+
+    def observe(self, n_proposed, n_accepted):
+        self.inner.observe(n_proposed, n_accepted)
+
+    def check_k(self, k):
+        self.inner.check_k(k)
+
+    def forget(self):
+        self.inner.forget()
+
+    def finish(self):
+        self.inner.finish()
