@@ -146,6 +146,13 @@ def test_clients_gone_while_queued_health_and_exit(tmp_path):
         for thread in quitters:
             thread.join(30)
         assert gave_up == [True, True]
+        # the door sees each client gone at its next look (every 20 ms while its loop is not starved; under a
+        # loaded CI machine later): the places are free once /metrics counts both, and that must come soon
+        seen_by = time.monotonic() + 10
+        while 'spec_edge_http_requests_total{outcome="disconnected"} 2' not in httpx.get(
+                root + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text:
+            assert time.monotonic() < seen_by, "the two clients that gave up were not seen gone within 10 s"
+            time.sleep(0.05)
         ros = start_client(module_env, {"mode": "call", "requests": [{"prompt": PROMPTS[1], "max_new_tokens": 8}]})
         answers: dict = {}
         http = threading.Thread(target=lambda: answers.setdefault("http", c.chat.completions.create(
