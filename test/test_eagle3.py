@@ -1,4 +1,5 @@
-"""EAGLE-3 heads: greedy speculative output == target-only greedy with a head drafting, sampling
+"""EAGLE-3 heads: greedy speculative output == target-only greedy with a head drafting (its output layer fitted
+to the tiny target, tiny.fitted_eagle3_lm_head: its drafts are accepted, per case), sampling
 runs through the full-vocabulary q_draft, the head graphs are static and match the torch module,
 a saved head loads back identically, and a head made for another model is refused."""
 from __future__ import annotations

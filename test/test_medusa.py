@@ -1,8 +1,8 @@
-"""Medusa heads: greedy speculative output == target-only greedy with random-weight heads drafting
-(through the real ONNX Runtime graphs), sampling runs through the full-vocabulary q_draft, the heads'
-graph is static and matches the torch module, saved heads load back identically, heads that do not
-fit the target (or a k above their head count) are refused, and spec-edge-train --kind medusa trains
-and resumes."""
+"""Medusa heads: greedy speculative output == target-only greedy with heads drafting (random ResBlocks, output
+layers fitted to the tiny target: accepted drafts; through the real ONNX Runtime graphs), sampling runs through
+the full-vocabulary q_draft, the heads' graph is static and matches the torch module, saved heads load back
+identically, heads that do not fit the target (or a k above their head count) are refused, and
+spec-edge-train --kind medusa trains and resumes."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,9 @@
-"""Parallel drafting (P-EAGLE style): greedy speculative output == target-only greedy with a
-random-weight head drafting all k tokens in one pass (through the real ONNX Runtime graphs), the
-drafter's bookkeeping, sampling through the full-vocabulary q_draft, static draft graphs that match
-the torch module, a saved head loads back identically, a head that does not fit is refused, two
-heads configured together share the target's hidden outputs, and spec-edge-train --kind peagle trains
-and resumes."""
+"""Parallel drafting (P-EAGLE style): greedy speculative output == target-only greedy with a head (random
+layers, an output layer fitted to the tiny target: accepted drafts) drafting all k tokens in one pass (through
+the real ONNX Runtime graphs), the drafter's bookkeeping, sampling through the full-vocabulary q_draft, static
+draft graphs that match the torch module, a saved head loads back identically, a head that does not fit is
+refused, two heads configured together share the target's hidden outputs, and spec-edge-train --kind peagle
+trains and resumes."""
 from __future__ import annotations
 
 import json
