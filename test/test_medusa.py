@@ -20,8 +20,8 @@ from spec_edge.runtime.sampling import Sampler, SamplingParams
 from spec_edge.runtime.scheduler import run_one
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
-                  exported_graphs, fit_output_layer, head_inputs, ort_session, set_config, target_answers,
-                  train_draft_argv)
+                  exported_graphs, fit_output_layer, head_inputs, one_thread, ort_session, set_config,
+                  target_answers, train_draft_argv)
 
 
 def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05, fitted=True):
@@ -35,7 +35,7 @@ def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05
         module = medusa.build_module(mcfg, head_state).eval()
         H = target_cfg.hidden_size
         answers = target_answers(target_dir)
-        with torch.no_grad():
+        with one_thread():
             for i, head in enumerate(module.medusa_head):
                 features = torch.cat([head[:-1](answer["hidden"][:-i - 1, -H:]) for answer in answers])  # (R, H)
                 labels = torch.cat([answer["labels"][i + 1:] for answer in answers])  # written at t + i + 2

@@ -8,6 +8,7 @@ orders of the step and verify graphs disagree).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -107,6 +108,19 @@ FIT_NEW_TOKENS = 64
 _ANSWERS: dict[str, list[dict]] = {}
 
 
+@contextmanager
+def one_thread():
+    """torch on one thread, no autograd: the tiny fits' ops take microseconds, and more threads only spin on
+    a shared machine (a 4-layer forward of 80 tokens: 30 ms on one thread, 2 s on two at load 15)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def target_answers(target_dir: Path) -> list[dict]:
     """The tiny target's greedy answers to FIT_TEXTS (FIT_NEW_TOKENS each, past EOS), run in torch from its
     checkpoint: per text tokens (N,) the prompt and answer, hidden (N, (L + 1) * H) every layer's output and
@@ -123,23 +137,20 @@ def target_answers(target_dir: Path) -> list[dict]:
         target = model.build(cfg, load_file(str(Path(target_dir) / "model.safetensors")),
                              hidden_layers=tuple(range(cfg.n_layers + 1)))
         tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
-        answers, threads = [], torch.get_num_threads()
-        torch.set_num_threads(1)  # a few-ms graph: more threads only spin on a shared machine (30 ms -> 2 s)
-        try:
-            with torch.no_grad():
-                for text in FIT_TEXTS:
-                    ids = tok.encode(text).ids
-                    k_cache, v_cache = model.empty_cache(cfg, len(ids) + FIT_NEW_TOKENS)  # (L, Hkv, S, D)
-                    fed = 0
-                    for _ in range(FIT_NEW_TOKENS):
-                        logits, k_new, v_new, _ = target(torch.tensor([ids[fed:]]), torch.tensor([fed]), k_cache, v_cache)
-                        k_cache[:, :, fed:len(ids)], v_cache[:, :, fed:len(ids)] = k_new, v_new
-                        fed = len(ids)
-                        ids.append(int(logits[-1].argmax()))
-                    logits, _, _, hidden = target(torch.tensor([ids]), torch.tensor([0]), *model.empty_cache(cfg, 0))
-                    answers.append({"tokens": torch.tensor(ids), "hidden": hidden, "labels": logits.argmax(-1)})
-        finally:
-            torch.set_num_threads(threads)
+        answers = []
+        with one_thread():
+            for text in FIT_TEXTS:
+                ids = tok.encode(text).ids
+                k_cache, v_cache = model.empty_cache(cfg, len(ids) + FIT_NEW_TOKENS)  # (L, Hkv, S, D)
+                fed = 0
+                for _ in range(FIT_NEW_TOKENS):
+                    logits, k_new, v_new, _ = target(torch.tensor([ids[fed:]]), torch.tensor([fed]), k_cache,
+                                                     v_cache)
+                    k_cache[:, :, fed:len(ids)], v_cache[:, :, fed:len(ids)] = k_new, v_new
+                    fed = len(ids)
+                    ids.append(int(logits[-1].argmax()))
+                logits, _, _, hidden = target(torch.tensor([ids]), torch.tensor([0]), *model.empty_cache(cfg, 0))
+                answers.append({"tokens": torch.tensor(ids), "hidden": hidden, "labels": logits.argmax(-1)})
         _ANSWERS[key] = answers
     return _ANSWERS[key]
 
@@ -195,8 +206,9 @@ def fitted_eagle3_lm_head(module, hcfg, target_dir: Path, draft_ids):
     H = hcfg.target_hidden_size
     columns = torch.cat([torch.arange(i * H, (i + 1) * H) for i in hcfg.aux_layers])
     features, labels = [], []
-    with torch.no_grad():
-        for answer in target_answers(target_dir):
+    answers = target_answers(target_dir)
+    with one_thread():
+        for answer in answers:
             tokens, hidden = answer["tokens"], answer["hidden"]
             emb = embed[tokens[1:]][None, None]  # (1 step, B=1, N-1, H)
             features.append(train_forward(module, hcfg, emb, hidden[:-1, columns][None], 1)[0][0])  # (N-1, H)
