@@ -1,4 +1,5 @@
-"""EAGLE-3 heads: greedy speculative output == target-only greedy with a head drafting, sampling
+"""EAGLE-3 heads: greedy speculative output == target-only greedy with a head drafting (its output layer fitted
+to the tiny target, tiny.fitted_eagle3_lm_head: its drafts are accepted, per case), sampling
 runs through the full-vocabulary q_draft, the head graphs are static and match the torch module,
 a saved head loads back identically, and a head made for another model is refused."""
 from __future__ import annotations
@@ -15,20 +16,25 @@ from spec_edge.heads import eagle3, eagle3_layouts
 from spec_edge_training import eagle3 as eagle3_training
 from tiny import (TINY_K_VALUES, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
-                  exported_graphs, fake_drafter, head_inputs, ort_session, set_config, train_draft_argv)
+                  exported_graphs, fake_drafter, fitted_eagle3_lm_head, head_inputs, ort_session, set_config,
+                  train_draft_argv)
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers: EAGLE-3's default (1, L/2-1, L-4) would collide
 
 
-def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=1.0):
-    """A random-weight head for a tiny target, saved in the layout spec_edge loads."""
-    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
+def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=1.0, fitted=True):
+    """A head for a tiny target, saved in the layout spec_edge loads: random layers (scaled by scale), the
+    output layer fitted to the target's own answers (tiny.fitted_eagle3_lm_head), so its drafts are accepted."""
+    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab, fitted=fitted)
     hcfg = eagle3_training.head_config_for(target_cfg, draft_vocab, aux)
     head_state = eagle3_training.init_state(hcfg, state, draft_ids, seed=seed)
     if scale != 1.0:
         for name, tensor in head_state.items():
             if name.startswith("midlayer.") and tensor.dim() == 2:
                 head_state[name] = tensor * scale
+    if fitted:
+        head_state["lm_head.weight"] = fitted_eagle3_lm_head(eagle3.build_module(hcfg, head_state).eval(), hcfg,
+                                                             target_dir, draft_ids)
     eagle3.save_head(path, hcfg, head_state, draft_ids, dtype="float32")
     return path, target_cfg
 
@@ -210,7 +216,7 @@ def test_q8_head_drafts_like_the_fp32_head(head_engine):
 
 
 def test_head_round_trip(tmp_path, tiny_models):
-    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=5)
+    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=5, fitted=False)
     hcfg, state, draft_ids = eagle3.load_head(path, target_cfg)
     eagle3.save_head(tmp_path / "h2", hcfg, state, draft_ids, dtype="float32")
     assert_same_head((hcfg, state, draft_ids), eagle3.load_head(tmp_path / "h2", target_cfg))
@@ -220,7 +226,7 @@ def test_head_round_trip(tmp_path, tiny_models):
 
 def test_published_layout_names_load(tmp_path, tiny_models):
     """SafeAILab (pytorch_model.bin, no layer ids) and NVIDIA-style (layers.0. prefix) names load."""
-    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=6)
+    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=6, fitted=False)
     from safetensors.torch import load_file
 
     tensors = load_file(str(path / "model.safetensors"))

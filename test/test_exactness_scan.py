@@ -25,16 +25,8 @@ NOT_EXACTNESS: dict[str, str] = {
 # exactness tests this scan finds without a per-case proof, in files outside issue 46's item 3 list (each is a
 # known gap, to be proven and removed from here; a new test cannot be added here unnoticed: the list is exact)
 PENDING: dict[str, str] = {
-    "test_distill.py::test_train_draft_model_loads_as_draft_and_stays_exact":
-        "asserts drafted > 0 inline per prompt: call assert_speculated(result.stats) (accepted: probe)",
     "test_engine_folders.py::test_switching_forms_back_and_forth_reloads":
         "answer() drops the stats: return them and prove the eagle3 answers",
-    "test_hybrid.py::test_hybrid_greedy_equals_plain_both_sources":
-        "counts proposals per source, no verify/accept proof per prompt",
-    "test_hybrid.py::test_head_catches_up_after_many_lookup_drafts":
-        "asserts accepted >= 15 k inline: call assert_speculated(stats)",
-    "test_real_model.py::test_q4_carries_every_linear_layer":
-        "the real model's q4 speculative answer: no proof (slow tier, not run here)",
     "test_tools.py::test_greedy_calls_under_speculation_equal_target_only":
         "assert_speculated(*stats) sums over prompts and forced on/off per drafter: prove each",
 }

@@ -15,6 +15,7 @@ from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.sampling import Sampler
+from speculated import assert_speculated
 from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain, run_alone
 
 REPEAT = "Ünïcödé 🤖 robot robot robot robot"  # lookup finds matches (the random target rarely agrees)
@@ -45,6 +46,7 @@ def test_hybrid_greedy_equals_plain_both_sources(head_engine, k):
         ids, out, stats = run(head_engine, drafter, prompt, k)
         assert out == plain(head_engine, ids, 48), f"k={k} prompt={prompt!r}"
         assert stats.drafter == "hybrid" and stats.verify_calls == sum(drafter.proposals.values())
+        assert_speculated(stats, what=f"k={k} prompt={prompt!r} {drafter.proposals}")
         for source, n in drafter.proposals.items():
             used[source] += n
         if prompt == REPEAT:
@@ -135,6 +137,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     finally:
         head.ingest, eagle.propose = real_ingest, real_propose
     assert finish == "cut" and out == want[:len(out)]
+    assert_speculated(stats)
     assert stats.accepted >= 15 * k  # the oracle's drafts were all accepted
     assert drafter.proposals == {"ngram": 30, "eagle3": 2}
     (first_seq, _), (seq, catch_up) = seen

@@ -1,8 +1,8 @@
-"""Medusa heads: greedy speculative output == target-only greedy with random-weight heads drafting
-(through the real ONNX Runtime graphs), sampling runs through the full-vocabulary q_draft, the heads'
-graph is static and matches the torch module, saved heads load back identically, heads that do not
-fit the target (or a k above their head count) are refused, and spec-edge-train --kind medusa trains
-and resumes."""
+"""Medusa heads: greedy speculative output == target-only greedy with heads drafting (random ResBlocks, output
+layers fitted to the tiny target: accepted drafts; through the real ONNX Runtime graphs), sampling runs through
+the full-vocabulary q_draft, the heads' graph is static and matches the torch module, saved heads load back
+identically, heads that do not fit the target (or a k above their head count) are refused, and
+spec-edge-train --kind medusa trains and resumes."""
 from __future__ import annotations
 
 import json
@@ -20,15 +20,27 @@ from spec_edge.runtime.sampling import Sampler, SamplingParams
 from spec_edge.runtime.scheduler import run_one
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
-                  exported_graphs, head_inputs, ort_session, set_config, train_draft_argv)
+                  exported_graphs, fit_output_layer, head_inputs, one_thread, ort_session, set_config,
+                  target_answers, train_draft_argv)
 
 
-def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05):
-    """Random-weight Medusa heads for a tiny target, saved in the layout spec_edge loads."""
-    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
+def make_heads(path, target_dir, *, seed=0, n_heads=4, draft_vocab=200, std=0.05, fitted=True):
+    """Medusa heads for a tiny target, saved in the layout spec_edge loads: random ResBlocks (std), each head's
+    output layer fitted (tiny.fit_output_layer) from its ResBlock's features of the target's final-norm state at
+    t to the token the target writes at t + i + 2 (target_answers), so head 0's drafts are often accepted."""
+    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab, fitted=fitted)
     mcfg = medusa_training.config_for(target_cfg, n_heads, draft_vocab)
-    medusa.save_heads(path, mcfg, medusa_training.init_state(mcfg, state, draft_ids, seed=seed, std=std), draft_ids,
-                      dtype="float32")
+    head_state = medusa_training.init_state(mcfg, state, draft_ids, seed=seed, std=std)
+    if fitted:
+        module = medusa.build_module(mcfg, head_state).eval()
+        H = target_cfg.hidden_size
+        answers = target_answers(target_dir)
+        with one_thread():
+            for i, head in enumerate(module.medusa_head):
+                features = torch.cat([head[:-1](answer["hidden"][:-i - 1, -H:]) for answer in answers])  # (R, H)
+                labels = torch.cat([answer["labels"][i + 1:] for answer in answers])  # written at t + i + 2
+                head_state[f"medusa_head.{i}.{mcfg.n_layers}.weight"] = fit_output_layer(features, labels, draft_ids)
+    medusa.save_heads(path, mcfg, head_state, draft_ids, dtype="float32")
     return path, target_cfg
 
 
@@ -100,7 +112,7 @@ def test_medusa_graph_static_and_matches_torch(medusa_engine):
 
 
 def test_medusa_round_trip(tmp_path, tiny_models):
-    path, target_cfg = make_heads(tmp_path / "h", tiny_models["target"], seed=5, n_heads=3)
+    path, target_cfg = make_heads(tmp_path / "h", tiny_models["target"], seed=5, n_heads=3, fitted=False)
     mcfg, state, draft_ids = medusa.load_heads(path, target_cfg)
     assert mcfg.n_heads == 3 and mcfg.draft_vocab_size == 200 and mcfg.target_layers == 4
     medusa.save_heads(tmp_path / "h2", mcfg, state, draft_ids, dtype="float32")

@@ -1,9 +1,9 @@
-"""Parallel drafting (P-EAGLE style): greedy speculative output == target-only greedy with a
-random-weight head drafting all k tokens in one pass (through the real ONNX Runtime graphs), the
-drafter's bookkeeping, sampling through the full-vocabulary q_draft, static draft graphs that match
-the torch module, a saved head loads back identically, a head that does not fit is refused, two
-heads configured together share the target's hidden outputs, and spec-edge-train --kind peagle trains
-and resumes."""
+"""Parallel drafting (P-EAGLE style): greedy speculative output == target-only greedy with a head (random
+layers, an output layer fitted to the tiny target: accepted drafts) drafting all k tokens in one pass (through
+the real ONNX Runtime graphs), the drafter's bookkeeping, sampling through the full-vocabulary q_draft, static
+draft graphs that match the torch module, a saved head loads back identically, a head that does not fit is
+refused, two heads configured together share the target's hidden outputs, and spec-edge-train --kind peagle
+trains and resumes."""
 from __future__ import annotations
 
 import json
@@ -19,20 +19,24 @@ from spec_edge_training import eagle3 as eagle3_training, peagle as peagle_train
 from spec_edge import artifacts
 from tiny import (PROMPTS, assert_greedy_equals_plain, assert_misfits_refused, assert_request_equals_plain,
                   assert_same_head, assert_sampling_follows_target, assert_sampling_uses_full_vocab_q, engine_with,
-                  exported_graphs, fake_drafter, head_inputs, ort_session, train_draft_argv)
+                  exported_graphs, fake_drafter, fitted_eagle3_lm_head, head_inputs, ort_session, train_draft_argv)
 
 AUX = (0, 1, 2)  # the tiny target has 4 layers
 
 
-def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=20.0):
-    """A random-weight P-EAGLE head for a tiny target, saved in the layout spec_edge loads."""
-    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab)
+def make_head(path, target_dir, *, seed=0, draft_vocab=200, aux=AUX, scale=20.0, fitted=True):
+    """A P-EAGLE head for a tiny target, saved in the layout spec_edge loads: random layers, the output layer
+    fitted to the target's own answers on the first draft row (tiny.fitted_eagle3_lm_head)."""
+    target_cfg, state, draft_ids = head_inputs(target_dir, seed=seed, draft_vocab=draft_vocab, fitted=fitted)
     hcfg = eagle3_training.head_config_for(target_cfg, draft_vocab, aux)
     head_state = peagle_training.init_state(hcfg, state, draft_ids, seed=seed)
     for name, tensor in head_state.items():
         if name.startswith("midlayer.") and tensor.dim() == 2:
             head_state[name] = tensor * scale
     head_state["mask_hidden"] = head_state["mask_hidden"] * 50
+    if fitted:
+        head_state["lm_head.weight"] = fitted_eagle3_lm_head(peagle.build_module(hcfg, head_state).eval(), hcfg,
+                                                             target_dir, draft_ids)
     peagle.save_head(path, hcfg, head_state, draft_ids, parallel_k=4, dtype="float32")
     return path, target_cfg
 
@@ -139,7 +143,7 @@ def test_peagle_graphs_static_and_match_torch(peagle_engine):
 def test_peagle_train_forward_matches_the_draft_pass(tiny_models):
     """The training graph (real rows + mask rows of an anchor under one attention mask) computes the
     same states as ingesting the real pairs and then running the draft pass at the anchor."""
-    path, target_cfg = make_head(tiny_models["root"] / "peagle_tf", tiny_models["target"], seed=2)
+    path, target_cfg = make_head(tiny_models["root"] / "peagle_tf", tiny_models["target"], seed=2, fitted=False)
     hcfg, state, _ = peagle.load_head(path, target_cfg)
     k, n, anchor = 4, 7, 4
     gen = torch.Generator().manual_seed(0)
@@ -163,7 +167,7 @@ def test_peagle_train_forward_matches_the_draft_pass(tiny_models):
 
 
 def test_peagle_round_trip(tmp_path, tiny_models):
-    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=5)
+    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=5, fitted=False)
     hcfg, state, draft_ids = peagle.load_head(path, target_cfg)
     peagle.save_head(tmp_path / "h2", hcfg, state, draft_ids, parallel_k=4, dtype="float32")
     assert_same_head((hcfg, state, draft_ids), peagle.load_head(tmp_path / "h2", target_cfg))

@@ -8,6 +8,7 @@ orders of the step and verify graphs disagree).
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -97,8 +98,66 @@ PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot
 TRAIN_PROMPTS = "Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n"
 
 
-def head_inputs(target_dir: Path, *, seed: int, draft_vocab: int):
-    """(target ModelConfig, target tensors, sorted random draft vocabulary) to build a random head from."""
+# the texts the fitted heads are fitted on: what the head tests ask (PROMPTS raw, as assert_greedy_equals_plain and
+# test_hybrid encode them; "Move the arm" and test_guided's prompts through the chat template, as requests and
+# assert_sampling_follows_target send them), each followed by the target's own greedy answer
+FIT_TEXTS = [*PROMPTS, "Navigate to the kitchen", *(
+    f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n" for prompt in
+    ("Move the arm", "Move the arm to the left", "The robot picks up the red box and places it on the shelf."))]
+FIT_NEW_TOKENS = 64
+_ANSWERS: dict[str, list[dict]] = {}
+
+
+@contextmanager
+def one_thread():
+    """torch on one thread, no autograd: the tiny fits' ops take microseconds, and more threads only spin on
+    a shared machine (a 4-layer forward of 80 tokens: 30 ms on one thread, 2 s on two at load 15)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def target_answers(target_dir: Path) -> list[dict]:
+    """The tiny target's greedy answers to FIT_TEXTS (FIT_NEW_TOKENS each, past EOS), run in torch from its
+    checkpoint: per text tokens (N,) the prompt and answer, hidden (N, (L + 1) * H) every layer's output and
+    the final-norm state side by side (graphs.model's hidden_layers 0..L), labels (N,) the target's argmax
+    at each position (what it writes next). Cached per folder."""
+    key = str(Path(target_dir).resolve())
+    if key not in _ANSWERS:
+        from safetensors.torch import load_file
+        from tokenizers import Tokenizer
+
+        from spec_edge.graphs import model, weights
+
+        cfg = weights.load(str(target_dir))[0]
+        target = model.build(cfg, load_file(str(Path(target_dir) / "model.safetensors")),
+                             hidden_layers=tuple(range(cfg.n_layers + 1)))
+        tok = Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+        answers = []
+        with one_thread():
+            for text in FIT_TEXTS:
+                ids = tok.encode(text).ids
+                k_cache, v_cache = model.empty_cache(cfg, len(ids) + FIT_NEW_TOKENS)  # (L, Hkv, S, D)
+                fed = 0
+                for _ in range(FIT_NEW_TOKENS):
+                    logits, k_new, v_new, _ = target(torch.tensor([ids[fed:]]), torch.tensor([fed]), k_cache,
+                                                     v_cache)
+                    k_cache[:, :, fed:len(ids)], v_cache[:, :, fed:len(ids)] = k_new, v_new
+                    fed = len(ids)
+                    ids.append(int(logits[-1].argmax()))
+                logits, _, _, hidden = target(torch.tensor([ids]), torch.tensor([0]), *model.empty_cache(cfg, 0))
+                answers.append({"tokens": torch.tensor(ids), "hidden": hidden, "labels": logits.argmax(-1)})
+        _ANSWERS[key] = answers
+    return _ANSWERS[key]
+
+
+def head_inputs(target_dir: Path, *, seed: int, draft_vocab: int, fitted: bool = False):
+    """(target ModelConfig, target tensors, sorted draft vocabulary) to build a head from: a random vocabulary,
+    or (fitted) one that holds the tokens the target writes on FIT_TEXTS (as many as fit), the rest random."""
     import numpy as np
     from safetensors.torch import load_file
 
@@ -107,7 +166,54 @@ def head_inputs(target_dir: Path, *, seed: int, draft_vocab: int):
     target_cfg, _, _ = weights.load(str(target_dir))
     state = load_file(str(target_dir / "model.safetensors"))
     rng = np.random.default_rng(seed)
-    return target_cfg, state, np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+    if not fitted:
+        return target_cfg, state, np.sort(rng.choice(target_cfg.vocab_size, draft_vocab, replace=False))
+    written = np.unique(torch.cat([answer["labels"] for answer in target_answers(target_dir)]).numpy())
+    written = written[rng.permutation(len(written))][:draft_vocab]
+    rest = np.setdiff1d(np.arange(target_cfg.vocab_size), written)
+    return target_cfg, state, np.sort(np.concatenate([written, rng.choice(rest, draft_vocab - len(written),
+                                                                            replace=False)]))
+
+
+def fit_output_layer(features, labels, draft_ids, scale: float = 20.0):
+    """(Vd, H) output weights fitted in closed form (ridge least squares) so that features (R, H) map to
+    scale x the one-hot of labels (R,) (target ids; rows whose label is outside draft_ids are left out):
+    a head whose layers are random still drafts what the target writes on the texts it was fitted on."""
+    import numpy as np
+
+    t2d = np.full(int(max(draft_ids.max(), labels.max())) + 1, -1)
+    t2d[draft_ids] = np.arange(len(draft_ids))
+    rows = t2d[labels.numpy()]
+    keep = rows >= 0
+    f = features[torch.from_numpy(keep)].double()  # (R', H)
+    y = torch.zeros(len(f), len(draft_ids), dtype=torch.float64)
+    y[torch.arange(len(f)), torch.from_numpy(rows[keep])] = scale
+    gram = f.T @ f
+    ridge = 1e-4 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(gram + ridge, f.T @ y).T.float().contiguous()  # (Vd, H)
+
+
+def fitted_eagle3_lm_head(module, hcfg, target_dir: Path, draft_ids):
+    """(Vd, H) lm_head weights for an EAGLE-3-style head module (eagle3 / peagle build_module) fitted with
+    fit_output_layer on its own first-step features (spec_edge_training.eagle3.train_forward: every pair
+    (target hidden at t, token t + 1) of target_answers) to the token the target writes next (t + 2). Row 0 of
+    a P-EAGLE draft pass is the same computation, so one fit serves both."""
+    from safetensors.torch import load_file
+
+    from spec_edge_training.eagle3 import train_forward
+
+    embed = load_file(str(Path(target_dir) / "model.safetensors"))["model.embed_tokens.weight"]
+    H = hcfg.target_hidden_size
+    columns = torch.cat([torch.arange(i * H, (i + 1) * H) for i in hcfg.aux_layers])
+    features, labels = [], []
+    answers = target_answers(target_dir)
+    with one_thread():
+        for answer in answers:
+            tokens, hidden = answer["tokens"], answer["hidden"]
+            emb = embed[tokens[1:]][None, None]  # (1 step, B=1, N-1, H)
+            features.append(train_forward(module, hcfg, emb, hidden[:-1, columns][None], 1)[0][0])  # (N-1, H)
+            labels.append(answer["labels"][1:])
+    return fit_output_layer(torch.cat(features), torch.cat(labels), draft_ids)
 
 
 def plain(engine, prompt_ids, max_new=40):
@@ -119,6 +225,7 @@ def plain(engine, prompt_ids, max_new=40):
 
 
 def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new=40) -> None:
+    """Per prompt: greedy speculative output with drafter == target-only output, with drafts accepted."""
     from spec_edge.runtime import speculative
 
     for prompt in prompts:
@@ -126,7 +233,7 @@ def assert_greedy_equals_plain(engine, drafter, k: int, prompts=PROMPTS, max_new
         got, _, stats = run_alone(engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter, k=k))
         assert got == plain(engine, ids, max_new), f"k={k} prompt={prompt!r}"
-        assert_speculated(stats, accepted=False, what=f"k={k} prompt={prompt!r}")
+        assert_speculated(stats, what=f"k={k} prompt={prompt!r}")  # the fitted heads' drafts are accepted
 
 
 def assert_sampling_uses_full_vocab_q(engine, drafter, k: int = 4) -> None:
@@ -234,7 +341,7 @@ def assert_request_equals_plain(engine, drafter: str, k: int) -> None:
     base = run_one(engine, GenerateRequest(prompt="Move the arm", max_new_tokens=30, speculate=False))
     assert spec.token_ids == base.token_ids
     assert spec.stats.drafter == drafter
-    assert_speculated(spec.stats, accepted=False, what=drafter)
+    assert_speculated(spec.stats, what=drafter)
 
 
 def assert_same_head(loaded: tuple, reloaded: tuple) -> None:
@@ -263,9 +370,9 @@ def assert_misfits_refused(tmp_path: Path, tiny_models: dict, make_head, load_he
     from spec_edge.config import ConfigError
     from spec_edge.graphs import weights
 
-    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=7)
+    path, target_cfg = make_head(tmp_path / "h", tiny_models["target"], seed=7, fitted=False)
     wide_head, _ = make_head(tmp_path / "wide_head",
-                             make_checkpoint(tmp_path / "wide", seed=9, hidden=96, heads=4, kv_heads=2))
+                             make_checkpoint(tmp_path / "wide", seed=9, hidden=96, heads=4, kv_heads=2), fitted=False)
     with pytest.raises(ConfigError, match=hidden_match):
         load_head(wide_head, target_cfg)
     with pytest.raises(ConfigError, match="4-layer target"):
@@ -352,13 +459,13 @@ def exact_first(engine, params, length: int, constraint=None) -> tuple[list[int]
     return prompt_ids, exact
 
 
-def assert_sampling_follows_target(engine, drafter, must_accept: bool = False, n: int = 1200, k: int = 3,
+def assert_sampling_follows_target(engine, drafter, must_accept: bool = True, n: int = 1200, k: int = 3,
                                    params=None, length: int | None = None, constraint=None) -> list:
     """Speculative sampling with `drafter` keeps the target's distribution: the exact distribution of the
     first `length` tokens (default k + 2: a window of k accepted drafts is followed by its bonus token
     inside them; the default top_k=2 keeps the cells few; exact_first) vs n seeded runs through the real
-    loop, chi-square below its 0.999 quantile (seeds fixed). The runs must speculate (assert_speculated;
-    accepted drafts with must_accept). Returns the runs' stats."""
+    loop, chi-square below its 0.999 quantile (seeds fixed). The runs must speculate and (must_accept, the
+    default) have drafts accepted (assert_speculated). Returns the runs' stats."""
     from spec_edge.runtime import speculative
     from spec_edge.runtime.sampling import SamplingParams
 
