@@ -35,8 +35,6 @@ PENDING: dict[str, str] = {
         "asserts accepted >= 15 k inline: call assert_speculated(stats)",
     "test_real_model.py::test_q4_carries_every_linear_layer":
         "the real model's q4 speculative answer: no proof (slow tier, not run here)",
-    "test_tools.py::test_greedy_calls_under_speculation_equal_target_only":
-        "assert_speculated(*stats) sums over prompts and forced on/off per drafter: prove each",
 }
 
 
