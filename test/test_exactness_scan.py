@@ -27,8 +27,6 @@ NOT_EXACTNESS: dict[str, str] = {
 PENDING: dict[str, str] = {
     "test_distill.py::test_train_draft_model_loads_as_draft_and_stays_exact":
         "asserts drafted > 0 inline per prompt: call assert_speculated(result.stats) (accepted: probe)",
-    "test_engine_folders.py::test_switching_forms_back_and_forth_reloads":
-        "answer() drops the stats: return them and prove the eagle3 answers",
     "test_hybrid.py::test_hybrid_greedy_equals_plain_both_sources":
         "counts proposals per source, no verify/accept proof per prompt",
     "test_hybrid.py::test_head_catches_up_after_many_lookup_drafts":
