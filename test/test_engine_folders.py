@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from spec_edge.runtime.backends.onnxruntime import packed_dir
 from spec_edge.runtime.engine import Engine
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import run_one
+from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
 MAKING = ("[export]", "[fused]", "[q4]", "[q8]", "[packed]")  # what a run that makes graphs says
@@ -51,12 +53,33 @@ def write_yaml(path: Path, cfg: Config) -> Path:
     return path
 
 
-def answer(cfg: Config, drafter: str | None = None) -> tuple[list[int], list[str]]:
-    """(greedy token ids, the load's progress messages) of one request through a freshly loaded engine."""
+def answer(cfg: Config, drafter: str | None = None):
+    """(greedy token ids, the load's progress messages, the request's stats) of one request through a freshly
+    loaded engine."""
     messages: list[str] = []
     engine = artifacts.engine(cfg, messages.append)
     result = run_one(engine, GenerateRequest(prompt=PROMPT, max_new_tokens=16, drafter=drafter))
-    return list(result.token_ids), messages
+    return list(result.token_ids), messages, result.stats
+
+
+LONGER = {"graphs.max_context": 96}  # another form of the tiny profile (a folder of its own)
+
+
+@pytest.fixture(scope="module")
+def made_engines(tiny_models, tmp_path_factory) -> Path:
+    """An engines folder with the tiny profile's form and its LONGER form made, once per module: the tests that
+    need made folders copy it (made_copy) instead of exporting the same graphs again."""
+    engines = tmp_path_factory.mktemp("made") / "engines"
+    cfg = tiny_profile(tiny_models, engines)
+    for form in (cfg, cfg.replace(**LONGER)):
+        artifacts.ensure(form, lambda message: None)
+    return engines
+
+
+def made_copy(made_engines: Path, tmp_path: Path) -> Path:
+    """A copy of made_engines of the test's own (the tests change, remake and prune its folders)."""
+    shutil.copytree(made_engines, tmp_path / "engines", symlinks=True)
+    return tmp_path / "engines"
 
 
 def made(messages: list[str]) -> list[str]:
@@ -69,25 +92,30 @@ def cli(*args: str, timeout: int = 600, **kwargs) -> subprocess.CompletedProcess
                           timeout=timeout, env=env, **kwargs)
 
 
-def test_switching_forms_back_and_forth_reloads(tiny_models, tmp_path):
+def test_switching_forms_back_and_forth_reloads(tiny_models, made_engines, tmp_path):
     """Plain -> a head (its hidden states) -> plain -> the head -> another max_context -> back: each
     form gets a folder of its own, each switch back loads it without making anything, and every
-    answer is the plain greedy one."""
+    answer is the plain greedy one (the head's answers proven to have drafted: verify calls ran)."""
     from test_eagle3 import make_head
 
     head, _ = make_head(tmp_path / "head", tiny_models["target"], scale=20.0)
-    plain = tiny_profile(tiny_models, tmp_path / "engines")
+    plain = tiny_profile(tiny_models, made_copy(made_engines, tmp_path))
     with_head = plain.replace(**{"speculative.eagle3_head": str(head), "speculative.drafter": "eagle3"})
-    longer = plain.replace(**{"graphs.max_context": 96})
-    want, first = answer(plain)
-    assert made(first)
-    got, second = answer(with_head, "eagle3")
+    longer = plain.replace(**LONGER)
+    want, first, _ = answer(plain)
+    assert made(first) == [], first  # the module's made folder, copied: loaded as it is
+    got, second, stats = answer(with_head, "eagle3")
     assert got == want and made(second)
+    # a random head: verified, seldom accepted (its accept path is test_eagle3's); the switch is the point here
+    assert_speculated(stats, accepted=False, what="eagle3 after the switch")
     for cfg, drafter in ((plain, None), (with_head, "eagle3")):
-        got, messages = answer(cfg, drafter)
+        got, messages, stats = answer(cfg, drafter)
         assert got == want and made(messages) == [], messages
-    assert answer(longer)[0] == want
-    got, messages = answer(plain)
+        if drafter:
+            assert_speculated(stats, accepted=False, what="eagle3 switched back")
+    got, messages, _ = answer(longer)
+    assert got == want and made(messages) == [], messages
+    got, messages, _ = answer(plain)
     assert got == want and made(messages) == [], messages
     names = {plan.artifact_dir(cfg, "target").name for cfg in (plain, with_head, longer)}
     assert len(names) == 3 and any("-h0.1.2-" in name for name in names)
@@ -98,15 +126,18 @@ def test_switching_forms_back_and_forth_reloads(tiny_models, tmp_path):
         assert len(forms) <= 1, (folder.name, forms)
 
 
-def test_the_engine_only_loads_and_refuses_what_no_build_made(tiny_models, tmp_path):
+def test_the_engine_only_loads_and_refuses_what_no_build_made(tiny_models, made_engines, tmp_path):
     """Build before serve: Engine.from_config makes no file; a profile never built, or a packed copy gone, is
-    refused with the command that makes it, and after the build (what every serving command runs first) the
-    same load makes nothing."""
+    refused with the command that makes it, and after the build (what every serving command runs first: here
+    the module's made folder and the build's check of it) the same load makes nothing."""
     cfg = tiny_profile(tiny_models, tmp_path / "engines")
     with pytest.raises(BackendError, match=r"target graphs of profile 'tiny' is not built .*`spec-edge export`"):
         Engine.from_config(cfg, lambda message: None)
     assert not (tmp_path / "engines").exists()
-    runs = artifacts.ensure(cfg, lambda message: None)
+    made_copy(made_engines, tmp_path)
+    built: list[str] = []
+    runs = artifacts.ensure(cfg, built.append)
+    assert made(built) == [], built
     messages: list[str] = []
     Engine.from_config(cfg, messages.append)
     assert made(messages) == [], messages
@@ -115,23 +146,23 @@ def test_the_engine_only_loads_and_refuses_what_no_build_made(tiny_models, tmp_p
         Engine.from_config(cfg, lambda message: None)
 
 
-def test_a_foreign_graph_is_ignored_and_a_stale_one_remade(tiny_models, tmp_path):
+def test_a_foreign_graph_is_ignored_and_a_stale_one_remade(tiny_models, made_engines, tmp_path):
     """A graph of another form in the folder (as an older version grew folders) is not loaded; a graph the
     plan runs whose spec differs is made again; neither stops the engine."""
-    cfg = tiny_profile(tiny_models, tmp_path / "engines")
-    want, _ = answer(cfg)
+    cfg = tiny_profile(tiny_models, made_copy(made_engines, tmp_path))
+    want, _, _ = answer(cfg)
     exported = plan.artifact_dir(cfg, "target")
     fused = exported.parent / f"{exported.name}_fused"
     manifest = json.loads((fused / "manifest.json").read_text())
     manifest["graphs"]["verify_9"] = {"kind": "verify", "width": 9, "rows": 1, "hidden_layers": [0, 1, 2]}
     (fused / "verify_9.onnx").write_bytes((fused / "verify_4.onnx").read_bytes())
     (fused / "manifest.json").write_text(json.dumps(manifest))
-    got, messages = answer(cfg)
+    got, messages, _ = answer(cfg)
     assert got == want
     manifest = json.loads((exported / "manifest.json").read_text())
     manifest["graphs"]["verify_4"]["hidden_layers"] = [0, 1, 2]  # not what the plan runs: made again
     (exported / "manifest.json").write_text(json.dumps(manifest))
-    got, messages = answer(cfg)
+    got, messages, _ = answer(cfg)
     assert got == want and any("1 graph added" in m for m in messages), messages
 
 
@@ -196,16 +227,13 @@ def test_kill_9_mid_export_leaves_a_folder_the_next_command_uses(tiny_models, tm
     assert not list(exported.parent.glob(".*.tmp*")) and not list(exported.glob(".*.tmp*"))
 
 
-def test_engines_lists_and_prunes_only_unused_folders(tiny_models, tmp_path):
-    engines = tmp_path / "engines"
+def test_engines_lists_and_prunes_only_unused_folders(tiny_models, made_engines, tmp_path):
+    engines = made_copy(made_engines, tmp_path)  # the profile's form and LONGER, a form no profile names
     cfg = tiny_profile(tiny_models, engines)
     profile = write_yaml(tmp_path / "tiny.yaml", cfg)
-    answer(cfg)
-    answer(cfg.replace(**{"graphs.max_context": 96}))  # a form no profile names
     listed = cli("engines", "--engine-dir", str(engines), "--config", str(profile))
     assert listed.returncode == 0, listed.stderr
-    used, unused = plan.artifact_dir(cfg, "target"), plan.artifact_dir(cfg.replace(**{"graphs.max_context": 96}),
-                                                                          "target")
+    used, unused = plan.artifact_dir(cfg, "target"), plan.artifact_dir(cfg.replace(**LONGER), "target")
     for name in (used.name, f"{used.name}_fused_packed", unused.name):
         assert f"tiny/onnx/{name}\n" in listed.stdout
     assert f"used by: {profile}" in listed.stdout and "UNUSED" in listed.stdout
@@ -214,5 +242,5 @@ def test_engines_lists_and_prunes_only_unused_folders(tiny_models, tmp_path):
     left = sorted(path.name for path in (engines / "tiny" / "onnx").iterdir() if not path.name.startswith("."))
     assert left and all(name.startswith(used.name) for name in left), left
     assert not any(name.startswith(unused.name) for name in left)
-    got, messages = answer(cfg)
+    got, messages, _ = answer(cfg)
     assert made(messages) == []

@@ -25,10 +25,6 @@ NOT_EXACTNESS: dict[str, str] = {
 # exactness tests this scan finds without a per-case proof, in files outside issue 46's item 3 list (each is a
 # known gap, to be proven and removed from here; a new test cannot be added here unnoticed: the list is exact)
 PENDING: dict[str, str] = {
-    "test_engine_folders.py::test_switching_forms_back_and_forth_reloads":
-        "answer() drops the stats: return them and prove the eagle3 answers",
-    "test_tools.py::test_greedy_calls_under_speculation_equal_target_only":
-        "assert_speculated(*stats) sums over prompts and forced on/off per drafter: prove each",
 }
 
 

@@ -1,8 +1,9 @@
 """Tool calls on the embedded default (SmolLM2-135M, whose template has no tools: the generic format): required /
 a named tool always give calls that parse and validate against the tool's schema; auto text stays text; none
-never calls; the content streams without call markup; greedy answers under speculation (ngram, a draft model,
-EAGLE-3; grammar-forced drafts on and off) are the target-only answer token for token; refusals name the fix.
-Whether the 135M model picks the right tool is its quality, not the contract (docs/tools.md)."""
+never calls; the content streams without call markup; greedy answers under speculation (ngram and a draft model
+on the fp32 form; the committed EAGLE-3 head on its own form in the release tier; grammar-forced drafts on and off)
+are the target-only answer token for token; refusals name the fix. Whether the 135M model picks the right tool is
+its quality, not the contract (docs/tools.md)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from spec_edge.runtime import speculative
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
 from spec_edge.runtime.scheduler import run_one
 from spec_edge.runtime.tool_format import ContentStream, HermesFormat, tools_from_json
+from real_forms import REAL_FORMS
 from speculated import assert_speculated
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,14 +31,17 @@ def robot_tools() -> tuple[Tool, ...]:
 INSTRUCTIONS = ["Go to the kitchen.", "Pick up the red cup.", "Tell me a joke.", "Drive to the garage and wait."]
 
 
-@pytest.fixture(scope="module")
-def engine():
+def form_engine(form: str):
+    """An engine of the real model's form `form` (test/real_forms.py, made by the session), at k 4."""
     from spec_edge import artifacts
 
-    cfg = cfgmod.from_params({"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
-                              "graphs.batch_slots": 1, "speculative.k": 4,
-                              "speculative.eagle3_head": str(REPO / "heads" / "smollm2-135m-eagle3")})
+    cfg = cfgmod.from_params({"runtime.engine_dir": str(REPO / "engines"), **REAL_FORMS[form], "speculative.k": 4})
     return artifacts.engine(cfg, progress=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return form_engine("fp32")
 
 
 def valid(engine, call: ToolCall, tools=robot_tools()) -> bool:
@@ -114,35 +119,51 @@ def test_refusals(engine, fields, message):
         engine.front.prepare(GenerateRequest(prompt="Go.", **fields))
 
 
-def test_greedy_calls_under_speculation_equal_target_only(engine):
-    """ngram, EAGLE-3 (the embedded default's head) and a draft model (the target as its own draft model, a
-    ModelDrafter like the draft drafter), each with and without grammar-forced drafts."""
+CALL_PROMPTS = (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto"))
+
+
+def speculated_calls_equal_target_only(engine, drafters: tuple[str, ...], draft_model: bool) -> None:
+    """Each prompt of CALL_PROMPTS, each drafter, grammar-forced drafts off and on (and, with draft_model, the
+    target as its own draft model: a ModelDrafter like the draft drafter's, under the request's grammar): the
+    greedy tokens and calls are the target-only ones, and each case proves it verified and accepted drafts."""
     from spec_edge.runtime.backends.ort_runner import b1_runner
     from spec_edge.runtime.drafters.draft_model import ModelDrafter
     from tiny import run_alone
 
-    self_runner = b1_runner(engine.graph_dir)
-    runs = {}
-    for text, choice in (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto")):
+    self_runner = b1_runner(engine.graph_dir) if draft_model else None
+    for text, choice in CALL_PROMPTS:
         request = GenerateRequest(messages=(("user", text),), tools=robot_tools(), tool_choice=choice,
                                   max_new_tokens=32)
         plain = run_one(engine, GenerateRequest(**{**request.__dict__, "speculate": False}))
         assert plain.stats.verify_calls == 0
-        for drafter in ("ngram", "eagle3"):
+        calls = plain.tool_calls and [(c.name, c.arguments) for c in plain.tool_calls]
+        for drafter in drafters:
             for forced in (False, True):
                 got = run_one(engine, GenerateRequest(**{**request.__dict__, "drafter": drafter, "k": 4,
                                                          "forced_drafts": forced}))
                 assert (got.token_ids, got.tool_calls and [(c.name, c.arguments) for c in got.tool_calls]) == \
-                    (plain.token_ids, plain.tool_calls and [(c.name, c.arguments) for c in plain.tool_calls])
-                runs.setdefault(drafter, []).append(got.stats)
-        prepared = engine.front.prepare(request)
-        ids, _, stats = run_alone(engine.runner, speculative.SlotRequest(
-            prompt_ids=prepared.prompt_ids, max_new_tokens=32, eos_ids=engine.eos_ids, k=4,
-            drafter=ModelDrafter(self_runner, name="self"), constraint=prepared.guide))
-        assert ids == plain.token_ids
-        runs.setdefault("draft model", []).append(stats)
-    for drafter, stats in runs.items():
-        assert_speculated(*stats, what=drafter)
+                    (plain.token_ids, calls)
+                assert_speculated(got.stats, what=f"{drafter} forced={forced} on {text!r}")
+        if draft_model:
+            prepared = engine.front.prepare(request)
+            ids, _, stats = run_alone(engine.runner, speculative.SlotRequest(
+                prompt_ids=prepared.prompt_ids, max_new_tokens=32, eos_ids=engine.eos_ids, k=4,
+                drafter=ModelDrafter(self_runner, name="self"), constraint=prepared.guide))
+            assert ids == plain.token_ids
+            assert_speculated(stats, what=f"draft model on {text!r}")
+
+
+def test_greedy_calls_under_speculation_equal_target_only(engine):
+    """ngram and a draft model (the target as its own draft model), each case proven to have speculated."""
+    speculated_calls_equal_target_only(engine, ("ngram",), draft_model=True)
+
+
+@pytest.mark.release
+@pytest.mark.real_model("eagle3")
+def test_greedy_calls_under_eagle3_equal_target_only():
+    """The committed EAGLE-3 head on its own form (the one test_engine_switch_real makes; its target returns
+    hidden states, a form no CI test needs): release tier, docs/testing.md."""
+    speculated_calls_equal_target_only(form_engine("eagle3"), ("eagle3",), draft_model=False)
 
 
 def test_cli_prints_the_calls_in_json(engine, capsys, tmp_path):
