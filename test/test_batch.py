@@ -20,7 +20,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
-from tiny import run_alone, run_together
+from tiny import Kept, drain, run_alone, run_together
 
 SLOTS, K = 4, 3  # row counts (2, 3, 4)
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
@@ -233,7 +233,7 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     loop = speculative.BatchLoop(batch_runner, k_by_load=[K, 0])
     requests = [speculative.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
-        request.sink = speculative.Keep(cancel=(lambda: "cancelled" if loop.iterations > 4 else None) if i == 0 else None)
+        request.sink = Kept(cancel=(lambda: "cancelled" if loop.iterations > 4 else None) if i == 0 else None)
     loop.add(requests[0])
     loop.add(requests[1])
     while requests[0].sink.result is None:
@@ -242,7 +242,7 @@ def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
     assert loop.calls["verify"] == 0 and done[0][1] == "cancelled" and 0 < len(done[0][0]) < 40
     assert done[0][2].policy_off_steps == len(done[0][0]) - 1  # every step after the first token
     assert loop.add(requests[2]) == 2  # a slot never taken before the freed one (its record is kept)
-    loop.run()
+    drain(loop)
     done = {i: request.sink.result for i, request in enumerate(requests)}
     for i in (1, 2):
         assert done[i][0] == solo(batch_runner, tiny_engine, factories[i])[0]

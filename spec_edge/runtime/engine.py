@@ -29,9 +29,9 @@ from pathlib import Path
 from spec_edge import speculation_policy
 from spec_edge.config import AUTO_K, DRAFTERS, Config, ConfigError
 from spec_edge.graphs import plan
-from spec_edge.runtime.backends.base import Runner, common_prefix
+from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.onnxruntime import ort_folder
-from spec_edge.runtime.backends.slot_views import Slotted
+from spec_edge.runtime.backends.slot_views import SlotRunner, Slotted
 from spec_edge.runtime.drafting import Drafters, refusal, slotted
 from spec_edge.runtime import k_choice
 from spec_edge.runtime.front import Capabilities, Front, Prepared
@@ -94,9 +94,9 @@ class InLoop:
 
 class Engine:
     """The loop over a target of B slots and the request handling around it. runner: the slotted target
-    the loop drives; targets: its slots as B=1 Runners (slot_views.SlotRunner; target = slot 0)."""
+    the loop drives; targets: its slots alone (slot_views.SlotRunner; target = slot 0)."""
 
-    def __init__(self, cfg: Config, runner: Slotted, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
+    def __init__(self, cfg: Config, runner: Slotted, targets: list[SlotRunner], tokenizer: Tokenizer, graph_dir: Path,
                  progress: Callable[[str], None] = print):
         self.cfg = cfg
         self.runner, self.targets, self.target = runner, targets, targets[0]

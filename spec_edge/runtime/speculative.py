@@ -42,7 +42,7 @@ once the prompt is in (forget() first without prefix reuse), propose / observe p
 finish() when the request leaves (recording what its cache holds for the slot's next request).
 
 Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
-slot b's region holds (as Runner.held, base.py). add() puts a request into the free slot whose
+slot b's region holds (base.py). add() puts a request into the free slot whose
 record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
 index) and prefills only from min(common prefix, len(prompt) - 1) on; the record is () while the
 request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
@@ -71,7 +71,7 @@ logits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,28 +102,6 @@ class SlotSink(Protocol):
     def cancel_reason(self) -> str | None: ...
 
     def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats: Stats) -> None: ...
-
-
-class Keep:
-    """A SlotSink that keeps its request's (token ids, finish reason, stats) in result (tools, tests); cancel() and
-    emit(chunk) as a SlotSink's, when given."""
-
-    def __init__(self, cancel: Callable[[], str | None] | None = None,
-                 emit: Callable[[list[int]], bool] | None = None):
-        self._cancel, self._emit = cancel, emit
-        self.result: tuple[list[int], str, Stats] | None = None
-
-    def drafter(self, slot: int) -> None:
-        return None
-
-    def emit(self, chunk: list[int]) -> bool:
-        return self._emit is not None and self._emit(chunk)
-
-    def cancel_reason(self) -> str | None:
-        return self._cancel() if self._cancel is not None else None
-
-    def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats: Stats) -> None:
-        self.result = (token_ids, finish, stats)
 
 
 def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int) -> tuple[list[int], str | None]:
@@ -196,7 +174,8 @@ class _Slot:
 
 
 class BatchLoop:
-    """B slots over one slotted runner; the caller adds requests and calls iterate() until idle."""
+    """B slots over one slotted runner: the engine's (engine.Engine.add / iterate), which the scheduler drives
+    (runtime/scheduler.py: the one driver of every decoder)."""
 
     def __init__(self, runner: Slotted, *, k_by_load: Sequence[int] = (), reuse: bool = False,
                  costs: CallCosts | None = None):
@@ -279,11 +258,6 @@ class BatchLoop:
         """Empty every slot without answering (after a failed call: the caller answers its requests)."""
         self.slots = [None] * self.runner.batch
         self.runner.held = [()] * self.runner.batch
-
-    def run(self) -> None:
-        """iterate() until every slot has left."""
-        while self.occupied:
-            self.iterate()
 
     # -- one slot's prefill ----------------------------------------------------------------------
 
