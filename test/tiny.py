@@ -428,13 +428,13 @@ def serve_together(decoder, requests) -> list:
     return [job.result for job in jobs]
 
 
-def run_together(runner, requests, join_at=None, k_by_load=(), reuse=False) -> list:
+def run_together(runner, requests, join_at=None, reuse=False) -> list:
     """SlotRequests through one speculative.BatchLoop over runner, request i joining at iteration join_at[i]
     (default 0) or as soon as a slot is free after it: (token ids, finish reason, stats) per request."""
     from spec_edge.runtime import speculative
 
     join_at = join_at or [0] * len(requests)
-    loop = speculative.BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
+    loop = speculative.BatchLoop(runner, reuse=reuse)
     waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
     for request in requests:
         request.sink = request.sink or Kept()
