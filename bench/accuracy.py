@@ -52,20 +52,23 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 def forced_logits(runner, prompt: list[int], continuation: list[int]) -> np.ndarray:
     """(len(continuation), V): the logits that predict each continuation token, prompt prefilled, then
     one step per token (the step graph every decode uses)."""
+    runner.held = ()  # the calls below rewrite the slot's rows: the next request runs cold
     rows = [runner.prefill(prompt, 0).copy()]
     for i, token in enumerate(continuation[:-1]):
         rows.append(runner.forward([token], len(prompt) + i)[0].copy())
     return np.stack(rows)
 
 
-def _greedy(engine, ids: list[int], max_new: int, drafter=None, k: int = 0) -> tuple[list[int], float]:
-    from spec_edge.runtime import speculative
+def _greedy(engine, prompt: str, max_new: int, drafter: str = "none", k: int = 0) -> tuple[list[int], float]:
+    """(the greedy token ids of prompt through the scheduler, tok/s): target-only, or drafter at k."""
+    from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.scheduler import run_one
 
-    started, kept, loop = time.perf_counter(), speculative.Keep(), speculative.BatchLoop(engine.runner)
-    loop.add(speculative.SlotRequest(prompt_ids=ids, max_new_tokens=max_new, eos_ids=engine.eos_ids, drafter=drafter,
-                                     k=k, sink=kept))
-    loop.run()
-    out = kept.result[0]
+    started = time.perf_counter()
+    result = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=max_new, temperature=0.0,
+                                             speculate=drafter != "none", drafter=None if drafter == "none" else drafter,
+                                             k=k or None))
+    out = result.token_ids
     return out, len(out) / max(time.perf_counter() - started, 1e-9)
 
 
@@ -76,9 +79,11 @@ def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dic
     from spec_edge import artifacts
 
     fp32 = artifacts.engine(cfg.replace(**{"graphs.weights": "fp32"}), progress)
-    prompt_ids = [fp32.tokenizer.encode(fp32.tokenizer.render_chat([("user", p)])) for p in prompts]
+    from spec_edge.runtime.requests import GenerateRequest
+
+    prompt_ids = [fp32.front.prompt_ids(GenerateRequest(prompt=p)) for p in prompts]  # as _greedy's requests
     text_ids = fp32.tokenizer.encode(text)
-    reference = [_greedy(fp32, ids, max_new)[0] for ids in prompt_ids]
+    reference = [_greedy(fp32, p, max_new)[0] for p in prompts]
     ref_logp = [_log_softmax(forced_logits(fp32.target, ids, cont)) for ids, cont in zip(prompt_ids, reference) if cont]
     ref_text = _log_softmax(forced_logits(fp32.target, text_ids[:1], text_ids[1:]))
     rows = []
@@ -94,17 +99,16 @@ def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dic
         row.ppl = float(np.exp(-np.mean(text_logp[np.arange(len(text_ids) - 1), text_ids[1:]])))
         row.top1, row.kl = float(np.mean(agree)), float(np.mean(kls))
         prefixes, speeds = [], []
-        for ids, ref_cont in zip(prompt_ids, reference):
-            own, speed = _greedy(engine, ids, max_new)
+        for prompt, ref_cont in zip(prompts, reference):
+            own, speed = _greedy(engine, prompt, max_new)
             speeds.append(speed)
             same = next((i for i, (a, b) in enumerate(zip(own, ref_cont)) if a != b), min(len(own), len(ref_cont)))
             prefixes.append(same / max(len(ref_cont), 1))
             row.greedy_same += own == ref_cont
             for name, overrides in drafters.items():
                 spec_engine = engine if not overrides else _with(engine, cfg, form, overrides, progress)
-                drafter = spec_engine.drafter(name)
-                got, _ = _greedy(spec_engine, ids, max_new, drafter, speculative_k(spec_engine.cfg))
-                base = own if spec_engine is engine else _greedy(spec_engine, ids, max_new)[0]
+                got, _ = _greedy(spec_engine, prompt, max_new, name, speculative_k(spec_engine.cfg))
+                base = own if spec_engine is engine else _greedy(spec_engine, prompt, max_new)[0]
                 hit, total = row.exact.get(name, (0, 0))
                 row.exact[name] = (hit + (got == base), total + 1)
         row.greedy_prefix, row.tokens_per_s = float(np.mean(prefixes)), float(np.median(speeds))

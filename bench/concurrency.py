@@ -35,8 +35,8 @@ node, the client processes and the rest of the machine used from the start to it
 answer (window, prompt index, tokens, latency, TTFT, k, acceptance, prompt rows reused, text) is
 kept in the JSON. Per node: VmRSS and Pss (/proc/<pid>/smaps_rollup, the node process) after each
 window, the largest kept; ratios of each node's N=1 total to the first node's, and of its N-client
-total to its own N=1 total. Writes JSON, a table (.txt) and a plot (.png). `spec-edge tune
---concurrency-json` reads the first node's rows (its `none` and one speculative drafter).
+total to its own N=1 total. Writes JSON, a table (.txt) and a plot (.png); with `none` and one speculative
+drafter, the first node's totals per number of clients also as `rows` (plain vs speculative).
 """
 from __future__ import annotations
 
@@ -245,14 +245,14 @@ def main() -> int:
     if any("=" not in e or "." not in e.partition("=")[0] for e in edits):
         parser.error("--set and PATH,... take section.key=value")
 
-    from spec_edge.tools import tune
+    from spec_edge.tools.bench import machine_load
     from spec_edge.tools.prompts import load_prompts
 
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     os.environ.setdefault("ROS_DOMAIN_ID", str(random.randint(100, 200)))
     prompts = [p["prompt"] for p in load_prompts()]
     tmp = Path(tempfile.mkdtemp(prefix="spec_edge_concurrency_"))
-    load_start = tune.machine_load()
+    load_start = machine_load()
     nodes = []
     for i, (checkout, spec) in enumerate(pairs):
         code = Path(checkout).resolve()
@@ -266,7 +266,7 @@ def main() -> int:
     mode = (f"closed loop, {args.rounds} window(s) of {args.seconds:g} s per N" if args.seconds else
             f"bursts, {args.rounds} per N > 1")
     lines = [f"total tok/s | per-client tok/s | TTFT s | answers equal to solo; {mode}; {args.max_new_tokens} new "
-             f"tokens, greedy, load {load_start['loadavg_1m']} -> {tune.machine_load()['loadavg_1m']}",
+             f"tokens, greedy, load {load_start['loadavg_1m']} -> {machine_load()['loadavg_1m']}",
              f"{'node':28s} {'drafter':8s}" + "".join(f"{'N=' + str(n):>30s}" for n in args.clients)]
     for node in nodes:
         for drafter, rows in node["rows"].items():
@@ -288,10 +288,10 @@ def main() -> int:
     print(text)
     report = {"nodes": nodes, "clients": args.clients, "max_new_tokens": args.max_new_tokens, "rounds": args.rounds,
               "seconds": args.seconds,
-              "load_start": load_start, "load_end": tune.machine_load(), "command": " ".join(sys.argv),
+              "load_start": load_start, "load_end": machine_load(), "command": " ".join(sys.argv),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     spec = [d for d in first["rows"] if d != "none"]
-    if "none" in first["rows"] and len(spec) == 1:  # what `spec-edge tune --concurrency-json` reads
+    if "none" in first["rows"] and len(spec) == 1:  # plain vs speculative per number of clients
         plain, fast = first["rows"]["none"], first["rows"][spec[0]]
         report["k"] = max(a["k"] for n in args.clients for a in fast[n]["each"])
         report["rows"] = [{"clients": n, "plain_total_tok_s": plain[n]["total_tok_s"],

@@ -48,7 +48,7 @@ def replay(drafter, prompt_ids: list[int], out: list[int], k: int) -> tuple[int,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--ratio", type=float, default=1.45, help="c_verify[k+1] / c_step (spec-edge tune measures it)")
+    parser.add_argument("--ratio", type=float, default=1.45, help="c_verify[k+1] / c_step (spec-edge bench prints it)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--cache", default=str(ROOT / "bench" / "results" / "greedy_outputs.json"))
     parser.add_argument("--variants", nargs="+", default=None,

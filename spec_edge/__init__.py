@@ -5,7 +5,7 @@
     heads/      draft-head architectures, checkpoint layouts, head graphs
     device/     TensorRT engine builds, manifests and the Thor memory plan
     runtime/    what a request touches: engine, speculative loop, sampling, backends, drafters
-    tools/      spec-edge bench (this engine against itself) and tune
+    tools/      spec-edge bench (this engine against itself)
     ros2/       the ROS 2 node and client
     cli.py      the spec-edge command
 

@@ -1,4 +1,4 @@
-"""Build before serve: every command that serves (spec-edge generate / serve / bench / tune, the node on
+"""Build before serve: every command that serves (spec-edge generate / serve / bench, the node on
 configure) loads through engine(cfg): ensure(cfg) makes what is missing, then Engine.from_config(cfg) only loads
 (runtime/ makes no file and refuses a missing one with `spec-edge export`, which runs ensure(cfg) too).
 

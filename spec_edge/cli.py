@@ -1,4 +1,4 @@
-"""spec-edge: export | generate | bench | build | plan | serve | http | ask | tune | engines.
+"""spec-edge: export | generate | bench | build | plan | serve | http | ask | engines.
 
 A stable contract: scripts outside the project call these. Progress goes to stderr; with --json,
 stdout holds exactly one JSON object.
@@ -153,12 +153,6 @@ def cmd_http(args) -> int:
     exit_process(door.run(cfg, progress, on_signal=start_watchdog))
 
 
-def cmd_tune(args) -> int:
-    from spec_edge.tools import tune
-
-    return tune.main(config_from_args(args), args, progress)
-
-
 def forward(module: str, function: str):
     def run(args) -> int:
         import importlib
@@ -228,12 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (http.host, default 127.0.0.1; another needs http.api_key)")
     p.add_argument("--port", type=int, help="port (http.port, default 8000; 0: any free port)")
     p.set_defaults(func=cmd_http)
-
-    p = sub.add_parser("tune", help="pick k from measured verify/step costs and acceptance; write a profile")
-    add_config_args(p)
-    from spec_edge.tools import tune as tune_mod
-    tune_mod.add_args(p)
-    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("engines", help="list the graph folders (form, size, graphs, last use, users); "
                        "--prune the unused")

@@ -13,7 +13,7 @@ A profile is a ROS 2 parameters file:
 Every section below is one YAML mapping and every field one key; the defaults written here are
 the only defaults in the project (the node declares its parameters from them, the CLI reads them).
 Config() is the default profile: what `ros2 launch spec_edge llm.launch.py`, `spec-edge serve / generate /
-bench / tune / export`, scripts/demo.sh and the scripts run when no profile is named: the embedded
+bench / export`, scripts/demo.sh and the scripts run when no profile is named: the embedded
 SmolLM2-135M-Instruct on ONNX Runtime, its GGUF's own 4-bit weights (graphs.weights: q4), 4 batch slots and
 prompt-lookup (n-gram, k=4) speculation, chosen from measurements (docs/bench.md, "The default profile").
 config/default.yaml, the file the launch file passes, holds the same values (test/test_default_profile.py).
@@ -139,7 +139,7 @@ class SpeculativeSection:
     # drafts per verify call: auto = each request's k (0 included) chosen at every iteration from its live
     # acceptance and the measured cost of each call width (spec_edge/runtime/k_choice.py), up to the largest
     # of graphs.k_values; a number = that k always (a verify graph of width k+1 must exist). Either way the
-    # load policy (serve.speculate_k_by_load) caps it, and the output is the same as target-only's.
+    # output is the same as target-only's. On TensorRT the k is the engine's, fixed at build.
     k: int | str = AUTO_K
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
@@ -191,10 +191,10 @@ class ServeSection:
     request_timeout_s: float = 120.0  # a request still running after this ends with finish_reason error
     diagnostics_period_s: float = 1.0
     system_prompt: str = ""           # "" = the model's chat template default
-    # the load policy (spec_edge/speculation_policy.py): entry n-1 = the most drafts per verify call at
-    # load n (requests in the engine: occupied slots + queued, every iteration), 0 = plain steps; the last
-    # entry holds for larger loads; [] = the request's k always. Greedy output is the same whatever k
-    # runs; `spec-edge tune` writes it from measured costs.
+    # TensorRT Edge-LLM only (its k is fixed per engine; ONNX Runtime chooses k per iteration with
+    # speculative.k: auto and refuses a table): the load policy (spec_edge/speculation_policy.py), entry n-1 =
+    # the k at load n (requests in the engine: occupied slots + queued, as a request starts), 0 or
+    # speculative.k (0 = target-only); the last entry holds for larger loads; [] = speculative.k always.
     speculate_k_by_load: tuple[int, ...] = ()
     # keep what a request left in the resident caches (target, draft model, EAGLE-3 / P-EAGLE head): a
     # prompt sharing a prefix with it prefills only the rest; the output is the cold run's (docs/bench.md).
@@ -429,6 +429,11 @@ def validate(cfg: Config) -> None:
                           f"(ONNX Runtime: fp32, q4 or q4_fp32act)")
     if not 1 <= g.batch_slots <= 64:
         raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
+    if cfg.runtime.backend != "tensorrt" and cfg.serve.speculate_k_by_load:
+        raise ConfigError(f"serve.speculate_k_by_load={list(cfg.serve.speculate_k_by_load)} is for runtime.backend "
+                          f"tensorrt (Edge-LLM's k is fixed per engine): on ONNX Runtime speculative.k: auto chooses "
+                          f"each request's k (0 = plain steps) at every iteration from its acceptance and the call "
+                          f"costs at the number of requests decoding; remove serve.speculate_k_by_load")
     if cfg.runtime.backend == "tensorrt" and s.drafter != "none" and \
             any(k not in (0, speculative_k(cfg)) for k in cfg.serve.speculate_k_by_load):
         raise ConfigError(f"serve.speculate_k_by_load={list(cfg.serve.speculate_k_by_load)}: Edge-LLM drafts a chain of "

@@ -30,6 +30,6 @@ def message(params: dict[str, Any], weights: Sequence[str], default_k: int) -> s
         new = speculation_policy.from_max_queue(old, k) if isinstance(old, int) and isinstance(k, int) else "[k, .., 0]"
         return (f"serve.speculate_max_queue is gone: the load policy is {speculation_policy.KEY} now, the k to "
                 f"verify at each load (0 = no speculation). speculate_max_queue: {old} is {speculation_policy.KEY}: "
-                f"{new} ([] = speculative.k at every load; [k] * m + [0] = k up to m requests, none beyond); "
-                f"`spec-edge tune` measures it")
+                f"{new} ([] = speculative.k at every load; [k] * m + [0] = k up to m requests, none beyond; "
+                f"TensorRT only: on ONNX Runtime speculative.k: auto chooses k)")
     return None

@@ -1,22 +1,18 @@
-"""The load policy of serve.speculate_k_by_load: how many drafts a verify call may carry at each load.
+"""The load policy of serve.speculate_k_by_load, TensorRT Edge-LLM's (backends/edgellm.py): its k is fixed per
+engine (the drafting chain is built into it), so under load the one thing to choose is whether a request
+speculates at all. On ONNX Runtime speculative.k: auto chooses each request's k at every iteration
+(runtime/k_choice.py) and config.validate refuses a table.
 
-    serve.speculate_k_by_load: [4, 4, 2, 0]
+    serve.speculate_k_by_load: [4, 4, 0]
 
-Entry n-1 is the k at load n, 0 = no speculation (plain steps); a load past the table's end keeps
-its last entry, and [] (the default) is the request's k at every load. The load is the requests in the
-engine: its occupied slots + those waiting in the node's queue (1 = alone), looked up at every iteration
-of the loop (runtime/speculative.py), so one request's verify calls can carry different k as others join
-and leave (Edge-LLM, backends/edgellm.py: looked up once, as a request starts).
+Entry n-1 is the k at load n, 0 = no speculation (plain steps); a load past the table's end keeps its last
+entry, and [] (the default) is speculative.k at every load. The load is the requests in the engine: its
+occupied slots + those waiting in the node's queue (1 = alone), looked up as a request starts. Greedy output
+is the same token for token whatever k runs; with sampling each k is a different draw from the same
+distribution.
 
-An entry is a cap on the request's own k (a request asking k=2 never verifies more than 2 drafts),
-so a value the table chooses is always one of graphs.k_values. Greedy output is the same token for
-token whatever k runs; with sampling each k is a different draw from the same distribution.
-`spec-edge tune` writes the table from measured call costs and acceptance (tools/tune.py).
-
-With speculative.k auto the table stays an upper bound: under its cap each request's k (0 included) is
-chosen at every iteration from its live acceptance and the measured call costs (runtime/k_choice.py).
-
-Pure functions of the table and the config, shared by config.validate, the engines, tune and the node.
+Pure functions of the table and the config, shared by config.validate, the Edge-LLM engine and the reasons a
+result gives (reason: also speculative.k auto's, from its runtime/k_choice.KChoice).
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ KEY = "serve.speculate_k_by_load"
 
 
 def k_at(table: Sequence[int], load: int, k: int) -> int:
-    """The drafts per verify call at this load for a request (or batch loop) entitled to k."""
+    """The drafts per verify call at this load for a request entitled to k."""
     if not table or k <= 0:
         return k
     return min(k, table[min(max(load, 1), len(table)) - 1])

@@ -20,7 +20,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.sampling import SamplingParams
-from tiny import run_alone, run_together
+from tiny import Kept, drain, run_alone, run_together
 
 SLOTS, K = 4, 3  # row counts (2, 3, 4)
 PROMPTS = ["Move the arm to the left", "def add(a, b):", "Ünïcödé 🤖 robot robot robot robot",
@@ -226,23 +226,22 @@ def test_guided_sampling_stream_is_the_seeds_own(batch_runner, tiny_engine):
         assert (ids, finish) == solo(batch_runner, tiny_engine, f)[:2]
 
 
-def test_cancel_and_speculation_policy(batch_runner, tiny_engine):
-    """A cancelled request leaves at the next iteration boundary and its slot is reused; with a load
-    policy of no drafts at two occupied slots no draft is verified, and greedy output stays the same."""
+def test_cancel_leaves_at_the_iteration_boundary(batch_runner, tiny_engine):
+    """A cancelled request leaves at the next iteration boundary and its slot is reused; the others' greedy
+    output stays the same."""
     factories = make_requests(tiny_engine, batch_runner, ["ngram", "ngram", "ngram"], [40, 40, 40])
-    loop = speculative.BatchLoop(batch_runner, k_by_load=[K, 0])
+    loop = speculative.BatchLoop(batch_runner)
     requests = [speculative.SlotRequest(**f()) for f in factories]
     for i, request in enumerate(requests):
-        request.sink = speculative.Keep(cancel=(lambda: "cancelled" if loop.iterations > 4 else None) if i == 0 else None)
+        request.sink = Kept(cancel=(lambda: "cancelled" if loop.iterations > 4 else None) if i == 0 else None)
     loop.add(requests[0])
     loop.add(requests[1])
     while requests[0].sink.result is None:
         loop.iterate()
     done = {i: request.sink.result for i, request in enumerate(requests)}
-    assert loop.calls["verify"] == 0 and done[0][1] == "cancelled" and 0 < len(done[0][0]) < 40
-    assert done[0][2].policy_off_steps == len(done[0][0]) - 1  # every step after the first token
+    assert done[0][1] == "cancelled" and 0 < len(done[0][0]) < 40
     assert loop.add(requests[2]) == 2  # a slot never taken before the freed one (its record is kept)
-    loop.run()
+    drain(loop)
     done = {i: request.sink.result for i, request in enumerate(requests)}
     for i in (1, 2):
         assert done[i][0] == solo(batch_runner, tiny_engine, factories[i])[0]
@@ -310,58 +309,27 @@ def test_q4_batched_equals_b1_q4(q4_runners, tiny_engine):
 
 @pytest.fixture(scope="module")
 def policy_runner(tiny_cfg):
-    """Batched graphs with verify widths for k = 1, 2, 3: the load policy can pick any of them (a profile
-    folder of their own: batch_cfg's folder, which later test files share, stays as it is)."""
+    """Batched graphs with verify widths for k = 1, 2, 3 (a profile folder of their own: batch_cfg's folder,
+    which later test files share, stays as it is)."""
     cfg = tiny_cfg.replace(**{"graphs.batch_slots": SLOTS, "graphs.k_values": [1, 2, K], "speculative.k": K,
                               "runtime.profile": "tiny-policy"})
     return OrtRunner(model_graphs(cfg, "target", progress=lambda message: None), slots=SLOTS)
 
 
-def test_load_policy_k_per_occupancy_keeps_every_output(policy_runner, tiny_engine):
-    """serve.speculate_k_by_load in the loop: k=3 alone, 2 with two slots occupied, none with three; the
-    drafts are cut to that k and verified in its graph; every greedy output == its solo output == the
-    B=1 target-only output, whatever k its iterations ran at; the stats count the verify calls by k."""
-    table = [K, 2, 0]
-    names = ["draft", "ngram", "draft", "draft"]
-    factories = make_requests(tiny_engine, policy_runner, names, [40, 12, 30, 25], accepted=True)
-    together = run_together(policy_runner, [speculative.SlotRequest(**f()) for f in factories],
-                                        join_at=[0, 4, 8, 12], k_by_load=table)
-    by_k = [0] * K
-    for i, (name, f, (ids, finish, stats)) in enumerate(zip(names, factories, together)):
-        plain = run_alone(tiny_engine.runner, target_only(f))
-        assert (ids, finish) == plain[:2]
-        # the two that join late verify only a few windows beside the others: verified, not always accepted
-        assert_speculated(stats, accepted=i < 2, what=f"{name} joining at {[0, 4, 8, 12][i]}")
-        if stats.k:
-            assert len(stats.verify_calls_by_k) == len(stats.accepted_at) == K
-            assert sum(stats.verify_calls_by_k) == stats.verify_calls
-            assert all(0.0 <= p <= 1.0 for p in stats.acceptance_per_position)
-            by_k = [a + b for a, b in zip(by_k, stats.verify_calls_by_k)]
-    assert by_k[K - 1] > 0 and by_k[1] > 0 and by_k[0] == 0  # k=3 alone, k=2 at two slots, never k=1
-    assert sum(stats.policy_off_steps for _, _, stats in together) > 0  # three slots: no drafts
-    first = together[0][2]
-    assert first.verify_calls_by_k[K - 1] > 0 and first.verify_calls_by_k[1] > 0  # one request, two k
-
-
-def test_load_policy_needs_the_graphs(batch_runner, policy_runner, tiny_engine):
-    """A request is refused as it joins when a k the policy can give it has no verify graph; the load is
-    the occupied slots + what waits in the caller's queue, and each slot's k is capped by its own."""
-    from spec_edge import speculation_policy
+def test_a_k_without_its_graph_is_refused_and_the_load_counts_the_queue(batch_runner, policy_runner, tiny_engine):
+    """A request is refused as it joins when its k has no verify graph; the load a request joins at is the
+    occupied slots + what waits in the caller's queue."""
     from spec_edge.runtime.backends.base import BackendError
 
-    (args,) = make_requests(tiny_engine, batch_runner, ["ngram"], [4])
+    (args,) = make_requests(tiny_engine, batch_runner, ["ngram"], [4], ks=[2])
     with pytest.raises(BackendError, match="k=2"):
-        speculative.BatchLoop(batch_runner, k_by_load=[K, 2]).add(speculative.SlotRequest(**args()))  # k = 3 only
-    loop = speculative.BatchLoop(policy_runner, k_by_load=[K, 1, 0])
-    ks = []
-    for request in make_requests(tiny_engine, policy_runner, ["ngram"] * SLOTS, [4] * SLOTS, ks=[2] * SLOTS):
-        loop.add(speculative.SlotRequest(**request()))
-        ks.append(speculation_policy.k_at(loop.k_by_load, loop.load, 2))
-    assert ks == [2, 1] + [0] * (SLOTS - 2)  # entries above a request's k are capped; the last holds
-    loop.clear()
+        speculative.BatchLoop(batch_runner).add(speculative.SlotRequest(**args()))  # k = 3 only
+    loop = speculative.BatchLoop(policy_runner)
     loop.add(speculative.SlotRequest(**make_requests(tiny_engine, policy_runner, ["ngram"], [4])[0]()))
     loop.waiting = 1
-    assert loop.load == 2 and speculation_policy.k_at(loop.k_by_load, loop.load, K) == 1
+    request = speculative.SlotRequest(**make_requests(tiny_engine, policy_runner, ["ngram"], [4])[0]())
+    loop.add(request)
+    assert loop.load == 3 and request.occupancy == 3
 
 
 def test_each_slot_verifies_its_own_k(policy_runner, tiny_engine):
@@ -402,14 +370,11 @@ def test_a_slot_near_its_cache_end_beside_a_wider_verify(policy_runner, tiny_eng
         assert_speculated(stats, what=f"k={request.k}")
 
 
-def test_tune_occupancy_costs(policy_runner):
-    """`spec-edge tune` for the batched node: the ms of calls with 1..B rows of every width, measured
-    through a call(rows, width) on the runner."""
-    from spec_edge.tools import tune
+def test_call_costs_per_row_count(policy_runner):
+    """The one cost measurement (runtime/k_choice.measure_costs, what speculative.k auto weighs) on the batched
+    runner: the ms of calls with 1..B rows at every width the runner has."""
+    from spec_edge.runtime import k_choice
 
-    call = tune.forward_call(policy_runner, position=20)
-    costs, _ = tune.occupancy_costs(call, range(1, SLOTS + 1), [1, 3, K + 1], rounds=2)
-    assert sorted(costs) == [(n, w) for n in range(1, SLOTS + 1) for w in (1, 3, K + 1)]
-    assert all(ms > 0 for ms in costs.values())
-    table, rates = tune.k_table(costs, range(1, SLOTS + 1), [2, K], 1, [0.5, 0.25, 0.125], 0.75)
-    assert len(table) == SLOTS and all(k in (0, 2, K) for k in table) and sorted(rates[1]) == [0, 2, K]
+    costs = k_choice.measure_costs(policy_runner, rounds=2)
+    assert sorted(costs.ms) == [(n, w) for n in range(1, SLOTS + 1) for w in sorted(policy_runner.widths)]
+    assert all(ms > 0 for ms in costs.ms.values())

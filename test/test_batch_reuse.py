@@ -15,7 +15,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import run_one
-from tiny import Collect, run_together
+from tiny import Kept, drain, run_together, serve_together
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the battery level", "def add(a, b):"]
@@ -62,31 +62,31 @@ def test_slot_affinity_and_reused_equals_cold(engine, cold):
     answers: dict = {}
 
     def add(ids, key):
-        answers[key] = speculative.Keep()
+        answers[key] = Kept()
         return loop.add(request(ids, sink=answers[key]))
 
     assert add(p[0], "a") == 0  # all records empty: the lowest index
-    loop.run()
+    drain(loop)
     assert add(p[1], "b") == 0  # shares the system prompt with slot 0's record only
     assert add(p[2], "c") == 1  # slot 0 busy, the other records empty: the lowest free slot
-    loop.run()  # b and c together
+    drain(loop)  # b and c together
     system = common_prefix(p[0], p[1], len(p[1]))
     assert answers["b"].result[2].prompt_tokens_reused == system > 10 and answers["c"].result[2].prompt_tokens_reused == 0
     assert add(p[2], "c2") == 1 and add(p[1], "b2") == 0  # back to the slots holding all of them
     assert add(p[3], "d") == 2  # slots 0 and 1 busy, 2 and 3 empty: the lower
-    loop.run()
+    drain(loop)
     assert answers["c2"].result[2].prompt_tokens_reused == len(p[2]) - 1
     assert answers["b2"].result[2].prompt_tokens_reused == len(p[1]) - 1
     tie = ids_of(engine, "Open the gripper")
     shares = [common_prefix(runner.held[b], tie, len(tie)) for b in range(SLOTS)]
     assert shares[0] == shares[1] == shares[2] == system and shares[3] == 0
     assert add(tie, "tie") == 1  # equal records: the least recently taken (0 took b2 after 1 took c2)
-    loop.run()
+    drain(loop)
     for key, ids in (("a", p[0]), ("b", p[1]), ("c", p[2]), ("c2", p[2]), ("b2", p[1]), ("d", p[3]), ("tie", tie)):
         assert answers[key].result[0] == cold_answer(cold, ids), key
     off = speculative.BatchLoop(runner, reuse=False)
     assert off.add(request(p[2])) == 0  # slot 1 holds p[2], but reuse is off
-    off.run()
+    drain(off)
     assert runner.held[0][:len(p[2])] == tuple(p[2])
     cold_run = run_together(runner, [request(p[2])])[0]  # reuse=False
     assert cold_run[2].prompt_tokens_reused == 0 and cold_run[0] == answers["c"].result[0]
@@ -100,9 +100,9 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     loop = speculative.BatchLoop(runner, reuse=True)
     loop.clear()
     ids = ids_of(engine, TURNS[0])
-    cut = request(ids, 40, sink=speculative.Keep(cancel=lambda: "cancelled" if loop.iterations > 5 else None))
+    cut = request(ids, 40, sink=Kept(cancel=lambda: "cancelled" if loop.iterations > 5 else None))
     slot = loop.add(cut)
-    loop.run()
+    drain(loop)
     assert len(runner.held[slot]) > len(ids)  # prompt + the tokens fed before the cancel
     after = run_together(runner, [request(ids)], reuse=True)[0]
     assert after[2].prompt_tokens_reused == len(ids) - 1 and after[0] == cold_answer(cold, ids)
@@ -110,10 +110,10 @@ def test_after_cancel_and_after_a_failure(engine, cold):
     def fail(tokens):
         raise RuntimeError("the client went away")
 
-    loop.add(request(ids_of(engine, TURNS[1]), sink=speculative.Keep(emit=fail)))
+    loop.add(request(ids_of(engine, TURNS[1]), sink=Kept(emit=fail)))
     loop.add(request(ids))
     with pytest.raises(RuntimeError, match="went away"):
-        loop.run()
+        drain(loop)
     assert runner.held == [()] * SLOTS
     loop.clear()
     again = run_together(runner, [request(ids)], reuse=True)[0]
@@ -132,10 +132,8 @@ def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     assert first.stats.prompt_tokens_reused == n
     assert first.token_ids == cold_answer(cold, ids_of(engine, TURNS[0]), eos_ids=engine.eos_ids)
     engine.warm(SYSTEM)
-    sinks = [Collect() for _ in TURNS]
-    for turn, sink in zip(TURNS, sinks):
-        engine.add(engine.front.prepare(GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)), sink)
-    engine.loop.run()
-    for sink, turn in zip(sinks, TURNS):
-        assert sink.result.stats.prompt_tokens_reused == n
-        assert sink.result.token_ids == cold_answer(cold, ids_of(engine, turn), eos_ids=engine.eos_ids)
+    results = serve_together(engine, [GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)
+                                      for turn in TURNS])
+    for result, turn in zip(results, TURNS):
+        assert result.stats.prompt_tokens_reused == n
+        assert result.token_ids == cold_answer(cold, ids_of(engine, turn), eos_ids=engine.eos_ids)

@@ -1,4 +1,4 @@
-"""Prompt files for `spec-edge bench` / `spec-edge tune`: the shipped set and the parser's refusals."""
+"""Prompt files for `spec-edge bench`: the shipped set and the parser's refusals."""
 from __future__ import annotations
 
 import pytest

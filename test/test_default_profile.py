@@ -68,7 +68,6 @@ def test_every_entry_point_without_options_resolves_the_default_profile():
         "spec-edge generate": cli_config(["generate", "--prompt", "hi"]),
         "spec-edge bench": cli_config(["bench"]),
         "spec-edge bench --guided": cli_config(["bench", "--guided"]),
-        "spec-edge tune": cli_config(["tune"]),
         "spec-edge export": cli_config(["export"]),
         "scripts/demo.sh": cli_config(demo_argv()),
         "scripts/soak.py": cfgmod.load(soak_params()),

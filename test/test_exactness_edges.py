@@ -18,7 +18,7 @@ from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import Sampler, SamplingParams, probabilities
 from spec_edge.runtime.stats import Stats
 from speculated import assert_speculated
-from tiny import run_alone
+from tiny import Kept, drain, run_alone
 
 PROMPT = "Move the arm to the left"
 K = 7  # the self-drafter is always accepted: chunks of K + 1 tokens
@@ -36,7 +36,7 @@ def request(engine, prompt_ids, max_new, drafter=None, k=0, eos_ids=(), chunks=N
         chunks.append(list(chunk))
         return False  # no stop string
 
-    sink = speculative.Keep(emit=None if chunks is None else emit)
+    sink = Kept(emit=None if chunks is None else emit)
     return speculative.SlotRequest(prompt_ids=prompt_ids, max_new_tokens=max_new, eos_ids=eos_ids, drafter=drafter,
                                    k=k, sink=sink)
 
@@ -111,7 +111,7 @@ def test_prefix_reuse_equals_cold(tiny_engine, self_runner):
     loop = speculative.BatchLoop(runner, reuse=True)
     slot = loop.add(exact)
     assert loop.slots[slot].stats.prompt_tokens_reused == len(record) - 1  # the last prompt token is prefilled
-    loop.run()
+    drain(loop)
     got, finish, stats = exact.sink.result
     assert (got, finish) == want
     assert_speculated(stats)

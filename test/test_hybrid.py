@@ -16,7 +16,7 @@ from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.sampling import Sampler
 from speculated import assert_speculated
-from tiny import assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain, run_alone
+from tiny import Kept, assert_request_equals_plain, assert_sampling_follows_target, engine_with, plain, run_alone
 
 REPEAT = "Ünïcödé 🤖 robot robot robot robot"  # lookup finds matches (the random target rarely agrees)
 NO_REPEAT = "Move the arm to the left"
@@ -133,7 +133,7 @@ def test_head_catches_up_after_many_lookup_drafts(head_engine):
     try:
         out, finish, stats = run_alone(head_engine.runner, speculative.SlotRequest(
             prompt_ids=ids, max_new_tokens=100, eos_ids=head_engine.eos_ids, drafter=drafter, k=k,
-            sink=speculative.Keep(cancel=lambda: "cut" if len(seen) >= 2 else None)))
+            sink=Kept(cancel=lambda: "cut" if len(seen) >= 2 else None)))
     finally:
         head.ingest, eagle.propose = real_ingest, real_propose
     assert finish == "cut" and out == want[:len(out)]

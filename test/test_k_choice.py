@@ -15,11 +15,11 @@ from spec_edge.runtime.k_choice import CallCosts, KChoice
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
-from spec_edge.runtime.speculative import BatchLoop, Keep, SlotRequest
+from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.scheduler import run_one
 from speculated import assert_speculated
 from test_speculation_load import drafted_fields
-from tiny import chi2_critical, chi2_statistic, exact_first
+from tiny import Kept, chi2_critical, chi2_statistic, exact_first
 
 # q4 on this CPU (docs/bench.md): the step is a width-2 call, verify(4) = 1.26 steps, verify(5) = 1.40
 Q4 = CallCosts({(1, 2): 10.0, (1, 3): 11.0, (1, 4): 12.6, (1, 5): 14.0})
@@ -248,7 +248,7 @@ def loop(tiny_engine):
 
 def decode(loop, request: SlotRequest) -> tuple[list[int], object, list[int]]:
     """(token ids, stats, the k of each decode iteration) of request alone in loop."""
-    ks, request.sink = [], Keep()
+    ks, request.sink = [], Kept()
     index = loop.add(request)
     while loop.occupied:
         slot = loop.slots[index]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from near_ties import assert_same_but_near_ties
-from tiny import Collect
+from tiny import serve_together
 
 from spec_edge.config import Config
 from spec_edge import artifacts
@@ -74,21 +74,20 @@ def test_batched_dialogs_reused_equal_cold(engine, batch_engine):
     batch_engine.warm(SYSTEMS[0])
     for t, turn in enumerate(TURNS):
         requests = [GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16) for history in histories]
-        results = [Collect() for _ in requests]
+        results = serve_together(batch_engine, requests)
         for i, request in enumerate(requests):
-            slot = batch_engine.loop.add(batch_engine.start(batch_engine.front.prepare(request), results[i]))
-            assert slot == i  # dialog i's history lives in slot i (the warmed prefix: the tie goes to slot 0)
-        batch_engine.loop.run()
-        for i, request in enumerate(requests):
+            # dialog i's history lives in slot i (the warmed prefix: the tie goes to slot 0)
+            prompt = batch_engine.front.prompt_ids(request)
+            assert batch_engine.runner.held[i][:len(prompt)] == tuple(prompt)
             if t > 0 or i == 0:
-                assert results[i].result.stats.prompt_tokens_reused > len(engine.tokenizer.encode(SYSTEMS[i]))
+                assert results[i].stats.prompt_tokens_reused > len(engine.tokenizer.encode(SYSTEMS[i]))
             cold = answer(engine, False, request)
             try:
-                assert_same_but_near_ties(results[i].result.token_ids, cold.token_ids, engine.target,
+                assert_same_but_near_ties(results[i].token_ids, cold.token_ids, engine.target,
                                           engine.front.prompt_ids(request))
             finally:
                 engine.target.held = ()  # the rule's reference prefill rewrote the cache
-            histories[i] = request.messages + (("assistant", results[i].result.text),)
+            histories[i] = request.messages + (("assistant", results[i].text),)
 
 
 def test_near_tie_rule_fails_on_a_real_difference():

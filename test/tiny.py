@@ -486,16 +486,65 @@ def assert_sampling_follows_target(engine, drafter, must_accept: bool = True, n:
     return runs
 
 
-def run_together(runner, requests, join_at=None, k_by_load=(), reuse=False) -> list:
+class Kept:
+    """A speculative.SlotSink that keeps its request's (token ids, finish reason, stats) in result; cancel() and
+    emit(chunk) as a SlotSink's, when given (the loop-level tests' sink)."""
+
+    def __init__(self, cancel=None, emit=None):
+        self._cancel, self._emit = cancel, emit
+        self.result = None
+
+    def drafter(self, slot):
+        return None
+
+    def emit(self, chunk):
+        return self._emit is not None and self._emit(chunk)
+
+    def cancel_reason(self):
+        return self._cancel() if self._cancel is not None else None
+
+    def done(self, request, token_ids, finish, stats):
+        self.result = (token_ids, finish, stats)
+
+
+def drain(loop) -> None:
+    """Iterate a bare speculative.BatchLoop (the loop-level tests: their own drafter objects, slot placement)
+    until every slot has left; a request through an engine goes through the scheduler (run_one,
+    serve_together), the one driver of a decoder."""
+    while loop.occupied:
+        loop.iterate()
+
+
+def serve_together(decoder, requests) -> list:
+    """GenerateRequests submitted at once to one Scheduler over decoder, stepped in this thread as run_one
+    steps it (admitted first in first out while the decoder has room): the GenerateResult per request (a
+    refusal or failure raises)."""
+    import logging
+
+    from spec_edge.runtime.scheduler import Job, Scheduler
+
+    scheduler = Scheduler(decoder, decoder.cfg, logging.getLogger("spec_edge"), thread=False)
+    jobs = [Job(request) for request in requests]
+    for job in jobs:
+        scheduler.submit(job)
+    while not all(job.done.is_set() for job in jobs):
+        scheduler._step()
+    for job in jobs:
+        if job.error is not None:
+            raise job.error
+    return [job.result for job in jobs]
+
+
+def run_together(runner, requests, join_at=None, reuse=False) -> list:
     """SlotRequests through one speculative.BatchLoop over runner, request i joining at iteration join_at[i]
     (default 0) or as soon as a slot is free after it: (token ids, finish reason, stats) per request."""
     from spec_edge.runtime import speculative
 
     join_at = join_at or [0] * len(requests)
-    loop = speculative.BatchLoop(runner, k_by_load=k_by_load, reuse=reuse)
+    loop = speculative.BatchLoop(runner, reuse=reuse)
     waiting = sorted(range(len(requests)), key=lambda i: join_at[i])
     for request in requests:
-        request.sink = request.sink or speculative.Keep()
+        request.sink = request.sink or Kept()
     while waiting or loop.occupied:
         while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
             loop.add(requests[waiting.pop(0)])

@@ -9,10 +9,10 @@ One lifecycle node ("spec_edge", executable `generate_server`) owns one Engine:
   `~/tokenize` (spec_edge_interfaces/srv/Tokenize: text -> ids, ids -> text) serve, or refuse with a message. Both feed one FIFO queue served by one worker thread, which admits
   requests into the engine's graphs.batch_slots slots; a request arriving while the node holds
   batch_slots + serve.queue_limit (running or waiting) is answered "busy" at once; a request older than
-  serve.request_timeout_s ends with finish_reason "error". serve.speculate_k_by_load gives the k per
-  load (requests in the engine: occupied slots + queued, at each iteration), 0 = target-only:
-  stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the table (and
-  with speculative.k auto the call costs each request's k is chosen from, k_choice).
+  serve.request_timeout_s ends with finish_reason "error". speculative.k auto chooses each
+  request's k per iteration (serve.speculate_k_by_load on TensorRT: the k per load, 0 = target-only):
+  stats carry queued_at_start, verify_calls_by_k and speculation_off_reason; /diagnostics the call costs
+  each request's k is chosen from (k_choice; on TensorRT the table).
 - parameters (spec_edge.ros2.parameters): one typed, described ROS parameter per config key; all are
   read at configure, so a set is refused while the node holds an engine (cleanup, set, configure).
 - shutdown (from any state, or on SIGINT / SIGTERM) frees the engine as cleanup does; a finalized node

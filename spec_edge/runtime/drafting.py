@@ -23,7 +23,6 @@ from pathlib import Path
 
 from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig, speculative_k
 from spec_edge.graphs import hidden
-from spec_edge.runtime.backends.base import Runner
 from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.backends.slot_views import SlotHead, SlotRunner
@@ -32,9 +31,9 @@ from spec_edge.runtime.requests import RequestError
 from spec_edge.runtime.tokenizer import Tokenizer
 
 
-def slotted(cfg: Config, graph_dir: Path, slots: int) -> tuple[OrtRunner, list[Runner]]:
+def slotted(cfg: Config, graph_dir: Path, slots: int) -> tuple[OrtRunner, list[SlotRunner]]:
     """The model of graph_dir with one cache region per slot (an OrtRunner: the folder's rows > 1 graphs
-    where it has them, the target's; a draft model's runs one-row calls), and each slot as a B=1 Runner
+    where it has them, the target's; a draft model's runs one-row calls), and each slot alone
     (its SlotRunner views)."""
     runner = OrtRunner(graph_dir, cfg.runtime.threads, slots=slots)
     return runner, [SlotRunner(runner, b) for b in range(slots)]
@@ -50,17 +49,17 @@ def refusal(name: str) -> str | None:
 
 class Drafters:
     """drafter(name, slot) for one target of B slots (ONNX Runtime; runtime.backend tensorrt drafts inside
-    Edge-LLM, backends/edgellm.py). targets: the target's slot views (B=1 Runners). State, loaded on
-    first use: draft (the draft model's slot views), layer_skip (each slot's layer-skip Runner), eagle3_head / peagle_head
+    Edge-LLM, backends/edgellm.py). targets: the target's slot views (SlotRunners). State, loaded on
+    first use: draft (the draft model's slot views), layer_skip (each slot's layer-skip SlotRunner), eagle3_head / peagle_head
     (ort_heads.OrtEagle3Head(slots=B)) and their SlotHead views, medusa_heads (ort_heads.OrtMedusaHeads)."""
 
-    def __init__(self, cfg: Config, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
+    def __init__(self, cfg: Config, targets: list[SlotRunner], tokenizer: Tokenizer, graph_dir: Path,
                  model_cfg: ModelConfig):
         self.cfg, self.targets, self.tokenizer = cfg, targets, tokenizer
         self.slots = len(targets)
         self.graph_dir, self.model_cfg = graph_dir, model_cfg  # the target's graphs and geometry
-        self.draft: list[Runner] = []  # the draft model's slot views
-        self.layer_skip: list[Runner] = []  # each slot's layer-skip view
+        self.draft: list[SlotRunner] = []  # the draft model's slot views
+        self.layer_skip: list[SlotRunner] = []  # each slot's layer-skip view
         self.eagle3_head = None   # backends.ort_heads.OrtEagle3Head
         self.medusa_heads = None  # backends.ort_heads.OrtMedusaHeads
         self.peagle_head = None   # backends.ort_heads.OrtEagle3Head over a P-EAGLE export
@@ -129,7 +128,7 @@ class Drafters:
         return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
                              Eagle3Drafter(target, head, columns))
 
-    def _draft_model(self) -> list[Runner]:
+    def _draft_model(self) -> list[SlotRunner]:
         """The draft model's slot views (loaded once)."""
         if not self.cfg.model.draft:
             raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")

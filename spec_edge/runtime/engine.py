@@ -12,13 +12,12 @@ with its own drafter, made for the slot it takes (runtime/drafting.py).
 
 Prefix reuse (serve.reuse_prefix) is per slot: a request goes to the free slot whose cache holds the
 longest prefix of its prompt; warm() prefills the system prompt's chat prefix into every free slot.
-The load policy (serve.speculate_k_by_load): at each iteration a slot drafts the table's k at the load
-(requests in the engine: occupied slots + the caller's queue), capped at its request's k; the result's
-stats count the verify calls by k and the steps without speculation, and speculation_off_reason says
-when the policy gave the request less than its k. speculative.k auto (the default): a request without
+speculative.k auto (the default, the one way k is chosen here; serve.speculate_k_by_load is Edge-LLM's and
+config.validate refuses it on ONNX Runtime): a request without
 its own k drafts up to the largest exported k its drafter can propose, each iteration's k (0 included)
 chosen by its runtime/k_choice.KChoice from its acceptance and the call costs measured as the engine loads
-(starting from the estimates the previous request with the same drafter ended with).
+(starting from the estimates the previous request with the same drafter ended with); the result's stats
+count the verify calls by k and the plain steps, and speculation_off_reason says when it ran below its k.
 """
 from __future__ import annotations
 
@@ -29,9 +28,9 @@ from pathlib import Path
 from spec_edge import speculation_policy
 from spec_edge.config import AUTO_K, DRAFTERS, Config, ConfigError
 from spec_edge.graphs import plan
-from spec_edge.runtime.backends.base import Runner, common_prefix
+from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.onnxruntime import ort_folder
-from spec_edge.runtime.backends.slot_views import Slotted
+from spec_edge.runtime.backends.slot_views import SlotRunner, Slotted
 from spec_edge.runtime.drafting import Drafters, refusal, slotted
 from spec_edge.runtime import k_choice
 from spec_edge.runtime.front import Capabilities, Front, Prepared
@@ -88,15 +87,15 @@ class InLoop:
         self.sink.done(GenerateResult(
             text=text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats, tool_calls=calls,
             prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,
-            speculation_off_reason=speculation_policy.reason(stats, self.engine.loop.k_by_load, choice),
+            speculation_off_reason=speculation_policy.reason(stats, (), choice),
             message=incomplete_message(prepared.guide, finish, prepared.max_new_tokens)))
 
 
 class Engine:
     """The loop over a target of B slots and the request handling around it. runner: the slotted target
-    the loop drives; targets: its slots as B=1 Runners (slot_views.SlotRunner; target = slot 0)."""
+    the loop drives; targets: its slots alone (slot_views.SlotRunner; target = slot 0)."""
 
-    def __init__(self, cfg: Config, runner: Slotted, targets: list[Runner], tokenizer: Tokenizer, graph_dir: Path,
+    def __init__(self, cfg: Config, runner: Slotted, targets: list[SlotRunner], tokenizer: Tokenizer, graph_dir: Path,
                  progress: Callable[[str], None] = print):
         self.cfg = cfg
         self.runner, self.targets, self.target = runner, targets, targets[0]
@@ -110,7 +109,7 @@ class Engine:
             self.eos_ids += (eos_text_id,)
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
-        self.loop = BatchLoop(runner, k_by_load=cfg.serve.speculate_k_by_load, reuse=cfg.serve.reuse_prefix)
+        self.loop = BatchLoop(runner, reuse=cfg.serve.reuse_prefix)
         self.front = Front(cfg, tokenizer, self.capabilities(), self.grammars.constraint)
         self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
         self.capacity = runner.batch  # requests at once: one per slot
@@ -172,7 +171,7 @@ class Engine:
                                    f"{sorted(w - 1 for w in self.loop.verify_widths)}: send a k it can, or none")
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
-            self._drafters.check_k(drafter_name, self.loop.policy_ks(k))  # every k the load policy can give it
+            self._drafters.check_k(drafter_name, [k] if speculating else [])
         made = drafter_name if drafting and speculating else "none"
         return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
                            sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
@@ -237,8 +236,6 @@ class Engine:
         return {"backend": self.cfg.runtime.backend, "model": self.model_cfg.name, "batch_slots": self.runner.batch,
                 "max_context": self.runner.max_context, "k_values": sorted(w - 1 for w in self.runner.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
-                "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
-                "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
                 "suffix_store": self._drafters.suffix_store.memory()} | (
             {"k_choice": "per request and iteration from its acceptance and the call costs: "
                          + k_choice.describe(self.loop.costs, self.runner.step_width)}

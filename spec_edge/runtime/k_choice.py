@@ -1,60 +1,34 @@
-"""speculative.k: auto - each request's k (0 included) chosen at every iteration of the loop from its own live
-acceptance and the runner's measured call costs, so a drafter that is not repaid is not run.
+"""speculative.k: auto, the one way k is chosen on ONNX Runtime: each request's k (0 included) at every iteration
+of the loop from its own live acceptance and the runner's measured call costs, so a drafter that is not repaid
+is not run. The rules and the measurements behind them: docs/bench.md, "`speculative.k: auto`, measured".
 
-Two parts:
-
-  CallCosts   ms of one target call by (rows, width): measured when the engine loads (measure_costs: every
-              row count 1..B at the step width and every verify width, interleaved round by round, the fastest
-              of each), then kept fresh by the loop, which hands it the time of every call it makes (an
-              exponential average of the load level per row count, over the measured ratios between widths).
-  KChoice     one request's choice. It keeps two decayed estimates a_i of the chance that draft i is
-              accepted when drafts 1..i-1 were (per position): this stretch's (weight WEIGHT per verify: a
-              change in the text is followed within a few verifies) and the drafter's long run (weight SLOW,
-              carried across requests), and a decayed ms of drafting per draft token. At n decoding slots
-              (the call's rows) it expects, per iteration,
+  CallCosts   ms of one target call by (rows, width): measured once as the engine loads (measure_costs: every
+              row count 1..B at every width, interleaved rounds, the fastest of each; the one cost
+              measurement, which `spec-edge bench` prints too), then moved by every call the loop makes (the
+              load level per row count by FRESH, the width's base by RATIO).
+  KChoice     one request's choice. Per draft position i two decayed estimates a_i of P(draft i accepted |
+              drafts 1..i-1 were): this stretch of text's (WEIGHT per verify) and the drafter's long run (SLOW,
+              carried across requests by KChoice.after); and the ms of drafting per draft token. At n decoding
+              slots it expects, per iteration,
 
                   tokens(k) = 1 + a_1 + a_1 a_2 + ... + a_1 .. a_k      ms(k) = c(n, k+1) + k d
                   rate(k)   = tokens(k) / ms(k)                        rate(0) = 1 / c(n, step width)
 
-              over k in {0} + the verify widths the runner has (those the drafter can propose), capped by
-              the load policy (serve.speculate_k_by_load), and runs the best by this stretch's estimate (the
-              largest k until its first verify is seen; a drafter's first verifies replace the prior rather
-              than nudge it). Another k > 0 costs nothing to switch to (the drafter runs either way), so the
-              best k > 0 runs at every iteration; the hysteresis is on starting and stopping the drafter:
-              speculation starts only when it beats plain by MARGIN, and stops once neither estimate has it
-              beating plain by KEEP, or once this stretch's has said stop DOUBT verifies more than it said
-              go on (net: one lucky verify in a losing stretch does not start the count over). A few
-              rejections in a row pull a five-verify estimate under plain's rate even for a drafter that pays
-              1.3x on the whole (its estimate alone stopped such a drafter most of the time,
-              test_k_choice.py), while a head that paid on the last prompts and loses on this one is stopped
-              within about DOUBT verifies, not when its long run comes down; a drafter that is always wrong
-              stops after its first verify (its long-run estimate is an average until SLOW takes over: it
-              falls as fast).
-              At k = 0 only a probe with a draft accepted can restart speculation (a call cost that moved
-              cannot, nor a probe that matched nothing, whatever the relaxed estimate says): a
-              probe is one verify at the smallest k, its outcome landing on this stretch's estimate relaxed
-              toward the long-run one by RELAX per plain step before it. Probes back off: the first comes
-              once it costs at most PROBE_SHARE of the plain steps since speculation stopped (the probe's
-              measured extra cost over a step / PROBE_SHARE iterations, at least PROBE_GAP), each probe with
-              a rejected draft doubles the gap, up to the budget gap = that extra cost / PROBE_BUDGET, in
-              [PROBE_GAP, PROBE_GAP_MAX]; a probe whose drafts are all accepted, or speculation running,
-              resets it. A drafter that matches in bursts is tried again soon after it stopped; a hopeless
-              one costs PROBE_BUDGET of a step per iteration. A probe's cost is measured, not assumed: its
-              proposal also catches the drafter up on the tokens of the plain steps (a head's cache: ~1 step
-              after 25 plain steps on q4) and is layer-skip's whole drafting (~0.3 steps per draft token).
-              A request starts from the estimates the previous request with the same drafter ended with
-              (KChoice.after, kept by the engine), its stretch estimate at the drafter's long run (a new text);
-              one that ended at plain decoding probes at once when its long run pays, else on schedule (a
-              probe that drafted nothing is retried next iteration).
+              over k in {0} + the verify widths its drafter can propose. The best k > 0 runs at every iteration
+              (switching between k > 0 costs nothing); speculation stops once neither estimate beats plain by
+              KEEP, or this stretch's has said stop DOUBT verifies more than it said go on; at k = 0 only a
+              probe (one verify at the smallest k) with a draft accepted restarts it, when it beats plain by
+              MARGIN. Probes back off: the first once it costs at most PROBE_SHARE of the plain steps since the
+              stop (at least PROBE_GAP), each probe with a rejected draft doubles the gap up to its measured
+              extra cost over a step / PROBE_BUDGET (at most PROBE_GAP_MAX): a hopeless drafter costs about
+              PROBE_BUDGET of a step per iteration.
 
 Greedy output is the same token for token whatever k runs, and sampled output keeps the target's
 distribution at every k (runtime/sampling.speculative_accept): the choice changes speed only. Pure
-arithmetic on numbers the loop hands in; the one measurement here (measure_costs) runs the runner's own
-calls, shared with `spec-edge tune` (tools/tune.py), which writes the load policy from the same costs.
+arithmetic on numbers the loop hands in, but measure_costs, which runs the runner's own calls.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +36,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 Costs = dict[tuple[int, int], float]  # (rows j, width w) -> ms of one call
-Call = Callable[[int, int], object]   # call(rows, width): one target call with that many rows
 
 WEIGHT = 0.25        # weight of one verify's outcome in a position's acceptance estimate (this stretch of text;
                      # 1/n for the drafter's first n verifies)
@@ -96,31 +69,7 @@ def verify_cost(costs: dict[int, float], k: int) -> float:
     return float(intercept + slope * k)
 
 
-def call_costs(calls: dict, rounds: int, pick: Callable[[list[float]], float] = statistics.median) -> dict:
-    """key -> pick (the median unless told) of the ms of calls[key](), every call warmed up once, then
-    called round by round in a rotating order so load changes hit every call alike."""
-    keys = list(calls)
-    times: dict = {key: [] for key in keys}
-    for key in keys:  # warm-up
-        calls[key]()
-    for r in range(rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            t0 = time.perf_counter()
-            calls[key]()
-            times[key].append((time.perf_counter() - t0) * 1000)
-    return {key: pick(values) for key, values in times.items()}
-
-
-def occupancy_costs(call: Call, occupancies: Sequence[int], widths: Sequence[int], rounds: int = 10,
-                    extra: dict | None = None, pick: Callable[[list[float]], float] = statistics.median
-                    ) -> tuple[Costs, dict[str, float]]:
-    """((rows j, width w) -> median (pick) ms of call(j, w) for every j and w; name -> the same of extra[name]())."""
-    calls: dict = {(j, w): (lambda j=j, w=w: call(j, w)) for j in occupancies for w in sorted(set(widths))}
-    med = call_costs({**calls, **(extra or {})}, rounds, pick)
-    return {key: med[key] for key in calls}, {name: med[name] for name in (extra or {})}
-
-
-def forward_call(runner, position: int = 128) -> Call:
+def forward_call(runner, position: int = 128) -> Callable[[int, int], object]:
     """call(j, width) on a slotted runner (ort_runner.OrtRunner): greedy ids of slots 0..j-1, every slot's
     cache prefilled to position (what the slots' regions held is forgotten: runner.held emptied)."""
     batch = runner.batch
@@ -176,13 +125,20 @@ class CallCosts:
 
 def measure_costs(runner, rounds: int = 7) -> CallCosts:
     """The costs of every row count 1..runner.batch at every width the runner has (step and verify), each
-    the fastest of `rounds` calls after a warm-up: the live level follows the load, but the ratios between
-    widths stay as measured here, and a busy machine flattens them in the median (an engine loaded while
-    another process held the cores measured verify(4) at 1.05 steps, not 1.26, and speculated through
-    every losing text). Forgets what the slots' regions held (forward_call)."""
-    costs, _ = occupancy_costs(forward_call(runner), range(1, runner.batch + 1), sorted(runner.widths), rounds,
-                               pick=min)
-    return CallCosts(dict(costs))
+    the fastest of `rounds` interleaved calls after a warm-up (not the median, which a busy machine flattens:
+    docs/bench.md): the live level follows the load, the ratios between widths start as measured here.
+    Forgets what the slots' regions held (forward_call)."""
+    call = forward_call(runner)
+    keys = [(rows, width) for rows in range(1, runner.batch + 1) for width in sorted(runner.widths)]
+    times: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
+    for key in keys:  # warm-up
+        call(*key)
+    for r in range(rounds):  # round by round in a rotating order, so load changes hit every shape alike
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            t0 = time.perf_counter()
+            call(*key)
+            times[key].append((time.perf_counter() - t0) * 1000)
+    return CallCosts({key: min(values) for key, values in times.items()})
 
 
 def describe(costs: CallCosts, step_width: int) -> str:

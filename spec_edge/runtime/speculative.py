@@ -6,8 +6,8 @@ Invariant, per slot: its cache region holds seq[:pos] and seq[pos] (= seq[-1]) i
 the last one chosen and not yet fed. A verify feeds [pending, d1..dm] (m <= k) at positions
 pos..pos+m, accepts n drafts, appends d1..dn and the target's own next token, and moves pos by n + 1.
 Rows written for rejected drafts stay in the cache, masked by position until they are overwritten:
-rolling back is only moving pos. Without a draft (no drafter, nothing worth verifying, the load policy's
-k = 0, or no room for the verify window) a slot's iteration is a plain step. Target-only decoding is this
+rolling back is only moving pos. Without a draft (no drafter, nothing worth verifying, speculative.k
+auto's k = 0, or no room for the verify window) a slot's iteration is a plain step. Target-only decoding is this
 same loop with no drafter, so greedy speculative output equals it token for token.
 
 Each slot is one request (SlotRequest: every per-request option in one value) with its own sampler
@@ -42,25 +42,21 @@ once the prompt is in (forget() first without prefix reuse), propose / observe p
 finish() when the request leaves (recording what its cache holds for the slot's next request).
 
 Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
-slot b's region holds (as Runner.held, base.py). add() puts a request into the free slot whose
+slot b's region holds (base.py). add() puts a request into the free slot whose
 record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
 index) and prefills only from min(common prefix, len(prompt) - 1) on; the record is () while the
 request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
 empties every record.
 
-k per slot and the load policy (serve.speculate_k_by_load, spec_edge/speculation_policy.py; () = always
-the request's k): the load is the requests in the engine, the occupied slots + `waiting` (what waits in
-the caller's queue, which the caller sets); at each iteration a slot drafts k_at(table, load, its k), 0 =
-no drafts. A verify call runs the smallest verify graph that holds the longest window of its rows (cut,
-forced or smaller-k drafts are shorter; never q4's two-row step, which feeds its one token twice): a
-shorter window is padded with its last token (rows past it are read by nobody, like rejected drafts). A
-slot's stats count its verify calls by k and the steps the policy took (greedy output is the same;
-`spec-edge tune` measures the table).
-
-speculative.k: auto (SlotRequest.k_choice, runtime/k_choice.py): under the load policy's cap, the slot's
-KChoice picks the k (0 included) with the highest expected tokens per second from its live acceptance and
-the loop's call costs (BatchLoop.costs: measured at load, every call's time fed back), at the number of
-decoding slots; its plain steps count in stats.auto_off_steps. The output is the same at every k.
+k per slot: the request's k, or under speculative.k: auto (SlotRequest.k_choice, runtime/k_choice.py) the k
+(0 included, up to the request's) its KChoice expects fastest at this iteration from its live acceptance and
+the loop's call costs (BatchLoop.costs: measured at load, every call's time fed back) at the number of
+decoding slots; auto's plain steps count in stats.auto_off_steps. A verify call runs the smallest verify
+graph that holds the longest window of its rows (cut, forced or smaller-k drafts are shorter; never q4's
+two-row step, which feeds its one token twice): a shorter window is padded with its last token (rows past it
+are read by nobody, like rejected drafts). A slot's stats count its verify calls by k. The output is the same
+at every k. The load (request.occupancy as it joins) is the occupied slots + `waiting` (what waits in the
+caller's queue, which the caller sets).
 
 Guided decoding per slot (SlotRequest.constraint, runtime/grammar.py: one matcher per request): every
 logits row a slot chooses from is masked by its grammar state along the path, a draft is cut at its
@@ -71,13 +67,12 @@ logits.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from spec_edge import speculation_policy
 from spec_edge.runtime.backends.base import BackendError, common_prefix
 from spec_edge.runtime.backends.slot_views import Slotted
 from spec_edge.runtime.drafters.base import Draft, Drafter
@@ -102,28 +97,6 @@ class SlotSink(Protocol):
     def cancel_reason(self) -> str | None: ...
 
     def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats: Stats) -> None: ...
-
-
-class Keep:
-    """A SlotSink that keeps its request's (token ids, finish reason, stats) in result (tools, tests); cancel() and
-    emit(chunk) as a SlotSink's, when given."""
-
-    def __init__(self, cancel: Callable[[], str | None] | None = None,
-                 emit: Callable[[list[int]], bool] | None = None):
-        self._cancel, self._emit = cancel, emit
-        self.result: tuple[list[int], str, Stats] | None = None
-
-    def drafter(self, slot: int) -> None:
-        return None
-
-    def emit(self, chunk: list[int]) -> bool:
-        return self._emit is not None and self._emit(chunk)
-
-    def cancel_reason(self) -> str | None:
-        return self._cancel() if self._cancel is not None else None
-
-    def done(self, request: SlotRequest, token_ids: list[int], finish: str, stats: Stats) -> None:
-        self.result = (token_ids, finish, stats)
 
 
 def take_chunk(new_tokens: list[int], chunk: list[int], eos, max_new_tokens: int) -> tuple[list[int], str | None]:
@@ -180,8 +153,7 @@ class _Slot:
     new_tokens: list[int] = field(default_factory=list)
     finish: str | None = None
     draft: Draft | None = None          # this iteration's proposal
-    k_now: int = 0                      # this iteration's k (<= k_cap; the k_choice's under auto)
-    k_cap: int = 0                      # this iteration's load policy cap on stats.k
+    k_now: int = 0                      # this iteration's k (<= stats.k; the k_choice's under auto)
     proposed: bool = False              # the draft is the drafter's (not grammar-forced): it hears the outcome
     drafting: bool = False              # the drafter was started (finish() it as the slot leaves)
 
@@ -196,17 +168,16 @@ class _Slot:
 
 
 class BatchLoop:
-    """B slots over one slotted runner; the caller adds requests and calls iterate() until idle."""
+    """B slots over one slotted runner: the engine's (engine.Engine.add / iterate), which the scheduler drives
+    (runtime/scheduler.py: the one driver of every decoder)."""
 
-    def __init__(self, runner: Slotted, *, k_by_load: Sequence[int] = (), reuse: bool = False,
-                 costs: CallCosts | None = None):
+    def __init__(self, runner: Slotted, *, reuse: bool = False, costs: CallCosts | None = None):
         self.step_width = runner.step_width  # 2: q4's two-row step (ort_runner.py)
         runner.check_width(self.step_width)
         # the widths that verify: every row its own token (q4's two-row step feeds its one token twice)
         self.verify_widths = frozenset(w for w in runner.widths if w > 1 and w != self.step_width)
         self.runner = runner
         self.costs = costs or CallCosts()  # ms per call by (rows, width): k_choice's costs, every call fed back
-        self.k_by_load = tuple(k_by_load)
         self.reuse = reuse  # prefix reuse per slot (runner.held)
         self.waiting = 0  # requests waiting in the caller's queue (the caller keeps it): part of the load
         self._taken = [0] * runner.batch  # (B,) the order slots were last taken in (higher = later; 0 = never)
@@ -227,10 +198,6 @@ class BatchLoop:
         """The requests in the engine: occupied slots + those waiting in the caller's queue."""
         return self.occupied + self.waiting
 
-    def policy_ks(self, k: int) -> set[int]:
-        """Every k > 0 the load policy can give a request asking for k."""
-        return {k, *(min(k, entry) for entry in self.k_by_load)} - {0} if k > 0 else set()
-
     def add(self, request: SlotRequest) -> int:
         """Put request into a free slot (it starts prefilling at the next iteration); returns the slot. Its prompt
         is 1 .. max_context - 1 tokens (runtime/front.py checked it)."""
@@ -247,8 +214,8 @@ class BatchLoop:
         if request.drafter is None and request.sink is not None:
             request.drafter = request.sink.drafter(index)  # before the slot is taken: it may refuse
         k = request.k if request.speculating else 0
-        for used in sorted(self.policy_ks(k)):
-            self.runner.check_width(used + 1)  # every k the load policy can choose has its verify graph
+        if k:
+            self.runner.check_width(k + 1)
         self._taken[index] = max(self._taken) + 1
         held[index] = ()  # until the request leaves: a failure leaves the slot cold
         drafter = request.drafter
@@ -279,11 +246,6 @@ class BatchLoop:
         """Empty every slot without answering (after a failed call: the caller answers its requests)."""
         self.slots = [None] * self.runner.batch
         self.runner.held = [()] * self.runner.batch
-
-    def run(self) -> None:
-        """iterate() until every slot has left."""
-        while self.occupied:
-            self.iterate()
 
     # -- one slot's prefill ----------------------------------------------------------------------
 
@@ -318,7 +280,7 @@ class BatchLoop:
     # -- the decode call -------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        runner, load = self.runner, self.load
+        runner = self.runner
         decoding = [i for i, slot in enumerate(self.slots) if slot is not None and slot.decoding]
         for i in list(decoding):
             slot = self.slots[i]
@@ -332,9 +294,9 @@ class BatchLoop:
             return
         for i in decoding:
             slot = self.slots[i]
-            slot.k_cap = slot.k_now = speculation_policy.k_at(self.k_by_load, load, slot.stats.k)
-            if slot.request.k_choice is not None and slot.k_cap:
-                slot.k_now = slot.request.k_choice.choose(slot.k_cap, self.costs, len(decoding), self.step_width)
+            slot.k_now = slot.stats.k
+            if slot.request.k_choice is not None and slot.k_now:
+                slot.k_now = slot.request.k_choice.choose(slot.stats.k, self.costs, len(decoding), self.step_width)
             self._propose(slot)
         verifying = [i for i in decoding if self.slots[i].draft is not None]
         stepping = [i for i in decoding if self.slots[i].draft is None]
@@ -361,17 +323,14 @@ class BatchLoop:
         request, stats, k = slot.request, slot.stats, slot.k_now
         constraint, drafter = request.constraint, request.drafter
         slot.draft, slot.proposed = None, False
-        if (not k and slot.k_cap and request.k_choice is not None and constraint is not None
+        if (not k and stats.k and request.k_choice is not None and constraint is not None
                 and request.forced_drafts and constraint.forced()):
             # auto's plain step never drops grammar-forced tokens: no drafter runs and, the grammar allowing
             # nothing else, the target accepts them all
-            k = slot.k_now = slot.k_cap
+            k = slot.k_now = stats.k
         room = slot.pos + k + 1 <= self.runner.max_context
         if stats.k and not k:
-            if slot.k_cap:
-                stats.auto_off_steps += 1
-            else:
-                stats.policy_off_steps += 1
+            stats.auto_off_steps += 1
         elif constraint is not None and request.forced_drafts and room and (forced := constraint.forced()[:k]):
             slot.draft = Draft(tokens=forced, q_draft=None)
             stats.forced += len(forced)

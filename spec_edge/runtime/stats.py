@@ -23,7 +23,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)  # [i]: verifies whose draft i+1 was accepted (len k)
     # [i]: verify calls that could carry i+1 drafts (the k the load policy chose for the call; len k)
     verify_calls_by_k: list[int] = field(default_factory=list)
-    policy_off_steps: int = 0      # plain steps where the load policy chose k = 0 (in step_calls)
+    policy_off_steps: int = 0      # plain steps where the load policy (Edge-LLM) chose k = 0 (in step_calls)
     auto_off_steps: int = 0        # speculative.k auto: plain steps where k = 0 was expected fastest (in step_calls)
     prefill_time_s: float = 0.0
     target_time_s: float = 0.0     # verify + step calls (prefill excluded)

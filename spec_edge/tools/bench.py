@@ -39,9 +39,24 @@ from spec_edge.tools.systems import INEXACT_VARIANTS, Run, System, spec_systems
 Peers = Callable[..., tuple[list[System], list[str]]]
 
 
-def main(cfg, args, progress, peers: Peers | None = None) -> int:
-    from spec_edge.tools import tune
+def machine_load() -> dict:
+    """The load averages and core count, printed and written with every measurement."""
+    one, five, _ = os.getloadavg()
+    return {"loadavg_1m": round(one, 2), "loadavg_5m": round(five, 2), "cpus": os.cpu_count()}
 
+
+def one_row_costs(runner, ks) -> dict:
+    """ms of one row's step and each verify[k+1] the runner has, from the engine's own cost measurement
+    (runtime/k_choice.measure_costs: what speculative.k auto weighs)."""
+    from spec_edge.runtime import k_choice
+
+    costs, width = k_choice.measure_costs(runner), runner.step_width
+    step = costs.cost(1, width, width)
+    verify = {k: costs.cost(1, k + 1, width) for k in ks if k + 1 in runner.widths and k + 1 != width}
+    return {"step_ms": step, "verify_ms": verify, "verify_over_step": {k: v / step for k, v in verify.items()}}
+
+
+def main(cfg, args, progress, peers: Peers | None = None) -> int:
     full = getattr(args, "full", False)
     temperatures = getattr(args, "temperatures", None) or ([0.0, 0.7, 1.0] if full else [0.0])
     repeats = args.repeats or (3 if full else 1)
@@ -55,7 +70,7 @@ def main(cfg, args, progress, peers: Peers | None = None) -> int:
     seed0 = 1234
     if set(ks) - set(cfg.graphs.k_values):
         cfg = cfg.replace(**{"graphs.k_values": sorted(set(cfg.graphs.k_values) | set(ks))})
-    load_start = tune.machine_load()
+    load_start = machine_load()
     progress(f"[bench] {'full' if full else 'quick'} mode: {len(prompts)} prompts, k {fixed + ([AUTO_K] if auto else [])}, "
              f"drafters {args.drafters}, "
              f"weights {weights}, temperatures {temperatures}, {repeats} repeat(s), max_new_tokens {max_new}; "
@@ -75,11 +90,11 @@ def main(cfg, args, progress, peers: Peers | None = None) -> int:
     for note in notes:
         progress(f"[bench] {note}")
 
-    # cost of one verify[k+1] call vs one step[1] call, per weights
+    # cost of one verify[k+1] call vs one step call, per weights
     costs = {}
     for w, engine in engines.items():
-        costs[w] = tune.measure_costs(engine.target, ks, rounds=20)
-        progress(f"[bench] spec_edge[{w}] step[1] {costs[w]['step_ms']:.1f} ms; " + ", ".join(
+        costs[w] = one_row_costs(engine.runner, ks)
+        progress(f"[bench] spec_edge[{w}] step {costs[w]['step_ms']:.1f} ms; " + ", ".join(
             f"verify[{k + 1}] {v:.1f} ms = {costs[w]['verify_over_step'][k]:.2f} steps"
             for k, v in costs[w]["verify_ms"].items()))
 
@@ -101,7 +116,7 @@ def main(cfg, args, progress, peers: Peers | None = None) -> int:
             Path(f"{args.json_out}.partial").write_text(json.dumps([asdict(r) for r in runs]))
         progress(f"[bench] round {i + 1}/{len(plan)} ({prompt['id']}, T={temp}, repeat {rep}) "
                  f"{time.monotonic() - started:.0f} s, load {os.getloadavg()[0]:.2f}")
-    load_end = tune.machine_load()
+    load_end = machine_load()
     report = summarize(systems, runs, prompts, prompt_ids, engines, costs, temperatures)
     report.update(mode="full" if full else "quick", load_start=load_start, load_end=load_end, notes=notes,
                   max_new_tokens=max_new, repeats=repeats, ks=ks, weights=weights,

@@ -1,4 +1,4 @@
-"""Prompt files for spec-edge bench and tune (and the scripts beside them): .jsonl entries with a
+"""Prompt files for spec-edge bench (and the scripts beside them): .jsonl entries with a
 kind, or plain text, one prompt per line."""
 from __future__ import annotations
 

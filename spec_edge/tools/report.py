@@ -133,7 +133,7 @@ def format_report(report: dict) -> str:
              f" -> {report['load_end']['loadavg_1m']} on {report['load_start']['cpus']} cores; "
              f"max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}"]
     for w, c in report["costs"].items():
-        lines.append(f"  spec_edge[{w}]: step[1] {c['step_ms']:.1f} ms; " + ", ".join(
+        lines.append(f"  spec_edge[{w}]: step {c['step_ms']:.1f} ms; " + ", ".join(
             f"verify[{int(k) + 1}] {v:.1f} ms ({c['verify_over_step'][k]:.2f} steps)" for k, v in c["verify_ms"].items()))
     header = (f"{'system':44s} {'T':>4s} {'tok/s':>6s} {'ttft ms':>7s} {'accept':>6s} {'len':>5s} "
               f"{'tok/call':>8s} {'dr ms':>5s} {'x own':>6s} {'x se32':>6s} {'=own':>6s} {'=se32':>6s} {'MB':>5s}")

@@ -1,5 +1,5 @@
 """runtime.backend tensorrt: a whole request served by NVIDIA TensorRT Edge-LLM (`tensorrt-edgellm`, pinned
-EDGELLM_VERSION), beside the step-level Runner backends. EdgeLLMEngine is a serving.Decoder: the scheduler (every
+EDGELLM_VERSION), beside the ONNX Runtime engine (engine.py). EdgeLLMEngine is a serving.Decoder: the scheduler (every
 door) and the CLI drive it exactly as they drive engine.Engine.
 
 Two Edge-LLM objects, picked by graphs.batch_slots:

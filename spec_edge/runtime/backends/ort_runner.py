@@ -38,7 +38,7 @@ at its end: causal masking keeps the padding out of the real rows, and only the 
 cache): a joining request's chunk runs alone between the others' decode calls.
 
 Sessions: one per graph, on the process's one thread pool, all loading the folder's weights once
-(onnxruntime.graph_session). One slot of the runner as a B=1 Runner: slot_views.SlotRunner (b1_runner).
+(onnxruntime.graph_session). One slot of the runner alone: slot_views.SlotRunner (b1_runner).
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class OrtRunner:
         shape = (cfg.n_layers, regions, cfg.n_kv_heads, self.cache_rows, cfg.head_dim)  # (L, B [+ 1], Hkv, R, D)
         self.k_cache = resident_zeros(shape)
         self.v_cache = resident_zeros(shape)
-        self.held: list[tuple[int, ...]] = [()] * self.batch  # per slot, as Runner.held (base.py)
+        self.held: list[tuple[int, ...]] = [()] * self.batch  # per slot, the prefix records (base.py)
         specs = packed_graphs(self.graph_dir)  # what the build made for this machine: the plan's, earlier plans'
         # int8 activations (q4): a step is the width-2 call [pending, pending] (graphs/two_rows.py), so each
         # slot's step row equals the verify rows bit for bit
@@ -285,7 +285,7 @@ class OrtRunner:
 
     def hidden_states(self, slot: int, start: int, stop: int) -> np.ndarray:
         """Slot's target hidden states (stop - start, n * H) at positions [start, stop) as the latest calls
-        wrote them (a view, valid until a call rewrites them): base.Runner.hidden_states per slot."""
+        wrote them (a view, valid until a call rewrites them): slot_views.SlotRunner.hidden_states."""
         if self.hidden is None:
             raise BackendError(f"{self.graph_dir} was exported without hidden-state outputs: set speculative."
                                f"eagle3_head (or medusa_head / peagle_head) for the drafters that read the target's "
@@ -358,6 +358,6 @@ class OrtRunner:
 
 
 def b1_runner(graph_dir: str | Path, threads: int = 0) -> SlotRunner:
-    """A B=1 Runner over graph_dir: slot 0 of a one-slot OrtRunner (a draft model's or a target's, for
+    """A SlotRunner over graph_dir: slot 0 of a one-slot OrtRunner (a draft model's or a target's, for
     tools and tests; the runner itself is .runner)."""
     return SlotRunner(OrtRunner(graph_dir, threads, slots=1), 0)

@@ -3,7 +3,7 @@
 The drafter remembers which tokens its cache holds (`_fed`, positions 0..len-1). Before drafting
 it feeds whatever of the sequence it has not seen (usually the target's correction token, or the
 last draft + bonus token after a full acceptance), then drafts k tokens one [1, 1] step each.
-Greedy requests take ids only (Runner.greedy_chain: on TensorRT the argmax and the chain run on the
+Greedy requests take ids only (SlotRunner.greedy_chain: on TensorRT the argmax and the chain run on the
 device, one copy of k ids per draft); sampling needs each step's logits row on the host.
 Rejected drafts need no cleanup: the next call overwrites those positions.
 
@@ -12,13 +12,14 @@ it prefills only the rest (no logits are needed here, so the whole prompt may be
 """
 from __future__ import annotations
 
-from spec_edge.runtime.backends.base import Runner, common_prefix
+from spec_edge.runtime.backends.base import common_prefix
+from spec_edge.runtime.backends.slot_views import SlotRunner
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.sampling import Sampler
 
 
 class ModelDrafter:
-    def __init__(self, runner: Runner, name: str = "draft"):
+    def __init__(self, runner: SlotRunner, name: str = "draft"):
         self.runner = runner
         self.name = name
         self._fed: list[int] = []

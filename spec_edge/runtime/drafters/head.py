@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec_edge.runtime.backends.base import Runner, common_prefix
+from spec_edge.runtime.backends.base import common_prefix
+from spec_edge.runtime.backends.slot_views import SlotRunner
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.sampling import Sampler
 
@@ -18,7 +19,7 @@ from spec_edge.runtime.sampling import Sampler
 class HeadDrafter:
     name = "head"
 
-    def __init__(self, target: Runner, head, columns: np.ndarray | None = None):
+    def __init__(self, target: SlotRunner, head, columns: np.ndarray | None = None):
         self.target = target    # must return hidden states (graphs exported with the head configured)
         self.head = head        # a backends.ort_heads head: draft_ids, its graphs
         self.columns = columns  # the head's layers in the target's hidden rows (None = all)

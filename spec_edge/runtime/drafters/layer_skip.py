@@ -8,13 +8,13 @@ memory, and as the base a trained exit head would build on.
 """
 from __future__ import annotations
 
-from spec_edge.runtime.backends.base import Runner
+from spec_edge.runtime.backends.slot_views import SlotRunner
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.sampling import Sampler
 
 
 class LayerSkipDrafter:
-    def __init__(self, runner: Runner, n_layers: int):
+    def __init__(self, runner: SlotRunner, n_layers: int):
         self.runner = runner  # target.layer_skip(n_layers)
         self.n_layers = n_layers
         self.name = f"layerskip{n_layers}"
