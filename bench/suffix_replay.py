@@ -138,7 +138,8 @@ def main() -> int:
             cells = []
             for g in groups + ["all"]:
                 tokens, steps, verifies = totals[g]
-                cells.append(f"{tokens / max(1, steps + verifies):6.2f} / {tokens / max(1, steps + args.ratio * verifies):5.2f}")
+                per_call, speed = tokens / max(1, steps + verifies), tokens / max(1, steps + args.ratio * verifies)
+                cells.append(f"{per_call:6.2f} / {speed:5.2f}")
             print(f"{name:24s} " + "  ".join(f"{c:>15s}" for c in cells))
     return 0
 

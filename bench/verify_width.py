@@ -45,14 +45,15 @@ def main() -> int:
     widths = sorted(runner.widths)
     load = [os.getloadavg()[0]]
     costs, _ = k_choice.occupancy_costs(k_choice.forward_call(runner, args.position), args.rows, widths, args.rounds,
-                                        pick=min)  # the fastest: as k_choice.measure_costs (a busy machine flattens the median)
+                                        pick=min)  # as k_choice.measure_costs: a busy machine flattens the median
     load.append(os.getloadavg()[0])
     print(f"{cfg.graphs.weights}, position {args.position}, fastest of {args.rounds} interleaved rounds, "
           f"load average {load[0]:.1f} -> {load[1]:.1f}")
     for rows in args.rows:
         step = costs[(rows, runner.step_width)]  # the step graph (q4: two rows per slot, runner.step_width 2)
-        cells = [f"step {step:6.1f} ms"] + [f"verify[{w}] {costs[(rows, w)]:6.1f} ms = {costs[(rows, w)] / step:4.2f} steps"
-                                             for w in widths if w != runner.step_width]
+        cells = [f"step {step:6.1f} ms"] + [
+            f"verify[{w}] {costs[(rows, w)]:6.1f} ms = {costs[(rows, w)] / step:4.2f} steps"
+            for w in widths if w != runner.step_width]
         print(f"rows {rows}: " + ", ".join(cells))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"costs_ms": {f"{j}x{w}": ms for (j, w), ms in costs.items()},

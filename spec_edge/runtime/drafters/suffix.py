@@ -18,7 +18,11 @@ A proposal follows the paper's rules, as one chain (our verify graphs verify one
      suffix_spec_factor x the match length (the paper's MAX_SPEC = alpha p: a longer match earns a longer draft)
      or at k;
   3. scoring: of the two parts' drafts the one with the larger sum of D (the paper's expected accepted length);
-     a tie goes to the request's own.
+     a tie goes to the request's own;
+  4. the gate (ours, not the paper's: on a CPU a wasted verify costs more than the plain step it replaces):
+     a part's draft is proposed only while its kind of match (part x match length, GATE_MATCH and longer
+     alike) has earned break-even accepted tokens per proposal in this request (drafters/ngram.Gate, n-gram's
+     rule), so a 2-token match found once in an unrelated answer (D = 1) drafts a few times, then stays silent.
 A tree (the paper's full form) would verify the runner-up continuations in the same call; a chain drafts a
 branching match only while its most frequent branch holds suffix_min_prob.
 
