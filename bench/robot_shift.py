@@ -108,11 +108,12 @@ def main() -> int:
     load = [os.getloadavg()[0]]
     rows = []
     try:
-        n = 0
         for i in range(args.rounds):
-            for name, make in TEMPLATES.items():
-                order = args.drafters[n % len(args.drafters):] + args.drafters[:n % len(args.drafters)]
-                n += 1
+            for t, (name, make) in enumerate(TEMPLATES.items()):
+                # rotated per round and template: with 3 templates and 3 drafters a count over requests gave each
+                # template one fixed order (tool: suffix always first), the order now cycles every template
+                n = (i + t) % len(args.drafters)
+                order = args.drafters[n:] + args.drafters[:n]
                 for drafter in order:
                     body = {"model": "smollm2-135m", "max_tokens": args.max_new_tokens, "temperature": 0, **make(i)}
                     body |= {"speculate": False} if drafter == "none" else {"drafter": drafter}
