@@ -1,5 +1,6 @@
 """A robot shift through the HTTP door: the same few kinds of request all day with new contents, every request asked
-once per drafter (none / ngram / suffix, in an order rotated per request) of one `spec-edge http` process, greedy.
+once per drafter (none / ngram / suffix, in an order rotated per round and template) of one `spec-edge http`
+process, greedy.
 
     PYTHONPATH=$PWD .venv/bin/python bench/robot_shift.py [--config config/default.yaml] [--rounds 6]
         [--max-new-tokens 96] [--drafters none ngram suffix] [--out bench/results/robot_shift.json]
