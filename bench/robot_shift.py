@@ -1,5 +1,6 @@
 """A robot shift through the HTTP door: the same few kinds of request all day with new contents, every request asked
-once per drafter (none / ngram / suffix, in an order rotated per request) of one `spec-edge http` process, greedy.
+once per drafter (none / ngram / suffix, in an order rotated per round and template) of one `spec-edge http`
+process, greedy.
 
     PYTHONPATH=$PWD .venv/bin/python bench/robot_shift.py [--config config/default.yaml] [--rounds 6]
         [--max-new-tokens 96] [--drafters none ngram suffix] [--out bench/results/robot_shift.json]
@@ -108,11 +109,12 @@ def main() -> int:
     load = [os.getloadavg()[0]]
     rows = []
     try:
-        n = 0
         for i in range(args.rounds):
-            for name, make in TEMPLATES.items():
-                order = args.drafters[n % len(args.drafters):] + args.drafters[:n % len(args.drafters)]
-                n += 1
+            for t, (name, make) in enumerate(TEMPLATES.items()):
+                # rotated per round and template: with 3 templates and 3 drafters a count over requests gave each
+                # template one fixed order (tool: suffix always first), the order now cycles every template
+                n = (i + t) % len(args.drafters)
+                order = args.drafters[n:] + args.drafters[:n]
                 for drafter in order:
                     body = {"model": "smollm2-135m", "max_tokens": args.max_new_tokens, "temperature": 0, **make(i)}
                     body |= {"speculate": False} if drafter == "none" else {"drafter": drafter}

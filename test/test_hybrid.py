@@ -178,7 +178,7 @@ def test_real_lookup_stats_adapt_only_on_its_own_drafts():
         sources.append("ngram" if drafter._last is drafter.ngram else "eagle3")
         drafter.observe(2, 0)
     assert sources[0] == "ngram" and sources[-1] == "eagle3"
-    assert drafter.ngram._stats[2][1] == 1 + sources.count("ngram")  # prior + its own drafts only
+    assert drafter.ngram._gate._stats[2][1] == 1 + sources.count("ngram")  # prior + its own drafts only
     assert len(head.observed) == sources.count("eagle3")
 
 

@@ -35,12 +35,12 @@ def store_with(*answers, max_requests=8, max_depth=32) -> SuffixStore:
 def test_longest_match_wins_over_more_frequent_shorter_ones():
     store = store_with([1, 2, 3, 4, 5, 6, 7], [9, 3, 4, 8, 8], [9, 3, 4, 8, 8])
     # [2, 3, 4] occurs once (-> 5 6 7); [3, 4] three times, most often -> 8: the longest match decides
-    assert store.propose([0, 2, 3, 4], 8, 1.0, 0.1) == ([5, 6, 7], 3.0)
+    assert store.propose([0, 2, 3, 4], 8, 1.0, 0.1) == ([5, 6, 7], 3.0, 3)
 
 
 def test_most_frequent_continuation_and_probability_floor():
     store = store_with([1, 2, 7, 7], [1, 2, 7, 8], [1, 2, 7, 8], [1, 2, 5, 5])
-    draft, score = store.propose([0, 1, 2], 4, 2.0, 0.1)
+    draft, score, _ = store.propose([0, 1, 2], 4, 2.0, 0.1)
     assert draft == [7, 8] and score == pytest.approx(0.75 + 0.5)  # D: 3/4, then 3/4 x 2/3
     assert store.propose([0, 1, 2], 4, 2.0, 0.6)[0] == [7]  # 0.5 < 0.6: the draft stops before the 8
 
@@ -52,7 +52,7 @@ def test_draft_length_from_the_match_length_and_k():
     assert store.propose([3, 4, 5, 6], 8, 1.5, 0.1)[0] == [7, 8, 9, 10, 11, 12]
     assert store.propose([1, 2, 3, 4, 5, 6], 3, 1.0, 0.1)[0] == [7, 8, 9]  # at most k
     assert store.propose([8, 5, 6], 8, 1.0, 0.1)[0] == [7, 8]  # the match stops where the context differs
-    assert store.propose([6, 5], 8, 1.0, 0.1) == ([], 0.0)     # no match
+    assert store.propose([6, 5], 8, 1.0, 0.1) == ([], 0.0, 0)  # no match
 
 
 def test_the_store_is_bounded_and_evicts_the_oldest():
@@ -82,6 +82,20 @@ def test_a_request_drafts_from_its_prompt_and_from_other_answers_not_its_own_sto
     second.start([5, 5])
     assert second.propose([5, 5, 2, 9], 4, None).tokens == [8, 7]  # the first request's answer (store)
     assert second.store.propose([5, 5, 2, 9], 4, 1.0, 0.1, skip=second._answer)[0] == [8, 7]
+
+
+def test_a_kind_of_match_that_does_not_pay_goes_silent_and_the_others_keep_drafting():
+    store = store_with([7, 8, 1, 2, 3, 4])  # an earlier answer: after [7, 8] came 1 2 3 4
+    drafter = SuffixDrafter(store, 32, 2.0, 0.1)
+    drafter.start([5, 6, 9, 9])
+    seq = [5, 6, 9, 9, 7, 8]
+    for _ in range(3):  # the store's 2-token match drafts in full; the target takes none of it, three times
+        assert drafter.propose(seq, 4, None).tokens == [1, 2, 3, 4]
+        drafter.observe(4, 0)
+    assert drafter.propose(seq, 4, None) is None  # 2 accepted per 4 proposals (prior 2 / 1): under break-even 0.6
+    assert drafter.propose(seq + [5, 6], 4, None).tokens == [9, 9, 7, 8]  # its own prompt's match still drafts
+    drafter.start([1])  # the next request tries every kind afresh
+    assert drafter.propose([1, 7, 8], 4, None) is not None
 
 
 def test_config_keys_and_refusals(tiny_cfg):

@@ -6,8 +6,28 @@ when that falls below the break-even point."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable
 
 from spec_edge.runtime.drafters.base import Draft
+
+
+@dataclass
+class Gate:
+    """Per key (a kind of match): accepted tokens per proposal so far, from an optimistic prior (each key is tried
+    a few times); open(key) while that holds break_even, the accepted tokens per verify that beat a plain step."""
+    break_even: float = 0.6
+    prior_accepted: float = 2.0
+    prior_proposals: float = 1.0
+    _stats: dict[Hashable, list[float]] = field(default_factory=dict)  # key -> [accepted, proposals]
+
+    def open(self, key: Hashable) -> bool:
+        accepted, proposals = self._stats.get(key, (self.prior_accepted, self.prior_proposals))
+        return accepted / proposals >= self.break_even
+
+    def record(self, key: Hashable, n_accepted: int) -> None:
+        stats = self._stats.setdefault(key, [self.prior_accepted, self.prior_proposals])
+        stats[0] += n_accepted
+        stats[1] += 1
 
 
 @dataclass
@@ -20,14 +40,13 @@ class NgramDrafter:
     name: str = "ngram"
     _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end position (latest)
     _indexed: int = 0           # n-grams ending at positions < _indexed are in _index
-    _stats: dict[int, list[float]] = field(default_factory=dict)      # n -> [accepted, proposals]
+    _gate: Gate = field(default_factory=Gate)  # per match length n
     _last_n: int = 0
 
     def start(self, prompt_ids: list[int]) -> None:
         self._index.clear()
         self._indexed = 0
-        self._stats = {n: [self.prior_accepted, self.prior_proposals]
-                       for n in range(self.ngram_min, self.ngram_max + 1)}
+        self._gate = Gate(self.break_even, self.prior_accepted, self.prior_proposals)
 
     def _extend_index(self, seq: list[int]) -> None:
         # index n-grams ending before the last position, so a lookup never finds the suffix itself
@@ -42,8 +61,7 @@ class NgramDrafter:
             end = self._index.get(tuple(seq[-n:]))
             if end is None:
                 continue
-            accepted, proposals = self._stats[n]
-            if accepted / proposals < self.break_even:
+            if not self._gate.open(n):
                 return None
             tokens = seq[end:end + k]
             tokens += [tokens[-1]] * (k - len(tokens))  # verify width is fixed: pad a short match
@@ -61,6 +79,4 @@ class NgramDrafter:
         pass
 
     def observe(self, n_proposed: int, n_accepted: int) -> None:
-        stats = self._stats[self._last_n]
-        stats[0] += n_accepted
-        stats[1] += 1
+        self._gate.record(self._last_n, n_accepted)

@@ -18,7 +18,11 @@ A proposal follows the paper's rules, as one chain (our verify graphs verify one
      suffix_spec_factor x the match length (the paper's MAX_SPEC = alpha p: a longer match earns a longer draft)
      or at k;
   3. scoring: of the two parts' drafts the one with the larger sum of D (the paper's expected accepted length);
-     a tie goes to the request's own.
+     a tie goes to the request's own;
+  4. the gate (ours, not the paper's: on a CPU a wasted verify costs more than the plain step it replaces):
+     a part's draft is proposed only while its kind of match (part x match length, GATE_MATCH and longer
+     alike) has earned break-even accepted tokens per proposal in this request (drafters/ngram.Gate, n-gram's
+     rule), so a 2-token match found once in an unrelated answer (D = 1) drafts a few times, then stays silent.
 A tree (the paper's full form) would verify the runner-up continuations in the same call; a chain drafts a
 branching match only while its most frequent branch holds suffix_min_prob.
 
@@ -31,10 +35,12 @@ from array import array
 from collections import Counter
 
 from spec_edge.runtime.drafters.base import Draft
+from spec_edge.runtime.drafters.ngram import Gate
 
 MIN_MATCH = 2       # the shortest match that drafts: the index's key, the two tokens before a position
 RECENT = 256        # a match is looked for among its key's most recent RECENT occurrences (bounds a proposal)
 SHIFT = 24          # an index entry: answer id << SHIFT | position
+GATE_MATCH = 4      # the gate tells matches apart by part and length up to this (a longer one counts as this)
 KEY_BYTES = 150     # a distinct key in the index: its int, its dict slot and its array's header (estimate)
 
 
@@ -79,13 +85,14 @@ class SuffixStore:
             self.index.setdefault(own[e - 2] << 20 | own[e - 1], array("q")).append(answer << SHIFT | e)
 
     def propose(self, seq: list[int], k: int, spec_factor: float, min_prob: float,
-                skip: int = 0) -> tuple[list[int], float]:
-        """(the draft for seq, its score = sum of D) from the longest match in answers other than skip; ([], 0)."""
+                skip: int = 0) -> tuple[list[int], float, int]:
+        """(the draft for seq, its score = sum of D, the match length) from the longest match in answers other
+        than skip; ([], 0, 0) when none."""
         if len(seq) < MIN_MATCH:
-            return [], 0.0
+            return [], 0.0, 0
         entries = self.index.get(seq[-2] << 20 | seq[-1])
         if not entries:
-            return [], 0.0
+            return [], 0.0, 0
         best, found = 0, []  # the longest match's length, its occurrences (tokens, position after it)
         depth = min(self.max_depth, len(seq))
         for entry in reversed(entries[-RECENT:]):
@@ -112,7 +119,7 @@ class SuffixStore:
             draft.append(token)
             score += prob
             found = [(tokens, e) for tokens, e in found if e + i < len(tokens) and tokens[e + i] == token]
-        return draft, score
+        return draft, score, best
 
     def memory(self) -> dict[str, int]:
         """What the store holds: answers, tokens, index keys and the bytes they take (estimate)."""
@@ -129,6 +136,7 @@ class SuffixDrafter:
         self.spec_factor, self.min_prob = spec_factor, min_prob
         self.own = SuffixStore(1, max_depth)
         self._own_id = self._answer = self._fed = 0
+        self._gate, self._key = Gate(), ("own", MIN_MATCH)  # the last draft's kind of match
         self._seq: list[int] | None = None  # the loop's sequence of the request (extended in place until it leaves)
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -136,6 +144,7 @@ class SuffixDrafter:
         self._own_id = self.own.open()
         self.own.extend(self._own_id, prompt_ids)
         self._answer, self._fed, self._seq = self.store.open(), len(prompt_ids), None
+        self._gate = Gate()
 
     def _catch_up(self, seq: list[int]) -> None:
         """Both parts take the tokens chosen since the last call (the output: the store holds no prompt)."""
@@ -146,10 +155,16 @@ class SuffixDrafter:
 
     def propose(self, seq: list[int], k: int, sampler=None) -> Draft | None:
         self._catch_up(seq)
-        own = self.own.propose(seq, k, self.spec_factor, self.min_prob)
-        past = self.store.propose(seq, k, self.spec_factor, self.min_prob, skip=self._answer)
-        tokens = max(own, past, key=lambda draft: draft[1])[0]
-        return Draft(tokens=tokens, q_draft=None) if tokens else None  # deterministic: one-hot q when sampling
+        drafts = []  # (score, gate key, tokens) of each part whose kind of match has been paying
+        for part, store, skip in (("own", self.own, 0), ("past", self.store, self._answer)):
+            tokens, score, n = store.propose(seq, k, self.spec_factor, self.min_prob, skip=skip)
+            key = (part, min(n, GATE_MATCH))
+            if tokens and self._gate.open(key):
+                drafts.append((score, key, tokens))
+        if not drafts:
+            return None
+        _, self._key, tokens = max(drafts, key=lambda draft: draft[0])  # a tie: the first, the request's own
+        return Draft(tokens=tokens, q_draft=None)  # deterministic: one-hot q when sampling
 
     def finish(self) -> None:  # the request left: the store takes its last tokens (the loop's final sequence)
         if self._seq is not None:
@@ -161,5 +176,5 @@ class SuffixDrafter:
     def forget(self) -> None:  # no cache: its parts are token lists
         pass
 
-    def observe(self, n_proposed: int, n_accepted: int) -> None:  # k auto weighs the outcomes (k_choice.py)
-        pass
+    def observe(self, n_proposed: int, n_accepted: int) -> None:
+        self._gate.record(self._key, n_accepted)
