@@ -65,6 +65,8 @@ def grammars_for(name: str, forced: bool) -> list[tuple[str, str]]:
     own drafts (each is cut to nothing: target-only decoding, so no exactness case)."""
     if forced:
         return [g for g in GRAMMARS if g[1] != FREE] if name in ("none", "ngram") else GRAMMARS
+    if name in ("eagle3", "peagle"):  # the fitted heads draft the target's free text: COMMAND cuts every draft
+        return [g for g in GRAMMARS if g[1] == FREE]
     return [g for g in GRAMMARS if g[1] != FREE] if name == "ngram" else [g for g in GRAMMARS if g[1] != ACTION]
 
 
