@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge import config as cfgmod
 from spec_edge.runtime.front import Front
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, ToolCall
@@ -53,7 +54,7 @@ def fronts(engine, tmp_path_factory):
         meta = json.loads((engine.graph_dir / "tokenizer_config.json").read_text())
         meta["chat_template"] = (TEMPLATES / name).read_text()
         (folder / "tokenizer_config.json").write_text(json.dumps(meta))
-        front = engine.front
+        front = front_of(engine)
         out[name] = Front(front.cfg, Tokenizer(folder), front.caps, front.compile)
     return out
 
@@ -64,7 +65,7 @@ def test_the_template_picks_the_format(engine, fronts):
     nemo, v03 = fronts[NEMO].tool_format, fronts[MISTRAL03].tool_format
     assert isinstance(nemo, MistralFormat) and not nemo.spaced and nemo.token is None  # no [TOOL_CALLS] token here
     assert isinstance(v03, MistralFormat) and v03.spaced and fronts[SMALL31].tool_format.spaced
-    assert isinstance(engine.front.tool_format, HermesFormat) and not engine.front.tool_format.native
+    assert isinstance(front_of(engine).tool_format, HermesFormat) and not front_of(engine).tool_format.native
 
 
 CALL = ToolCall("call_1", "move_to", '{"place": "kitchen"}')
@@ -293,7 +294,7 @@ def test_the_http_door_serves_a_llama_template(engine, fronts, monkeypatch):
     logger = logging.getLogger("test_tool_formats")
     door = Door(cfg, logger).start()
     scheduler = Scheduler(engine, cfg, logger)
-    door.serve(scheduler, engine)
+    door.serve(scheduler)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key="k", max_retries=0)
         tools = json.loads((REPO / "bench" / "robot_tools.json").read_text())
@@ -366,7 +367,7 @@ def test_a_tool_schema_that_cannot_be_enforced_names_the_tool_and_keyword(engine
                             ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}},
                              "at properties.x.pattern:")):
         with pytest.raises(RequestError) as err:
-            engine.front.prepare(GenerateRequest(prompt="Go.", tools=(ok, Tool("go", "", json.dumps(schema)))))
+            front_of(engine).prepare(GenerateRequest(prompt="Go.", tools=(ok, Tool("go", "", json.dumps(schema)))))
         message = str(err.value)
         assert message.startswith("tools[1] (go) parameters: this JSON Schema cannot be enforced"), message
         assert keyword in message, message
