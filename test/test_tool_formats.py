@@ -107,7 +107,7 @@ def test_mistral_renders_tools_calls_and_results_with_ids_its_template_accepts(f
 
 
 def ask(front, engine, monkeypatch, text, **fields):
-    monkeypatch.setattr(engine, "front", front)
+    monkeypatch.setattr(engine, "tokenizer", front.tokenizer)  # the front renders with its template
     fields = {"tools": robot_tools(), "max_new_tokens": 60, "drafter": "none", **fields}
     return run_one(engine, GenerateRequest(messages=(("user", text),), **fields))
 
@@ -261,7 +261,7 @@ def test_each_format_spells_its_grammar_as_a_structural_tag(engine, family):
 @pytest.mark.parametrize("name", [LLAMA32, NEMO])
 def test_greedy_calls_under_speculation_equal_target_only(engine, fronts, monkeypatch, name):
     """ngram with grammar-forced drafts on and off, required and auto."""
-    monkeypatch.setattr(engine, "front", fronts[name])
+    monkeypatch.setattr(engine, "tokenizer", fronts[name].tokenizer)  # the front renders with its template
     for text, choice in (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto")):
         request = GenerateRequest(messages=(("user", text),), tools=robot_tools(), tool_choice=choice,
                                   max_new_tokens=32)
@@ -288,7 +288,7 @@ def test_the_http_door_serves_a_llama_template(engine, fronts, monkeypatch):
     from spec_edge.http.door import Door
     from spec_edge.runtime.scheduler import Scheduler
 
-    monkeypatch.setattr(engine, "front", fronts[LLAMA32])
+    monkeypatch.setattr(engine, "tokenizer", fronts[LLAMA32].tokenizer)  # the front renders with its template
     cfg = cfgmod.from_params({"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
                               "graphs.batch_slots": 1, "speculative.k": 4, "http.port": 0, "http.api_key": "k"})
     logger = logging.getLogger("test_tool_formats")
