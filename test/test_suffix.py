@@ -160,8 +160,8 @@ def test_batched_slots_share_the_store_and_answer_as_target_only(batched, tiny_e
     while waiting or batched.occupied:
         while waiting and join_at[waiting[0]] <= batched.loop.iterations and batched.loop.free:
             i = waiting.pop(0)
-            batched.add(prepared[i], sinks[i])
-        batched.iterate()
+            batched.add(prepared[i], sinks[i], len(waiting))
+        batched.iterate(len(waiting))
     for p, sink in zip(prepared, sinks):
         assert sink.result.token_ids == plain(tiny_engine, p.prompt_ids, 40)
         assert sink.result.stats.drafter == "suffix"
