@@ -80,8 +80,9 @@ def evaluate(cfg, forms: list[str], prompts: list[str], text: str, drafters: dic
 
     fp32 = artifacts.engine(cfg.replace(**{"graphs.weights": "fp32"}), progress)
     from spec_edge.runtime.requests import GenerateRequest
+    from spec_edge.runtime.serving import front_of
 
-    prompt_ids = [fp32.front.prompt_ids(GenerateRequest(prompt=p)) for p in prompts]  # as _greedy's requests
+    prompt_ids = [front_of(fp32).prompt_ids(GenerateRequest(prompt=p)) for p in prompts]  # as _greedy's requests
     text_ids = fp32.tokenizer.encode(text)
     reference = [_greedy(fp32, p, max_new)[0] for p in prompts]
     ref_logp = [_log_softmax(forced_logits(fp32.target, ids, cont)) for ids, cont in zip(prompt_ids, reference) if cont]

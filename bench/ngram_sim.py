@@ -55,6 +55,7 @@ def main() -> int:
                         help="name=break_even:prior_accepted:prior_proposals (default: a built-in set)")
     args = parser.parse_args()
 
+    from spec_edge.runtime.serving import front_of
     from spec_edge.runtime.drafters.ngram import NgramDrafter
     from spec_edge.tools.prompts import load_prompts
 
@@ -75,7 +76,7 @@ def main() -> int:
             request = GenerateRequest(prompt=p["prompt"], max_new_tokens=args.max_new_tokens, temperature=0.0,
                                       speculate=False)
             result = run_one(engine, request)
-            data[key][p["id"]] = {"prompt_ids": engine.front.prompt_ids(request), "out": result.token_ids,
+            data[key][p["id"]] = {"prompt_ids": front_of(engine).prompt_ids(request), "out": result.token_ids,
                                   "kind": p["kind"]}
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(data))

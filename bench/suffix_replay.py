@@ -36,6 +36,7 @@ from spec_edge.runtime.requests import GenerateRequest  # noqa: E402
 
 def shift_answers(engine, shift: Path) -> list[tuple[str, list[int], list[int]]]:
     """(template, prompt ids, greedy answer ids) of the shift's target-only requests, in its order."""
+    from spec_edge.runtime.serving import front_of
     from spec_edge.runtime.tool_format import tools_from_json
     tools = tools_from_json(json.dumps(robot_shift.TOOLS))
     out = []
@@ -44,13 +45,14 @@ def shift_answers(engine, shift: Path) -> list[tuple[str, list[int], list[int]]]
             body = robot_shift.TEMPLATES[row["template"]](row["round"])
             request = GenerateRequest(messages=tuple((m["role"], m["content"]) for m in body["messages"]),
                                       tools=tools if "tools" in body else ())
-            out.append((row["template"], engine.front.prompt_ids(request), row["token_ids"]))
+            out.append((row["template"], front_of(engine).prompt_ids(request), row["token_ids"]))
     return out
 
 
 def prompt_answers(engine, cache: Path, max_new_tokens: int) -> list[tuple[str, list[int], list[int]]]:
     """(kind, prompt ids, greedy answer ids) of bench/prompts.jsonl, decoded once (target-only) into cache."""
     from spec_edge.runtime.scheduler import run_one
+    from spec_edge.runtime.serving import front_of
     from spec_edge.tools.prompts import load_prompts
     data = json.loads(cache.read_text()) if cache.is_file() else {}
     key = str(max_new_tokens)
@@ -60,7 +62,7 @@ def prompt_answers(engine, cache: Path, max_new_tokens: int) -> list[tuple[str, 
         for p in prompts:
             request = GenerateRequest(prompt=p["prompt"], max_new_tokens=max_new_tokens, temperature=0.0,
                                       speculate=False)
-            data[key][p["id"]] = {"kind": p["kind"], "prompt_ids": engine.front.prompt_ids(request),
+            data[key][p["id"]] = {"kind": p["kind"], "prompt_ids": front_of(engine).prompt_ids(request),
                                   "out": run_one(engine, request).token_ids}
         cache.write_text(json.dumps(data))
     return [(p["kind"], data[key][p["id"]]["prompt_ids"], data[key][p["id"]]["out"]) for p in prompts]

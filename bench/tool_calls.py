@@ -146,7 +146,7 @@ def main() -> int:
                 report[name]["acceptance"] = sum(r["accepted"] for r in got) / sum(r["drafted"] for r in got)
     door = Door(cfg, logging.getLogger("bench")).start()
     scheduler = Scheduler(engine, cfg, logging.getLogger("bench"))
-    door.serve(scheduler, engine)
+    door.serve(scheduler)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key="bench", max_retries=0)
     ok = same = 0
     walls = []

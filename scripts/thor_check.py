@@ -48,6 +48,7 @@ def check(engine, checkpoint: Path, drafter: str, k: int, max_new_tokens: int, n
     decoder's front tokenizes it (Front.prompt_ids) plus the plain answer up to the part."""
     from spec_edge.runtime.requests import GenerateRequest
     from spec_edge.runtime.scheduler import run_one
+    from spec_edge.runtime.serving import front_of
 
     rows, failed = [], False
     for prompt in prompts:
@@ -70,7 +71,7 @@ def check(engine, checkpoint: Path, drafter: str, k: int, max_new_tokens: int, n
                 row["greedy"] = "equal"
             else:
                 at = next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)
-                m = margin(checkpoint, engine.front.prompt_ids(GenerateRequest(prompt=prompt)) + b[:at])
+                m = margin(checkpoint, front_of(engine).prompt_ids(GenerateRequest(prompt=prompt)) + b[:at])
                 row["greedy"] = (f"near tie at token {at} (float32 margin {m:.3f})" if m < near_tie
                                  else f"DIFFERENT at token {at} (float32 margin {m:.3f})")
                 failed |= m >= near_tie
@@ -89,12 +90,12 @@ def main() -> int:
     from spec_edge.config import load
     from spec_edge.edgellm_layout import profile_dir, read_manifest
     from spec_edge.device.profiles import resolve_profile
-    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.decoders import open_decoder
 
     cfg = load(resolve_profile(args.profile))
     drafter, k = cfg.speculative.drafter, cfg.speculative.k
     checkpoint = Path(read_manifest(profile_dir(cfg))["stages"]["checkpoint"]["target"])
-    engine = Engine.from_config(cfg, lambda text: print(text, file=sys.stderr, flush=True))
+    engine = open_decoder(cfg, lambda text: print(text, file=sys.stderr, flush=True))
     rows, failed = check(engine, checkpoint, drafter, k, args.max_new_tokens)
     summary = {"profile": cfg.runtime.profile, "drafter": drafter, "k": k, "rows": rows, "ok": not failed}
     print(f"[thor_check] {cfg.runtime.profile}: " + ("OK" if not failed else "FAILED: speculative != plain beyond "

@@ -1,5 +1,5 @@
 """Build before serve: every command that serves (spec-edge generate / serve / bench, the node on
-configure) loads through engine(cfg): ensure(cfg) makes what is missing, then Engine.from_config(cfg) only loads
+configure) loads through engine(cfg): ensure(cfg) makes what is missing, then runtime/decoders.open_decoder(cfg) only loads
 (runtime/ makes no file and refuses a missing one with `spec-edge export`, which runs ensure(cfg) too).
 
 ONNX Runtime, each model and head the profile names, into plan.ort_dir, each step graph by graph and only
@@ -14,11 +14,15 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spec_edge.config import Config
 from spec_edge.graphs import export, ort_attention, plan, quantize
 from spec_edge.runtime.backends import onnxruntime
 from spec_edge.runtime.backends.base import BackendError
+
+if TYPE_CHECKING:
+    from spec_edge.runtime.serving import Decoder
 
 Progress = Callable[[str], None]
 PACKED_DATA = "weights.bin"
@@ -26,12 +30,12 @@ _PREPACKED = "prepacked"  # external-data keys "prepacked_<n>": "<kernel key>|of
 HEADS = ("eagle3", "peagle", "medusa")
 
 
-def engine(cfg: Config, progress: Progress = print):
+def engine(cfg: Config, progress: Progress = print) -> Decoder:
     """The engine of cfg (a runtime.serving.Decoder), its files made first where missing."""
-    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.decoders import open_decoder
 
     ensure(cfg, progress)
-    return Engine.from_config(cfg, progress)
+    return open_decoder(cfg, progress)
 
 
 def ensure(cfg: Config, progress: Progress = print) -> dict[str, Path]:

@@ -52,14 +52,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     weights = getattr(args, "weights", None)
     if isinstance(weights, str):  # export / generate: one form (bench takes a list and runs each)
         overrides["graphs.weights"] = weights
-    k = getattr(args, "k", None)
-    if k is not None:
-        overrides["speculative.k"] = k
-        if args.k_values is None and k not in cfg.graphs.k_values:
-            overrides["graphs.k_values"] = sorted(set(cfg.graphs.k_values) | {k})
-    drafter = getattr(args, "drafter", None)
-    if drafter is not None:
-        overrides["speculative.drafter"] = drafter
     return cfg.replace(**{key: value for key, value in overrides.items() if value is not None})
 
 
@@ -105,30 +97,34 @@ def cmd_generate(args) -> int:
     if args.logprobs and not args.json:
         raise ConfigError("--logprobs is reported in --json's `logprobs` key: add --json")
     cfg = config_from_args(args)
-    from spec_edge.runtime.scheduler import run_one
+    from spec_edge.runtime.requests import RequestError
+    from spec_edge.runtime.scheduler import serve_alone
 
+    request = request_from_args(args)  # its --k / --drafter are the request's, as every door's
     engine = artifacts.engine(cfg, progress)
-    request = request_from_args(args)
     on_text = None if args.json else (lambda delta, n_tokens: print(delta, end="", flush=True))
-    result = run_one(engine, request, on_text=on_text)
+    outcome = serve_alone(engine, request, on_text=on_text).outcome  # what ROS and HTTP answer
+    if outcome.refusal == "invalid":
+        raise RequestError(outcome.message)  # exit 2, in the words of every door
     if args.json:
         # strict JSON: no NaN / Infinity
-        print(json.dumps({**result.as_dict(), **answered_by(args, cfg)}, allow_nan=False))
-        return 0
-    s = result.stats
+        print(json.dumps({**outcome.as_dict(), **answered_by(args, cfg)}, allow_nan=False))
+        return 0 if outcome.success else 1
+    s = outcome.stats
     print()
-    for call in result.tool_calls:
+    for call in outcome.tool_calls:
         print(f"[tool call {call.id}] {call.name}({call.arguments})")
     by = answered_by(args, cfg)
-    progress(f"[stats] profile={by['profile']} weights={by['weights']} finish={result.finish_reason} "
-             f"tokens={s.new_tokens} drafter={s.drafter} k={s.k} "
-             f"drafted={s.drafted} accepted={s.accepted} acceptance={s.acceptance_rate:.2f} "
-             f"mean_accepted_length={s.mean_accepted_length:.2f} tok/s={s.tokens_per_s:.1f} "
-             f"ttft={s.time_to_first_token_s * 1000:.0f} ms" + (f" forced={s.forced} cut={s.cut}"
-                                                                   if s.forced or s.cut else ""))
-    if result.message:
-        progress(f"[note] {result.message}")
-    return 0
+    if s:
+        progress(f"[stats] profile={by['profile']} weights={by['weights']} finish={outcome.finish_reason} "
+                 f"tokens={s['new_tokens']} drafter={s['drafter']} k={s['k']} "
+                 f"drafted={s['drafted']} accepted={s['accepted']} acceptance={s['acceptance_rate']:.2f} "
+                 f"mean_accepted_length={s['mean_accepted_length']:.2f} tok/s={s['tokens_per_s']:.1f} "
+                 f"ttft={s['time_to_first_token_s'] * 1000:.0f} ms" + (f" forced={s['forced']} cut={s['cut']}"
+                                                                          if s['forced'] or s['cut'] else ""))
+    if outcome.message:
+        progress(f"[note] {outcome.message}" if outcome.success else f"spec-edge: error: {outcome.message}")
+    return 0 if outcome.success else 1
 
 
 def cmd_bench(args) -> int:
@@ -179,8 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", help="system prompt (default: the chat template's)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--drafter", choices=cfgmod.DRAFTERS)
-    p.add_argument("--k", type=int, help="drafts per verify call")
+    p.add_argument("--drafter", choices=cfgmod.DRAFTERS, help="this request's drafter (the request's `drafter`, as "
+                   "through ROS and HTTP; default: the profile's speculative.drafter)")
+    p.add_argument("--k", type=int, help="this request's drafts per verify call (the request's `k`: one of the "
+                   "exported graphs.k_values; `spec-edge export --k-values` builds others)")
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-p", type=float)

@@ -13,6 +13,7 @@ import pytest
 from test_batch import PROMPTS
 from tiny import Collect
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.scheduler import run_one
 
@@ -55,7 +56,7 @@ def run_batched(engine, requests, join_at, loop=None):
     while waiting or loop.occupied:
         while waiting and join_at[waiting[0]] <= loop.iterations and loop.free:
             i = waiting.pop(0)
-            loop.add(engine.start(engine.front.prepare(requests[i]), sinks[i]))
+            loop.add(engine.start(front_of(engine).prepare(requests[i]), sinks[i]))
         loop.iterate()
     return [sink.result for sink in sinks]
 

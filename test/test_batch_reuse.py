@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from test_batch import K, SLOTS, batch_cfg
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.artifacts import model_graphs
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
@@ -15,7 +16,7 @@ from spec_edge.runtime.backends.ort_runner import OrtRunner
 from spec_edge.runtime.drafters.ngram import NgramDrafter
 from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import run_one
-from tiny import Kept, drain, run_together, serve_together
+from tiny import Kept, drain, run_together, serve_together, warm
 
 SYSTEM = "The robot picks up the red box and places it on the shelf."
 TURNS = ["Move the arm to the left", "Navigate to the kitchen", "Report the battery level", "def add(a, b):"]
@@ -36,7 +37,7 @@ def cold(tiny_cfg):
 
 
 def ids_of(engine, turn: str, system: str = SYSTEM) -> list[int]:
-    return engine.front.prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
+    return front_of(engine).prompt_ids(GenerateRequest(prompt=turn, system_prompt=system))
 
 
 def request(ids: list[int], max_new: int = 16, eos_ids: tuple[int, ...] = (), **fields) -> speculative.SlotRequest:
@@ -123,7 +124,7 @@ def test_after_cancel_and_after_a_failure(engine, cold):
 def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     """Engine.warm: every slot holds the system prompt's chat prefix (the same bytes in every
     region); requests through the engine, alone and four at once, reuse it and answer as cold ones."""
-    n = engine.warm(SYSTEM)
+    n = warm(engine, SYSTEM)
     runner = engine.loop.runner
     prefix = tuple(ids_of(engine, TURNS[0])[:n])
     assert n > 10 and runner.held == [prefix] * SLOTS
@@ -131,7 +132,7 @@ def test_warm_fills_every_slot_and_requests_reuse_it(engine, cold):
     first = run_one(engine, GenerateRequest(prompt=TURNS[0], system_prompt=SYSTEM, max_new_tokens=16, k=K))
     assert first.stats.prompt_tokens_reused == n
     assert first.token_ids == cold_answer(cold, ids_of(engine, TURNS[0]), eos_ids=engine.eos_ids)
-    engine.warm(SYSTEM)
+    warm(engine, SYSTEM)
     results = serve_together(engine, [GenerateRequest(prompt=turn, system_prompt=SYSTEM, max_new_tokens=16, k=K)
                                       for turn in TURNS])
     for result, turn in zip(results, TURNS):

@@ -96,7 +96,7 @@ def test_the_node_resolves_the_default_profile(params_file):
     context = rclpy.Context()
     rclpy.init(args=["spec_edge", *ros_args], context=context)
     try:
-        node = node_mod.make_node_class()(context=context)
+        node = node_mod.GenerateNode(context=context)
         try:
             resolved = cfgmod.from_params({**node._current_params(), **node._unknown_overrides()})  # as configure
         finally:

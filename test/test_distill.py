@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import ConfigError
 from spec_edge.runtime import speculative
 from spec_edge import artifacts
@@ -41,7 +42,7 @@ def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models,
     engine = artifacts.engine(cfg, progress=lambda message: None)
     try:
         for prompt in ("Move the arm", "def add(a, b):"):
-            ids = engine.front.prompt_ids(GenerateRequest(prompt=prompt))
+            ids = front_of(engine).prompt_ids(GenerateRequest(prompt=prompt))
             plain, _, _ = run_alone(engine.runner, speculative.SlotRequest(
                 prompt_ids=ids, max_new_tokens=24, eos_ids=engine.eos_ids))
             result = run_one(engine, GenerateRequest(prompt=prompt, max_new_tokens=24, drafter="draft", k=3))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from edgellm_standin import Reply, Script, build
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import ConfigError
 from spec_edge import edgellm_layout as layout
 from spec_edge.runtime.backends.base import BackendError
@@ -97,7 +98,7 @@ def test_chat_prompt_is_the_cpu_paths(tiny_engine, edge_cfg, script):
         [item] = sent.requests
         [message] = item.messages
         assert message.role == "user" and [c.type for c in message.contents] == ["text"]
-        assert engine.tokenizer.encode(message.contents[0].content) == tiny_engine.front.prompt_ids(request)
+        assert engine.tokenizer.encode(message.contents[0].content) == front_of(tiny_engine).prompt_ids(request)
 
 
 def test_request_fields_map_onto_the_edgellm_request(edge_cfg, script):
@@ -158,9 +159,9 @@ def test_a_sampled_request_is_one_edgellms_sampler_accepts(edge_cfg, script, tin
     old.temperature, old.top_k, old.top_p = 0.7, 0, 1.0
     old.stream_channels = [engine.rt.StreamChannel.create()]
     with pytest.raises(ValueError, match="Either topK or topP must be set"):
-        engine.runtime.handle_request(old)
+        engine.mode.runtime.handle_request(old)
     old.temperature = 1.0  # accepted, and silently greedy: why 1.0 must not go as the old pair either
-    engine.runtime.handle_request(old)
+    engine.mode.runtime.handle_request(old)
     assert not old._sampled
     batched = _engine(edge_cfg, script, **{"graphs.batch_slots": 2})
     result = run_one(batched, GenerateRequest(prompt="a", temperature=0.7))
@@ -213,16 +214,16 @@ def test_refusals_name_what_to_change(edge_cfg, script):
         GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="fly"): "neither auto, none, required",
     }
     for request, words in cases.items():
-        for call in (engine.front.prepare, lambda request: run_one(engine, request)):
+        for call in (front_of(engine).prepare, lambda request: run_one(engine, request)):
             with pytest.raises(RequestError, match=words.replace("[", r"\[").replace("]", r"\]")):
                 call(request)
     script.validate = lambda params: (False, "the guide is too large")
     with pytest.raises(RequestError, match="too large"):
-        engine.front.prepare(GenerateRequest(prompt="a", regex="a+"))
+        front_of(engine).prepare(GenerateRequest(prompt="a", regex="a+"))
     plain = _engine(edge_cfg, script, **{"speculative.drafter": "none"})
     assert "draft_top_k" not in script.runtimes[-1]._kwargs  # the vanilla constructor
     with pytest.raises(RequestError, match="started without drafter eagle3"):
-        plain.front.prepare(GenerateRequest(prompt="a", drafter="eagle3"))
+        front_of(plain).prepare(GenerateRequest(prompt="a", drafter="eagle3"))
 
 
 def test_drafters_other_than_eagle3_and_none_are_refused_at_configure(edge_cfg):
@@ -345,7 +346,7 @@ def test_batch_slots_use_the_request_engine_without_speculation(edge_cfg, script
 
 def test_warm_puts_the_system_prefix_in_the_context_cache(edge_cfg, script):
     engine = _engine(edge_cfg, script)
-    n = engine.warm("You are a robot.")
+    n = Scheduler(engine, engine.cfg, Log(), thread=False).warm("You are a robot.")  # through the front
     call = script.calls[-1]
     assert n > 0 and call.context_cache_commit_policy.name == "PREFILL_STATE_ONLY"
     sent = call.requests[0].messages[0].contents[0].content
@@ -369,30 +370,30 @@ def test_missing_or_stale_build_names_the_command(edge_cfg, script, tmp_path):
         EdgeLLMEngine.from_config(other_k, progress=lambda _m: None, native=build(script))
 
 
-def test_engine_from_config_serves_tensorrt_through_edgellm(edge_cfg, script, monkeypatch):
-    """Engine.from_config is the one entry point: on tensorrt it returns the Edge-LLM adapter over the wheel's native
+def test_open_decoder_serves_tensorrt_through_edgellm(edge_cfg, script, monkeypatch):
+    """open_decoder is the one entry point: on tensorrt it returns the Edge-LLM adapter over the wheel's native
     module (load_native; here the stand-in in its place), which serves a request."""
     from spec_edge.runtime.backends import edgellm
-    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.decoders import open_decoder
 
     write_engine_folders(edge_cfg, Path(edge_cfg.model.target))
     monkeypatch.setattr(edgellm, "load_native", lambda: build(script))
-    engine = Engine.from_config(edge_cfg, progress=lambda _m: None)
+    engine = open_decoder(edge_cfg, progress=lambda _m: None)
     assert isinstance(engine, EdgeLLMEngine) and script.runtimes
     result = run_one(engine, GenerateRequest(prompt="Where is the dock?"))
     assert result.finish_reason == "eos" and result.text.strip() == "hello world"
-    assert script.calls[-1].requests[0].messages[0].contents[0].content == engine.front.chat_text(
+    assert script.calls[-1].requests[0].messages[0].contents[0].content == front_of(engine).chat_text(
         GenerateRequest(prompt="Where is the dock?"))
 
 
-def test_engine_from_config_without_a_payload_says_so(edge_cfg):
-    """On this machine (no Jetson / GPU) the wheel has no payload: Engine.from_config on tensorrt fails with a
+def test_open_decoder_without_a_payload_says_so(edge_cfg):
+    """On this machine (no Jetson / GPU) the wheel has no payload: open_decoder on tensorrt fails with a
     BackendError that says so, not a TensorRT import."""
-    from spec_edge.runtime.engine import Engine
+    from spec_edge.runtime.decoders import open_decoder
 
     write_engine_folders(edge_cfg, Path(edge_cfg.model.target))
     with pytest.raises(BackendError, match="cannot load its native runtime|tensorrt-edgellm"):
-        Engine.from_config(edge_cfg, progress=lambda _m: None)
+        open_decoder(edge_cfg, progress=lambda _m: None)
 
 
 def _baseline_s(engine) -> float:
@@ -493,7 +494,7 @@ def test_tool_calls_through_the_scheduler(tiny_engine, edge_cfg, script, tiny_mo
     content (streamed and final) without call markup."""
     tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script, **{"graphs.batch_slots": slots, **TOOL_ROOM})
-    fmt = engine.front.tool_format
+    fmt = front_of(engine).tool_format
     answer = "Going. " + fmt.block("move_to", '{"place": "dock"}') + "\n" + fmt.block("say", '{"text": "on my way"}')
     script.reply = lambda call: Reply(tok.encode(answer))
     request = GenerateRequest(prompt="Go to the dock and say so.", tools=robot_tools())
@@ -513,7 +514,7 @@ def test_tool_calls_through_the_scheduler(tiny_engine, edge_cfg, script, tiny_mo
     assert outcome.text == "Going." and "".join(pieces) == "Going."
     call = script.calls[-1]
     [item] = call.requests
-    assert item.messages[0].contents[0].content == tiny_engine.front.chat_text(request)
+    assert item.messages[0].contents[0].content == front_of(tiny_engine).chat_text(request)
     assert item.guided_decoding.type.name == "STRUCTURAL_TAG"
     assert json.loads(item.guided_decoding.guide) == fmt.structural_tag(_schemas(robot_tools()), "auto", True)
     assert (call.tools, call.tool_choice, call.parallel_tool_calls) == (None, None, None)  # never assigned
@@ -524,7 +525,7 @@ def test_each_tool_choice_constrains_and_answers_as_on_the_cpu_path(tiny_engine,
     what comes back split as the CPU path splits it, and tool turns rendered as the CPU path renders them."""
     tok = _tokenizer(tiny_models)
     engine = _engine(edge_cfg, script, **TOOL_ROOM)
-    fmt, tools = engine.front.tool_format, robot_tools()
+    fmt, tools = front_of(engine).tool_format, robot_tools()
     say = fmt.block("say", '{"text": "hi"}')
 
     def ask(reply: str, reason: str = "END_ID", **fields):
@@ -556,7 +557,7 @@ def test_each_tool_choice_constrains_and_answers_as_on_the_cpu_path(tiny_engine,
     script.reply = lambda call: Reply(tok.encode(" Done."))
     result = run_one(engine, turns)
     sent = script.calls[-1].requests[0].messages[0].contents[0].content
-    assert sent == tiny_engine.front.chat_text(turns) and result.text.strip() == "Done."
+    assert sent == front_of(tiny_engine).chat_text(turns) and result.text.strip() == "Done."
     assert '"name": "say"' in sent and "<tool_response>\nsaid\n</tool_response>" in sent
 
 
@@ -581,9 +582,9 @@ def test_llama_and_mistral_formats_run_on_edgellm(edge_cfg, script, tiny_models,
     engine = _engine(edge_cfg, script, **{"model.target": str(model), "runtime.profile": "edge-" + template[:12],
                                           "graphs.max_context": 2048})  # Llama's template indents the tools' JSON
     assert (engine.dirs.engine_dir / "chat_template.jinja").read_text() == (TEMPLATES / template).read_text()
-    fmt = engine.front.tool_format
+    fmt = front_of(engine).tool_format
     assert isinstance(fmt, LlamaJsonFormat if "llama" in template else MistralFormat)
-    cpu = Front(engine.cfg, Tokenizer(model), engine.front.caps, engine.front.compile)  # the CPU path's front
+    cpu = Front(engine.cfg, Tokenizer(model), front_of(engine).caps, front_of(engine).compile)  # the CPU path's front
     for choice, reply in (("required", answer), ("auto", answer), ("auto", " Hello there.")):
         script.reply = lambda call: Reply(tok.encode(reply))
         request = GenerateRequest(messages=(("user", "Greet them."),), tools=robot_tools(), tool_choice=choice)
@@ -609,11 +610,11 @@ def test_tool_calls_refuse_what_edgellm_cannot_enforce(edge_cfg, script):
     engine = _engine(edge_cfg, script)
     rt = engine.rt
     with pytest.raises(RequestError, match="say's parameters .*uniqueItems.* runtime.backend: onnxruntime"):
-        tool_guide(rt, engine.front.tool_format, {"say": {"type": "object", "properties": {
+        tool_guide(rt, front_of(engine).tool_format, {"say": {"type": "object", "properties": {
             "words": {"type": "array", "uniqueItems": True}}}}, "auto", True)
     script.validate = lambda params: (False, "guided_decoding.structural_tag is too large")
     with pytest.raises(RequestError, match="structural_tag is too large"):
-        engine.front.prepare(GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="none"))
+        front_of(engine).prepare(GenerateRequest(prompt="a", tools=robot_tools(), tool_choice="none"))
 
 
 def _thor_check():
@@ -640,7 +641,7 @@ def test_thor_check_judges_a_divergence_on_both_decoders(edge_cfg, script, tiny_
     script.reply = lambda call: Reply(plain if call.disable_spec_decode else spec, spec=(2, 8, 3))
     engine = _engine(edge_cfg, script)
     checkpoint, prompt = Path(edge_cfg.model.target), "Where is the dock?"
-    margin = thor.reference_margin(checkpoint, engine.front.prompt_ids(GenerateRequest(prompt=prompt)) + plain[:2])
+    margin = thor.reference_margin(checkpoint, front_of(engine).prompt_ids(GenerateRequest(prompt=prompt)) + plain[:2])
     assert margin > 0
     rows, failed = thor.check(engine, checkpoint, "eagle3", 4, 16, near_tie=margin + 0.01, prompts=[prompt])
     assert not failed and rows[0]["greedy"] == f"near tie at token 2 (float32 margin {margin:.3f})", rows

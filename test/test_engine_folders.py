@@ -221,6 +221,10 @@ def test_kill_9_mid_export_leaves_a_folder_the_next_command_uses(tiny_models, tm
     again = cli(*ask)
     assert again.returncode == 0 and json.loads(again.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]
     assert not [line for line in again.stderr.splitlines() if line.startswith(MAKING)], again.stderr
+    refused = cli(*ask, "--k", "5")  # a request's k: never a graph build (issue 50); the command that builds it
+    assert refused.returncode == 2 and "`spec-edge export --k-values 3 5`" in refused.stderr, refused.stderr[-2000:]
+    built = cli("export", "--config", str(profile), "--k-values", "3", "5")  # the interrupted growth, finished
+    assert built.returncode == 0, built.stderr[-2000:]
     grown = cli(*ask, "--k", "5")
     assert grown.returncode == 0, grown.stderr[-2000:]
     assert json.loads(grown.stdout)["token_ids"] == json.loads(first.stdout)["token_ids"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.base import Draft
@@ -46,7 +47,7 @@ def test_eos_and_length_cut_inside_a_verify_window(tiny_engine, self_runner):
     output right after a chunk's first token: both cut the chunk there (the emitted chunks prove it), and the
     output equals plain decoding's, which meets the same token one step at a time."""
     runner = tiny_engine.runner
-    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPT))
+    prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=PROMPT))
     free_chunks: list = []
     free, _, stats = run_alone(runner, request(tiny_engine, prompt_ids, 40, ModelDrafter(self_runner), K,
                                                chunks=free_chunks))
@@ -82,7 +83,7 @@ def test_prefix_reuse_equals_cold(tiny_engine, self_runner):
     and a request whose prompt is the record itself still prefills its last token (its logits choose the
     first token); both answer, speculating, what they answer cold without a drafter."""
     runner = tiny_engine.runner
-    first_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPT))
+    first_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=PROMPT))
 
     def first():  # a plain request leaves the record first_ids + out[:-1]
         runner.held = [()] * runner.batch
@@ -135,7 +136,7 @@ def test_sampled_draft_q_rows_are_the_rows_drawn_from(tiny_engine, self_runner):
     """A sampling drafter's q row i is the distribution its draft i was drawn from (the request's sampling applied
     to the drafter's own logits after seq + drafts[:i]): the acceptance rule divides by exactly that row."""
     params = SamplingParams(temperature=0.8, top_k=5)
-    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPT))
+    prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=PROMPT))
     drafter = ModelDrafter(self_runner)
     drafter.start(prompt_ids)
     seq = prompt_ids + [prompt_ids[-1]]  # the prompt and a pending token

@@ -12,6 +12,7 @@ import re
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime import speculative
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
@@ -74,7 +75,7 @@ def grammars_for(name: str, forced: bool) -> list[tuple[str, str]]:
 def test_greedy_constrained_speculative_equals_constrained_plain(tiny_engine, self_runner, name, forced):
     for kind, text in grammars_for(name, forced):
         for prompt in PROMPTS:
-            prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
+            prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=prompt))
             plain, plain_finish, plain_stats = constrained(tiny_engine, prompt_ids, None, 0, kind, text)
             assert plain_stats.verify_calls == 0 and plain_finish == "eos"
             for k in (3, 7):
@@ -171,7 +172,7 @@ def test_grammar_that_cannot_complete_ends_with_length(tiny_engine):
 ])
 def test_invalid_grammar_is_refused(tiny_engine, fields, message):
     with pytest.raises(RequestError, match=re.escape(message)) as err:
-        tiny_engine.front.prepare(GenerateRequest(prompt="hi", **fields))
+        front_of(tiny_engine).prepare(GenerateRequest(prompt="hi", **fields))
     assert "\n" not in str(err.value)
     got = run_one(tiny_engine, GenerateRequest(prompt="hi", grammar='root ::= "yes" | "no"', max_new_tokens=8))
     assert got.finish_reason == "eos" and got.text in ("yes", "no")  # the engine keeps serving

@@ -62,7 +62,7 @@ def served(tmp_path_factory):
     door = Door(cfg, logger).start()
     assert httpx.get(f"http://127.0.0.1:{door.port}/health").status_code == 503  # loading: no scheduler yet
     scheduler = Scheduler(engine, cfg, logger)
-    door.serve(scheduler, engine)
+    door.serve(scheduler)
     yield door, alone
     scheduler.stop(1.0)
     door.stop()

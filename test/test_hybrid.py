@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_eagle3 import make_head
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import DRAFTERS, ConfigError
 from spec_edge.runtime import speculative
 from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
@@ -221,7 +222,7 @@ def test_hybrid_sampling_keeps_target_distribution(head_engine):
     one request: the first three tokens follow the target's exact distribution (chi-square)."""
     from spec_edge.runtime.requests import GenerateRequest
 
-    ids = head_engine.front.prompt_ids(GenerateRequest(prompt="Move the arm"))
+    ids = front_of(head_engine).prompt_ids(GenerateRequest(prompt="Move the arm"))
     guess = plain(head_engine, ids, 4)[1:]  # the greedy continuation: often accepted at top_k=3
     eagle = head_engine.drafter("eagle3")
     head_drafts = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import AUTO_K, ConfigError, from_params
 from spec_edge.runtime import k_choice
 from spec_edge import artifacts
@@ -397,7 +398,7 @@ def test_auto_at_plain_keeps_the_grammar_forced_drafts(tiny_engine, loop):
     and are all accepted; the output stays the constrained target-only one."""
     from spec_edge.runtime.requests import GenerateRequest as Request
     schema = r"(pick|place|move) the (red|blue|green) (box|cup|arm)( slowly| fast)?\."
-    prompt_ids = tiny_engine.front.prompt_ids(Request(prompt="Move the arm"))
+    prompt_ids = front_of(tiny_engine).prompt_ids(Request(prompt="Move the arm"))
 
     def run(k, choice):
         return decode(loop, SlotRequest(prompt_ids=prompt_ids, max_new_tokens=24, eos_ids=tiny_engine.eos_ids,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import AUTO_K, Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
@@ -27,7 +28,7 @@ def engine():
 @pytest.mark.parametrize("right", [False, True])
 def test_oracle_drafters(engine, right):
     loop = engine.loop  # its costs measured at load (Engine.from_config), every call fed back
-    ids = engine.front.prompt_ids(GenerateRequest(prompt="Write a short story about a small robot that learns to paint."))
+    ids = front_of(engine).prompt_ids(GenerateRequest(prompt="Write a short story about a small robot that learns to paint."))
     want, got, stats, per_iteration = oracle_run(loop, ids, 96, right)
     assert got == want
     ks = sorted(w - 1 for w in engine.loop.verify_widths)

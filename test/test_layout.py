@@ -240,11 +240,11 @@ print("ok", sorted(m for m in sys.modules if m.split(".")[0] in ("spec_edge_trai
 
 
 def test_the_node_imports_without_training_or_bench():
-    """The same for the ROS node and client, the node class built."""
+    """The same for the ROS node and client."""
     pytest.importorskip("rclpy")
     out = run_fresh("""
 import spec_edge.ros2.node, spec_edge.ros2.client, spec_edge.runtime.engine
-node_cls = spec_edge.ros2.node.make_node_class()
+node_cls = spec_edge.ros2.node.GenerateNode
 print("ok", sorted(m for m in sys.modules if m.split(".")[0] in ("spec_edge_training", "bench")
                    or m.startswith("spec_edge.tools")))
 """)

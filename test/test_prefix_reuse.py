@@ -9,8 +9,9 @@ import pytest
 from test_eagle3 import make_head as make_eagle3_head
 from test_medusa import make_heads as make_medusa_heads
 from test_peagle import make_head as make_peagle_head
-from tiny import engine_with, run_alone
+from tiny import engine_with, run_alone, warm
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.requests import GenerateRequest
@@ -52,7 +53,7 @@ def engines(tiny_cfg, profiles):
 def ask(engine, drafter, **fields):
     request = GenerateRequest(max_new_tokens=12, drafter=drafter, k=K, speculate=drafter != "none",
                               system_prompt=fields.pop("system_prompt", SYSTEM), **fields)
-    return run_one(engine, request), engine.front.prompt_ids(request)
+    return run_one(engine, request), front_of(engine).prompt_ids(request)
 
 
 def same_as_cold(engine, cold, drafter, **fields):
@@ -120,8 +121,8 @@ def test_the_record_is_the_fed_sequence(tiny_engine):
 
 def test_warm_prefills_the_system_prompt(engines):
     engine, cold = engines("ngram")
-    n = engine.warm(SYSTEM)
-    ids = engine.front.prompt_ids(GenerateRequest(prompt="Report the battery", system_prompt=SYSTEM))
+    n = warm(engine, SYSTEM)
+    ids = front_of(engine).prompt_ids(GenerateRequest(prompt="Report the battery", system_prompt=SYSTEM))
     assert engine.target.held == tuple(ids[:n]) and n > 10
     got, _ = same_as_cold(engine, cold, "ngram", prompt="Report the battery")
     assert got.stats.prompt_tokens_reused == n

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 from near_ties import assert_same_but_near_ties
-from tiny import serve_together
+from tiny import serve_together, warm
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
@@ -42,14 +43,14 @@ def answer(engine, reuse: bool, request: GenerateRequest):
 def test_dialog_reused_equals_cold(engine, system):
     history = (("system", system),)
     engine.loop.reuse = True
-    engine.warm(system)  # the first turn reuses the system prompt too
+    warm(engine, system)  # the first turn reuses the system prompt too
     for turn in TURNS:
         request = GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16)
         reused = answer(engine, True, request)
         cold = answer(engine, False, request)
         assert cold.stats.prompt_tokens_reused == 0
         assert reused.stats.prompt_tokens_reused > len(engine.tokenizer.encode(system))
-        prompt = engine.front.prompt_ids(request)
+        prompt = front_of(engine).prompt_ids(request)
         try:
             assert_same_but_near_ties(reused.token_ids, cold.token_ids, engine.target, prompt)
         finally:
@@ -71,20 +72,20 @@ def test_batched_dialogs_reused_equal_cold(engine, batch_engine):
     history (the system prompt warmed into both slots first): every answer == the cold B=1 answer
     (whose rows the batched graphs equal bit for bit) but at a near tie of the cold run."""
     histories = [(("system", system),) for system in SYSTEMS]
-    batch_engine.warm(SYSTEMS[0])
+    warm(batch_engine, SYSTEMS[0])
     for t, turn in enumerate(TURNS):
         requests = [GenerateRequest(messages=history + (("user", turn),), max_new_tokens=16) for history in histories]
         results = serve_together(batch_engine, requests)
         for i, request in enumerate(requests):
             # dialog i's history lives in slot i (the warmed prefix: the tie goes to slot 0)
-            prompt = batch_engine.front.prompt_ids(request)
+            prompt = front_of(batch_engine).prompt_ids(request)
             assert batch_engine.runner.held[i][:len(prompt)] == tuple(prompt)
             if t > 0 or i == 0:
                 assert results[i].stats.prompt_tokens_reused > len(engine.tokenizer.encode(SYSTEMS[i]))
             cold = answer(engine, False, request)
             try:
                 assert_same_but_near_ties(results[i].token_ids, cold.token_ids, engine.target,
-                                          engine.front.prompt_ids(request))
+                                          front_of(engine).prompt_ids(request))
             finally:
                 engine.target.held = ()  # the rule's reference prefill rewrote the cache
             histories[i] = request.messages + (("assistant", results[i].text),)

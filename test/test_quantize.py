@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.graphs import gguf_blocks, plan, quantize
 from spec_edge.graphs.gguf_blocks import QuantizeError
 from spec_edge.runtime.backends.onnxruntime import cpu_session
@@ -229,7 +230,7 @@ def test_q4_speculative_equals_target_only(tiny_engine, tiny_q4):
 
     self_drafter = ModelDrafter(b1_runner(tiny_q4.runner.graph_dir), name="self")
     for prompt in ("Move the arm to the left", "The robot picks up the red box. The robot picks up the"):
-        ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
+        ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=prompt))
         first = run_alone(tiny_q4.runner, speculative.SlotRequest(prompt_ids=ids, max_new_tokens=1, eos_ids=()))[0][0]
         # prompt lookup drafts the repeats of a favoured token (a random target never repeats itself)
         for drafter, k, sampling in ((NgramDrafter(), 4, PENALTIES(first)), (self_drafter, 3, SamplingParams()),

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import Config
 from spec_edge import artifacts
 from spec_edge.runtime.requests import GenerateRequest
@@ -41,7 +42,7 @@ def test_logits_match_transformers(engine):
 
     path = embedded_gguf_path()
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32").eval()
-    ids = engine.front.prompt_ids(GenerateRequest(prompt=FREE))
+    ids = front_of(engine).prompt_ids(GenerateRequest(prompt=FREE))
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0, -1].numpy()
     got = engine.target.prefill(ids, 0)
@@ -127,7 +128,7 @@ def test_q4_carries_every_linear_layer(engine):
     assert sum(n.op_type == "Split" for n in step.graph.node) == n_layers  # gate/up only
     ensure_packed(q4_dir, progress=lambda m: None)
     q4 = b1_runner(q4_dir)
-    ids = engine.front.prompt_ids(GenerateRequest(prompt=FREE))
+    ids = front_of(engine).prompt_ids(GenerateRequest(prompt=FREE))
     want = engine.target.prefill(ids, 0)
     got = q4.prefill(ids, 0)
     assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
@@ -136,7 +137,7 @@ def test_q4_carries_every_linear_layer(engine):
     from spec_edge.runtime import speculative
     from spec_edge.runtime.drafters.ngram import NgramDrafter
 
-    edit = engine.front.prompt_ids(GenerateRequest(prompt=EDIT))
+    edit = front_of(engine).prompt_ids(GenerateRequest(prompt=EDIT))
     plain, _, _ = run_alone(q4.runner, speculative.SlotRequest(
         prompt_ids=edit, max_new_tokens=40, eos_ids=engine.eos_ids))
     spec, _, stats = run_alone(q4.runner, speculative.SlotRequest(

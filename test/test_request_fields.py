@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,3 +211,25 @@ def test_cli_generate_flags_and_json(tiny_cfg, tiny_engine, tmp_path, capsys):
     assert "--logit-bias takes TOKEN_ID:BIAS" in capsys.readouterr().err
     assert cli.main(argv[:-1]) == 2  # --logprobs without --json would print nothing of them
     assert "--logprobs is reported in --json's `logprobs` key: add --json" in capsys.readouterr().err
+
+
+def test_cli_k_is_a_request_field(tiny_cfg, tiny_engine, tmp_path, capsys):
+    """`spec-edge generate --k K` is the request's k as every door's: a k the graphs lack is refused (exit 2) with
+    the words HTTP and ROS answer (the scheduler's Outcome) and the command that builds it, exporting nothing."""
+    import logging
+
+    from spec_edge.runtime.scheduler import Job, Scheduler
+
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text(cfgmod.dump(tiny_cfg))
+    engines = cfgmod.load(str(profile)).runtime.engine_dir
+    before = sorted(str(p) for p in Path(engines).rglob("*"))
+    assert 5 not in tiny_cfg.graphs.k_values
+    assert cli.main(["generate", "--config", str(profile), "--prompt", "hi", "--k", "5", "--json"]) == 2
+    err = capsys.readouterr().err
+    job = Job(request=GenerateRequest(prompt="hi", k=5))
+    scheduler = Scheduler(tiny_engine, tiny_engine.cfg, logging.getLogger("test"), thread=False)
+    assert not scheduler.submit(job) and job.outcome.refusal == "invalid"
+    assert err.splitlines()[-1] == f"spec-edge: error: {job.outcome.message}"
+    assert "`spec-edge export --k-values 1 3 4 5 7`" in err
+    assert sorted(str(p) for p in Path(engines).rglob("*")) == before  # no graph made

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
@@ -112,7 +113,7 @@ def test_processed_distribution_is_kept(tiny_engine, drafter_name):
     of an accepted draft among them) follow the processed
     target distribution (each row processed with its own history, drafts included) exactly."""
     third = int(np.argsort(-b1_runner(tiny_engine.graph_dir).prefill(
-        tiny_engine.front.prompt_ids(GenerateRequest(prompt="Move the arm")), 0))[2])
+        front_of(tiny_engine).prompt_ids(GenerateRequest(prompt="Move the arm")), 0))[2])
     # 33 cells (14 expected >= 5 times): min_p cuts some of top_k's 5, the bias lifts the third
     params = SamplingParams(temperature=2.0, top_k=5, min_p=0.06, repetition_penalty=1.1, presence_penalty=0.5,
                             frequency_penalty=0.7, logit_bias=((third, 1.0),))

@@ -27,26 +27,26 @@ class Held:
     prompt): the scheduler's admission and load without a model."""
 
     def __init__(self, cfg, capacity: int):
-        self.cfg, self.capacity, self.front, self.waiting = cfg, capacity, self, 0
+        self.cfg, self.capacity = cfg, capacity
         self.release = threading.Event()
         self.sinks: list = []
         self.most = 0
         self.queued: list[int] = []  # the load as each request started, itself included
 
     def prepare(self, request):
-        """Every request is one it serves, prepared as it is."""
+        """(its own front) Every request is one it serves, prepared as it is."""
         return request
 
     @property
     def occupied(self) -> int:
         return len(self.sinks)
 
-    def add(self, prepared, sink):
+    def add(self, prepared, sink, waiting):
         self.sinks.append((prepared, sink))
         self.most = max(self.most, self.occupied)
-        self.queued.append(self.occupied + self.waiting)
+        self.queued.append(self.occupied + waiting)
 
-    def iterate(self):
+    def iterate(self, waiting):
         if self.release.wait(0.01):
             sinks, self.sinks = self.sinks, []
             for request, sink in sinks:
@@ -66,7 +66,7 @@ def run_jobs(worker, n):
 @pytest.mark.parametrize("capacity", [3, 1])
 def test_a_decoder_runs_up_to_its_capacity_at_once(tiny_cfg, capacity):
     backend = Held(tiny_cfg, capacity)
-    worker = Scheduler(backend, tiny_cfg, Log())
+    worker = Scheduler(backend, tiny_cfg, Log(), front=backend)
     try:
         jobs = run_jobs(worker, 5)
         deadline = time.monotonic() + 5
@@ -109,7 +109,7 @@ def test_capacity_is_slots_plus_queue_counted_at_submit(tiny_cfg, capacity):
     worker has moved any of it into a slot; one more is "busy"; once they finished there is room again."""
     cfg = tiny_cfg.replace(**{"serve.queue_limit": 2})
     backend = Held(cfg, capacity)
-    worker = Scheduler(backend, cfg, Log())
+    worker = Scheduler(backend, cfg, Log(), front=backend)
     try:
         room = worker.capacity + 2
         jobs = run_jobs(worker, room)
@@ -172,14 +172,14 @@ def test_a_front_that_fails_answers_the_request_and_keeps_serving(tiny_engine, m
         def error(self, message):
             logged.append(message)
 
-    prepare = tiny_engine.front.prepare
+    worker = Scheduler(tiny_engine, tiny_engine.cfg, Errors())
+    prepare = worker.front.prepare
 
     def fails_once(request):
-        monkeypatch.setattr(tiny_engine.front, "prepare", prepare)
+        monkeypatch.setattr(worker.front, "prepare", prepare)
         raise KeyError("a field the front did not expect")
 
-    monkeypatch.setattr(tiny_engine.front, "prepare", fails_once)
-    worker = Scheduler(tiny_engine, tiny_engine.cfg, Errors())
+    monkeypatch.setattr(worker.front, "prepare", fails_once)
     try:
         bad = Job(request=GenerateRequest(prompt="Move the arm", max_new_tokens=4))
         assert not worker.submit(bad) and bad.done.is_set()
@@ -197,7 +197,7 @@ def test_a_waiting_request_whose_client_is_gone_leaves_the_queue_at_once(tiny_cf
     withdraw() answers the abandoned ones now (cancelled / timed out) and the queue counts only live ones."""
     cfg = tiny_cfg.replace(**{"serve.queue_limit": 4})
     backend = Held(cfg, 2)
-    worker = Scheduler(backend, cfg, Log())
+    worker = Scheduler(backend, cfg, Log(), front=backend)
     try:
         running = run_jobs(worker, 2)
         deadline = time.monotonic() + 5

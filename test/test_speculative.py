@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime import speculative
 from spec_edge.runtime.backends.ort_runner import b1_runner
 from spec_edge.runtime.drafters.draft_model import ModelDrafter
@@ -140,7 +141,7 @@ def sampling_for(engine, name, prompt_ids):
 @pytest.mark.parametrize("name", ["ngram", "draft", "layerskip", "self", "wrong"])
 def test_greedy_speculative_equals_plain(tiny_engine, self_runner, name, k):
     for prompt in PROMPTS:
-        prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=prompt))
+        prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=prompt))
         sampling = sampling_for(tiny_engine, name, prompt_ids)
         plain, plain_finish, _ = run(tiny_engine, prompt_ids, None, 0, sampling=sampling)
         spec, spec_finish, stats = run(tiny_engine, prompt_ids, drafters(tiny_engine, self_runner, name), k,
@@ -175,7 +176,7 @@ def test_eos_inside_a_draft(tiny_engine, self_runner):
     """The model's 14th greedy token is declared EOS: the self-drafter proposes it inside a verify window,
     with drafts after it for k > 1 (the windows start at tokens 1 + n (k + 1): token 13 is draft 1 of 2, 1 of 4,
     3 of 4, 5 of 7); output must stop right before it, as plain decoding does."""
-    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
+    prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
     free, _, _ = run(tiny_engine, prompt_ids, None, 0, max_new=20)
     eos = free[13]
     assert eos not in free[:13]
@@ -214,7 +215,7 @@ def test_stop_string_split_across_chunks(tiny_engine):
     """A stop string made of the text of three tokens, across the boundary of two verify chunks and completed
     inside the second (chosen per k from the chunks of the run without it): the text and token ids match plain
     decoding, which checks after every token."""
-    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
+    prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
     for drafter in ("layerskip",):  # the tiny engine's drafter whose drafts this prompt accepts
         for k in (3, 7):
             stop, at = stop_across_chunks(tiny_engine, prompt_ids, tiny_engine.drafter(drafter), k)
@@ -258,7 +259,7 @@ def test_context_full_edge(tiny_engine, self_runner):
 
 
 def test_max_new_tokens_cuts_inside_a_chunk(tiny_engine, self_runner):
-    prompt_ids = tiny_engine.front.prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
+    prompt_ids = front_of(tiny_engine).prompt_ids(GenerateRequest(prompt=PROMPTS[0]))
     plain, _, _ = run(tiny_engine, prompt_ids, None, 0, max_new=11)
     spec, finish, stats = run(tiny_engine, prompt_ids, ModelDrafter(self_runner), 7, max_new=11)
     assert finish == "length" and spec == plain and len(spec) == 11

@@ -11,6 +11,7 @@ import pytest
 from speculated import assert_speculated
 from tiny import Collect, Wrapped, assert_sampling_follows_target, engine_with, plain, run_alone
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import ConfigError
 from spec_edge.http.metrics import Metrics
 from spec_edge.runtime import speculative
@@ -167,14 +168,14 @@ def batched(tiny_cfg):
 def test_batched_slots_share_the_store_and_answer_as_target_only(batched, tiny_engine):
     """Six requests (each prompt twice) through 3 slots joining at different iterations, k auto: each answers
     the target-only answer; the shared store holds every answer; drafts were verified and accepted."""
-    prepared = [batched.front.prepare(GenerateRequest(prompt=p, max_new_tokens=40)) for p in PROMPTS + PROMPTS[:2]]
+    prepared = [front_of(batched).prepare(GenerateRequest(prompt=p, max_new_tokens=40)) for p in PROMPTS + PROMPTS[:2]]
     join_at, sinks, waiting = [0, 0, 3, 9, 20, 30], [Collect() for _ in prepared], list(range(len(prepared)))
     before = batched._drafters.suffix_store.memory()["answers"]
     while waiting or batched.occupied:
         while waiting and join_at[waiting[0]] <= batched.loop.iterations and batched.loop.free:
             i = waiting.pop(0)
-            batched.add(prepared[i], sinks[i])
-        batched.iterate()
+            batched.add(prepared[i], sinks[i], len(waiting))
+        batched.iterate(len(waiting))
     for p, sink in zip(prepared, sinks):
         assert sink.result.token_ids == plain(tiny_engine, p.prompt_ids, 40)
         assert sink.result.stats.drafter == "suffix"

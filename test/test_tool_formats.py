@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge import config as cfgmod
 from spec_edge.runtime.front import Front
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, ToolCall
@@ -53,7 +54,7 @@ def fronts(engine, tmp_path_factory):
         meta = json.loads((engine.graph_dir / "tokenizer_config.json").read_text())
         meta["chat_template"] = (TEMPLATES / name).read_text()
         (folder / "tokenizer_config.json").write_text(json.dumps(meta))
-        front = engine.front
+        front = front_of(engine)
         out[name] = Front(front.cfg, Tokenizer(folder), front.caps, front.compile)
     return out
 
@@ -64,7 +65,7 @@ def test_the_template_picks_the_format(engine, fronts):
     nemo, v03 = fronts[NEMO].tool_format, fronts[MISTRAL03].tool_format
     assert isinstance(nemo, MistralFormat) and not nemo.spaced and nemo.token is None  # no [TOOL_CALLS] token here
     assert isinstance(v03, MistralFormat) and v03.spaced and fronts[SMALL31].tool_format.spaced
-    assert isinstance(engine.front.tool_format, HermesFormat) and not engine.front.tool_format.native
+    assert isinstance(front_of(engine).tool_format, HermesFormat) and not front_of(engine).tool_format.native
 
 
 CALL = ToolCall("call_1", "move_to", '{"place": "kitchen"}')
@@ -106,7 +107,7 @@ def test_mistral_renders_tools_calls_and_results_with_ids_its_template_accepts(f
 
 
 def ask(front, engine, monkeypatch, text, **fields):
-    monkeypatch.setattr(engine, "front", front)
+    monkeypatch.setattr(engine, "tokenizer", front.tokenizer)  # the front renders with its template
     fields = {"tools": robot_tools(), "max_new_tokens": 60, "drafter": "none", **fields}
     return run_one(engine, GenerateRequest(messages=(("user", text),), **fields))
 
@@ -260,7 +261,7 @@ def test_each_format_spells_its_grammar_as_a_structural_tag(engine, family):
 @pytest.mark.parametrize("name", [LLAMA32, NEMO])
 def test_greedy_calls_under_speculation_equal_target_only(engine, fronts, monkeypatch, name):
     """ngram with grammar-forced drafts on and off, required and auto."""
-    monkeypatch.setattr(engine, "front", fronts[name])
+    monkeypatch.setattr(engine, "tokenizer", fronts[name].tokenizer)  # the front renders with its template
     for text, choice in (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto")):
         request = GenerateRequest(messages=(("user", text),), tools=robot_tools(), tool_choice=choice,
                                   max_new_tokens=32)
@@ -287,13 +288,13 @@ def test_the_http_door_serves_a_llama_template(engine, fronts, monkeypatch):
     from spec_edge.http.door import Door
     from spec_edge.runtime.scheduler import Scheduler
 
-    monkeypatch.setattr(engine, "front", fronts[LLAMA32])
+    monkeypatch.setattr(engine, "tokenizer", fronts[LLAMA32].tokenizer)  # the front renders with its template
     cfg = cfgmod.from_params({"runtime.engine_dir": str(REPO / "engines"), "graphs.weights": "fp32",
                               "graphs.batch_slots": 1, "speculative.k": 4, "http.port": 0, "http.api_key": "k"})
     logger = logging.getLogger("test_tool_formats")
     door = Door(cfg, logger).start()
     scheduler = Scheduler(engine, cfg, logger)
-    door.serve(scheduler, engine)
+    door.serve(scheduler)
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key="k", max_retries=0)
         tools = json.loads((REPO / "bench" / "robot_tools.json").read_text())
@@ -366,7 +367,7 @@ def test_a_tool_schema_that_cannot_be_enforced_names_the_tool_and_keyword(engine
                             ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)b"}}},
                              "at properties.x.pattern:")):
         with pytest.raises(RequestError) as err:
-            engine.front.prepare(GenerateRequest(prompt="Go.", tools=(ok, Tool("go", "", json.dumps(schema)))))
+            front_of(engine).prepare(GenerateRequest(prompt="Go.", tools=(ok, Tool("go", "", json.dumps(schema)))))
         message = str(err.value)
         assert message.startswith("tools[1] (go) parameters: this JSON Schema cannot be enforced"), message
         assert keyword in message, message

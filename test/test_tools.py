@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from spec_edge.runtime.serving import front_of
 from spec_edge import config as cfgmod
 from spec_edge.runtime import speculative
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
@@ -87,7 +88,7 @@ def test_tool_turns_render_and_the_content_streams_without_markup(engine):
     call = ToolCall("call_1", "move_to", '{"place": "kitchen"}')
     messages = (ChatMessage("user", "Go to the kitchen, then say hi."), ChatMessage("assistant", "", (call,)),
                 ChatMessage("tool", "arrived", tool_call_id="call_1"))
-    text = engine.front.chat_text(GenerateRequest(messages=messages, tools=robot_tools()))
+    text = front_of(engine).chat_text(GenerateRequest(messages=messages, tools=robot_tools()))
     assert '<tool_call>\n{"name": "move_to", "arguments": {"place": "kitchen"}}\n</tool_call>' in text
     assert "<tool_response>\narrived\n</tool_response>" in text and '"name": "pick"' in text
     stream, out = ContentStream("<tool_call>"), []
@@ -116,7 +117,7 @@ def test_tool_turns_render_and_the_content_streams_without_markup(engine):
 ])
 def test_refusals(engine, fields, message):
     with pytest.raises(RequestError, match=message):
-        engine.front.prepare(GenerateRequest(prompt="Go.", **fields))
+        front_of(engine).prepare(GenerateRequest(prompt="Go.", **fields))
 
 
 CALL_PROMPTS = (("Go to the hall.", "required"), ("Pick up the ball and say done.", "auto"))
@@ -145,7 +146,7 @@ def speculated_calls_equal_target_only(engine, drafters: tuple[str, ...], draft_
                     (plain.token_ids, calls)
                 assert_speculated(got.stats, what=f"{drafter} forced={forced} on {text!r}")
         if draft_model:
-            prepared = engine.front.prepare(request)
+            prepared = front_of(engine).prepare(request)
             ids, _, stats = run_alone(engine.runner, speculative.SlotRequest(
                 prompt_ids=prepared.prompt_ids, max_new_tokens=32, eos_ids=engine.eos_ids, k=4,
                 drafter=ModelDrafter(self_runner, name="self"), constraint=prepared.guide))

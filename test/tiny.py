@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from speculated import assert_speculated
-from spec_edge.runtime.scheduler import run_one
+from spec_edge.runtime.scheduler import Scheduler, run_one
+from spec_edge.runtime.serving import front_of
 
 CORPUS = [
     "The robot picks up the red box and places it on the shelf.",
@@ -24,6 +25,15 @@ CORPUS = [
     "Temperature sensors read 21.5 degrees; humidity is 40 percent.",
     "Ünïcödé tëxt and emoji 🤖 keep the byte-level path honest.",
 ] * 20
+
+
+def warm(decoder, system_prompt: str = "") -> int:
+    """Warm decoder's cache with the system prompt's chat prefix as a door does (Scheduler.warm); its length."""
+    import logging
+
+    return Scheduler(decoder, decoder.cfg, logging.getLogger("test"), thread=False).warm(system_prompt)
+
+
 TINY_K_VALUES = [1, 3, 4, 7]  # verify graphs the session's tiny target is exported with
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -428,7 +438,7 @@ def exact_first(engine, params, length: int, constraint=None) -> tuple[list[int]
     from spec_edge.runtime.sampling import probabilities, processed_logits
 
     runner = b1_runner(engine.graph_dir)
-    prompt_ids = engine.front.prompt_ids(GenerateRequest(prompt="Move the arm"))
+    prompt_ids = front_of(engine).prompt_ids(GenerateRequest(prompt="Move the arm"))
     reference = None if constraint is None else engine.grammars.constraint(*constraint)
 
     def p(logits, generated):  # (V,) logits of the row after prompt + generated

@@ -31,7 +31,7 @@ from spec_edge import config as cfgmod
 from spec_edge.http import schema
 from spec_edge.http.metrics import Metrics
 from spec_edge.runtime.requests import RequestError
-from spec_edge.runtime.scheduler import Job, Outcome
+from spec_edge.runtime.scheduler import Job, Outcome, Scheduler
 
 POLL_S = 0.02           # how often a waiting request looks at its job and its client
 LOADING = "the model is loading; retry shortly"
@@ -126,8 +126,7 @@ class Door:
         self.model = cfg.runtime.profile    # the model id /v1/models lists and requests name
         self.metrics = Metrics()
         self.in_flight = 0
-        self.scheduler: Any = None
-        self.engine: Any = None
+        self.scheduler: Scheduler | None = None
         self.unavailable = LOADING
         self.app = self._make_app()
         self._server: Any = None
@@ -136,13 +135,13 @@ class Door:
 
     # -- life ---------------------------------------------------------------------------------
 
-    def serve(self, scheduler: Any, engine: Any) -> None:
-        self.scheduler, self.engine = scheduler, engine
+    def serve(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
 
     def pause(self, reason: str) -> None:
         """Answer 503 with reason until serve() again (the node inactive, shutting down)."""
         self.unavailable = reason
-        self.scheduler = self.engine = None
+        self.scheduler = None
 
     def start(self) -> "Door":
         """Bind (OSError / ConfigError here, in the caller's thread) and serve on a thread."""
@@ -240,7 +239,7 @@ class Door:
             scheduler = self.scheduler
             text = self.metrics.render(scheduler.queue_depth if scheduler else 0, self.in_flight,
                                        scheduler.capacity if scheduler else 0,
-                                       self.engine.info().get("suffix_store") if self.engine else None)
+                                       scheduler.decoder.info().get("suffix_store") if scheduler else None)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
         @app.post("/v1/chat/completions")
@@ -260,7 +259,7 @@ class Door:
             self.metrics.count("not_found")
             raise ApiError(404, "invalid_request_error", f"model {body.model!r} is not served here; this server "
                            f"serves {self.model!r} (GET /v1/models)", "model_not_found", "model")
-        scheduler, engine = self.scheduler, self.engine
+        scheduler = self.scheduler
         if scheduler is None:
             self.metrics.count("unavailable")
             raise ApiError(503, "service_unavailable", self.unavailable, "unavailable")
@@ -292,7 +291,7 @@ class Door:
         head = schema.envelope(body, rid, created, self.model)
 
         def piece(token_id: int) -> str:
-            return engine.tokenizer.decode([token_id])
+            return scheduler.front.detokenize([token_id])
 
         if not body.stream:
             try:
@@ -372,7 +371,6 @@ def run(cfg: cfgmod.Config, progress: Any, on_signal: Any = lambda: None) -> int
     import signal
 
     from spec_edge import artifacts
-    from spec_edge.runtime.scheduler import Scheduler
 
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     logger = logging.getLogger("http")
@@ -386,13 +384,12 @@ def run(cfg: cfgmod.Config, progress: Any, on_signal: Any = lambda: None) -> int
         stop.set()
 
     try:
-        engine = artifacts.engine(cfg, progress)  # built first where missing, then loaded
+        scheduler = Scheduler(artifacts.engine(cfg, progress), cfg, logger)  # built first where missing, then loaded
         if cfg.serve.warm_system_prompt:
-            progress(f"[http] warmed the cache with the system prompt: {engine.warm()} tokens")
-        scheduler = Scheduler(engine, cfg, logger)
+            progress(f"[http] warmed the cache with the system prompt: {scheduler.warm()} tokens")
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signalled)
-        door.serve(scheduler, engine)
+        door.serve(scheduler)
         progress(f"[http] serving {door.model} on http://{cfg.http.host}:{door.port}/v1")
         stop.wait()
     finally:

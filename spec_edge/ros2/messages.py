@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from spec_edge.runtime.front import Front
+from spec_edge.runtime.requests import GenerateRequest
 from spec_edge.runtime.scheduler import Outcome
 
 
@@ -19,13 +21,13 @@ def _optional(values: Any) -> Any:
     return values[0] if len(values) else None
 
 
-def to_engine_request(msg: Any):
-    """A Generate service request or action goal -> engine.GenerateRequest; the engine checks its fields.
+def to_engine_request(msg: Any) -> GenerateRequest:
+    """A Generate service request or action goal -> GenerateRequest; the front checks its fields.
 
     rclpy decodes a string field with errors="replace": bytes that are not UTF-8 arrive as U+FFFD, which the
     node cannot tell from a U+FFFD the client meant, so both are text here. A NUL ends a ROS string: what
     follows it never reaches the node."""
-    from spec_edge.runtime.requests import GenerateRequest, Tool
+    from spec_edge.runtime.requests import Tool
     def number(values: Any) -> float | None:
         value = _optional(values)
         return None if value is None else float(value)
@@ -109,22 +111,15 @@ def fill_response(resp: Any, outcome: Outcome) -> Any:
     return resp
 
 
-def tokenize(engine: Any, msg: Any) -> tuple[list[int], str]:
-    """A Tokenize request -> (ids, text) with the engine's tokenizer: ids of msg.text (through the
-    chat template as a Generate prompt would be, with msg.chat), or the text of msg.ids.
-    RequestError with what to change."""
-    from spec_edge.runtime.requests import GenerateRequest, RequestError
+def tokenize(front: Front, msg: Any) -> tuple[list[int], str]:
+    """A Tokenize request -> (ids, text) through the scheduler's front: ids of msg.text (through the chat template
+    as a Generate prompt would be, with msg.chat), or the text of msg.ids. RequestError with what to change."""
+    from spec_edge.runtime.requests import RequestError
     if bool(msg.text) == bool(len(msg.ids)):
         raise RequestError("give text (to tokenize) or ids (to detokenize), not both and not neither")
     if msg.text:
-        if msg.chat:
-            return engine.front.prompt_ids(GenerateRequest(prompt=msg.text)), ""
-        return engine.tokenizer.encode(msg.text), ""
-    vocab = engine.front.caps.vocab_size
-    bad = [int(t) for t in msg.ids if not 0 <= int(t) < vocab]
-    if bad:
-        raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}): send ids of this model")
-    return [], engine.tokenizer.decode([int(t) for t in msg.ids])
+        return front.tokenize(msg.text, chat=bool(msg.chat)), ""
+    return [], front.detokenize([int(t) for t in msg.ids])
 
 
 def _plain(value: Any) -> Any:

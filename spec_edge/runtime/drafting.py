@@ -39,6 +39,26 @@ def slotted(cfg: Config, graph_dir: Path, slots: int) -> tuple[OrtRunner, list[S
     return runner, [SlotRunner(runner, b) for b in range(slots)]
 
 
+HEADS = {"eagle3": ("eagle3", "an EAGLE-3 head"), "hybrid": ("eagle3", "an EAGLE-3 head"),
+         "peagle": ("peagle", "a parallel-drafting head"), "medusa": ("medusa", "Medusa heads")}  # drafter -> head
+
+
+def needs(cfg: Config, name: str, hidden_layers: tuple[int, ...]) -> str | None:
+    """What drafter `name` lacks to run on an engine of cfg whose target graphs return hidden_layers (None: it can
+    run): data known at load, the one message the front refuses a request with."""
+    if name == "draft" and not cfg.model.draft:
+        return "drafter 'draft' needs a draft model: set model.draft in the config"
+    if name in HEADS:
+        kind, what = HEADS[name]
+        if not getattr(cfg.speculative, f"{kind}_head"):
+            return (f"drafter {name} needs {what}: set speculative.{kind}_head to a head folder (e.g. one made by "
+                    f"`spec-edge-train --kind {kind}`) and restart")
+        if not hidden_layers:
+            return (f"drafter {name} reads the target's hidden states and its graphs were exported without them: "
+                    f"re-export with speculative.{kind}_head set (`spec-edge export`)")
+    return None
+
+
 def refusal(name: str) -> str | None:
     """Why drafter `name` cannot run (None when it can; every drafter runs at any slot count): the one
     message the config, the engine and a request share."""
@@ -70,7 +90,7 @@ class Drafters:
 
     def load(self, name: str) -> None:
         """Load what drafter `name` runs on (once); RequestError saying what to change when it cannot run."""
-        reason = refusal(name)
+        reason = refusal(name) or needs(self.cfg, name, self.hidden_layers)
         if reason:
             raise RequestError(reason)
         if name == "draft" and not self.draft:
@@ -130,8 +150,6 @@ class Drafters:
 
     def _draft_model(self) -> list[SlotRunner]:
         """The draft model's slot views (loaded once)."""
-        if not self.cfg.model.draft:
-            raise RequestError("drafter 'draft' needs a draft model: set model.draft in the config")
         draft_dir = ort_folder(self.cfg, "draft")
         check_same_tokenizer(Tokenizer(draft_dir), self.tokenizer, self.cfg.model.draft)
         return slotted(self.cfg, draft_dir, self.slots)[1]
@@ -141,23 +159,10 @@ class Drafters:
         if self.eagle3_head is None:
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = self._head_dir(name, "eagle3", "an EAGLE-3 head", made_by="spec-edge-train --kind eagle3")
+            head_dir = ort_folder(self.cfg, "eagle3")
             self.eagle3_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
                                              slots=self.slots)
         return self.eagle3_head
-
-    def _head_dir(self, name: str, kind: str, what: str, made_by: str = "") -> Path:
-        """The folder ONNX Runtime runs for the configured `kind` head (speculative.<kind>_head), as the build
-        made it (spec_edge/artifacts.py); or a RequestError saying what is missing. name: the drafter that
-        asked; made_by: the command that makes such a head."""
-        field = f"{kind}_head"
-        path = getattr(self.cfg.speculative, field)
-        if not path:
-            made_by = made_by or f"spec-edge-train --kind {kind}"
-            raise RequestError(f"drafter {name} needs {what}: set speculative.{field} to a head folder (e.g. one "
-                               f"made by `{made_by}`) and restart")
-        self.targets[0].hidden_states(0, 0)  # raises when the target graphs lack the hidden outputs
-        return ort_folder(self.cfg, kind)
 
     def load_medusa_heads(self):
         """The Medusa heads (loaded once; no cache, so the batched node's slots share them)."""
@@ -165,7 +170,7 @@ class Drafters:
             from spec_edge.runtime.backends.ort_heads import OrtMedusaHeads
             from spec_edge.runtime.drafters.medusa import MedusaDrafter
 
-            heads = OrtMedusaHeads(self._head_dir("medusa", "medusa", "Medusa heads"), self.cfg.runtime.threads)
+            heads = OrtMedusaHeads(ort_folder(self.cfg, "medusa"), self.cfg.runtime.threads)
             if self.cfg.speculative.drafter == "medusa":
                 MedusaDrafter(self.targets[0], heads).check_k(speculative_k(self.cfg))  # the profile's k must fit
             self.medusa_heads = heads
@@ -176,7 +181,7 @@ class Drafters:
         if self.peagle_head is None:
             from spec_edge.runtime.backends.ort_heads import OrtEagle3Head, target_embedding
 
-            head_dir = self._head_dir("peagle", "peagle", "a parallel-drafting head")
+            head_dir = ort_folder(self.cfg, "peagle")
             self.peagle_head = OrtEagle3Head(head_dir, target_embedding(self.graph_dir), self.cfg.runtime.threads,
                                              slots=self.slots)
         return self.peagle_head

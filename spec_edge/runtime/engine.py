@@ -1,9 +1,9 @@
-"""The engine: one target model (and its drafters) behind a request -> result call (ONNX Runtime; on
-runtime.backend tensorrt, Engine.from_config returns backends/edgellm.py's EdgeLLMEngine instead: both are
-a serving.Decoder the scheduler drives).
+"""The engine: one target model (and its drafters) behind a request -> result call on ONNX Runtime, a
+serving.Decoder the scheduler drives (runtime.backend tensorrt: backends/edgellm.py's; runtime/decoders.py
+opens the configured one).
 
-This is what the CLI and the ROS node use, for every graphs.batch_slots = B. Its front (runtime/front.py,
-over capabilities()) checks and prepares a request; the engine turns tokens into text (streamed, UTF-8 safe,
+This is what the CLI and the ROS node use, for every graphs.batch_slots = B. The scheduler's front
+(runtime/front.py, over its capabilities) checks and prepares a request; the engine turns tokens into text (streamed, UTF-8 safe,
 stop strings honoured). It owns one loop (runtime/speculative.BatchLoop) over a target of B slots
 (drafting.slotted: an ort_runner.OrtRunner; B=1 is a runner of one slot): as a decoder, add(prepared, sink)
 puts a request into a free slot (start() makes its SlotRequest) and iterate() is one loop iteration (the
@@ -31,15 +31,15 @@ from spec_edge.graphs import plan
 from spec_edge.runtime.backends.base import common_prefix
 from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.slot_views import SlotRunner, Slotted
-from spec_edge.runtime.drafting import Drafters, refusal, slotted
+from spec_edge.runtime.drafting import Drafters, needs, refusal, slotted
 from spec_edge.runtime import k_choice
-from spec_edge.runtime.front import Capabilities, Front, Prepared
+from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.grammar import Constraint, Grammars
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
-from spec_edge.runtime.serving import Decoder, Sink
+from spec_edge.runtime.requests import GenerateResult, RequestError
+from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
-from spec_edge.runtime.tool_format import Answer
+from spec_edge.runtime.tool_format import Answer, ToolFormat
 
 
 def incomplete_message(constraint: Constraint | None, finish: str, max_new: int) -> str:
@@ -110,20 +110,14 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, reuse=cfg.serve.reuse_prefix)
-        self.front = Front(cfg, tokenizer, self.capabilities(), self.grammars.constraint)
+        self.capabilities = self._capabilities()
         self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
         self.capacity = runner.batch  # requests at once: one per slot
 
     @classmethod
-    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> Decoder:
+    def from_config(cls, cfg: Config, progress: Callable[[str], None] = print) -> Engine:
         """Load the target (and a configured drafter) once from the folders the build made (spec_edge/artifacts.py,
-        B > 1: with the graphs of several rows); a missing one is refused with the command that makes it.
-        runtime.backend tensorrt: the Edge-LLM engines `spec-edge build` made, served end to end by
-        backends/edgellm.py (the same request -> result calls as this class)."""
-        if cfg.runtime.backend == "tensorrt":
-            from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
-
-            return EdgeLLMEngine.from_config(cfg, progress)
+        B > 1: with the graphs of several rows); a missing one is refused with the command that makes it."""
         slots = cfg.graphs.batch_slots
         if cfg.speculative.drafter != "none" and (reason := refusal(cfg.speculative.drafter)):
             raise ConfigError(f"speculative.drafter: {reason}")
@@ -147,12 +141,16 @@ class Engine:
         return self._drafters.drafter(name, slot)
 
     # -- requests -------------------------------------------------------------------------
-    def capabilities(self) -> Capabilities:
-        """What this engine serves (front.Front checks a request against it): every drafter, the k of its
-        verify graphs, every guided kind and sampling feature."""
+    def _capabilities(self) -> Capabilities:
+        """What this engine serves (front.Front checks a request against it): every drafter whose model or head
+        the config names, the k of its verify graphs, every guided kind and sampling feature."""
         built = tuple(sorted(w - 1 for w in self.runner.widths if w > 1))
-        return Capabilities(name="ONNX Runtime", drafters=DRAFTERS, k_values=built,
-                            k_remedy="use one of those or re-export with graphs.k_values including {k}",
+        lacking = tuple((name, reason) for name in DRAFTERS
+                        if (reason := needs(self.cfg, name, self._drafters.hidden_layers)))
+        return Capabilities(name="ONNX Runtime", drafters=tuple(d for d in DRAFTERS if d not in dict(lacking)),
+                            drafter_needs=lacking, k_values=built,
+                            k_remedy="use one of those, or build its verify graph with this profile: "
+                                     "`spec-edge export --k-values {k_values}` (graphs.k_values)",
                             max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
                             vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids)
 
@@ -191,36 +189,32 @@ class Engine:
     def occupied(self) -> int:
         return self.loop.occupied
 
-    @property
-    def waiting(self) -> int:
-        return self.loop.waiting
+    def guide(self, kind: str, text: str) -> Constraint:
+        return self.grammars.constraint(kind, text)
 
-    @waiting.setter
-    def waiting(self, n: int) -> None:
-        self.loop.waiting = n
+    def tool_guide(self, fmt: ToolFormat, schemas: dict[str, dict], choice: str, parallel: bool) -> Constraint:
+        return self.grammars.constraint("grammar", fmt.grammar(schemas, choice, parallel))
 
-    def add(self, prepared: Prepared, sink: Sink) -> None:
+    def add(self, prepared: Prepared, sink: Sink, waiting: int) -> None:
+        self.loop.waiting = waiting  # the load it starts at: occupied slots + waiting
         self.loop.add(self.start(prepared, sink))
 
-    def iterate(self) -> None:
+    def iterate(self, waiting: int) -> None:
+        self.loop.waiting = waiting
         self.loop.iterate()
 
     def clear(self) -> None:
         self.loop.clear()
 
-    def warm(self, system_prompt: str = "") -> int:
-        """Prefill the chat prefix every request with this system prompt ("" = serve.system_prompt,
-        then the template's default) shares once (into the free slot holding most of it already) and
-        copy it into the other free slots' regions, so the next requests reuse it whichever slot they
-        get (serve.reuse_prefix). Returns its length in tokens."""
-        if not self.cfg.serve.reuse_prefix:
-            raise ConfigError("warming the cache needs serve.reuse_prefix: true")
-        one, two = (self.front.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
-        shared = list(one[:common_prefix(one, two, len(one))])
+    def warm(self, prefix_ids: list[int]) -> None:
+        """Prefill a chat prefix many requests share (Front.shared_prefix) once (into the free slot holding most
+        of it already) and copy it into the other free slots' regions, so the next requests reuse it whichever
+        slot they get (serve.reuse_prefix)."""
+        shared = list(prefix_ids)
         runner = self.runner
         free = [i for i, slot in enumerate(self.loop.slots) if slot is None]
         if not shared or not free:
-            return len(shared)
+            return
         first = max(free, key=lambda i: (common_prefix(runner.held[i], shared, len(shared) - 1), -i))
         reused = common_prefix(runner.held[first], shared, len(shared) - 1)
         for i in free:
@@ -230,7 +224,6 @@ class Engine:
             if i != first:
                 runner.copy_prefix(first, i, len(shared))
             runner.held[i] = tuple(shared)
-        return len(shared)
 
     def info(self) -> dict:
         return {"backend": self.cfg.runtime.backend, "model": self.model_cfg.name, "batch_slots": self.runner.batch,

@@ -32,7 +32,7 @@ class Capabilities:
     name: str
     drafters: tuple[str, ...]       # the drafters it runs now ("none" included)
     k_values: tuple[int, ...]       # the k a speculating request may ask for
-    k_remedy: str                   # what to do about another k ({k}: the k asked)
+    k_remedy: str                   # what to do about another k ({k}: the k asked; {k_values}: those and it)
     max_context: int                # prompt + answer tokens one request holds
     max_input: int                  # the longest prompt in tokens
     vocab_size: int                 # the ids logit_bias may name
@@ -41,6 +41,7 @@ class Capabilities:
     sampling: tuple[str, ...] = OPTIONAL_SAMPLING  # the optional sampling features it honours
     forced_drafts: bool = True      # a grammar's forced tokens can be the draft
     tools: bool = True              # tool calls (runtime/tool_format.py)
+    drafter_needs: tuple[tuple[str, str], ...] = ()  # (drafter, what it lacks to run here) of those it does not
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,26 @@ class Front:
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids of the request's prompt text (chat_text), refused when the prompt does not fit."""
         return self._encode(self.chat_text(request))
+
+    def shared_prefix(self, system_prompt: str = "") -> list[int]:
+        """The token ids of the chat prefix every request with this system prompt ("" = serve.system_prompt, then
+        the template's default) shares: what a decoder's warm() puts into its cache."""
+        one, two = (self.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
+        n = 0
+        while n < min(len(one), len(two)) and one[n] == two[n]:
+            n += 1
+        return one[:n]
+
+    def tokenize(self, text: str, chat: bool) -> list[int]:
+        """The ids of text: through the chat template as a Generate prompt is (chat), or as it is."""
+        return self.prompt_ids(GenerateRequest(prompt=text)) if chat else self.tokenizer.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of ids (RequestError for an id outside the vocabulary)."""
+        vocab = self.caps.vocab_size
+        if bad := [int(t) for t in ids if not 0 <= int(t) < vocab]:
+            raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}): send ids of this model")
+        return self.tokenizer.decode([int(t) for t in ids])
 
     def _encode(self, text: str) -> list[int]:
         caps, ids = self.caps, self.tokenizer.encode(text)
@@ -280,6 +301,8 @@ class Front:
     def _check_drafter(self, drafter: str, k: int) -> None:
         caps = self.caps
         if drafter not in caps.drafters:
+            if lacks := dict(caps.drafter_needs).get(drafter):
+                raise RequestError(lacks)
             runs = BACKEND_DRAFTERS[self.cfg.runtime.backend]
             if drafter not in runs:
                 raise RequestError(f"drafter {drafter} runs on runtime.backend: onnxruntime only; this {caps.name} "
@@ -288,7 +311,7 @@ class Front:
                                f"{self.cfg.speculative.drafter}): send drafter none, or restart with drafter {drafter}")
         if drafter != "none" and k not in caps.k_values:
             raise RequestError(f"k={k} has no verify graph in this engine (built for k in {list(caps.k_values)}): "
-                               + caps.k_remedy.format(k=k))
+                               + caps.k_remedy.format(k=k, k_values=" ".join(map(str, sorted({*caps.k_values, k})))))
 
     def _guide(self, request: GenerateRequest) -> Any:
         """The decoder's grammar state for the request's json_schema / grammar / regex (None without)."""

@@ -7,7 +7,9 @@ jobs are added while it holds fewer than its capacity (the loop: they join free 
 their prefill chunks between the other slots' decode calls; B=1 is one slot, so jobs run one at a time as a
 FIFO) and the thread iterates it; each job's sink streams its text, answers the decoder's cancel questions
 (the client's cancel, the deadline, stop) and takes its result. The decoder's load is the requests in it + the
-jobs waiting here (decoder.waiting, kept by this thread).
+jobs waiting here (the waiting count this thread hands to add and iterate). The scheduler holds the front
+(serving.front_of the decoder): every request is checked and prepared there once, in submit; the doors
+tokenize, detokenize and warm through it.
 
 A scheduler holds at most capacity (the slots: requests running at once) + serve.queue_limit requests, counted
 at submit: a request beyond them is answered "busy" at once (a burst of exactly that many to an idle node is
@@ -34,7 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from spec_edge import config as cfgmod
+from spec_edge.runtime.front import Front, Prepared
 from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
+from spec_edge.runtime.serving import Decoder, front_of
 
 SHUTTING_DOWN = "the node is shutting down; retry on its successor"
 REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
@@ -58,8 +62,21 @@ class Outcome:
     def refused(cls, message: str, refusal: str = "invalid") -> "Outcome":
         return cls(success=False, message=message, refusal=refusal)
 
+    def as_dict(self) -> dict[str, Any]:
+        """The answer as one JSON object (`spec-edge generate --json`): the result's fields, its stats apart."""
+        stats = {k: v for k, v in self.stats.items() if k not in ("queued_at_start", "speculation_off_reason")}
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+               "prompt_tokens": stats.get("prompt_tokens", 0), "message": self.message,
+               "queued_at_start": self.stats.get("queued_at_start", 0),
+               "speculation_off_reason": self.stats.get("speculation_off_reason", ""), "stats": stats}
+        if self.tool_calls:
+            out["tool_calls"] = [call.as_dict() for call in self.tool_calls]
+        if self.logprobs:
+            out["logprobs"] = [entry.as_dict() for entry in self.logprobs]
+        return out
 
-def result_stats(result: Any) -> dict[str, Any]:
+
+def result_stats(result: GenerateResult) -> dict[str, Any]:
     """The GenerationStats fields of an engine result: the loop's stats plus the queue's decision."""
     stats = result.stats.as_dict()
     stats.update(queued_at_start=result.queued_at_start, speculation_off_reason=result.speculation_off_reason)
@@ -68,14 +85,14 @@ def result_stats(result: Any) -> dict[str, Any]:
 
 @dataclass
 class Job:
-    request: Any                                    # requests.GenerateRequest
+    request: GenerateRequest
     on_text: Callable[[str, int], None] | None = None
     cancel_requested: Callable[[], bool] = lambda: False
     deadline: float = math.inf                      # time.monotonic() past which it ends as error
     done: threading.Event = field(default_factory=threading.Event)
     outcome: Outcome | None = None
     timed_out: bool = False
-    prepared: Any = None                            # front.Prepared: the request as submit checked and prepared it
+    prepared: Prepared | None = None                # the request as submit checked and prepared it
     result: GenerateResult | None = None            # the decoder's result (None: it never ran, or failed)
     error: Exception | None = None                  # why the front refused it, or the decoder failed on it
 
@@ -85,16 +102,19 @@ class Job:
 
 
 class Scheduler:
-    """One thread that admits queued jobs into the engine, first in first out, and serves them."""
+    """One thread that admits queued jobs into the decoder, first in first out, and serves them. front: the
+    decoder's requests' (serving.front_of)."""
 
-    def __init__(self, engine: Any, cfg: cfgmod.Config, logger: Any, thread: bool = True):
-        self.engine = engine
+    def __init__(self, decoder: Decoder, cfg: cfgmod.Config, logger: Any, thread: bool = True,
+                 front: Front | None = None):
+        self.decoder = decoder
+        self.front = front or front_of(decoder)
         self.cfg = cfg
         self.logger = logger
-        self.capacity = engine.capacity  # jobs running at once
+        self.capacity = decoder.capacity  # jobs running at once
         self._lock = threading.Lock()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: dict[int, Job] = {}  # id(job) -> job, the jobs in the engine
+        self._running: dict[int, Job] = {}  # id(job) -> job, the jobs in the decoder
         self._held: list[Job] = []  # every job submit accepted that has not finished (waiting, admitted, running)
         self._wake = threading.Condition(self._lock)
         self._stopping = False
@@ -136,13 +156,13 @@ class Scheduler:
         self._held = [held for held in self._held if not held.done.is_set()]
 
     def submit(self, job: Job) -> bool:
-        """Prepare the job's request (the engine's front: every check, the tokenization, the grammar compile, once)
+        """Prepare the job's request (the front: every check, the tokenization, the grammar compile, once)
         and queue it; False (the job answered at once) for a request the front refuses (refusal "invalid": in the
         caller's thread, without taking a queue place), when stopping ("unavailable"), and when the node already
         holds capacity + serve.queue_limit unfinished requests ("busy")."""
         limit = self.cfg.serve.queue_limit
         try:
-            job.prepared = self.engine.front.prepare(job.request)
+            job.prepared = self.front.prepare(job.request)
         except RequestError as err:
             job.error = err
             job.finish(Outcome.refused(str(err)))
@@ -168,6 +188,16 @@ class Scheduler:
             self._wake.notify()
         return True
 
+    def warm(self, system_prompt: str = "") -> int:
+        """Put the chat prefix every request with this system prompt ("" = serve.system_prompt, then the template's
+        default) shares into the decoder's cache (serve.reuse_prefix), before serving; its length in tokens."""
+        if not self.cfg.serve.reuse_prefix:
+            raise cfgmod.ConfigError("warming the cache needs serve.reuse_prefix: true")
+        prefix = self.front.shared_prefix(system_prompt)
+        if prefix:
+            self.decoder.warm(prefix)
+        return len(prefix)
+
     def stop(self, timeout: float) -> None:
         """Refuse what waits, cancel what runs (before its next decode call), join."""
         with self._lock:
@@ -185,7 +215,7 @@ class Scheduler:
     def _step(self) -> bool:
         """Admit what waits while the decoder has room, then one decoder iteration; waits (the thread) until there
         is something to do. False: stopped with nothing running."""
-        decoder = self.engine
+        decoder = self.decoder
         with self._lock:
             while not ((self._waiting and len(self._running) < self.capacity and not self._stopping)
                        or decoder.occupied or (self._stopping and not self._running)):
@@ -195,43 +225,43 @@ class Scheduler:
             admitted = []
             while self._waiting and len(self._running) + len(admitted) < self.capacity and not self._stopping:
                 admitted.append(self._waiting.popleft())
-            decoder.waiting = len(self._waiting) + self.others
+            waiting = len(self._waiting) + self.others
         for job in admitted:
-            self._admit(job)
+            self._admit(job, waiting)
         if decoder.occupied:
             try:
-                decoder.iterate()
+                decoder.iterate(waiting)
             except Exception as err:  # the decoder failed: answer every job in it, keep serving
                 self._fail_running(err)
         self.current = next(iter(self._running.values()), None)
         return True
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job, waiting: int) -> None:
         """Add job to the decoder (its answer at once when it was cancelled or timed out while it waited)."""
         if (early := self._early_outcome(job)) is not None:
             job.finish(early)
             return
         self._running[id(job)] = job
         try:
-            self.engine.add(job.prepared, _JobSink(self, job))
+            self.decoder.add(job.prepared, _JobSink(self, job), waiting)
         except Exception as err:  # refused by the decoder, or it failed on a valid request: keep serving
             _JobSink(self, job).failed(err)
 
-    def _done(self, job: Job, result: Any) -> None:
+    def _done(self, job: Job, result: GenerateResult) -> None:
         self._running.pop(id(job), None)
         job.result = result
         job.finish(self._outcome(job, result))
 
     def _fail_running(self, err: Exception) -> None:
         failed = self._failed(err)
-        self.engine.clear()
+        self.decoder.clear()
         for job in list(self._running.values()):
             job.error = err
             job.finish(dataclasses.replace(failed))  # an Outcome of its own per job
         self._running.clear()
 
     def _failed(self, err: Exception) -> Outcome:
-        """The answer when the engine failed on a valid request (logged with its traceback; the node keeps serving)."""
+        """The answer when the decoder failed on a valid request (logged with its traceback; the node keeps serving)."""
         self.logger.error(f"generation failed: {err}\n{''.join(traceback.format_exception(err))}")
         return Outcome(success=False, message=f"generation failed: {type(err).__name__}: {err}", finish_reason="error")
 
@@ -250,7 +280,7 @@ class Scheduler:
             return "error"
         return None
 
-    def _outcome(self, job: Job, result: Any) -> Outcome:
+    def _outcome(self, job: Job, result: GenerateResult) -> Outcome:
         """The answer to a job whose generation returned result (counted, its stats kept for diagnostics)."""
         self.served += 1
         if result.speculation_off_reason:
@@ -269,7 +299,7 @@ class Scheduler:
             outcome.message = "the node shut down during the generation; retry on its successor"
         return outcome
 
-    def _timeout_outcome(self, result: Any) -> Outcome:
+    def _timeout_outcome(self, result: GenerateResult | None) -> Outcome:
         limit = self.cfg.serve.request_timeout_s
         return Outcome(
             success=False, finish_reason="error",
@@ -293,7 +323,7 @@ class _JobSink:
     def cancel_reason(self) -> str | None:
         return self.scheduler._cancel_reason(self.job)
 
-    def done(self, result: Any) -> None:
+    def done(self, result: GenerateResult) -> None:
         self.scheduler._done(self.job, result)
 
     def failed(self, err: Exception) -> None:
@@ -302,13 +332,13 @@ class _JobSink:
         self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else self.scheduler._failed(err))
 
 
-def run_one(decoder: Any, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
-            cancel: Callable[[], bool] = lambda: False, queued: int = 1,
-            logger: Any = logging.getLogger("spec_edge")) -> GenerateResult:
+def serve_alone(decoder: Decoder, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+                cancel: Callable[[], bool] = lambda: False, queued: int = 1,
+                logger: Any = logging.getLogger("spec_edge")) -> Job:
     """Serve one request alone through an idle decoder (serving.Decoder), stepping a Scheduler in the caller's
-    thread: admitted, iterated, cancelled and finished as every door's requests are. Raises what refused it (a
-    RequestError: nothing run) or what the decoder failed with. queued: the load as it runs, itself included
-    (what serve.speculate_k_by_load gives a k for)."""
+    thread: admitted, iterated, cancelled and finished as every door's requests are; its Job, answered (its
+    outcome, as every door's). queued: the load as it runs, itself included (what serve.speculate_k_by_load gives
+    a k for)."""
     if decoder.occupied:
         raise RuntimeError("run_one() runs a request alone, but the decoder is serving others (the scheduler's)")
     scheduler = Scheduler(decoder, decoder.cfg, logger, thread=False)
@@ -321,8 +351,15 @@ def run_one(decoder: Any, request: GenerateRequest, on_text: Callable[[str, int]
     except BaseException:  # interrupted (Ctrl-C): the request leaves the decoder
         decoder.clear()
         raise
-    finally:
-        decoder.waiting = 0
+    return job
+
+
+def run_one(decoder: Decoder, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,
+            cancel: Callable[[], bool] = lambda: False, queued: int = 1,
+            logger: Any = logging.getLogger("spec_edge")) -> GenerateResult:
+    """serve_alone's request, its decoder's GenerateResult (the tools, the tests). Raises what refused it (a
+    RequestError: nothing run) or what the decoder failed with."""
+    job = serve_alone(decoder, request, on_text, cancel, queued, logger)
     if job.error is not None:
         raise job.error
     if job.result is None:

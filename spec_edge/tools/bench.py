@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.config import AUTO_K
 from spec_edge.tools.prompts import load_prompts
 from spec_edge.tools.report import format_report, plot, summarize
@@ -82,7 +83,7 @@ def main(cfg, args, progress, peers: Peers | None = None) -> int:
     eos_ids = tuple(ref_engine.eos_ids)
     from spec_edge.runtime.requests import GenerateRequest
 
-    prompt_ids = {p["id"]: ref_engine.front.prompt_ids(GenerateRequest(prompt=p["prompt"])) for p in prompts}
+    prompt_ids = {p["id"]: front_of(ref_engine).prompt_ids(GenerateRequest(prompt=p["prompt"])) for p in prompts}
     if peers is not None:
         extra, more = peers(cfg, ks, eos_ids, progress)
         systems += extra

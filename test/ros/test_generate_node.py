@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from rosutil import REPO, engine_request, finish_client, run_client, start_client, test_params
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime.scheduler import run_one
 
 pytestmark = pytest.mark.real_model("fp32")
@@ -172,7 +173,7 @@ def test_tokenize_service(server, module_env, reference_engine):
     from spec_edge.runtime.requests import GenerateRequest
     text = "Which way is the kitchen?"
     raw = reference_engine.tokenizer.encode(text)
-    chat = reference_engine.front.prompt_ids(GenerateRequest(prompt=text))
+    chat = front_of(reference_engine).prompt_ids(GenerateRequest(prompt=text))
     vocab = reference_engine.target.vocab_size
     answers = run_client(module_env, {"mode": "tokenize", "requests": [
         {"text": text}, {"text": text, "chat": True}, {"ids": raw},

@@ -185,15 +185,15 @@ def test_health_says_what_the_node_waits_for(module_env, monkeypatch):
     from rclpy.parameter import Parameter
 
     from rosutil import test_params
-    from spec_edge.ros2.node import STARTING, make_node_class
+    from spec_edge.ros2.node import STARTING, GenerateNode
 
     monkeypatch.setitem(os.environ, "ROS_DOMAIN_ID", module_env["ROS_DOMAIN_ID"])
     port = _free_port()
     params = test_params(**{"http.enabled": True, "http.port": port, "http.api_key": KEY})
     context = rclpy.Context()
     rclpy.init(context=context)
-    node = make_node_class()(autostart=True, context=context,
-                             parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+    node = GenerateNode(autostart=True, context=context,
+                        parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
     try:
         node.trigger_configure()
         health = httpx.get(f"http://127.0.0.1:{port}/health")

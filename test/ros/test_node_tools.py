@@ -18,6 +18,7 @@ pytestmark = pytest.mark.real_model("fp32")
 sys.path.insert(0, str(REPO / "examples"))
 from robot_tools import ROOMS, SYSTEM_PROMPT, TOOLS  # noqa: E402
 
+from spec_edge.runtime.serving import front_of
 from spec_edge.runtime.scheduler import run_one  # noqa: E402
 from spec_edge.tools.schema_check import violations  # noqa: E402
 
@@ -131,6 +132,6 @@ def test_refusals_carry_the_fronts_words(server, module_env, reference_engine):
     answers = run_client(module_env, {"mode": "call", "requests": requests}, timeout=120)  # answered at once
     for (what, _), request, answer in zip(refusal_cases(), requests, answers):
         with pytest.raises(RequestError) as refused:
-            reference_engine.front.prepare(engine_request(**request))
+            front_of(reference_engine).prepare(engine_request(**request))
         assert answer["success"] is False and answer["finish_reason"] == "", f"{what}: {answer}"
         assert answer["message"] == str(refused.value), what

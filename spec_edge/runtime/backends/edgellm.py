@@ -2,13 +2,8 @@
 EDGELLM_VERSION), beside the ONNX Runtime engine (engine.py). EdgeLLMEngine is a serving.Decoder: the scheduler (every
 door) and the CLI drive it exactly as they drive engine.Engine.
 
-Two Edge-LLM objects, picked by graphs.batch_slots:
-  1      LLMRuntime: speculative.drafter eagle3 over the base and draft engines, drafting the chain of k
-         (draft_top_k=1, draft_step=k, verify_tree_size=k+1) or speculative.eagle3_tree, checked at load against
-         the engines' builder_config (edgellm_layout.tree_problems), or none (the vanilla constructor). One request
-         at a time (a lock).
-  B > 1  RequestEngine(max_batch_size=B): in-flight batching, requests from any thread. It cannot speculate:
-         a request that asked for a drafter runs target-only and its result's speculation_off_reason says so.
+Two Edge-LLM objects, picked by graphs.batch_slots, are the EdgeLLMEngine's mode (a strategy object): _Serial
+(1: LLMRuntime, drafting EAGLE-3 or not, one request at a time) and _Batched (B > 1: RequestEngine, no drafting).
 
 What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
   prompt / messages / system prompt -> rendered by OUR chat template (front.Front, the CPU path's) and
@@ -69,9 +64,9 @@ from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, speculative_k
 from spec_edge import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
-from spec_edge.runtime.front import Capabilities, Front, Prepared
+from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.serving import Sink
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
+from spec_edge.runtime.requests import GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 from spec_edge.runtime.tool_format import Answer, ToolFormat
@@ -240,10 +235,183 @@ def tool_guide(rt: ModuleType, fmt: ToolFormat, schemas: dict[str, dict], choice
     return guide(rt, "structural_tag", json.dumps(fmt.structural_tag(schemas, choice, parallel)))
 
 
+class _Mode:
+    """How requests reach Edge-LLM (the EdgeLLMEngine's strategy): LLMRuntime one at a time (_Serial) or the
+    RequestEngine's in-flight batching (_Batched). name: how info() calls it; capacity: requests at once; drafters:
+    what a request may ask for (a batched one runs target-only). run(call, channel, decoder, on_text, cancel, stats)
+    serves one LLMGenerationRequest, its stream through decoder into on_text: (finish reason, message)."""
+    name: str
+    capacity: int
+    drafters: tuple[str, ...]
+
+    def __init__(self, rt: ModuleType):
+        self.rt = rt
+
+    def count_prompt_tokens(self, call) -> list[int]: ...
+
+    def off_reason(self, drafter: str) -> str:
+        """Why a request asking for drafter runs target-only here whatever else it asks ("": it may speculate)."""
+        return ""
+
+    def run(self, call, channel, decoder: StreamDecoder, on_text, cancel, stats: Stats) -> tuple[str, str]: ...
+
+    def close(self) -> None: ...
+
+    def drain(self, channel, stop_request, decoder: StreamDecoder, on_text, cancel, stats: Stats,
+              producer_done: Callable[[], bool] = lambda: False, grace_s: float | None = None) -> tuple[str, str]:
+        """Pop the channel until its last chunk: token ids -> decoder -> on_text; cancel() polled between
+        waits. producer_done(): the producer is done with this channel (LLMRuntime: the call returned, a failed
+        call may leave the channel unfinished; RequestEngine: the handle is terminal, ready(), and a request
+        that retired without reaching the runtime never writes its channel). grace_s: after a cancel, stop
+        waiting for the final chunk this long (None: wait for the producer). (finish reason, message)."""
+        started = time.monotonic()
+        cancelled, cancelled_at = "", 0.0
+        while True:
+            chunk = channel.wait_pop(POLL_MS)
+            late = bool(cancelled) and grace_s is not None and time.monotonic() - cancelled_at > grace_s
+            if chunk is None and (channel.is_finished() or producer_done() or late):
+                chunk = channel.try_pop()  # the producer may have finished between the wait and the check
+                if chunk is None:
+                    stats.total_time_s = time.monotonic() - started
+                    return (cancelled, "") if cancelled else ("error", "Edge-LLM ended the request without a final "
+                                                                       "chunk (no finish reason)")
+            if chunk is not None:
+                if chunk.token_ids and not decoder.ids:
+                    stats.time_to_first_token_s = time.monotonic() - started
+                if chunk.token_ids:
+                    delta = decoder.push(list(chunk.token_ids))
+                    if delta and on_text is not None:
+                        on_text(delta, len(decoder.ids))
+                if chunk.finished:
+                    stats.total_time_s = time.monotonic() - started
+                    return self.finish(chunk.reason, cancelled)
+            if not cancelled and cancel is not None and (reason := cancel()):
+                cancelled, cancelled_at = reason, time.monotonic()
+                stop_request()
+            if decoder.stopped and not cancelled:  # our stop string showed up: end like the CPU path
+                cancelled, cancelled_at = "stop", time.monotonic()
+                stop_request()
+
+    def finish(self, reason, cancelled: str) -> tuple[str, str]:
+        rt = self.rt
+        if reason == rt.FinishReason.END_ID:
+            return "eos", ""
+        if reason == rt.FinishReason.STOP_WORDS:
+            return "stop", ""
+        if reason == rt.FinishReason.LENGTH:
+            return "length", ""
+        if reason == rt.FinishReason.CANCELLED:
+            return (cancelled or "cancelled"), ""
+        if reason == rt.FinishReason.ERROR:
+            return "error", "Edge-LLM reported an error for the request (FinishReason.ERROR)"
+        what = "NOT_FINISHED" if reason == rt.FinishReason.NOT_FINISHED else repr(reason)
+        return "error", f"Edge-LLM ended the stream with reason {what}"
+
+
+class _Serial(_Mode):
+    """graphs.batch_slots 1: LLMRuntime, speculative.drafter eagle3 over the base and draft engines (the chain or
+    tree dirs.tree says) or none (the vanilla constructor); one request at a time (a lock), so the difference of its
+    cumulative metrics around a request is that request's stats."""
+    name, capacity = "LLMRuntime", 1
+
+    def __init__(self, rt: ModuleType, cfg: Config, dirs: EdgeLLMDirs, cache, progress: Callable[[str], None]):
+        super().__init__(rt)
+        if cfg.speculative.drafter == "eagle3":
+            tree = dirs.tree or edgellm_layout.eagle3_tree(cfg)
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=tree.top_k, draft_step=tree.steps,
+                                         verify_tree_size=tree.verify_size, draft_checkpoint_dir="",
+                                         context_cache_config=cache)
+            self.drafters = EDGELLM_DRAFTERS
+        else:
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
+            self.drafters = ("none",)
+        if not self.runtime.capture_decoding_cuda_graph():
+            progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
+        self._lock = threading.Lock()
+
+    def count_prompt_tokens(self, call) -> list[int]:
+        return list(self.runtime.count_prompt_tokens(call))
+
+    def run(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
+        """LLMRuntime.handle_request in a thread (it releases the GIL), its channel drained here."""
+        with self._lock:
+            spec_before, reused_before = self._counters()
+            outcome = self._handle(call, channel, decoder, on_text, cancel, stats)
+            spec_after, reused_after = self._counters()
+        stats.verify_calls, stats.drafted, stats.accepted = (a - b for a, b in zip(spec_after, spec_before))
+        stats.prompt_tokens_reused = reused_after - reused_before
+        return outcome
+
+    def _handle(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self.runtime.handle_request(call)
+            except Exception as err:  # the runtime's failure becomes this request's finish_reason error
+                failure.append(err)
+                channel.cancel()
+
+        worker = threading.Thread(target=run, name="edgellm-request", daemon=True)
+        worker.start()
+        try:
+            outcome = self.drain(channel, channel.cancel, decoder, on_text, cancel, stats,
+                                 producer_done=lambda: not worker.is_alive())
+        finally:
+            worker.join()
+        if failure:
+            return "error", f"Edge-LLM failed the request: {failure[0]}"
+        return outcome
+
+    def _counters(self) -> tuple[tuple[int, int, int], int]:
+        """(SpecDecode (iterations, proposed, accepted), prefill reused tokens): cumulative since load."""
+        counts, prefill = self.runtime.get_spec_decode_generation_metrics(), self.runtime.get_prefill_metrics()
+        return ((int(counts.total_iterations), int(counts.total_proposed_draft_tokens),
+                 int(counts.total_accepted_draft_tokens)), int(prefill.reused_tokens))
+
+    def close(self) -> None:
+        self.runtime = None
+
+
+class _Batched(_Mode):
+    """graphs.batch_slots B > 1: RequestEngine(max_batch_size=B), in-flight batching, requests from any thread. It
+    cannot speculate: a request that asked for a drafter runs target-only and its result's speculation_off_reason
+    says so."""
+    name, drafters = "RequestEngine", EDGELLM_DRAFTERS
+
+    def __init__(self, rt: ModuleType, cfg: Config, dirs: EdgeLLMDirs, cache):
+        super().__init__(rt)
+        self.capacity = slots = cfg.graphs.batch_slots
+        self.batcher = rt.RequestEngine(str(dirs.engine_dir), context_cache_config=cache, max_batch_size=slots,
+                                        max_pending_requests=cfg.serve.queue_limit + slots)
+
+    def count_prompt_tokens(self, call) -> list[int]:
+        return list(self.batcher.count_prompt_tokens(call))
+
+    def off_reason(self, drafter: str) -> str:
+        return (f"graphs.batch_slots={self.capacity}: Edge-LLM's RequestEngine (in-flight batching) does not "
+                f"speculate: ran target-only instead of drafter {drafter}") if drafter != "none" else ""
+
+    def run(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
+        rt = self.rt
+        try:
+            handle = self.batcher.submit(call)
+        except rt.SubmitError as err:
+            raise RequestError(f"Edge-LLM's request engine is full ({err}): retry later") from None
+        return self.drain(handle.stream(), handle.cancel, decoder, on_text, cancel, stats,
+                          producer_done=handle.ready, grace_s=CANCEL_GRACE_S)
+
+    def close(self) -> None:
+        """Stop the request engine (cancelling what is queued)."""
+        rt = self.rt
+        self.batcher.shutdown(rt.ShutdownMode.CANCEL)
+        self.batcher = None
+
+
 class EdgeLLMEngine:
-    """A serving.Decoder over Edge-LLM. State: runtime (LLMRuntime, batch_slots 1) or batcher (RequestEngine,
-    batch_slots > 1), the tokenizer of the engine folder (our chat template and stream decoding), the builder
-    limits, a lock serialising LLMRuntime requests, and the requests running on their threads."""
+    """A serving.Decoder over Edge-LLM. State: mode (how requests reach Edge-LLM: _Serial's LLMRuntime, batch_slots
+    1, or _Batched's RequestEngine, batch_slots > 1), the tokenizer of the engine folder (our chat template and stream
+    decoding), the builder limits, and the requests running on their threads."""
 
     def __init__(self, cfg: Config, rt: ModuleType, dirs: EdgeLLMDirs, progress: Callable[[str], None] = print):
         self.cfg, self.rt, self.dirs, self.progress = cfg, rt, dirs, progress
@@ -252,34 +420,18 @@ class EdgeLLMEngine:
         self.max_context = dirs.max_kv_cache_capacity
         cache = rt.ContextCacheConfig()
         cache.enabled = cfg.serve.reuse_prefix
-        self.runtime = self.batcher = None
-        slots, speculative = cfg.graphs.batch_slots, cfg.speculative
-        if slots > 1:
-            self.batcher = rt.RequestEngine(str(dirs.engine_dir), context_cache_config=cache, max_batch_size=slots,
-                                            max_pending_requests=cfg.serve.queue_limit + slots)
-        elif speculative.drafter == "eagle3":
-            tree = dirs.tree or edgellm_layout.eagle3_tree(cfg)
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=tree.top_k, draft_step=tree.steps,
-                                         verify_tree_size=tree.verify_size, draft_checkpoint_dir="",
-                                         context_cache_config=cache)
-        else:
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
-        if self.runtime is not None and not self.runtime.capture_decoding_cuda_graph():
-            progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
-        self.capacity = slots if self.batcher is not None else 1  # LLMRuntime: one request at a time
-        self.waiting = 0  # requests queued outside (the load as a request starts: occupied + waiting)
-        self._lock = threading.Lock()
+        self.mode: _Mode = (_Batched(rt, cfg, dirs, cache) if cfg.graphs.batch_slots > 1 else
+                            _Serial(rt, cfg, dirs, cache, progress))
+        self.capacity = self.mode.capacity
         self._running = 0  # requests added whose end iterate() has not delivered yet
         self._ended: queue.SimpleQueue = queue.SimpleQueue()  # (sink, result or exception) as each request ends
         k = speculative_k(cfg)
-        drafters = EDGELLM_DRAFTERS if self.batcher is not None or speculative.drafter == "eagle3" else ("none",)
-        self.front = Front(cfg, self.tokenizer, Capabilities(
-            name="Edge-LLM", drafters=drafters, k_values=(k,),
+        self.capabilities = Capabilities(
+            name="Edge-LLM", drafters=self.mode.drafters, k_values=(k,),
             k_remedy=f"the Edge-LLM runtime drafts a chain of k={k} (speculative.k, fixed at load): send k=0 or k={k}",
             max_context=self.max_context, max_input=min(dirs.max_input_len, self.max_context - 1),
             vocab_size=self.vocab_size, eos_ids=(), guided=("json_schema", "regex", "gbnf"), sampling=(),
-            forced_drafts=False), lambda kind, text: guide(rt, kind, text),
-            lambda fmt, schemas, choice, parallel: tool_guide(rt, fmt, schemas, choice, parallel))
+            forced_drafts=False)
         self._check_tokenizer()
 
     @classmethod
@@ -290,20 +442,24 @@ class EdgeLLMEngine:
         started = time.monotonic()
         dirs = edgellm_dirs(cfg)
         engine = cls(cfg, native if native is not None else load_native(), dirs, progress)
-        mode = (f"RequestEngine, {cfg.graphs.batch_slots} batch slots" if engine.batcher is not None else
-                f"LLMRuntime, drafter {cfg.speculative.drafter}" +
-                (f" ({dirs.tree})" if dirs.tree is not None else ""))
-        progress(f"[engine] tensorrt (Edge-LLM {EDGELLM_VERSION}, {mode}) ready in {time.monotonic() - started:.1f} s "
+        mode = f"{engine.capacity} batch slots" if engine.capacity > 1 else f"drafter {cfg.speculative.drafter}"
+        mode += f" ({dirs.tree})" if dirs.tree is not None else ""
+        progress(f"[engine] tensorrt (Edge-LLM {EDGELLM_VERSION}, {engine.mode.name}, {mode}) ready in {time.monotonic() - started:.1f} s "
                  f"from {dirs.engine_dir} (max input {dirs.max_input_len}, KV capacity {dirs.max_kv_cache_capacity})")
         return engine
+
+    def guide(self, kind: str, text: str):
+        return guide(self.rt, kind, text)
+
+    def tool_guide(self, fmt: ToolFormat, schemas: dict[str, dict], choice: str, parallel: bool):
+        return tool_guide(self.rt, fmt, schemas, choice, parallel)
 
     # -- the request -------------------------------------------------------------------------------
     def _check_tokenizer(self) -> None:
         """Refuse to serve when Edge-LLM's tokenizer counts our rendered probe conversation differently."""
         text = self.tokenizer.render_chat(list(PROBE))
         ours = len(self.tokenizer.encode(text))
-        call = self._call(text, 1)
-        theirs = list((self.runtime or self.batcher).count_prompt_tokens(call))
+        theirs = self.mode.count_prompt_tokens(self._call(text, 1))
         if theirs != [ours]:
             raise BackendError(f"Edge-LLM's tokenizer in {self.dirs.engine_dir} reads our chat prompt as {theirs} "
                                f"tokens, spec_edge's as {ours}: the engine folder's tokenizer.json differs from the "
@@ -326,20 +482,20 @@ class EdgeLLMEngine:
     def occupied(self) -> int:
         return self._running
 
-    def add(self, prepared: Prepared, sink: Sink) -> None:
+    def add(self, prepared: Prepared, sink: Sink, waiting: int) -> None:
         """Start the request on a thread of its own (Edge-LLM's calls block it); iterate() delivers its end."""
-        queued = self._running + self.waiting + 1  # the load as it starts, itself included
+        queued = self._running + waiting + 1  # the load as it starts, itself included
         self._running += 1
 
         def run() -> None:
             try:
                 self._ended.put((sink, self._serve(prepared, sink.on_text, sink.cancel_reason, queued)))
-            except Exception as err:  # this request's failure (RequestError: refused), answered through its sink
+            except Exception as err:  # this request's failure, answered through its sink
                 self._ended.put((sink, err))
 
         threading.Thread(target=run, name="edgellm-request", daemon=True).start()
 
-    def iterate(self) -> None:
+    def iterate(self, waiting: int) -> None:
         """Wait up to POLL_MS for a request to end; hand its result to its sink."""
         try:
             sink, outcome = self._ended.get(timeout=POLL_MS / 1000)
@@ -379,14 +535,13 @@ class EdgeLLMEngine:
         call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE if self.cfg.serve.reuse_prefix
                                             else rt.ContextCacheLookupPolicy.BYPASS)
         asked = speculative_k(self.cfg) if drafter == "eagle3" else 0
-        k, off_reason = asked, ""
-        if self.batcher is not None and drafter != "none":
-            k, off_reason = 0, (f"graphs.batch_slots={self.cfg.graphs.batch_slots}: Edge-LLM's RequestEngine (in-flight "
-                                f"batching) does not speculate: ran target-only instead of drafter {drafter}")
+        k, off_reason, by_load = asked, self.mode.off_reason(drafter), False
+        if off_reason:
+            k = 0
         elif drafter != "none" and sampled:
             k, off_reason = 0, SAMPLED_OFF_REASON
         elif drafter != "none":  # the load as it starts: the whole request runs at that k
-            k = speculation_policy.k_at(self.cfg.serve.speculate_k_by_load, queued, asked)
+            k, by_load = speculation_policy.k_at(self.cfg.serve.speculate_k_by_load, queued, asked), True
         call.disable_spec_decode = k == 0
         channel = rt.StreamChannel.create()
         call.stream_channels = [channel]
@@ -397,15 +552,7 @@ class EdgeLLMEngine:
         def send(delta: str, n: int) -> None:
             if (delta := answer.push(delta)) and on_text is not None:
                 on_text(delta, n)
-        if self.batcher is not None:
-            finish, error = self._run_batched(call, channel, decoder, send, cancel, stats)
-        else:
-            with self._lock:
-                spec_before, reused_before = self._counters()
-                finish, error = self._run_serial(call, channel, decoder, send, cancel, stats)
-                spec_after, reused_after = self._counters()
-            stats.verify_calls, stats.drafted, stats.accepted = (a - b for a, b in zip(spec_after, spec_before))
-            stats.prompt_tokens_reused = reused_after - reused_before
+        finish, error = self.mode.run(call, channel, decoder, send, cancel, stats)
         if tail := decoder.finish():
             send(tail, len(decoder.ids))
         ids = decoder.kept_ids()
@@ -415,8 +562,7 @@ class EdgeLLMEngine:
         if rest and on_text is not None:
             on_text(rest, len(decoder.ids))
         stats.new_tokens = len(ids)
-        # the policy's k, as the loop counts it
-        if self.batcher is None and drafter != "none" and not sampled and k < asked:
+        if by_load and k < asked:  # the policy's k, as the loop counts it
             stats.k = asked
             stats.verify_calls_by_k = [stats.verify_calls if i + 1 == k else 0 for i in range(asked)]
             stats.policy_off_steps = 0 if k else len(ids)
@@ -425,131 +571,24 @@ class EdgeLLMEngine:
                               prompt_tokens=n_prompt, queued_at_start=queued, speculation_off_reason=off_reason,
                               message=error)
 
-    def _counters(self) -> tuple[tuple[int, int, int], int]:
-        """(SpecDecode (iterations, proposed, accepted), prefill reused tokens): cumulative since load."""
-        counts, prefill = self.runtime.get_spec_decode_generation_metrics(), self.runtime.get_prefill_metrics()
-        return ((int(counts.total_iterations), int(counts.total_proposed_draft_tokens),
-                 int(counts.total_accepted_draft_tokens)), int(prefill.reused_tokens))
-
-    def _run_serial(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
-        """LLMRuntime.handle_request in a thread (it releases the GIL), its channel drained here."""
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                self.runtime.handle_request(call)
-            except Exception as err:  # the runtime's failure becomes this request's finish_reason error
-                failure.append(err)
-                channel.cancel()
-
-        worker = threading.Thread(target=run, name="edgellm-request", daemon=True)
-        worker.start()
-        try:
-            outcome = self._drain(channel, channel.cancel, decoder, on_text, cancel, stats,
-                                  producer_done=lambda: not worker.is_alive())
-        finally:
-            worker.join()
-        if failure:
-            return "error", f"Edge-LLM failed the request: {failure[0]}"
-        return outcome
-
-    def _run_batched(self, call, channel, decoder, on_text, cancel, stats) -> tuple[str, str]:
-        rt = self.rt
-        try:
-            handle = self.batcher.submit(call)
-        except rt.SubmitError as err:
-            raise RequestError(f"Edge-LLM's request engine is full ({err}): retry later") from None
-        return self._drain(handle.stream(), handle.cancel, decoder, on_text, cancel, stats,
-                           producer_done=handle.ready, grace_s=CANCEL_GRACE_S)
-
-    def _drain(self, channel, stop_request, decoder: StreamDecoder, on_text, cancel, stats: Stats,
-               producer_done: Callable[[], bool] = lambda: False, grace_s: float | None = None) -> tuple[str, str]:
-        """Pop the channel until its last chunk: token ids -> decoder -> on_text; cancel() polled between
-        waits. producer_done(): the producer is done with this channel (LLMRuntime: the call returned, a failed
-        call may leave the channel unfinished; RequestEngine: the handle is terminal, ready(), and a request
-        that retired without reaching the runtime never writes its channel). grace_s: after a cancel, stop
-        waiting for the final chunk this long (None: wait for the producer). (finish reason, message)."""
-        started = time.monotonic()
-        cancelled, cancelled_at = "", 0.0
-        while True:
-            chunk = channel.wait_pop(POLL_MS)
-            late = bool(cancelled) and grace_s is not None and time.monotonic() - cancelled_at > grace_s
-            if chunk is None and (channel.is_finished() or producer_done() or late):
-                chunk = channel.try_pop()  # the producer may have finished between the wait and the check
-                if chunk is None:
-                    stats.total_time_s = time.monotonic() - started
-                    return (cancelled, "") if cancelled else ("error", "Edge-LLM ended the request without a final "
-                                                                       "chunk (no finish reason)")
-            if chunk is not None:
-                if chunk.token_ids and not decoder.ids:
-                    stats.time_to_first_token_s = time.monotonic() - started
-                if chunk.token_ids:
-                    delta = decoder.push(list(chunk.token_ids))
-                    if delta and on_text is not None:
-                        on_text(delta, len(decoder.ids))
-                if chunk.finished:
-                    stats.total_time_s = time.monotonic() - started
-                    return self._finish(chunk.reason, cancelled)
-            if not cancelled and cancel is not None and (reason := cancel()):
-                cancelled, cancelled_at = reason, time.monotonic()
-                stop_request()
-            if decoder.stopped and not cancelled:  # our stop string showed up: end like the CPU path
-                cancelled, cancelled_at = "stop", time.monotonic()
-                stop_request()
-
-    def _finish(self, reason, cancelled: str) -> tuple[str, str]:
-        rt = self.rt
-        if reason == rt.FinishReason.END_ID:
-            return "eos", ""
-        if reason == rt.FinishReason.STOP_WORDS:
-            return "stop", ""
-        if reason == rt.FinishReason.LENGTH:
-            return "length", ""
-        if reason == rt.FinishReason.CANCELLED:
-            return (cancelled or "cancelled"), ""
-        if reason == rt.FinishReason.ERROR:
-            return "error", "Edge-LLM reported an error for the request (FinishReason.ERROR)"
-        what = "NOT_FINISHED" if reason == rt.FinishReason.NOT_FINISHED else repr(reason)
-        return "error", f"Edge-LLM ended the stream with reason {what}"
-
     # -- serving ------------------------------------------------------------------------------------
-    def warm(self, system_prompt: str = "") -> int:
-        """Put the chat prefix every request with this system prompt shares into the context cache (one
-        prefill, PREFILL_STATE_ONLY), so the next such request reuses it. Its length in tokens."""
-        if not self.cfg.serve.reuse_prefix:
-            raise ConfigError("warming the cache needs serve.reuse_prefix: true")
-        one, two = (self.front.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
-        n = 0
-        while n < min(len(one), len(two)) and one[n] == two[n]:
-            n += 1
-        if n == 0:
-            return 0
-        call = self._call(self._prefix_text(one[:n]), 1)
+    def warm(self, prefix_ids: list[int]) -> None:
+        """Put a chat prefix many requests share (Front.shared_prefix) into the context cache (one prefill,
+        PREFILL_STATE_ONLY), so the next such request reuses it."""
+        call = self._call(self.tokenizer.backend.decode(prefix_ids, skip_special_tokens=False), 1)  # markers kept
         rt = self.rt
         call.context_cache_lookup_policy = rt.ContextCacheLookupPolicy.USE_CACHE
         call.context_cache_commit_policy = rt.ContextCacheCommitPolicy.PREFILL_STATE_ONLY
         call.disable_spec_decode = True
         channel = rt.StreamChannel.create()
         call.stream_channels = [channel]
-        stats = Stats()
-        decoder = StreamDecoder(self.tokenizer)
-        if self.batcher is not None:
-            self._run_batched(call, channel, decoder, None, None, stats)
-        else:
-            with self._lock:
-                self._run_serial(call, channel, decoder, None, None, stats)
-        return n
-
-    def _prefix_text(self, ids: list[int]) -> str:
-        """The text whose tokens are ids (special tokens kept: the chat template's markers)."""
-        return self.tokenizer.backend.decode(ids, skip_special_tokens=False)
+        self.mode.run(call, channel, StreamDecoder(self.tokenizer), None, None, Stats())
 
     def info(self) -> dict:
         import resource
 
         return {"backend": self.cfg.runtime.backend, "runtime": f"tensorrt-edgellm {EDGELLM_VERSION}",
-                "mode": "RequestEngine" if self.batcher is not None else "LLMRuntime",
-                "engine_dir": str(self.dirs.engine_dir), "max_context": self.max_context,
+                "mode": self.mode.name, "engine_dir": str(self.dirs.engine_dir), "max_context": self.max_context,
                 "max_input_len": self.dirs.max_input_len, "drafter": self.cfg.speculative.drafter,
                 "k": self.cfg.speculative.k, "k_values": [speculative_k(self.cfg)],
                 "batch_slots": self.cfg.graphs.batch_slots,
@@ -558,8 +597,4 @@ class EdgeLLMEngine:
                 "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
     def close(self) -> None:
-        """Stop the request engine (cancelling what is queued) and drop the runtime."""
-        rt = self.rt
-        if self.batcher is not None:
-            self.batcher.shutdown(rt.ShutdownMode.CANCEL)
-        self.runtime = self.batcher = None
+        self.mode.close()  # RequestEngine: cancels what is queued

@@ -1,0 +1,20 @@
+"""open_decoder: the one factory of the configured decoder (serving.Decoder), by runtime.backend."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from spec_edge.config import Config
+from spec_edge.runtime.serving import Decoder
+
+
+def open_decoder(cfg: Config, progress: Callable[[str], None] = print) -> Decoder:
+    """Load the decoder of cfg from the files the build made (a missing one is refused with the command that makes
+    it): onnxruntime, engine.Engine over the exported graphs; tensorrt, backends/edgellm.py's over the engines
+    `spec-edge build` made."""
+    if cfg.runtime.backend == "tensorrt":
+        from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
+
+        return EdgeLLMEngine.from_config(cfg, progress)
+    from spec_edge.runtime.engine import Engine
+
+    return Engine.from_config(cfg, progress)
