@@ -240,7 +240,8 @@ class Door:
             scheduler = self.scheduler
             text = self.metrics.render(scheduler.queue_depth if scheduler else 0, self.in_flight,
                                        scheduler.capacity if scheduler else 0,
-                                       self.engine.info().get("suffix_store") if self.engine else None)
+                                       self.engine.info().get("suffix_store") if self.engine else None,
+                                       self.engine.info().get("remote") if self.engine else None)
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
         @app.post("/v1/chat/completions")

@@ -125,6 +125,11 @@ class Engine:
             from spec_edge.runtime.backends.edgellm import EdgeLLMEngine
 
             return EdgeLLMEngine.from_config(cfg, progress)
+        if cfg.runtime.backend == "remote":  # remote.fallback local: this profile's own engine beside it
+            from spec_edge.runtime.backends.remote import RemoteDecoder
+
+            local = cfg.replace(**{"runtime.backend": "onnxruntime"})
+            return RemoteDecoder.open(cfg, cls.from_config(local, progress) if cfg.remote.fallback else None, progress)
         slots = cfg.graphs.batch_slots
         if cfg.speculative.drafter != "none" and (reason := refusal(cfg.speculative.drafter)):
             raise ConfigError(f"speculative.drafter: {reason}")

@@ -80,17 +80,15 @@ class Front:
     compile_tools(format, {name: schema}, tool_choice, parallel) -> the grammar state of a request's tool calls, for
     a decoder whose grammar engine does not take the format's Lark grammar (None: compile("grammar", that grammar))."""
 
-    def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any],
+    def __init__(self, cfg: Config, tokenizer: Tokenizer | None, caps: Capabilities, compile: Callable[[str, str], Any],
                  compile_tools: Callable[[Any, dict[str, dict], str, bool], Any] | None = None):
         self.cfg, self.tokenizer, self.caps, self.compile = cfg, tokenizer, caps, compile
         self.compile_tools = compile_tools
-        self.tool_format = for_template(tokenizer.chat_template, tokenizer.token_id)
+        self.tool_format = for_template(tokenizer.chat_template, tokenizer.token_id) if tokenizer else None
 
-    def chat_text(self, request: GenerateRequest) -> str:
-        """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
-        (the request's, else serve.system_prompt, else the template's default) first, rendered through the
-        chat template (request.chat) or joined by newlines; tools, tool calls and tool turns through the model's
-        tool format (runtime/tool_format.py)."""
+    def messages(self, request: GenerateRequest) -> list[ChatMessage]:
+        """A request's checked messages (or its prompt as the user's message), the system prompt (the request's,
+        else serve.system_prompt, else none: the template's default) first."""
         if request.messages:
             messages = [ChatMessage(*m) for m in request.messages]
             for i, m in enumerate(messages):
@@ -111,20 +109,29 @@ class Front:
             messages.insert(0, ChatMessage("system", system))
         if not any(m.content.strip() or m.tool_calls for m in messages):
             raise RequestError("all messages are empty: send the text to answer")
+        return messages
+
+    def chat_text(self, request: GenerateRequest) -> str:
+        """The prompt text of a request: its messages rendered through the chat template (request.chat) or joined by
+        newlines; tools, tool calls and tool turns through the model's tool format (runtime/tool_format.py). Without
+        a tokenizer (a remote decoder renders the chat itself): "" for a chat, once checked."""
+        messages = self.messages(request)
         if not request.chat:
             if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
                 raise RequestError("tools and tool turns need the chat template: send chat true")
             return "\n".join(m.content for m in messages)
         if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
             check_tools(request.tools, request.tool_choice or "auto")
-            return self.tool_format.render(self.tokenizer, messages, request.tools)
-        return self.tokenizer.render_chat([(m.role, m.content) for m in messages])
+            return self.tool_format.render(self.tokenizer, messages, request.tools) if self.tokenizer else ""
+        return self.tokenizer.render_chat([(m.role, m.content) for m in messages]) if self.tokenizer else ""
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids of the request's prompt text (chat_text), refused when the prompt does not fit."""
         return self._encode(self.chat_text(request))
 
     def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:  # a remote decoder: the server counts and refuses a prompt too long (its 400)
+            return []
         caps, ids = self.caps, self.tokenizer.encode(text)
         if len(ids) > caps.max_input:
             raise RequestError(f"prompt is {len(ids)} tokens but the context holds {caps.max_context} (prompt + "
