@@ -5,6 +5,7 @@ gets the front's words; the server stopped -> the fallback answers within 2 s an
 "remote unavailable" within 1 s); the server back -> served remotely again within the probe interval."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -20,7 +21,7 @@ import pytest
 
 from spec_edge import config as cfgmod
 from spec_edge.runtime.engine import Engine
-from spec_edge.runtime.requests import GenerateRequest, RequestError
+from spec_edge.runtime.requests import GenerateRequest, RequestError, Tool
 from spec_edge.runtime.scheduler import Job, Scheduler, run_one
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +122,23 @@ def test_greedy_equal_streamed(served, tiny_engine, remote):
     assert decoder.info()["remote"]["state"] == "closed"
 
 
+def test_guided_json_and_tool_calls_pass_through(served, tiny_engine):
+    """The schema and the tools go to the server as response_format / tools; its constrained answer is the local's."""
+    scheduler, _ = served
+    place = {"type": "object", "properties": {"place": {"enum": ["dock", "kitchen"]}}, "required": ["place"],
+             "additionalProperties": False}
+    tools = (Tool("move_to", "Drive to a place.", json.dumps(place)),)
+    for request in (GenerateRequest(prompt="Where to?", json_schema=json.dumps(place), max_new_tokens=40, temperature=0),
+                    GenerateRequest(prompt="Go to the dock", tools=tools, tool_choice="required", max_new_tokens=40,
+                                    temperature=0)):
+        alone = run_one(tiny_engine, request)
+        out = ask(scheduler, request).outcome
+        assert out.success and out.stats["served_by"] == "remote", out
+        assert (out.text, out.token_ids, out.finish_reason) == (alone.text, alone.token_ids, alone.finish_reason)
+        assert [(c.name, c.arguments) for c in out.tool_calls] == [(c.name, c.arguments) for c in alone.tool_calls]
+    assert alone.tool_calls and json.loads(alone.tool_calls[0].arguments)["place"] in ("dock", "kitchen")
+
+
 def test_cancel_frees_the_remote_slot(served, remote):
     scheduler, _ = served
     cancelled = threading.Event()
@@ -133,6 +151,15 @@ def test_cancel_frees_the_remote_slot(served, remote):
         assert time.monotonic() - at < 1.0, "the remote still runs the cancelled request after 1 s"
         time.sleep(0.02)
     assert remote.metric('spec_edge_http_requests_total{outcome="disconnected"}') == gone + 1
+
+
+def test_configure_checks_the_server(tiny_cfg, remote):
+    cfg = remote_cfg(tiny_cfg, remote, "")
+    with pytest.raises(cfgmod.ConfigError, match="does not serve remote.model 'nope'; it lists tiny: set remote.model"):
+        Engine.from_config(cfg.replace(**{"remote.model": "nope"}), progress=lambda m: None)
+    with pytest.raises(cfgmod.ConfigError, match="does not answer GET /models .*: start the server"):
+        Engine.from_config(cfg.replace(**{"remote.base_url": f"http://127.0.0.1:{free_port()}/v1"}),
+                           progress=lambda m: None)
 
 
 def test_refused_capability(served, tiny_cfg, remote):
@@ -173,7 +200,8 @@ def test_server_down_then_back(served, tiny_cfg, remote):
         assert out.message.startswith("answered by the local model: ")
         at = time.monotonic()
         out = ask(bare, request).outcome
-        assert time.monotonic() - at < 1.0 and not out.success and "remote unavailable" in out.message, out
+        assert time.monotonic() - at < 1.0 and out.refusal == "unavailable", out
+        assert out.message.startswith(f"remote unavailable: {remote.url}/v1 (APIConnectionError"), out
     finally:
         remote.start()
     up = time.monotonic()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from spec_edge import config as cfgmod
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, Unavailable
 
 SHUTTING_DOWN = "the node is shutting down; retry on its successor"
 REFUSED = ""               # finish_reason of a request that never ran (bad request, busy)
@@ -299,7 +299,8 @@ class _JobSink:
     def failed(self, err: Exception) -> None:
         self.scheduler._running.pop(id(self.job), None)
         self.job.error = err
-        self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else self.scheduler._failed(err))
+        self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else Outcome.refused(
+            str(err), "unavailable") if isinstance(err, Unavailable) else self.scheduler._failed(err))
 
 
 def run_one(decoder: Any, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,

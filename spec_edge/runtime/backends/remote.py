@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import threading
 import time
@@ -25,10 +26,10 @@ from typing import Any
 
 import openai
 
-from spec_edge.config import DRAFTERS, Config
+from spec_edge.config import DRAFTERS, Config, ConfigError
 from spec_edge.runtime.backends.remote_link import Link
 from spec_edge.runtime.front import Capabilities, Front, Prepared
-from spec_edge.runtime.requests import GenerateResult, RequestError, ToolCall
+from spec_edge.runtime.requests import GenerateResult, RequestError, ToolCall, Unavailable
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.stats import Stats
 
@@ -63,10 +64,6 @@ KINDS = {  # each server's own docs: docs/remote.md, "What each kind takes"
 }
 
 
-class RemoteUnavailable(RuntimeError):
-    """The server could not answer a request (its message starts "remote unavailable")."""
-
-
 @dataclass
 class _Call:
     """A request sent to the server: its text so far (written by the link's loop thread)."""
@@ -93,12 +90,10 @@ class RemoteDecoder:
             self.front = Front(cfg, None, caps, lambda kind, text: (kind, text), lambda *args: None)
         else:  # what both can serve, checked with the local tokenizer
             mine = local.front.caps
-            caps = Capabilities(name=caps.name + " (local fallback)", drafters=mine.drafters, k_values=mine.k_values,
-                                k_remedy=mine.k_remedy, max_context=mine.max_context, max_input=mine.max_input,
-                                vocab_size=mine.vocab_size, eos_ids=mine.eos_ids,
-                                guided=tuple(g for g in caps.guided if g in mine.guided),
-                                sampling=tuple(s for s in caps.sampling if s in mine.sampling), forced_drafts=False,
-                                tools=caps.tools and mine.tools)
+            caps = dataclasses.replace(mine, name=caps.name + " (local fallback)", forced_drafts=False,
+                                       guided=tuple(g for g in caps.guided if g in mine.guided),
+                                       sampling=tuple(s for s in caps.sampling if s in mine.sampling),
+                                       tools=caps.tools and mine.tools)
             self.front = Front(cfg, local.tokenizer, caps, local.front.compile, local.front.compile_tools)
 
     @classmethod
@@ -107,13 +102,14 @@ class RemoteDecoder:
         not answer leaves the circuit open and the local model answers until a probe reaches it)."""
         link = Link(cfg.remote)
         try:
-            link.check()
-        except Exception as err:
-            if local is None or "does not serve" in str(err):
-                link.close()
-                raise
-            progress(f"[remote] {err}; the local model answers until the server does")
-            link.failed(str(err), down=True)
+            if (down := link.check()) is not None and local is None:
+                raise ConfigError(down)
+        except ConfigError:
+            link.close()
+            raise
+        if down is not None:
+            progress(f"[remote] {down}; the local model answers until the server does")
+            link.failed(down, down=True)
         progress(f"[remote] {cfg.remote.kind} server {cfg.remote.base_url}, model {cfg.remote.model}, "
                  f"{cfg.remote.max_concurrent} at once, fallback {cfg.remote.fallback or 'none'}")
         return cls(cfg, link, local)
@@ -227,11 +223,11 @@ class RemoteDecoder:
                 reason = f"{type(err).__name__}: {_reason(err)}"
                 if call.pieces:  # the client has part of the answer: never restarted
                     self.link.failed(reason)
-                    raise RemoteUnavailable(f"remote unavailable: the link to {remote.base_url} broke after "
+                    raise Unavailable(f"remote unavailable: the link to {remote.base_url} broke after "
                                             f"{len(call.pieces)} streamed pieces ({reason}); not restarted") from None
                 if attempt == remote.retries:
                     self.link.failed(reason)
-                    raise RemoteUnavailable(f"remote unavailable: {remote.base_url} ({reason})") from None
+                    raise Unavailable(f"remote unavailable: {remote.base_url} ({reason})") from None
                 continue
             if reason is not None:
                 return self._result(call, reason, None, None, [], first)
@@ -275,7 +271,7 @@ class RemoteDecoder:
     def _unavailable(self, prepared: Prepared, sink: Sink, why: str) -> None:
         """The server cannot take a request that has not streamed: the local model's, else answered unavailable."""
         if self.local is None:
-            sink.failed(RemoteUnavailable(f"remote unavailable: {why}"))
+            sink.failed(Unavailable(f"remote unavailable: {why}"))
         else:
             self._local_queue.append((prepared, sink, why))
 
@@ -290,7 +286,7 @@ class RemoteDecoder:
                 self._calls.remove(call)
                 try:
                     call.sink.done(call.future.result())
-                except RemoteUnavailable as err:
+                except Unavailable as err:
                     if call.pieces or self.local is None:
                         call.sink.failed(err)
                     else:

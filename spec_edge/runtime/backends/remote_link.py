@@ -41,16 +41,18 @@ class Link:
     def run(self, coro: Coroutine) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def check(self) -> None:
-        """At configure: the server answers and lists remote.model (ConfigError with the reason if not)."""
+    def check(self) -> str | None:
+        """At configure: None when the server answers and lists remote.model; why, when it does not answer;
+        ConfigError when it answers without the model."""
         try:
             ids = self.run(self._models()).result(self.cfg.connect_timeout_s + self.cfg.first_token_timeout_s)
         except Exception as err:  # noqa: BLE001 - every failure is the reason to report
-            raise ConfigError(f"remote.base_url {self.cfg.base_url} does not answer GET /models ({type(err).__name__}: "
-                              f"{err}): start the server, or fix remote.base_url / remote.api_key") from None
+            return (f"remote.base_url {self.cfg.base_url} does not answer GET /models ({type(err).__name__}: {err}): "
+                    "start the server, or fix remote.base_url / remote.api_key")
         if self.cfg.model not in ids:
             raise ConfigError(f"the server at {self.cfg.base_url} does not serve remote.model {self.cfg.model!r}; it "
                               f"lists {', '.join(ids) or 'no model'}: set remote.model to one of those")
+        return None
 
     async def _models(self) -> list[str]:
         return [model.id async for model in self.client.models.list()]
