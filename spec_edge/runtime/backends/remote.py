@@ -285,7 +285,7 @@ class RemoteDecoder:
             elif call.future.done():
                 self._calls.remove(call)
                 try:
-                    call.sink.done(call.future.result())
+                    result = call.future.result()
                 except Unavailable as err:
                     if call.pieces or self.local is None:
                         call.sink.failed(err)
@@ -293,6 +293,8 @@ class RemoteDecoder:
                         self._unavailable(call.prepared, call.sink, str(err).removeprefix("remote unavailable: "))
                 except Exception as err:  # noqa: BLE001 - refused (RequestError) or failed: its answer
                     call.sink.failed(err)
+                else:
+                    call.sink.done(result)
         local = self.local
         while local is not None and self._local_queue and local.occupied < local.capacity:
             prepared, sink, why = self._local_queue.popleft()
