@@ -183,12 +183,23 @@ def RemoteDecoderFront(tiny_cfg, remote, kind: str):
 
 
 def test_server_down_then_back(served, tiny_cfg, remote):
-    """Stopped: the fallback answers within 2 s and says so, a decoder without one says "remote unavailable"
-    within 1 s; started again: served remotely within the probe interval of its being up."""
+    """Killed while it streams: that answer fails, not restarted locally. Stopped: the fallback answers within 2 s
+    and says so, a decoder without one says "remote unavailable" within 1 s; started again: served remotely within
+    the probe interval of its being up."""
     scheduler, decoder = served
     alone = Engine.from_config(remote_cfg(tiny_cfg, remote, ""), progress=lambda m: None)
     bare = Scheduler(alone, alone.cfg, logging.getLogger("test_remote"))
     request = REQUESTS["chat"]
+    killed = threading.Event()
+
+    def kill(delta: str, n: int) -> None:  # the server dies while it streams: the answer is not restarted locally
+        if not killed.is_set():
+            killed.set()
+            remote.proc.kill()
+
+    long = GenerateRequest(prompt="Navigate to the kitchen", max_new_tokens=96, ignore_eos=True, temperature=0)
+    out = ask(scheduler, long, on_text=kill).outcome
+    assert out.refusal == "unavailable" and "streamed pieces" in out.message and "not restarted" in out.message, out
     remote.stop()
     try:
         at = time.monotonic()
