@@ -40,7 +40,7 @@ class Decoder(Protocol):
 
     cfg: Config
     capabilities: Capabilities
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: it renders and counts a chat itself (capabilities.renders: a remote server)
     capacity: int
 
     def guide(self, kind: str, text: str) -> Any: ...
