@@ -122,6 +122,27 @@ def test_greedy_equal_streamed(served, tiny_engine, remote):
     assert decoder.info()["remote"]["state"] == "closed"
 
 
+def test_without_fallback_the_server_renders(tiny_cfg, tiny_engine, remote):
+    """No local model: the front hands the checked messages over (Capabilities.renders, no prompt ids) and the
+    server renders and answers them, token for token the local engine's; tokenizing is refused with what to do."""
+    decoder = open_decoder(remote_cfg(tiny_cfg, remote, ""), progress=lambda m: None)
+    scheduler = Scheduler(decoder, decoder.cfg, logging.getLogger("test_remote"))
+    try:
+        assert decoder.tokenizer is None and decoder.capabilities.renders
+        prepared = scheduler.front.prepare(REQUESTS["chat"])
+        assert prepared.prompt_ids == [] and [m.role for m in prepared.messages] == ["user"]
+        for name, request in REQUESTS.items():
+            alone = run_one(tiny_engine, request)
+            out = ask(scheduler, request).outcome
+            assert out.success and out.stats["served_by"] == "remote", out
+            assert (out.text, out.token_ids) == (alone.text, alone.token_ids), name
+        with pytest.raises(RequestError, match="has no tokenizer here .*remote.fallback local"):
+            scheduler.front.tokenize("hi", chat=True)
+    finally:
+        scheduler.stop(1.0)
+        decoder.close()
+
+
 def test_guided_json_passes_through(served, tiny_engine):
     """The schema goes to the server as response_format; its constrained answer is the local's, token for token.
     (Tool calls are not run here: the tiny model's 128-token context cannot hold the tools' prompt.)"""

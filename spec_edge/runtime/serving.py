@@ -27,8 +27,8 @@ class Sink(Protocol):
 
 
 class Decoder(Protocol):
-    """What the scheduler drives: engine.Engine (the slot loop over ONNX Runtime) or edgellm.EdgeLLMEngine (NVIDIA's
-    Edge-LLM runtime). What it declares (fixed at load): capabilities (what it serves; the front refuses the rest),
+    """What the scheduler drives: engine.Engine (the slot loop over ONNX Runtime), edgellm.EdgeLLMEngine (NVIDIA's
+    Edge-LLM runtime) or remote.RemoteDecoder (an OpenAI-compatible server). What it declares (fixed at load): capabilities (what it serves; the front refuses the rest),
     tokenizer (the front renders, tokenizes and detokenizes with it), guide / tool_guide (its compiled grammar of a
     request's json_schema / grammar / regex, of a request's tool calls; RequestError for what it cannot enforce)
     and capacity (requests it runs at once). occupied: the requests in it. add(prepared, sink, waiting) starts a
