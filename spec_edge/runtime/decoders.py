@@ -19,8 +19,8 @@ def open_decoder(cfg: Config, progress: Callable[[str], None] = print) -> Decode
     if cfg.runtime.backend == "remote":
         from spec_edge.runtime.backends.remote import RemoteDecoder
 
-        local = open_decoder(cfg.replace(**{"runtime.backend": "onnxruntime"}), progress) if cfg.remote.fallback else None
-        return RemoteDecoder.open(cfg, local, progress)
+        local = cfg.replace(**{"runtime.backend": "onnxruntime"}) if cfg.remote.fallback else None
+        return RemoteDecoder.open(cfg, open_decoder(local, progress) if local else None, progress)
     from spec_edge.runtime.engine import Engine
 
     return Engine.from_config(cfg, progress)

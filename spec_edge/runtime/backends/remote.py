@@ -9,10 +9,11 @@ ids are not ours).
 Without a fallback the decoder has no tokenizer and its capabilities say it renders (front.Capabilities.renders):
 the front checks a request's messages and hands them over in Prepared.messages, with no prompt text or ids.
 remote.fallback local: the profile's own model (an ONNX Runtime decoder) runs beside it, and the front checks every
-request with its tokenizer and grammars against the capabilities both can serve, so any request can go either way. A request goes to
-the local model while the circuit is open, or when the server failed it before its first piece (unreachable,
-timed out, 5xx); the answer says so (stats served_by "local", and its message). A request the server was already
-streaming when the link broke is not restarted (its client has part of an answer): it fails with that reason.
+request with its tokenizer and grammars against the capabilities both can serve, so any request can go either way. A
+request goes to the local model while the circuit is open, or when the server failed it before its first piece
+(unreachable, timed out, 5xx); the answer says so (stats served_by "local", and its message). A request the server
+was already streaming when the link broke is not restarted (its client has part of an answer): it fails with that
+reason.
 """
 from __future__ import annotations
 
