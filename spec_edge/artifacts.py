@@ -41,6 +41,8 @@ def engine(cfg: Config, progress: Progress = print) -> Decoder:
 def ensure(cfg: Config, progress: Progress = print) -> dict[str, Path]:
     """Make what cfg serves from where it is missing (module docstring); role -> the folder ONNX Runtime runs
     ({} on tensorrt)."""
+    if cfg.runtime.backend == "remote" and cfg.remote.fallback == "local":  # the fallback's graphs
+        cfg = cfg.replace(**{"runtime.backend": "onnxruntime"})
     if cfg.runtime.backend != "onnxruntime":
         return {}
     progress(f"[engine] artifacts of profile '{cfg.runtime.profile}': {plan.artifact_dir(cfg, 'target').parent.parent} "

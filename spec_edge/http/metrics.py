@@ -57,7 +57,8 @@ class Metrics:
             if completion_tokens > 1:
                 self.tps.observe(float(stats.get("tokens_per_s", 0.0)))
 
-    def render(self, queue_depth: int, in_flight: int, capacity: int, suffix: dict | None = None) -> str:
+    def render(self, queue_depth: int, in_flight: int, capacity: int, suffix: dict | None = None,
+               remote: dict | None = None) -> str:
         def block(name: str, kind: str, about: str, lines: list[str]) -> list[str]:
             return [f"# HELP {name} {about}", f"# TYPE {name} {kind}", *lines]
 
@@ -83,4 +84,11 @@ class Metrics:
             if suffix:  # the engine's SuffixStore.memory()
                 out += block("spec_edge_suffix_store", "gauge", "the suffix drafter's store of past answers",
                              [f'spec_edge_suffix_store{{kind="{k}"}} {v}' for k, v in sorted(suffix.items())])
+            if remote:  # runtime.backend remote: its link's state (runtime/backends/remote_link.Link.state)
+                out += block("spec_edge_remote_up", "gauge", "1 while the circuit to the remote server is closed",
+                             [f'spec_edge_remote_up {int(remote["up"])}'])
+                out += block("spec_edge_remote_errors_total", "counter", "link failures to the remote server",
+                             [f'spec_edge_remote_errors_total {remote["errors"]}'])
+                out += block("spec_edge_remote_first_token_seconds", "gauge", "the last remote request's time to "
+                             "its first piece", [f'spec_edge_remote_first_token_seconds {remote["first_token_s"]}'])
         return "\n".join(out) + "\n"

@@ -422,6 +422,8 @@ class GenerateNode(LifecycleNode):
                 values["k_choice"] = self.decoder.info()["k_choice"]
             if "suffix_store" in self._info and self.decoder is not None:  # its memory now
                 values["suffix_store"] = self.decoder.info()["suffix_store"]
+            if "remote" in self._info and self.decoder is not None:  # the link's state now
+                values["remote"] = self.decoder.info()["remote"]
             values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
             values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
             values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
@@ -431,6 +433,9 @@ class GenerateNode(LifecycleNode):
                            if isinstance(v, (int, float, str, list))})  # verify_calls_by_k too
             if depth >= cfg.serve.queue_limit:
                 status.level, status.message = DiagnosticStatus.WARN, "queue full"
+            elif "remote" in values and not values["remote"]["up"]:
+                status.level, status.message = DiagnosticStatus.WARN, "remote unavailable" + (
+                    ": the local model answers" if cfg.remote.fallback else "")
             else:
                 status.level, status.message = DiagnosticStatus.OK, "ready"
         status.values = [KeyValue(key=str(k), value=_diag_str(v)) for k, v in values.items()]

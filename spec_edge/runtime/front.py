@@ -42,6 +42,7 @@ class Capabilities:
     forced_drafts: bool = True      # a grammar's forced tokens can be the draft
     tools: bool = True              # tool calls (runtime/tool_format.py)
     drafter_needs: tuple[tuple[str, str], ...] = ()  # (drafter, what it lacks to run here) of those it does not
+    renders: bool = False           # it renders and counts a chat itself (a remote server): no prompt text or ids here
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Prepared:
     guide: Any = None               # the decoder's compiled grammar for this request (None: unguided)
     forced_drafts: bool = False     # the grammar's forced tokens are drafts (only with a guide, k and speculate)
     tool_format: Any = None         # the tool_format.ToolFormat that parses the output's calls (tools, choice not none)
+    messages: tuple[ChatMessage, ...] = ()  # the checked messages, system prompt first (what a remote server renders)
 
 
 def check_text(name: str, text: str) -> None:
@@ -81,17 +83,15 @@ class Front:
     compile_tools(format, {name: schema}, tool_choice, parallel) -> the grammar state of a request's tool calls, for
     a decoder whose grammar engine does not take the format's Lark grammar (None: compile("grammar", that grammar))."""
 
-    def __init__(self, cfg: Config, tokenizer: Tokenizer, caps: Capabilities, compile: Callable[[str, str], Any],
+    def __init__(self, cfg: Config, tokenizer: Tokenizer | None, caps: Capabilities, compile: Callable[[str, str], Any],
                  compile_tools: Callable[[Any, dict[str, dict], str, bool], Any] | None = None):
         self.cfg, self.tokenizer, self.caps, self.compile = cfg, tokenizer, caps, compile
         self.compile_tools = compile_tools
-        self.tool_format = for_template(tokenizer.chat_template, tokenizer.token_id)
+        self.tool_format = for_template(tokenizer.chat_template, tokenizer.token_id) if tokenizer else None
 
-    def chat_text(self, request: GenerateRequest) -> str:
-        """The prompt text of a request: its messages (or prompt as the user's message), the system prompt
-        (the request's, else serve.system_prompt, else the template's default) first, rendered through the
-        chat template (request.chat) or joined by newlines; tools, tool calls and tool turns through the model's
-        tool format (runtime/tool_format.py)."""
+    def messages(self, request: GenerateRequest) -> list[ChatMessage]:
+        """A request's checked messages (or its prompt as the user's message), the system prompt (the request's,
+        else serve.system_prompt, else none: the template's default) first."""
         if request.messages:
             messages = [ChatMessage(*m) for m in request.messages]
             for i, m in enumerate(messages):
@@ -112,22 +112,34 @@ class Front:
             messages.insert(0, ChatMessage("system", system))
         if not any(m.content.strip() or m.tool_calls for m in messages):
             raise RequestError("all messages are empty: send the text to answer")
+        return messages
+
+    def chat_text(self, request: GenerateRequest) -> str:
+        """The prompt text of a request: its messages (messages()) rendered through the chat template (request.chat)
+        or joined by newlines; tools, tool calls and tool turns through the model's tool format
+        (runtime/tool_format.py). A decoder that renders (Capabilities.renders): "" for a chat, once checked."""
+        return self._render(request, self.messages(request))
+
+    def _render(self, request: GenerateRequest, messages: list[ChatMessage]) -> str:
         if not request.chat:
             if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
                 raise RequestError("tools and tool turns need the chat template: send chat true")
             return "\n".join(m.content for m in messages)
         if request.tools or any(m.role == "tool" or m.tool_calls for m in messages):
             check_tools(request.tools, request.tool_choice or "auto")
-            return self.tool_format.render(self.tokenizer, messages, request.tools)
-        return self.tokenizer.render_chat([(m.role, m.content) for m in messages])
+            return "" if self.caps.renders else self.tool_format.render(self.tokenizer, messages, request.tools)
+        return "" if self.caps.renders else self.tokenizer.render_chat([(m.role, m.content) for m in messages])
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The token ids of the request's prompt text (chat_text), refused when the prompt does not fit."""
+        self._tokenizes()
         return self._encode(self.chat_text(request))
 
     def shared_prefix(self, system_prompt: str = "") -> list[int]:
         """The token ids of the chat prefix every request with this system prompt ("" = serve.system_prompt, then
-        the template's default) shares: what a decoder's warm() puts into its cache."""
+        the template's default) shares: what a decoder's warm() puts into its cache (none for one that renders)."""
+        if self.caps.renders:
+            return []
         one, two = (self.prompt_ids(GenerateRequest(prompt=p, system_prompt=system_prompt)) for p in "ab")
         n = 0
         while n < min(len(one), len(two)) and one[n] == two[n]:
@@ -136,14 +148,21 @@ class Front:
 
     def tokenize(self, text: str, chat: bool) -> list[int]:
         """The ids of text: through the chat template as a Generate prompt is (chat), or as it is."""
+        self._tokenizes()
         return self.prompt_ids(GenerateRequest(prompt=text)) if chat else self.tokenizer.encode(text)
 
     def detokenize(self, ids: list[int]) -> str:
         """The text of ids (RequestError for an id outside the vocabulary)."""
+        self._tokenizes()
         vocab = self.caps.vocab_size
         if bad := [int(t) for t in ids if not 0 <= int(t) < vocab]:
             raise RequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab}): send ids of this model")
         return self.tokenizer.decode([int(t) for t in ids])
+
+    def _tokenizes(self) -> None:
+        if self.tokenizer is None:
+            raise RequestError(f"this {self.caps.name} engine has no tokenizer here (the server renders and counts): "
+                               "tokenize on the server, or restart with remote.fallback local (its model's tokenizer)")
 
     def _encode(self, text: str) -> list[int]:
         caps, ids = self.caps, self.tokenizer.encode(text)
@@ -178,8 +197,9 @@ class Front:
         for item in request.stop:
             check_text("stop string", item)
         tools = self._tools(request) if request.tools else None  # (before the prompt: what this engine cannot do)
-        text = self.chat_text(request)
-        ids = self._encode(text)
+        messages = self.messages(request)
+        text = self._render(request, messages)
+        ids = [] if caps.renders else self._encode(text)  # (renders: the server refuses a prompt too long, its 400)
         if request.max_new_tokens is not None and len(ids) + max_new > caps.max_context:  # as asked must fit
             raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) = {len(ids) + max_new} "
                                f"exceed the context of {caps.max_context} tokens: ask for at most "
@@ -191,7 +211,7 @@ class Front:
         forced = (guide is not None and forced and request.speculate and caps.forced_drafts and k in caps.k_values)
         return Prepared(request=request, text=text, prompt_ids=ids, sampling=params, max_new_tokens=max_new,
                         seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced,
-                        tool_format=tool_format)
+                        tool_format=tool_format, messages=tuple(messages))
 
     def _tools(self, request: GenerateRequest) -> tuple[Any, Any]:
         """(the grammar state of the request's tool_choice, the format that parses its calls; None for none)."""

@@ -16,6 +16,10 @@ class RequestError(ValueError):
     """A request that cannot be served as asked; the message says what to change."""
 
 
+class Unavailable(RuntimeError):
+    """A request the decoder cannot serve now (runtime.backend remote: the server is down); the message says why."""
+
+
 @dataclass(frozen=True)
 class Tool:
     """A function the model may call (runtime/tool_format.py renders it and constrains its calls)."""

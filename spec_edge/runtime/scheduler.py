@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from spec_edge import config as cfgmod
 from spec_edge.runtime.front import Front, Prepared
-from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError
+from spec_edge.runtime.requests import GenerateRequest, GenerateResult, RequestError, Unavailable
 from spec_edge.runtime.serving import Decoder, front_of
 
 SHUTTING_DOWN = "the node is shutting down; retry on its successor"
@@ -329,7 +329,8 @@ class _JobSink:
     def failed(self, err: Exception) -> None:
         self.scheduler._running.pop(id(self.job), None)
         self.job.error = err
-        self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else self.scheduler._failed(err))
+        self.job.finish(Outcome.refused(str(err)) if isinstance(err, RequestError) else Outcome.refused(
+            str(err), "unavailable") if isinstance(err, Unavailable) else self.scheduler._failed(err))
 
 
 def serve_alone(decoder: Decoder, request: GenerateRequest, on_text: Callable[[str, int], None] | None = None,

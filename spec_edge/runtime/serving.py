@@ -27,20 +27,20 @@ class Sink(Protocol):
 
 
 class Decoder(Protocol):
-    """What the scheduler drives: engine.Engine (the slot loop over ONNX Runtime) or edgellm.EdgeLLMEngine (NVIDIA's
-    Edge-LLM runtime). What it declares (fixed at load): capabilities (what it serves; the front refuses the rest),
-    tokenizer (the front renders, tokenizes and detokenizes with it), guide / tool_guide (its compiled grammar of a
-    request's json_schema / grammar / regex, of a request's tool calls; RequestError for what it cannot enforce)
-    and capacity (requests it runs at once). occupied: the requests in it. add(prepared, sink, waiting) starts a
-    request the front prepared while occupied < capacity (nothing refuses it there); iterate(waiting) moves the
-    requests in it on (one loop iteration; Edge-LLM: waits a poll for one to end) and calls their sinks' done from
-    the caller's thread; waiting: the requests queued outside it (its load is occupied + waiting). An exception out
-    of iterate leaves every request in it unanswered, and clear() drops them. warm(prefix_ids) puts a chat prefix
-    many requests share into its cache."""
+    """What the scheduler drives: engine.Engine (the slot loop over ONNX Runtime), edgellm.EdgeLLMEngine (NVIDIA's
+    Edge-LLM runtime) or remote.RemoteDecoder (an OpenAI-compatible server). What it declares (fixed at load):
+    capabilities (what it serves; the front refuses the rest), tokenizer (the front renders, tokenizes and
+    detokenizes with it), guide / tool_guide (its compiled grammar of a request's json_schema / grammar / regex, of
+    a request's tool calls; RequestError for what it cannot enforce) and capacity (requests it runs at once).
+    occupied: the requests in it. add(prepared, sink, waiting) starts a request the front prepared while occupied <
+    capacity (nothing refuses it there); iterate(waiting) moves the requests in it on (one loop iteration; Edge-LLM:
+    waits a poll for one to end) and calls their sinks' done from the caller's thread; waiting: the requests queued
+    outside it (its load is occupied + waiting). An exception out of iterate leaves every request in it unanswered,
+    and clear() drops them. warm(prefix_ids) puts a chat prefix many requests share into its cache."""
 
     cfg: Config
     capabilities: Capabilities
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: it renders and counts a chat itself (capabilities.renders: a remote server)
     capacity: int
 
     def guide(self, kind: str, text: str) -> Any: ...

@@ -10,6 +10,7 @@ from spec_edge.runtime.sampling import TokenLogprobs
 @dataclass
 class Stats:
     drafter: str = "none"
+    served_by: str = ""            # runtime.backend remote: "remote", or "local" (its fallback answered)
     k: int = 0
     prompt_tokens: int = 0
     prompt_tokens_reused: int = 0  # prompt rows kept from the previous request (not prefilled)
