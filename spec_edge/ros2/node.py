@@ -417,13 +417,12 @@ class GenerateNode(LifecycleNode):
             depth = scheduler.queue_depth
             values.update(self._info)
             used = memory.breakdown()
-            # speculative.k auto: the call costs as the loop keeps them now
-            if "k_choice" in self._info and self.decoder is not None:
-                values["k_choice"] = self.decoder.info()["k_choice"]
-            if "suffix_store" in self._info and self.decoder is not None:  # its memory now
-                values["suffix_store"] = self.decoder.info()["suffix_store"]
-            if "remote" in self._info and self.decoder is not None:  # the link's state now
-                values["remote"] = self.decoder.info()["remote"]
+            # what changes while serving, as the decoder keeps it now: k auto's call costs, the suffix store's
+            # memory, the remote link's state
+            live = [key for key in ("k_choice", "suffix_store", "remote") if key in self._info]
+            if live and self.decoder is not None:
+                now = self.decoder.info()
+                values.update({key: now[key] for key in live})
             values.update(memory_bytes=memory.rss_bytes(), memory_peak_bytes=memory.peak_rss_bytes())
             values.update({f"memory_{kind}_bytes": used[kind] for kind in ("pss", "anon", "file") if kind in used})
             values.update(queue_depth=depth, queue_limit=cfg.serve.queue_limit,
