@@ -35,6 +35,7 @@ from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.requests import GenerateResult, RequestError, ToolCall, Unavailable
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.stats import Stats
+from spec_edge.runtime.tool_format import tool_specs
 
 POLL_S = 0.02  # how long iterate() waits for a remote request to end before cancels are asked again
 PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -167,9 +168,7 @@ class RemoteDecoder:
             which = "regex" if request.regex else "gbnf" if "::=" in request.grammar else "lark"
             extra[names[which]] = request.regex or request.grammar
         if request.tools:
-            body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                               "parameters": json.loads(t.parameters)}}
-                             for t in request.tools]
+            body["tools"] = tool_specs(request.tools)
             choice = request.tool_choice or "auto"
             body["tool_choice"] = choice if choice in ("auto", "none", "required") else {
                 "type": "function", "function": {"name": choice}}
