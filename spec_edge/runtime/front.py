@@ -15,7 +15,10 @@ from typing import Any
 
 from spec_edge.config import BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
 from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
-from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError
+import numpy as np
+
+from spec_edge.runtime.images import count_markers, decode
+from spec_edge.runtime.requests import IMAGE_MARKER, ChatMessage, GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.tokenizer import Tokenizer
 from spec_edge.runtime.tool_format import arguments_schema, check_tools, for_template
@@ -43,6 +46,7 @@ class Capabilities:
     tools: bool = True              # tool calls (runtime/tool_format.py)
     drafter_needs: tuple[tuple[str, str], ...] = ()  # (drafter, what it lacks to run here) of those it does not
     renders: bool = False           # it renders and counts a chat itself (a remote server): no prompt text or ids here
+    images: int = 0                 # the most images one request may carry (0: a text-only model)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Prepared:
     forced_drafts: bool = False     # the grammar's forced tokens are drafts (only with a guide, k and speculate)
     tool_format: Any = None         # the tool_format.ToolFormat that parses the output's calls (tools, choice not none)
     messages: tuple[ChatMessage, ...] = ()  # the checked messages, system prompt first (what a remote server renders)
+    images: tuple[np.ndarray, ...] = ()  # each (H, W, 3) uint8 RGB, in the order of the IMAGE_MARKERs in the messages
 
 
 def check_text(name: str, text: str) -> None:
@@ -197,7 +202,7 @@ class Front:
         for item in request.stop:
             check_text("stop string", item)
         tools = self._tools(request) if request.tools else None  # (before the prompt: what this engine cannot do)
-        messages = self.messages(request)
+        messages, images = self._images(request, self.messages(request))
         text = self._render(request, messages)
         ids = [] if caps.renders else self._encode(text)  # (renders: the server refuses a prompt too long, its 400)
         if request.max_new_tokens is not None and len(ids) + max_new > caps.max_context:  # as asked must fit
@@ -211,7 +216,30 @@ class Front:
         forced = (guide is not None and forced and request.speculate and caps.forced_drafts and k in caps.k_values)
         return Prepared(request=request, text=text, prompt_ids=ids, sampling=params, max_new_tokens=max_new,
                         seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced,
-                        tool_format=tool_format, messages=tuple(messages))
+                        tool_format=tool_format, messages=tuple(messages), images=images)
+
+    def _images(self, request: GenerateRequest,
+                messages: list[ChatMessage]) -> tuple[list[ChatMessage], tuple[np.ndarray, ...]]:
+        """The messages with a marker per image (none in the text: all of them first in the last user turn) and the
+        images decoded (runtime/images.py), refused unless this model takes that many and markers and images pair."""
+        caps, n = self.caps, len(request.images)
+        if n and not caps.images:
+            raise RequestError(f"this {caps.name} engine's model takes no images (a text-only model): send the "
+                               "request without images, or serve a profile with a vision model (docs/images.md)")
+        if n > caps.images:
+            raise RequestError(f"{n} images in one request; this model takes at most {caps.images}: send fewer")
+        markers = count_markers([m.content for m in messages])
+        if not caps.images or not n and not markers:
+            return messages, ()
+        if markers == 0:
+            last = max(i for i, m in enumerate(messages) if m.role == "user" or i == 0)
+            messages = list(messages)
+            messages[last] = messages[last]._replace(content=IMAGE_MARKER * n + messages[last].content)
+        elif markers != n:
+            raise RequestError(f"{n} images but {markers} image markers ({IMAGE_MARKER}) in the text: put one "
+                               "marker where each image goes, or none (the images then go first in the last "
+                               "user turn)")
+        return messages, tuple(decode(image, f"images[{i}]") for i, image in enumerate(request.images))
 
     def _tools(self, request: GenerateRequest) -> tuple[Any, Any]:
         """(the grammar state of the request's tool_choice, the format that parses its calls; None for none)."""

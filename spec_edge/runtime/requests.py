@@ -10,6 +10,8 @@ from spec_edge.runtime.stats import Stats
 
 FINISH_REASONS = ("eos", "stop", "length", "context_full", "cancelled", "error", "tool_calls")
 TOOL_CHOICES = ("auto", "none", "required")  # or a tool's name (docs/tools.md: what each guarantees)
+IMAGE_MARKER = "<__media__>"  # where an image goes in a prompt or message text (llama_ros's marker)
+IMAGE_ENCODINGS = ("jpeg", "png", "rgb8", "bgr8", "rgba8", "mono8")  # files, then sensor_msgs/Image raw encodings
 
 
 class RequestError(ValueError):
@@ -36,6 +38,16 @@ class ToolCall:
 
     def as_dict(self) -> dict:
         return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image as a door got it; runtime/images.py decodes and checks it (the front's refusals)."""
+    data: bytes                    # a JPEG / PNG file, or a raw image's rows (step bytes each, top row first)
+    encoding: str                  # one of IMAGE_ENCODINGS
+    width: int = 0                 # raw encodings only (a file says its own)
+    height: int = 0
+    step: int = 0                  # raw encodings: bytes per row (0 = width x channels)
 
 
 class ChatMessage(NamedTuple):
@@ -78,6 +90,9 @@ class GenerateRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: str = "auto"                   # auto | none | required | <a tool's name>; only with tools
     parallel_tool_calls: bool = True            # False: at most one call
+    # images (docs/images.md), bound in order to the IMAGE_MARKERs of the prompt / messages; with no marker in
+    # the text they go first in the last user turn
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass
