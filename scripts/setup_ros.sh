@@ -25,6 +25,7 @@ venv=$(cd "$venv" && pwd)
 ros_pkgs=(
   "ros-rclpy[fastrtps]==9.1.2"          # rclpy (incl. rclpy.action, rclpy.lifecycle) + Fast DDS
   "ros-std-msgs==5.5.1"
+  "ros-sensor-msgs==5.5.1"              # sensor_msgs/Image, CompressedImage: image input (issue 52)
   "ros-diagnostic-msgs==5.5.1"
   "ros-action-msgs==2.3.0"
   "ros-lifecycle-msgs==2.3.0"
