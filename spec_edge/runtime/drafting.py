@@ -106,15 +106,21 @@ class Drafters:
         elif name == "medusa":
             self.load_medusa_heads()
 
-    def check_k(self, name: str, ks: Iterable[int]) -> None:
-        """RequestError unless drafter name has graphs / heads for every k in ks (Medusa: head count,
-        P-EAGLE: draft graphs)."""
-        probe = self.drafter(name, 0)  # a drafter object has no side effect until start()
-        try:
-            for k in ks:
-                probe.check_k(k)
-        except ConfigError as err:
-            raise RequestError(str(err)) from None
+    def k_limits(self, names: Iterable[str]) -> tuple[tuple[str, tuple[int, ...], str], ...]:
+        """(drafter, the k it proposes, the refusal of another k) of those of names built for some k only, their
+        heads loaded now: Medusa proposes k <= its head count, P-EAGLE the k of its draft graphs; the others any k."""
+        limits = []
+        if "medusa" in names:
+            heads = self.load_medusa_heads()
+            n = heads.n_heads
+            limits.append(("medusa", tuple(range(1, n + 1)),
+                           f"k={{k}} needs {{k}} Medusa heads; the heads in {heads.head_dir} have {n}: use k <= {n} "
+                           "or train more heads (spec-edge-train --kind medusa --medusa-heads {k})"))
+        if "peagle" in names:
+            widths = tuple(self.load_peagle_head().draft_widths)
+            limits.append(("peagle", widths, f"k={{k}} has no P-EAGLE draft graph (exported for k in {list(widths)}): "
+                                             "add {k} to graphs.k_values and re-export"))
+        return tuple(limits)
 
     def drafter(self, name: str, slot: int = 0):
         """A new drafter `name` (one of config.DRAFTERS but "none") for the request taking slot `slot`,

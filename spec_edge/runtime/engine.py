@@ -35,7 +35,7 @@ from spec_edge.runtime.drafting import Drafters, needs, refusal, slotted
 from spec_edge.runtime import k_choice
 from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.grammar import Constraint, Grammars
-from spec_edge.runtime.requests import GenerateResult, RequestError
+from spec_edge.runtime.requests import GenerateResult
 from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -152,37 +152,25 @@ class Engine:
                             k_remedy="use one of those, or build its verify graph with this profile: "
                                      "`spec-edge export --k-values {k_values}` (graphs.k_values)",
                             max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
-                            vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids)
+                            vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids,
+                            drafter_k=self._drafters.k_limits([d for d in DRAFTERS if d not in dict(lacking)]))
 
     def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
-        """The SlotRequest of a prepared request, for self.loop.add (RequestError for a drafter that cannot
-        propose its k; nothing runs yet), its output going to sink (through an InLoop)."""
+        """The SlotRequest of a prepared request (the front checked its drafter and k against self.capabilities),
+        for self.loop.add; its output goes to sink (through an InLoop)."""
         request, drafter_name, k, constraint = prepared.request, prepared.drafter, prepared.k, prepared.guide
         drafting = drafter_name != "none"
         speculating = k > 0 and (drafting or prepared.forced_drafts)
         choice = None
         if speculating and not request.k and self.cfg.speculative.k == AUTO_K:  # every exported k it can propose
-            ks = [x for x in sorted(w - 1 for w in self.loop.verify_widths) if x <= k
-                  and (not drafting or self._proposes(drafter_name, x))]
-            if not ks:
-                raise RequestError(f"speculative.k auto: drafter {drafter_name} can propose none of the exported k "
-                                   f"{sorted(w - 1 for w in self.loop.verify_widths)}: send a k it can, or none")
+            able = self.capabilities.ks(drafter_name if drafting else "none", k)  # (the front refused an empty one)
+            ks = [x for x in able if x + 1 in self.loop.verify_widths] or able  # (two-row step: k=1 pads a verify)
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
-        if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
-            self._drafters.check_k(drafter_name, [k] if speculating else [])
         made = drafter_name if drafting and speculating else "none"
         return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
                            sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
                            sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,
                            forced_drafts=prepared.forced_drafts, k_choice=choice)
-
-    def _proposes(self, drafter_name: str, k: int) -> bool:
-        """Whether drafter drafter_name can propose k tokens (Medusa: its head count, P-EAGLE: its graphs)."""
-        try:
-            self._drafters.check_k(drafter_name, [k])
-        except RequestError:
-            return False
-        return True
 
     # -- the decoder (serving.Decoder): the loop's slots --------------------------------------
     @property

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spec_edge.config import BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
+from spec_edge.config import AUTO_K, BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
 from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
 import numpy as np
 
@@ -47,6 +47,13 @@ class Capabilities:
     drafter_needs: tuple[tuple[str, str], ...] = ()  # (drafter, what it lacks to run here) of those it does not
     renders: bool = False           # it renders and counts a chat itself (a remote server): no prompt text or ids here
     images: int = 0                 # the most images one request may carry (0: a text-only model)
+    drafter_k: tuple[tuple[str, tuple[int, ...], str], ...] = ()  # (drafter, the k it proposes, the refusal of
+    # another k: {k}) for the drafters built for some k only (Medusa: its head count, P-EAGLE: its draft graphs)
+
+    def ks(self, drafter: str, up_to: int) -> list[int]:
+        """The exported k <= up_to that drafter can propose (speculative.k auto chooses among them)."""
+        limit = next((ks for name, ks, _ in self.drafter_k if name == drafter), None)
+        return [k for k in sorted(self.k_values) if k <= up_to and (limit is None or k in limit)]
 
 
 @dataclass(frozen=True)
@@ -195,7 +202,7 @@ class Front:
             raise RequestError(f"unknown drafter '{drafter}': use one of {', '.join(DRAFTERS)}")
         drafter = drafter if request.speculate else "none"
         k = speculative_k(self.cfg) if not request.k else int(request.k)  # auto: the largest exported k
-        self._check_drafter(drafter, k)
+        self._check_drafter(drafter, k, auto=not request.k and self.cfg.speculative.k == AUTO_K)
         if request.forced_drafts and not caps.forced_drafts:
             raise RequestError("forced drafts (a grammar's forced tokens as the draft) run on runtime.backend: "
                                "onnxruntime only: send forced_drafts unset or false")
@@ -346,7 +353,9 @@ class Front:
                                "runtime.backend: onnxruntime (leave them unset here: sampling.* at their defaults)")
         return params
 
-    def _check_drafter(self, drafter: str, k: int) -> None:
+    def _check_drafter(self, drafter: str, k: int, auto: bool) -> None:
+        """Refuse a drafter this decoder does not run, or a k it cannot verify or the drafter cannot propose
+        (auto: speculative.k auto with no k asked, which chooses among caps.ks(drafter, k))."""
         caps = self.caps
         if drafter not in caps.drafters:
             if lacks := dict(caps.drafter_needs).get(drafter):
@@ -357,9 +366,17 @@ class Front:
                                    f"engine runs {' or '.join(runs)}")
             raise RequestError(f"this {caps.name} engine was started without drafter {drafter} (speculative.drafter "
                                f"{self.cfg.speculative.drafter}): send drafter none, or restart with drafter {drafter}")
-        if drafter != "none" and k not in caps.k_values:
+        if drafter == "none":
+            return
+        if k not in caps.k_values:
             raise RequestError(f"k={k} has no verify graph in this engine (built for k in {list(caps.k_values)}): "
                                + caps.k_remedy.format(k=k, k_values=" ".join(map(str, sorted({*caps.k_values, k})))))
+        if auto and not caps.ks(drafter, k):
+            raise RequestError(f"speculative.k auto: drafter {drafter} can propose none of the exported k "
+                               f"{list(caps.k_values)}: send a k it can, or drafter none")
+        refusal = next((text for name, ks, text in caps.drafter_k if name == drafter and k not in ks), None)
+        if refusal and not auto:
+            raise RequestError(refusal.format(k=k))
 
     def _guide(self, request: GenerateRequest) -> Any:
         """The decoder's grammar state for the request's json_schema / grammar / regex (None without)."""

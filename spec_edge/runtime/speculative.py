@@ -212,7 +212,7 @@ class BatchLoop:
         shared = {i: common_prefix(held[i], prompt, len(prompt) - 1) if self.reuse else 0 for i in free}
         index = max(free, key=lambda i: (shared[i], -self._taken[i], -i))
         if request.drafter is None and request.sink is not None:
-            request.drafter = request.sink.drafter(index)  # before the slot is taken: it may refuse
+            request.drafter = request.sink.drafter(index)  # (the front checked it against the capabilities)
         k = request.k if request.speculating else 0
         if k:
             self.runner.check_width(k + 1)
