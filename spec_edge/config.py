@@ -160,6 +160,9 @@ class SpeculativeSection:
     suffix_max_depth: int = 32         # longest suffix match looked for (tokens)
     suffix_spec_factor: float = 2.0    # a draft is at most this x the match length (and k)
     suffix_min_prob: float = 0.1       # a draft stops before a token whose estimated probability falls under this
+    # keep the store across restarts: <runtime.engine_dir>/<profile>/suffix_store.json, loaded at start, written at
+    # close and every minute or so as requests leave (a corrupt or foreign file: a warning, an empty store)
+    suffix_persist: bool = False
 
 
 @dataclass(frozen=True)
