@@ -10,7 +10,8 @@ What each drafter runs on, per slot (loaded once, on first use; what a slot's dr
                    speculative.suffix_persist: kept in <engine_root>/<profile>/suffix_store.json (persisted())
   draft            the draft model with B regions (slotted(): an OrtRunner over its export with slots=B):
                    the slot's region, its record held there
-  eagle3, hybrid   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
+  eagle3, hybrid   (hybrid: and its speculative.hybrid_lookup drafter, ngram or suffix, as above)
+                   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
                    the target's hidden states of the slot (the target's slot view)
   peagle           as eagle3, over the P-EAGLE head
   medusa           the heads have no cache: one OrtMedusaHeads for all slots, the slot's hidden states
@@ -149,8 +150,7 @@ class Drafters:
             return PEagleDrafter(target, head, columns)
         if name == "eagle3":
             return Eagle3Drafter(target, head, columns)
-        return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
-                             Eagle3Drafter(target, head, columns))
+        return HybridDrafter(self.drafter(spec.hybrid_lookup, slot), Eagle3Drafter(target, head, columns))
 
     def _draft_model(self) -> list[SlotRunner]:
         """The draft model's slot views (loaded once)."""
