@@ -104,6 +104,9 @@ def main() -> int:
     parser.add_argument("--drafters", nargs="+", default=["none", "ngram", "suffix"])
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "robot_shift.json"))
     args = parser.parse_args()
+    if args.rounds % len(args.drafters):  # the first of a template's round pays its prompt's prefill (no prefix held)
+        parser.error(f"--rounds must be a multiple of the {len(args.drafters)} drafters, so each is first equally "
+                     f"often per template (4 rounds of 3: one drafter first twice on the tool calls' long prompt)")
     port = free_port()
     server = start_server(args, port)
     load = [os.getloadavg()[0]]

@@ -137,7 +137,7 @@ class GraphSection:
 
 @dataclass(frozen=True)
 class SpeculativeSection:
-    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid (ngram, else eagle3) | suffix
+    drafter: str = "ngram"  # none | ngram | draft | layerskip | eagle3 | medusa | peagle | hybrid (lookup, else eagle3) | suffix
     # drafts per verify call: auto = each request's k (0 included) chosen at every iteration from its live
     # acceptance and the measured cost of each call width (spec_edge/runtime/k_choice.py), up to the largest
     # of graphs.k_values; a number = that k always (a verify graph of width k+1 must exist). Either way the
@@ -146,6 +146,7 @@ class SpeculativeSection:
     ngram_min: int = 2      # shortest suffix match the prompt-lookup drafter proposes from
     ngram_max: int = 4      # longest suffix it tries first
     eagle3_head: str = ""   # folder of an EAGLE-3 head for drafter=eagle3 or hybrid
+    hybrid_lookup: str = "ngram"  # drafter=hybrid: the model-free part asked before the head (ngram | suffix)
     # runtime.backend tensorrt: the EAGLE-3 tree Edge-LLM drafts, [top_k, steps, verify_size] (its draft_top_k,
     # draft_step, verify_tree_size; steps = speculative.k); empty: the chain of k ([1, k, k + 1]). The engines
     # are built with room for Edge-LLM's default tree (spec_edge/edgellm_layout.py), so a tree runs without a rebuild.
@@ -160,6 +161,9 @@ class SpeculativeSection:
     suffix_max_depth: int = 32         # longest suffix match looked for (tokens)
     suffix_spec_factor: float = 2.0    # a draft is at most this x the match length (and k)
     suffix_min_prob: float = 0.1       # a draft stops before a token whose estimated probability falls under this
+    # keep the store across restarts: <runtime.engine_dir>/<profile>/suffix_store.json, loaded at start, written at
+    # close and every minute or so as requests leave (a corrupt or foreign file: a warning, an empty store)
+    suffix_persist: bool = False
 
 
 @dataclass(frozen=True)
@@ -493,6 +497,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"speculative.suffix_*: need max_requests >= 1, max_depth >= 2, spec_factor > 0 and min_prob "
                           f"in [0, 1], got {s.suffix_max_requests}, {s.suffix_max_depth}, {s.suffix_spec_factor}, "
                           f"{s.suffix_min_prob}")
+    if s.hybrid_lookup not in ("ngram", "suffix"):
+        raise ConfigError(f"speculative.hybrid_lookup: use ngram or suffix, got '{s.hybrid_lookup}'")
     if not 1 <= s.ngram_min <= s.ngram_max:
         raise ConfigError(f"need 1 <= speculative.ngram_min <= ngram_max, got {s.ngram_min}, {s.ngram_max}")
     if problem := sampling_problem(p, "sampling."):

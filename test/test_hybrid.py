@@ -1,5 +1,5 @@
-"""The hybrid drafter (prompt lookup, else the EAGLE-3 head): greedy output == target-only greedy with
-both sources drafting in one run, the head catching up on many pairs at once after n-gram drafts (in
+"""The hybrid drafter (prompt lookup or the suffix drafter, else the EAGLE-3 head): greedy output == target-only
+greedy with both sources drafting in one run, the head catching up on many pairs at once after n-gram drafts (in
 chunks wider than its widest ingest graph) to the same drafts as a head fed from scratch, verify
 outcomes routed to the source that drafted, sampling, the stats' name, and the config error."""
 from __future__ import annotations
@@ -7,12 +7,14 @@ from __future__ import annotations
 import pytest
 from test_eagle3 import make_head
 
+from spec_edge import artifacts
 from spec_edge.runtime.serving import front_of
 from spec_edge.config import DRAFTERS, ConfigError
 from spec_edge.runtime import speculative
 from spec_edge.runtime.drafters.eagle3 import Eagle3Drafter
 from spec_edge.runtime.drafters.hybrid import HybridDrafter
 from spec_edge.runtime.drafters.ngram import NgramDrafter
+from spec_edge.runtime.drafters.suffix import SuffixDrafter
 from spec_edge.runtime.sampling import SamplingParams
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.sampling import Sampler
@@ -57,6 +59,23 @@ def test_hybrid_greedy_equals_plain_both_sources(head_engine, k):
 
 def test_hybrid_through_engine_request(head_engine):
     assert_request_equals_plain(head_engine, "hybrid", 4)
+
+
+def test_hybrid_with_the_suffix_lookup_equals_plain_both_sources(head_engine):
+    """speculative.hybrid_lookup: suffix: the suffix drafter (its store of earlier answers) drafts before the head;
+    each prompt asked twice, the second time drafted from the first answer: target-only output, both sources."""
+    engine = artifacts.engine(head_engine.cfg.replace(**{"speculative.hybrid_lookup": "suffix"}),
+                              progress=lambda message: None)
+    drafter = engine.drafter("hybrid")
+    assert isinstance(drafter.lookup, SuffixDrafter)
+    used = {"suffix": 0, "eagle3": 0}
+    for prompt in [NO_REPEAT, "def add(a, b):"] * 2:
+        ids, out, stats = run(engine, drafter, prompt, 4)
+        assert out == plain(head_engine, ids, 48), prompt
+        assert_speculated(stats, what=f"{prompt!r} {drafter.proposals}")
+        used = {source: used[source] + n for source, n in drafter.proposals.items()}
+    assert used["suffix"] > 0 and used["eagle3"] > 0, used
+    assert engine._drafters.suffix_store.memory()["answers"] == 4
 
 
 class Scripted:
@@ -176,10 +195,10 @@ def test_real_lookup_stats_adapt_only_on_its_own_drafts():
     sources = []
     for _ in range(6):
         drafter.propose(seq, 2, sampler)
-        sources.append("ngram" if drafter._last is drafter.ngram else "eagle3")
+        sources.append("ngram" if drafter._last is drafter.lookup else "eagle3")
         drafter.observe(2, 0)
     assert sources[0] == "ngram" and sources[-1] == "eagle3"
-    assert drafter.ngram._gate._stats[2][1] == 1 + sources.count("ngram")  # prior + its own drafts only
+    assert drafter.lookup._gate._stats[2][1] == 1 + sources.count("ngram")  # prior + its own drafts only
     assert len(head.observed) == sources.count("eagle3")
 
 
@@ -192,7 +211,7 @@ def test_hybrid_sampling_mixes_deterministic_and_head_drafts(head_engine):
     def propose(seq, k, sampler):
         draft = real(seq, k, sampler)
         if draft is not None:
-            source = "ngram" if drafter._last is drafter.ngram else "eagle3"
+            source = "ngram" if drafter._last is drafter.lookup else "eagle3"
             forms[source].add(None if draft.q_draft is None else draft.q_draft.shape)
         return draft
 
@@ -236,4 +255,6 @@ def test_hybrid_sampling_keeps_target_distribution(head_engine):
 def test_hybrid_without_head_is_a_clear_error(tiny_cfg):
     with pytest.raises(ConfigError, match="drafter=hybrid needs speculative.eagle3_head"):
         tiny_cfg.replace(**{"speculative.drafter": "hybrid"})
+    with pytest.raises(ConfigError, match="speculative.hybrid_lookup: use ngram or suffix"):
+        tiny_cfg.replace(**{"speculative.hybrid_lookup": "eagle3"})
     assert "hybrid" in DRAFTERS

@@ -2,7 +2,8 @@
 length from the match, probability floor, eviction, memory bound), and on tiny random models through the real loop:
 greedy == target-only token for token and sampling the target's distribution, each proven to have speculated and
 to have accepted drafts that only ANOTHER, earlier request's answer could give; in the batched loop (a shared
-store, each slot its own part), with guided decoding (forced drafts on and off), tool calls and speculative.k auto."""
+store, each slot its own part), with guided decoding (forced drafts on and off), tool calls and speculative.k auto;
+the store kept across a restart (speculative.suffix_persist)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ from speculated import assert_speculated
 from tiny import Collect, Wrapped, assert_sampling_follows_target, engine_with, plain, run_alone
 
 from spec_edge.runtime.serving import front_of
-from spec_edge.config import ConfigError
+from spec_edge.config import ConfigError, engine_root
 from spec_edge.http.metrics import Metrics
 from spec_edge.runtime import speculative
 from spec_edge.runtime.drafters.suffix import SuffixDrafter, SuffixStore
@@ -203,3 +204,63 @@ def test_guided_forced_drafts_and_tool_calls_equal_target_only(batched):
                 (base.token_ids, base.finish_reason, base.tool_calls), ask
             if i == 1:  # asked again: the store holds the first answer (the first may find nothing to draft)
                 assert_speculated(got.stats, what=f"{ask} asked again")
+
+
+# -- persistence (speculative.suffix_persist) ----------------------------------------------------------
+
+
+def test_a_persisted_store_survives_a_restart_and_drafts_the_first_request(tiny_cfg, tiny_engine):
+    """Answers given before a restart (saved at close) draft, accepted, the first request after it."""
+    settings = {"speculative.drafter": "suffix", "speculative.suffix_persist": True}
+    (engine_root(tiny_cfg) / tiny_cfg.runtime.profile / "suffix_store.json").unlink(missing_ok=True)
+    first = engine_with(tiny_cfg, settings)
+    for prompt in PROMPTS:
+        run_one(first, GenerateRequest(prompt=prompt, max_new_tokens=40, drafter="suffix"))
+    first.close()
+    again = engine_with(tiny_cfg, settings)
+    store = again._drafters.suffix_store
+    assert store.memory()["answers"] == len(PROMPTS)
+    ids = front_of(again).prepare(GenerateRequest(prompt=PROMPTS[2], max_new_tokens=40)).prompt_ids  # as answered
+    drafter = Sourced(SuffixDrafter(store, 32, 1.0, 0.1))
+    got, _, stats = run_alone(again.runner, speculative.SlotRequest(
+        prompt_ids=ids, max_new_tokens=40, eos_ids=again.eos_ids, drafter=drafter, k=4))
+    assert got == plain(tiny_engine, ids, 40)
+    assert_speculated(stats, what="the first request after the restart")
+    assert drafter.accepted["store"] > 0, drafter.accepted  # drafted from an answer given before the restart
+    store.path.unlink()
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbage", "another tokenizer", "another format", "id out of vocab"])
+def test_a_corrupt_or_foreign_store_file_is_ignored_with_a_warning(tmp_path, caplog, kind):
+    path = tmp_path / "suffix_store.json"
+    saved = SuffixStore(8, 32, path, "stamp")
+    saved.extend(saved.open(), [1, 2, 3, 4, 5])
+    saved.save()
+    text, data = path.read_text(), json.loads(path.read_text())
+    changes = {"truncated": text[:len(text) // 2], "garbage": "\x00\xff not json",
+               "another tokenizer": json.dumps(data | {"stamp": "other"}),
+               "another format": json.dumps(data | {"format": "spec_edge suffix store 0"}),
+               "id out of vocab": json.dumps(data | {"answers": [[1, 2, 99]]})}
+    path.write_text(changes[kind])
+    store = SuffixStore(8, 32, path, "stamp")
+    store.load(vocab_size=50)
+    assert store.memory()["answers"] == 0
+    assert str(path) in caplog.text and "ignored" in caplog.text, caplog.text
+    caplog.clear()
+    SuffixStore(8, 32, tmp_path / "absent.json", "stamp").load(vocab_size=50)
+    assert not caplog.text  # no file (the first start): nothing to warn about
+
+
+def test_serving_goes_on_over_a_corrupt_store_file(tiny_cfg, caplog):
+    settings = {"speculative.drafter": "suffix", "speculative.suffix_persist": True}
+    path = engine_root(tiny_cfg) / tiny_cfg.runtime.profile / "suffix_store.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"format": "spec_edge suffix store 1", "stamp": ')  # truncated
+    engine = engine_with(tiny_cfg, settings)
+    assert "ignored" in caplog.text and engine._drafters.suffix_store.memory()["answers"] == 0
+    got = run_one(engine, GenerateRequest(prompt=PROMPTS[0], max_new_tokens=20, drafter="suffix"))
+    base = run_one(engine, GenerateRequest(prompt=PROMPTS[0], max_new_tokens=20, speculate=False))
+    assert got.token_ids == base.token_ids
+    engine.close()
+    assert json.loads(path.read_text())["answers"]  # the next save replaced it
+    path.unlink()

@@ -6,10 +6,12 @@ request drafts alone.
 
 What each drafter runs on, per slot (loaded once, on first use; what a slot's drafter reads):
   ngram            nothing (the drafter object is per request)
-  suffix           the engine's store of earlier answers (drafters/suffix.SuffixStore), one for every slot
+  suffix           the engine's store of earlier answers (drafters/suffix.SuffixStore), one for every slot;
+                   speculative.suffix_persist: kept in <engine_root>/<profile>/suffix_store.json (persisted())
   draft            the draft model with B regions (slotted(): an OrtRunner over its export with slots=B):
                    the slot's region, its record held there
-  eagle3, hybrid   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
+  eagle3, hybrid   (hybrid: and its speculative.hybrid_lookup drafter, ngram or suffix, as above)
+                   OrtEagle3Head(slots=B): the slot's cache region of the head (SlotHead, its own record);
                    the target's hidden states of the slot (the target's slot view)
   peagle           as eagle3, over the P-EAGLE head
   medusa           the heads have no cache: one OrtMedusaHeads for all slots, the slot's hidden states
@@ -18,10 +20,11 @@ What each drafter runs on, per slot (loaded once, on first use; what a slot's dr
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from pathlib import Path
 
-from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig, speculative_k
+from spec_edge.config import DRAFTERS, Config, ConfigError, ModelConfig, engine_root, speculative_k
 from spec_edge.graphs import hidden
 from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.ort_runner import OrtRunner
@@ -86,6 +89,8 @@ class Drafters:
         self._heads: dict[str, list[SlotHead]] = {}  # "eagle3" / "peagle" -> the head's view per slot
         spec = cfg.speculative
         self.suffix_store = SuffixStore(spec.suffix_max_requests, spec.suffix_max_depth)  # every slot's past answers
+        if spec.suffix_persist:
+            self.suffix_store = persisted(cfg, graph_dir, model_cfg.vocab_size)
         self.hidden_layers = hidden.returned_hidden_layers(graph_dir)  # what the target's graphs return
 
     def load(self, name: str) -> None:
@@ -151,8 +156,7 @@ class Drafters:
             return PEagleDrafter(target, head, columns)
         if name == "eagle3":
             return Eagle3Drafter(target, head, columns)
-        return HybridDrafter(NgramDrafter(ngram_min=spec.ngram_min, ngram_max=spec.ngram_max),
-                             Eagle3Drafter(target, head, columns))
+        return HybridDrafter(self.drafter(spec.hybrid_lookup, slot), Eagle3Drafter(target, head, columns))
 
     def _draft_model(self) -> list[SlotRunner]:
         """The draft model's slot views (loaded once)."""
@@ -195,6 +199,17 @@ class Drafters:
     def columns(self, layers: tuple[int, ...]):
         """Where a head's layers sit in the target's hidden-state rows (union of all heads' layers)."""
         return hidden.hidden_columns(self.hidden_layers, tuple(layers), self.model_cfg.hidden_size)
+
+
+def persisted(cfg: Config, graph_dir: Path, vocab_size: int) -> SuffixStore:
+    """The suffix store kept in <engine_root>/<profile>/suffix_store.json, loaded (SuffixStore.load), stamped with
+    the target's tokenizer (a hash of graph_dir's tokenizer.json)."""
+    spec = cfg.speculative
+    stamp = hashlib.sha256((graph_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    path = engine_root(cfg) / cfg.runtime.profile / "suffix_store.json"
+    store = SuffixStore(spec.suffix_max_requests, spec.suffix_max_depth, path, stamp)
+    store.load(vocab_size)
+    return store
 
 
 def check_same_tokenizer(draft: Tokenizer, target: Tokenizer, draft_source: str) -> None:

@@ -223,6 +223,8 @@ class Engine:
             if self.cfg.speculative.k == AUTO_K else {})
 
     def close(self) -> None:
-        """Drop the runners (and with them the sessions and caches)."""
+        """Write a persisted suffix store; drop the runners (and with them the sessions and caches)."""
+        if self._drafters is not None:
+            self._drafters.suffix_store.save()
         self.runner = self.targets = self.target = self.loop = None
         self._drafters = None

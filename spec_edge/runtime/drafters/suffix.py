@@ -28,11 +28,23 @@ branching match only while its most frequent branch holds suffix_min_prob.
 
 Memory: a store holds at most max_requests answers (each within graphs.max_context tokens): per token its id (4
 bytes) and one index entry (8 bytes) plus the index's keys; memory() reports the tokens and that estimate.
+
+Persistence (speculative.suffix_persist): the store is a file (JSON: FORMAT, the stamp of the tokenizer its ids
+belong to, the answers oldest first) written atomically (graphs/folders.write_atomic) when a request leaves and
+SAVE_EVERY_S has passed since the last write, and by save() at the engine's close; load() reads it at start. A file
+that cannot be read, is not this FORMAT, belongs to another tokenizer or holds an id outside the vocabulary is
+ignored with a warning naming it and why (an empty store then, overwritten at the next save).
 """
 from __future__ import annotations
 
+import json
+import logging
+import time
 from array import array
 from collections import Counter
+from pathlib import Path
+
+from spec_edge.graphs.folders import write_atomic
 
 from spec_edge.runtime.drafters.base import Draft
 from spec_edge.runtime.drafters.ngram import Gate
@@ -42,14 +54,18 @@ RECENT = 256        # a match is looked for among its key's most recent RECENT o
 SHIFT = 24          # an index entry: answer id << SHIFT | position
 GATE_MATCH = 4      # the gate tells matches apart by part and length up to this (a longer one counts as this)
 KEY_BYTES = 150     # a distinct key in the index: its int, its dict slot and its array's header (estimate)
+FORMAT = "spec_edge suffix store 1"
+SAVE_EVERY_S = 60.0  # a persisted store is written when a request leaves at least this long after the last write
 
 
 class SuffixStore:
     """Token lists (answers) and the index of each position by the MIN_MATCH tokens before it, bounded to the
     max_requests most recent lists. Not thread-safe: the loop's thread alone writes it (memory() reads counts)."""
 
-    def __init__(self, max_requests: int, max_depth: int):
+    def __init__(self, max_requests: int, max_depth: int, path: Path | None = None, stamp: str = ""):
         self.max_requests, self.max_depth = max_requests, max_depth
+        self.path, self.stamp = path, stamp  # persisted: its file, the stamp of the tokenizer its ids belong to
+        self._saved = time.monotonic()      # the last write (or the load)
         self.lists: dict[int, array] = {}  # answer id -> its tokens ('i'), oldest first
         self.index: dict[int, array] = {}  # key (a << 20 | b) -> entries ('q'), oldest first
         self.tokens = 0                    # tokens held (every list)
@@ -121,6 +137,31 @@ class SuffixStore:
             found = [(tokens, e) for tokens, e in found if e + i < len(tokens) and tokens[e + i] == token]
         return draft, score, best
 
+    def load(self, vocab_size: int) -> None:
+        """Take the answers of the store's file (none there: nothing); a file not to be trusted: a warning, nothing."""
+        try:
+            data = json.loads(self.path.read_text())
+            why = ("not a suffix store of this format" if not isinstance(data, dict) or data.get("format") != FORMAT
+                   else "made for another tokenizer" if data.get("stamp") != self.stamp
+                   else "" if all(isinstance(t, int) and 0 <= t < vocab_size for a in data["answers"] for t in a)
+                   else "a token id outside the vocabulary")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as err:  # unreadable, truncated, not JSON, other shapes
+            why = f"unreadable ({type(err).__name__}: {err})"
+        if why:
+            logging.getLogger("spec_edge").warning(f"suffix store {self.path} ignored: {why}; starting empty")
+            return
+        for answer in data["answers"][-self.max_requests:]:
+            self.extend(self.open(), answer)
+
+    def save(self) -> None:
+        """Write the store's file (persisted stores; any other: nothing)."""
+        if self.path is not None:
+            write_atomic(self.path, json.dumps({"format": FORMAT, "stamp": self.stamp,
+                                                "answers": [a.tolist() for a in self.lists.values()]}))
+            self._saved = time.monotonic()
+
     def memory(self) -> dict[str, int]:
         """What the store holds: answers, tokens, index keys and the bytes they take (estimate)."""
         return {"answers": len(self.lists), "max_answers": self.max_requests, "tokens": self.tokens,
@@ -169,6 +210,8 @@ class SuffixDrafter:
     def finish(self) -> None:  # the request left: the store takes its last tokens (the loop's final sequence)
         if self._seq is not None:
             self._catch_up(self._seq)
+        if time.monotonic() - self.store._saved >= SAVE_EVERY_S:
+            self.store.save()
 
     def check_k(self, k: int) -> None:  # any k: the draft is as long as the match earns, at most k
         pass
