@@ -36,6 +36,11 @@ ASSUMED):
               first chunk carries prompt_token_count, a cancel ends the production with a terminal CANCELLED chunk
               (the consumer itself stops at is_cancelled() without waiting for one), and chunk.text is the chunk's
               ids decoded on their own.
+images      load_image_from_bytes(data) decodes a JPEG / PNG file to an ImageData whose read-only width / height /
+              channels are the picture's (the binding's "Load image from bytes"; the binary's message for bytes it
+              cannot decode, "Failed to load image from memory: ", raised as RuntimeError: ASSUMED how it reaches
+              Python); the decoded pixels ride on it as _pixels for tests. A request's Request.image_buffers is
+              recorded as sent (script.calls).
 validate_guided_decoding_params refuses a json_schema guide that names a keyword the binary's list says XGrammar
 accepts but does not enforce (UNENFORCED_KEYWORDS, its message UNENFORCED: both read from the binary's strings by
 test_edgellm_api.py), unless the script sets validate. The tool-call surface (LLMGenerationRequest.tools /
@@ -274,6 +279,26 @@ def build(script: Script) -> types.ModuleType:
 
     def request_init(self, messages=()):
         self.messages, self.stop_strings, self.guided_decoding = list(messages), [], None
+        self.image_buffers = []
+
+    def load_image(data):
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(bytes(data))) as file:
+                pixels = np.asarray(file.convert("RGB"))
+        except Exception as err:
+            raise RuntimeError(f"Failed to load image from memory: {err}") from None
+        image = object.__new__(mod.ImageData)
+        for prop in SURFACE["ImageData"]["members"]:
+            if SURFACE["ImageData"]["members"][prop]["kind"] == "property":
+                object.__setattr__(image, prop, None)
+        set_internal(image, height=pixels.shape[0], width=pixels.shape[1], channels=3, frames=1, is_video=False,
+                     do_resize=True, _pixels=pixels)
+        return image
 
     def content_init(self, type="", content=""):
         self.type, self.content = type, content
@@ -304,7 +329,7 @@ def build(script: Script) -> types.ModuleType:
             setattr(cls, value_name, EnumValue(name, value_name, value))
         setattr(mod, name, cls)
 
-    functions = {"create_text_message": message,
+    functions = {"create_text_message": message, "load_image_from_bytes": load_image,
                  "validate_guided_decoding_params": lambda params: getattr(script, "validate", validate)(params)}
     for name, entry in SURFACE.items():
         if entry["kind"] == "function":
