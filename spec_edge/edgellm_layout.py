@@ -16,7 +16,11 @@ other.
                                                  spec_base.engine + base_config.json,
                                                  spec_draft.engine + draft_config.json
         engines/plain/, engines/batch/         a plain engine: llm.engine + config.json (batch: the RequestEngine's)
-        engines/visual/                        graphs.max_image_tokens > 0: VisualBuilder's visual.engine + config.json
+        engines/<plain|eagle3>/visual/         graphs.max_image_tokens > 0: VisualBuilder's visual.engine + config.json
+                                                 in the target engine's folder, the bundle root the runtime's
+                                                 multimodal_engine_dir names (the wheel's experimental/server/runtime/
+                                                 engine_layout.py inspect_bundle: <root>/visual/visual.engine,
+                                                 BundleLayout.media_dir = the root)
         manifest.json                          written after every stage (below)
 
 Edge-LLM's own names, the one place this project spells them (ENGINE_FILE, CONFIG_FILE, BUILDER_CONFIG; roles
@@ -228,7 +232,8 @@ BUILDER_CONFIG = "builder_config"  # the key LLMBuilder::copyConfig adds: LLMBui
 ROLE_FLAG = {"llm": None, "base": "spec_base", "draft": "spec_draft"}  # the LLMBuilderConfig flag of each role
 # folder (relative to profile_dir) -> the roles LLMBuilder builds into it; manifest "edgellm" key of each folder
 ENGINE_FOLDERS = {"engines/eagle3": ("base", "draft"), "engines/plain": ("llm",), "engines/batch": ("llm",),
-                  "engines/visual": ("visual",)}
+                  "engines/eagle3/visual": ("visual",), "engines/plain/visual": ("visual",)}
+VISUAL_FOLDER = "visual"  # the visual engine's folder inside the bundle root (engine_layout.py _component_dir)
 # The Qwen-VL family (model_type of the checkpoint's config.json) whose images this project sends: tensorrt-edgellm-
 # export writes their visual encoder to <out>/visual (scripts/export.py _VLM_MODEL_TYPES, _export_visual) and the
 # runtime's QwenViTRunner (cpp/multimodal/qwen2/qwenViTRunner.cpp) expands each <|image_pad|> of the prompt text
@@ -366,7 +371,7 @@ def engine_record(cfg: Config) -> dict[str, str | None]:
     target = "engines/eagle3" if head else "engines/plain"
     batch = "engines/batch" if "engines/batch" in folders else (target if cfg.graphs.batch_slots > 1 else None)
     return {"engine_dir": target, "draft_engine_dir": target if head else None, "batch_engine_dir": batch,
-            "visual_engine_dir": "engines/visual" if visual_limits(cfg) else None}
+            "visual_engine_dir": f"{target}/{VISUAL_FOLDER}" if visual_limits(cfg) else None}
 
 
 def builder_config_json(fields: dict[str, Any]) -> dict[str, Any]:
@@ -393,8 +398,9 @@ def engine_files(cfg: Config) -> dict[str, dict[str, Any] | None]:
                 "engine_role": role, "spec_decode_type": spec if role != "llm" else "none",
                 BUILDER_CONFIG: builder_config_json(fields)}
     if (limits := visual_limits(cfg)) is not None:
-        out[f"engines/visual/{ENGINE_FILE['visual']}"] = None
-        out[f"engines/visual/{CONFIG_FILE['visual']}"] = {BUILDER_CONFIG: dict(limits)}  # on the export's config
+        folder = engine_record(cfg)["visual_engine_dir"]
+        out[f"{folder}/{ENGINE_FILE['visual']}"] = None
+        out[f"{folder}/{CONFIG_FILE['visual']}"] = {BUILDER_CONFIG: dict(limits)}  # on the export's config
     return out
 
 

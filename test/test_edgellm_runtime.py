@@ -742,9 +742,9 @@ def test_images_reach_edgellm_in_marker_order(edge_cfg, script, slots):
 
     engine = _engine(edge_cfg, script, **{**VLM, "graphs.batch_slots": slots})
     cfg = engine.cfg
-    visual = layout.profile_dir(cfg) / "engines" / "visual"
-    assert engine.capabilities.images == 2
-    assert script.runtimes[-1]._args[1] == str(visual)  # multimodal_engine_dir (positional, as the binding names it)
+    bundle = layout.profile_dir(cfg) / "engines" / "plain"  # the LLM engine's folder, the visual engine in visual/
+    assert (bundle / "visual" / "visual.engine").is_file() and engine.capabilities.images == 2
+    assert script.runtimes[-1]._args[1] == str(bundle)  # multimodal_engine_dir (positional, as the wheel's server)
     red = np.zeros((28, 56, 3), np.uint8)
     red[..., 0] = 255
     blue = np.zeros((14, 28, 3), np.uint8)
@@ -760,7 +760,8 @@ def test_images_reach_edgellm_in_marker_order(edge_cfg, script, slots):
         call = script.calls[-1]
         [item] = call.requests
         assert [b._pixels.tolist() for b in item.image_buffers] == [red.tolist(), blue.tolist()]  # marker order
-        assert [(b.width, b.height, b.channels) for b in item.image_buffers] == [(56, 28, 3), (28, 14, 3)]
+        assert [(b.width, b.height, b.channels, b.do_resize) for b in item.image_buffers] == [
+            (56, 28, 3, True), (28, 14, 3, True)]
         text = item.messages[0].contents[0].content
         span = "".join(IMAGE_SPAN)
         assert IMAGE_MARKER not in text and text.count(span) == 2
@@ -786,11 +787,11 @@ def test_a_text_only_profile_refuses_images_and_a_vlm_build_without_its_visual_e
         run_one(engine, GenerateRequest(prompt="look", images=(ImageInput(b"x", "png"),)))
     cfg = edge_cfg.replace(**VLM)
     write_engine_folders(cfg, Path(cfg.model.target))
-    (layout.profile_dir(cfg) / "engines" / "visual" / "config.json").write_text(json.dumps(
+    (layout.profile_dir(cfg) / "engines" / "plain" / "visual" / "config.json").write_text(json.dumps(
         {"model_type": "internvl", "builder_config": layout.visual_limits(cfg), "vision_start_token_id": 1,
          "image_token_id": 2, "vision_end_token_id": 3}))
     with pytest.raises(BackendError, match="'internvl' visual engine.*Qwen-VL family"):
         EdgeLLMEngine.from_config(cfg, progress=lambda _m: None, native=build(script))
-    (layout.profile_dir(cfg) / "engines" / "visual" / "config.json").unlink()
+    (layout.profile_dir(cfg) / "engines" / "plain" / "visual" / "config.json").unlink()
     with pytest.raises(BackendError, match="not the config.json of a Qwen-VL visual engine.*spec-edge build"):
         EdgeLLMEngine.from_config(cfg, progress=lambda _m: None, native=build(script))

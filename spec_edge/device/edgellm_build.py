@@ -18,7 +18,8 @@
   5 engines    on the device, tensorrt_edgellm's LLMBuilder(onnx_dir, engine_dir, LLMBuilderConfig) with
                edgellm_layout.builder_limits (the plan's limits; with a head, tree room for every k, the
                speculative.eagle3_tree and Edge-LLM's default tree); with graphs.max_image_tokens VisualBuilder(
-               onnx/target/visual, engines/visual, VisualBuilderConfig) with edgellm_layout.visual_limits.
+               onnx/target/visual, <target engine folder>/visual, VisualBuilderConfig) with
+               edgellm_layout.visual_limits.
 
 A stage whose inputs (config identity, checkpoint fingerprints, tensorrt-edgellm version) match the manifest's
 record and whose outputs are still there with the recorded digests is skipped ("up to date").
@@ -283,13 +284,13 @@ def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> di
 
 
 def build_visual(st: Stages, native, exports: dict[str, Path], base_key: str) -> None:
-    """graphs.max_image_tokens: VisualBuilder(onnx/target/visual, engines/visual, VisualBuilderConfig) with
+    """graphs.max_image_tokens: VisualBuilder(onnx/target/visual, <target engine folder>/visual, VisualBuilderConfig) with
     edgellm_layout.visual_limits (it writes visual.engine and the export's config.json + builder_config,
     cpp/builder/visualBuilder.cpp VisualBuilder::build)."""
     fields = visual_limits(st.cfg)
     if fields is None:
         return
-    rel, stage = "engines/visual", "engine_visual"
+    rel, stage = engine_record(st.cfg)["visual_engine_dir"], "engine_visual"
     key = _key(base_key, st.manifest["stages"]["export_target"]["key"], fields)
     if (record := st.reuse(stage, key)) is not None:
         st.manifest["stages"][stage] = record

@@ -34,9 +34,10 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       visual engine built by `spec-edge build`) -> each one PNG-encoded into load_image_from_bytes, the ImageData
       list Request.image_buffers in marker order, each IMAGE_MARKER of the rendered text replaced by the Qwen-VL
       image span <|vision_start|><|image_pad|><|vision_end|> (the tokens of the visual engine's config.json ids):
-      the runtime's QwenViTRunner::textPreprocess gives the Nth <|image_pad|> the Nth image buffer's tokens; the
-      visual engine folder is LLMRuntime / RequestEngine's multimodal_engine_dir. Such a request bypasses the context
-      cache (docs/tensorrt.md, "Images: Edge-LLM's VLM pipeline").
+      the runtime's QwenViTRunner::textPreprocess gives the Nth <|image_pad|> the Nth image buffer's tokens (the
+      wheel's server builds the same list the same way: experimental/server/runtime/engine.py _load_image_buffers,
+      do_resize on); the bundle root holding visual/ is LLMRuntime / RequestEngine's multimodal_engine_dir. Such a
+      request bypasses the context cache (docs/tensorrt.md, "Images: Edge-LLM's VLM pipeline").
   streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
   cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
       (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer. A batched
@@ -105,13 +106,14 @@ EDGELLM_API: dict[str, tuple[str, ...]] = {
     "SubmitError": (),
     "create_text_message": (),
     "load_image_from_bytes": (),
+    "ImageData": ("do_resize",),
     "validate_guided_decoding_params": (),
 }
 # expression in this module's source -> the Edge-LLM class of the object it holds
 EDGELLM_RECEIVERS = {"self.runtime": "LLMRuntime", "self.batcher": "RequestEngine", "handle": "RequestHandle",
                      "cache": "ContextCacheConfig", "call": "LLMGenerationRequest", "item": "Request",
                      "channel": "StreamChannel", "chunk": "StreamChunk", "counts": "SpecDecodeGenerationMetrics",
-                     "prefill": "LLMPrefillMetrics"}
+                     "prefill": "LLMPrefillMetrics", "image": "ImageData"}
 POLL_MS = 20  # how long one wait on the stream channel blocks before cancel() is asked again
 CANCEL_GRACE_S = 0.5  # a batched request ends this long after its cancel even without a final chunk
 PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer agreement check at load
@@ -174,12 +176,12 @@ def visual_engine(cfg: Config, build: str) -> VisualEngine | None:
     """The profile's visual engine (None when graphs.max_image_tokens is 0); BackendError naming the build command
     when it is missing, not built for a Qwen-VL model, or its config.json lacks what the runtime reads
     (QwenViTRunner::validateAndFillConfig: model_type, vision_start_token_id, image_token_id, builder_config)."""
+    if not cfg.graphs.max_image_tokens:
+        return None
     try:
         folder = edgellm_layout.visual_engine_dir(cfg)
     except (edgellm_layout.ManifestError, ConfigError) as err:
         raise BackendError(str(err)) from None
-    if not cfg.graphs.max_image_tokens:
-        return None
     if folder is None:
         raise BackendError(f"graphs.max_image_tokens={cfg.graphs.max_image_tokens} needs the visual engine and the "
                            f"build of profile '{cfg.runtime.profile}' has none: {build}")
@@ -239,8 +241,10 @@ def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
 
 
 def multimodal_dir(dirs: EdgeLLMDirs) -> str:
-    """LLMRuntime / RequestEngine's multimodal_engine_dir: the visual engine folder, '' (their default) without."""
-    return str(dirs.visual.engine_dir) if dirs.visual is not None else ""
+    """LLMRuntime / RequestEngine's multimodal_engine_dir: the bundle root holding the visual engine's folder, as the
+    wheel's server passes it (experimental/server/runtime/engine_layout.py BundleLayout.media_dir: the root when
+    <root>/visual/visual.engine exists), '' (their default) for a text-only profile."""
+    return str(dirs.visual.engine_dir.parent) if dirs.visual is not None else ""
 
 
 def png(pixels) -> bytes:
@@ -602,7 +606,12 @@ class EdgeLLMEngine:
         call = self._call(text, max_new)
         item = call.requests[0]
         if prepared.images:  # in marker order: the Nth image span takes the Nth buffer
-            item.image_buffers = [rt.load_image_from_bytes(png(pixels)) for pixels in prepared.images]
+            buffers = []
+            for pixels in prepared.images:
+                image = rt.load_image_from_bytes(png(pixels))
+                image.do_resize = True  # to the engine's token bounds (qwenSmartResize), as the wheel's server sets it
+                buffers.append(image)
+            item.image_buffers = buffers
         item.stop_strings = [s for s in request.stop if s]
         if params.logit_bias:
             item.logit_bias = dict(params.logit_bias)
@@ -673,7 +682,7 @@ class EdgeLLMEngine:
                 "mode": self.mode.name, "engine_dir": str(self.dirs.engine_dir), "max_context": self.max_context,
                 "max_input_len": self.dirs.max_input_len, "drafter": self.cfg.speculative.drafter,
                 "k": self.cfg.speculative.k, "k_values": [speculative_k(self.cfg)],
-                "batch_slots": self.cfg.graphs.batch_slots,
+                "batch_slots": self.cfg.graphs.batch_slots, "images_per_request": self.capabilities.images,
                 "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
                 "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
                 "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
