@@ -41,7 +41,8 @@ from typing import Any
 
 from spec_edge.config import Config, engine_root
 from spec_edge.device import checkpoint, memory, preflight
-from spec_edge.edgellm_layout import (FORMAT, MANIFEST, VISION_MODEL_TYPES, builder_limits, edgellm_version,
+from spec_edge.edgellm_layout import (FORMAT, MANIFEST, VISION_MODEL_TYPES, VISUAL_FOLDER, builder_limits,
+                                      edgellm_version,
                                       engine_record, file_digest, folder_digests, identity_config, profile_dir,
                                       read_manifest, require_known_weights, visual_limits, write_manifest)
 from spec_edge.device.profiles import plan_for_config, plan_inputs
@@ -106,11 +107,15 @@ class Stages:
                 return None
         return record
 
-    def record(self, stage: str, key: str, outputs: dict[str, str], seconds: float, **extra: Any) -> dict[str, Any]:
+    def record(self, stage: str, key: str, outputs: dict[str, str], seconds: float, exclude: str = "",
+               **extra: Any) -> dict[str, Any]:
+        """exclude: a folder (relative to the profile dir) inside an output that another stage records."""
         files: dict[str, str] = {}
         for rel in outputs.values():
             if rel is not None and (self.dir / rel).is_dir():
                 files.update(folder_digests(self.dir / rel, self.dir))
+        if exclude:
+            files = {k: v for k, v in files.items() if not k.startswith(exclude.rstrip("/") + "/")}
         entry = {"key": key, "outputs": outputs, "files": files, "seconds": round(seconds, 1), **extra}
         self.manifest["stages"][stage] = entry
         write_manifest(self.dir, self.manifest)
@@ -341,7 +346,8 @@ def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
             if not native.LLMBuilder(str(exports[export]), str(engine_dir), config).build():
                 raise BuildError(f"LLMBuilder could not build the {role} engine from {exports[export]} (see TensorRT's "
                                  f"messages above)")
-            st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
+            st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t,
+                      exclude=f"{rel}/{VISUAL_FOLDER}")  # the visual engine's own stage records that
             st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
     build_visual(st, native, exports, base_key)
     st.manifest["edgellm"] = engine_record(st.cfg)
