@@ -162,3 +162,41 @@ def test_thor_profile_export_only_on_stand_ins(path, stand_ins, monkeypatch):
         assert folder["base"]["max_verify_tree_size"] >= max(cfg.graphs.k_values) + 1
     else:
         assert folder["llm"]["max_batch_size"] == cfg.graphs.batch_slots
+
+
+def test_the_visual_engine_stage_builds_into_the_bundle_root(tmp_path):
+    """graphs.max_image_tokens: the engine stage's VisualBuilder (the stand-in, checked against the binary's
+    signatures and settable fields) gets the exported visual/ folder, <LLM engine folder>/visual and
+    edgellm_layout.visual_limits; the stage is recorded apart from the LLM engine's, reused while its inputs and
+    outputs hold, and the runtime's reader finds what it wrote (backends/edgellm.visual_engine)."""
+    from edgellm_standin import Script, build
+
+    from spec_edge.runtime.backends.edgellm import visual_engine
+
+    cfg = load(ROOT / "config" / "thor_qwen25vl_3b.yaml").replace(**{"runtime.engine_dir": str(tmp_path)})
+    lines: list[str] = []
+    st = edgellm_build.Stages(cfg, "thor_qwen25vl_3b.yaml", lines.append, force=False)
+    visual_onnx = st.dir / "onnx" / "target" / "visual"
+    visual_onnx.mkdir(parents=True)
+    (visual_onnx / "config.json").write_text(json.dumps({  # what _export_visual writes for a Qwen2.5-VL
+        "model_type": "qwen2_5_vl", "vision_config": TINY_QWEN25VL["vision_config"],
+        **{k: TINY_QWEN25VL[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id")}}))
+    st.manifest["stages"]["export_target"] = {"key": "exported"}
+    script = Script()
+    native = build(script)
+    edgellm_build.build_visual(st, native, {"visual": visual_onnx}, "base")
+    [(onnx_dir, engine_dir, fields)] = script.visual_builds
+    folder = edgellm_layout.engine_record(cfg)["visual_engine_dir"]
+    assert folder == "engines/plain/visual" and engine_dir == str(st.dir / folder) and onnx_dir == str(visual_onnx)
+    assert fields == edgellm_layout.visual_limits(cfg) == {"min_image_tokens": 4, "max_image_tokens": 1024,
+                                                            "max_image_tokens_per_image": 512}
+    assert st.manifest["stages"]["engine_visual"]["outputs"] == {"engine_dir": folder}
+    st.old = json.loads((st.dir / edgellm_layout.MANIFEST).read_text())  # a second run reads the manifest
+    edgellm_build.build_visual(st, native, {"visual": visual_onnx}, "base")
+    assert len(script.visual_builds) == 1 and "visual: up to date" in lines[-1]
+    st.manifest["edgellm"] = edgellm_layout.engine_record(cfg)
+    (st.dir / "engines" / "plain" / "llm.engine").touch()  # the LLM engine the manifest names (empty, as the visual)
+    edgellm_layout.write_manifest(st.dir, {**st.manifest, "config": edgellm_layout.identity_config(cfg)})
+    engine = visual_engine(cfg, "rebuild")
+    assert (engine.engine_dir, engine.images, engine.tokens_per_image) == (st.dir / folder, 2, 512)
+    assert engine.span_ids == (320, 323, 321)

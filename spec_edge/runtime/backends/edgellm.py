@@ -175,7 +175,8 @@ class VisualEngine:
 def visual_engine(cfg: Config, build: str) -> VisualEngine | None:
     """The profile's visual engine (None when graphs.max_image_tokens is 0); BackendError naming the build command
     when it is missing, not built for a Qwen-VL model, or its config.json lacks what the runtime reads
-    (QwenViTRunner::validateAndFillConfig: model_type, vision_start_token_id, image_token_id, builder_config)."""
+    (QwenViTRunner::validateAndFillConfig: model_type, vision_start_token_id, image_token_id, builder_config; its
+    max_image_tokens / max_image_tokens_per_image as the wheel's server reads them, engine.py _video_frame_limits)."""
     if not cfg.graphs.max_image_tokens:
         return None
     try:
