@@ -133,6 +133,10 @@ class GraphSection:
     # region) beside the B=1 graphs (graphs/export.py graph_plan); on tensorrt Edge-LLM's RequestEngine (in-flight batching
     # of up to B requests, no speculation: a result says so in speculation_off_reason).
     batch_slots: int = 4
+    # runtime.backend tensorrt with a Qwen-VL target (edgellm_layout.VISION_MODEL_TYPES): the image tokens one
+    # request may carry, Edge-LLM's visual engine built beside the LLM engine (VisualBuilderConfig.max_image_tokens;
+    # docs/tensorrt.md, "Images: Edge-LLM's VLM pipeline"). 0: text only, no visual engine.
+    max_image_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -454,6 +458,9 @@ def validate(cfg: Config) -> None:
                           f"(ONNX Runtime: fp32, q4 or q4_fp32act)")
     if not 1 <= g.batch_slots <= 64:
         raise ConfigError(f"graphs.batch_slots must be in [1, 64], got {g.batch_slots}")
+    if g.max_image_tokens < 0 or (g.max_image_tokens and cfg.runtime.backend != "tensorrt"):
+        raise ConfigError(f"graphs.max_image_tokens={g.max_image_tokens} sizes TensorRT Edge-LLM's visual engine: it "
+                          f"needs runtime.backend=tensorrt and a value >= 0 (0: text only)")
     if cfg.runtime.backend != "tensorrt" and cfg.serve.speculate_k_by_load:
         raise ConfigError(f"serve.speculate_k_by_load={list(cfg.serve.speculate_k_by_load)} is for runtime.backend "
                           f"tensorrt (Edge-LLM's k is fixed per engine): on ONNX Runtime speculative.k: auto chooses "

@@ -11,10 +11,16 @@ other.
         onnx/target/llm/                       the target's export (--eagle-base with a head)
         onnx/draft/llm/                        the head's export
         onnx/batch/llm/                        batch_slots > 1 with a head: the plain target RequestEngine runs
+        onnx/target/visual/                    graphs.max_image_tokens > 0: the visual encoder the same export wrote
         engines/eagle3/                        LLMBuilder's EAGLE-3 pair in one folder, as LLMRuntime reads it:
                                                  spec_base.engine + base_config.json,
                                                  spec_draft.engine + draft_config.json
         engines/plain/, engines/batch/         a plain engine: llm.engine + config.json (batch: the RequestEngine's)
+        engines/<plain|eagle3>/visual/         graphs.max_image_tokens > 0: VisualBuilder's visual.engine + config.json
+                                                 in the target engine's folder, the bundle root the runtime's
+                                                 multimodal_engine_dir names (the wheel's experimental/server/runtime/
+                                                 engine_layout.py inspect_bundle: <root>/visual/visual.engine,
+                                                 BundleLayout.media_dir = the root)
         manifest.json                          written after every stage (below)
 
 Edge-LLM's own names, the one place this project spells them (ENGINE_FILE, CONFIG_FILE, BUILDER_CONFIG; roles
@@ -28,8 +34,8 @@ an EAGLE-3 drafting shape against the built limits.
 manifest.json: format, tensorrt_edgellm (version), profile, profile_yaml, config (the artifact-shaping keys),
 fingerprints (target and head checkpoints), stages (per stage: what it wrote, relative to the profile dir, the
 digest of each file, seconds), builder (the limits the engines were built with) and, once engines are built,
-"edgellm": {"engine_dir", "draft_engine_dir", "batch_engine_dir"} relative to the profile dir (None where the
-profile has no such engine). A manifest from another tensorrt-edgellm version, another profile or another
+"edgellm": {"engine_dir", "draft_engine_dir", "batch_engine_dir", "visual_engine_dir"} relative to the profile
+dir (None where the profile has no such engine). A manifest from another tensorrt-edgellm version, another profile or another
 config is refused with the command that rebuilds it. Pure file work: no TensorRT, no GPU.
 """
 from __future__ import annotations
@@ -48,7 +54,7 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 # config keys the artifacts are made for; any difference means a rebuild
 IDENTITY_KEYS = ("model.target", "graphs.max_context", "graphs.k_values", "graphs.dtype", "graphs.weights",
-                 "graphs.batch_slots", "speculative.drafter", "speculative.eagle3_head")
+                 "graphs.batch_slots", "speculative.drafter", "speculative.eagle3_head", "graphs.max_image_tokens")
 WHOLE_FILE_LIMIT = 64 << 20  # larger files are digested by size + first and last MiB
 
 
@@ -71,6 +77,8 @@ def identity_config(cfg: Config) -> dict[str, Any]:
     part = {key: params[key] for key in IDENTITY_KEYS}
     if cfg.speculative.drafter != "eagle3":
         part["speculative.eagle3_head"] = None
+    if not cfg.graphs.max_image_tokens:  # text only: what a manifest written before images were served says
+        part["graphs.max_image_tokens"] = None
     return part
 
 
@@ -163,6 +171,13 @@ def _fingerprint(cfg: Config, role: str) -> str | None:
         return None
 
 
+def visual_engine_dir(cfg: Config) -> Path | None:
+    """The visual engine folder of a built profile (graphs.max_image_tokens > 0), absolute; None for a text-only
+    profile; ManifestError as engine_dirs."""
+    manifest = check_manifest(cfg, read_manifest(profile_dir(cfg)))
+    return _built(cfg, manifest).get("visual_engine_dir")
+
+
 def engine_dirs(cfg: Config) -> tuple[Path, Path | None]:
     """(target engine dir, EAGLE-3 draft engine dir or None) of a built profile, absolute; ManifestError when the
     manifest is stale or the engines are not built (export-only) or missing. With a head both are the same
@@ -210,10 +225,24 @@ def require_known_weights(cfg: Config) -> None:
 # runtime's modelArtifacts.cpp and the wheel's experimental/server/runtime/engine_layout.py read the same names)
 ENGINE_FILE = {"llm": "llm.engine", "base": "spec_base.engine", "draft": "spec_draft.engine"}
 CONFIG_FILE = {"llm": "config.json", "base": "base_config.json", "draft": "draft_config.json"}
+# the visual role: VisualBuilder::build writes visual.engine and copyConfig the export's config.json + builder_config
+# (cpp/builder/visualBuilder.cpp); QwenViTRunner::validateAndFillConfig reads that config.json back
+ENGINE_FILE["visual"], CONFIG_FILE["visual"] = "visual.engine", "config.json"
 BUILDER_CONFIG = "builder_config"  # the key LLMBuilder::copyConfig adds: LLMBuilderConfig.toJson()
 ROLE_FLAG = {"llm": None, "base": "spec_base", "draft": "spec_draft"}  # the LLMBuilderConfig flag of each role
 # folder (relative to profile_dir) -> the roles LLMBuilder builds into it; manifest "edgellm" key of each folder
-ENGINE_FOLDERS = {"engines/eagle3": ("base", "draft"), "engines/plain": ("llm",), "engines/batch": ("llm",)}
+ENGINE_FOLDERS = {"engines/eagle3": ("base", "draft"), "engines/plain": ("llm",), "engines/batch": ("llm",),
+                  "engines/eagle3/visual": ("visual",), "engines/plain/visual": ("visual",)}
+VISUAL_FOLDER = "visual"  # the visual engine's folder inside the bundle root (engine_layout.py _component_dir)
+# The Qwen-VL family (model_type of the checkpoint's config.json) whose images this project sends: tensorrt-edgellm-
+# export writes their visual encoder to <out>/visual (scripts/export.py _VLM_MODEL_TYPES, _export_visual) and the
+# runtime's QwenViTRunner (cpp/multimodal/qwen2/qwenViTRunner.cpp) expands each <|image_pad|> of the prompt text
+# (textPreprocess) after a <|vision_start|> (getMRopePositionIds). Edge-LLM's other VLMs (InternVL, Phi-4MM, Gemma4,
+# Nemotron-Omni) mark images their own ways: refused here until wired.
+VISION_MODEL_TYPES = ("qwen2_5_vl", "qwen3_vl")
+# VisualBuilderConfig's defaults in the 0.11.0 binary (fixtures/edgellm_api.json "defaults"): the fewest tokens
+# one image becomes and the most one image may become (qwenSmartResize's bounds, QwenViTRunner::getResizedImageSize)
+MIN_IMAGE_TOKENS, MAX_IMAGE_TOKENS_PER_IMAGE = 4, 512
 # Edge-LLM's default EAGLE-3 drafting shape (experimental/server/runtime/engine.py _DEFAULT_DRAFT_TOP_K,
 # _DEFAULT_DRAFT_STEP, _DEFAULT_VERIFY_TREE_SIZE) and LLMBuilderConfig's default tree capacity
 # (max_verify_tree_size = max_draft_tree_size = 60, llmBuilder.h; the binary's defaults in fixtures/edgellm_api.json)
@@ -314,6 +343,25 @@ def builder_limits(cfg: Config) -> dict[str, dict[str, dict[str, Any]]]:
     return limits
 
 
+def visual_limits(cfg: Config) -> dict[str, int] | None:
+    """The VisualBuilderConfig fields the visual engine is built with (None: graphs.max_image_tokens 0, text only):
+    max_image_tokens = graphs.max_image_tokens (all images of one request together: VisualBuilder::
+    setupQwenViTProfile sizes the ViT input to max_image_tokens x 4 patches, spatial_merge_size 2 squared),
+    max_image_tokens_per_image = Edge-LLM's default capped at that, min_image_tokens Edge-LLM's default."""
+    total = cfg.graphs.max_image_tokens
+    if not total:
+        return None
+    return {"min_image_tokens": min(MIN_IMAGE_TOKENS, total), "max_image_tokens": total,
+            "max_image_tokens_per_image": min(MAX_IMAGE_TOKENS_PER_IMAGE, total)}
+
+
+def images_per_request(limits: dict[str, int]) -> int:
+    """The most images one request may carry under a visual engine's builder_config: as many as fit at the per-image
+    maximum (an image becomes at most max_image_tokens_per_image tokens, QwenViTRunner::getResizedImageSize; all of
+    a request's together at most max_image_tokens, imagePreprocess's maxHW check)."""
+    return max(1, int(limits["max_image_tokens"]) // int(limits["max_image_tokens_per_image"]))
+
+
 def engine_record(cfg: Config) -> dict[str, str | None]:
     """The manifest's "edgellm" record once the engines of builder_limits(cfg) are built: engine_dir (the base +
     draft pair, or the plain engine), draft_engine_dir (the pair's folder, None without a head), batch_engine_dir
@@ -322,7 +370,8 @@ def engine_record(cfg: Config) -> dict[str, str | None]:
     head = "engines/eagle3" in folders
     target = "engines/eagle3" if head else "engines/plain"
     batch = "engines/batch" if "engines/batch" in folders else (target if cfg.graphs.batch_slots > 1 else None)
-    return {"engine_dir": target, "draft_engine_dir": target if head else None, "batch_engine_dir": batch}
+    return {"engine_dir": target, "draft_engine_dir": target if head else None, "batch_engine_dir": batch,
+            "visual_engine_dir": f"{target}/{VISUAL_FOLDER}" if visual_limits(cfg) else None}
 
 
 def builder_config_json(fields: dict[str, Any]) -> dict[str, Any]:
@@ -339,7 +388,7 @@ def builder_config_json(fields: dict[str, Any]) -> dict[str, Any]:
 def engine_files(cfg: Config) -> dict[str, dict[str, Any] | None]:
     """Every file the engine stage leaves for cfg, relative to profile_dir: an engine -> None, a config -> the
     keys this project relies on (engine_role and spec_decode_type, from the export's config.json, and
-    builder_config)."""
+    builder_config; the visual engine's config: builder_config)."""
     out: dict[str, dict[str, Any] | None] = {}
     spec = "eagle3" if cfg.speculative.drafter == "eagle3" else "none"
     for folder, roles in builder_limits(cfg).items():
@@ -348,6 +397,10 @@ def engine_files(cfg: Config) -> dict[str, dict[str, Any] | None]:
             out[f"{folder}/{CONFIG_FILE[role]}"] = {
                 "engine_role": role, "spec_decode_type": spec if role != "llm" else "none",
                 BUILDER_CONFIG: builder_config_json(fields)}
+    if (limits := visual_limits(cfg)) is not None:
+        folder = engine_record(cfg)["visual_engine_dir"]
+        out[f"{folder}/{ENGINE_FILE['visual']}"] = None
+        out[f"{folder}/{CONFIG_FILE['visual']}"] = {BUILDER_CONFIG: dict(limits)}  # on the export's config
     return out
 
 

@@ -73,7 +73,7 @@ for name in sorted(dir(mod)):
     else:
         api[name] = {"kind": "value", "repr": repr(value)}
 # default field values of the builder configs (plain structs: constructing one touches no CUDA)
-for name in ("LLMBuilderConfig",):
+for name in ("LLMBuilderConfig", "VisualBuilderConfig"):
     obj = getattr(mod, name)()
     api[name]["defaults"] = {m: getattr(obj, m) for m, v in api[name]["members"].items() if v["kind"] == "property"}
 json.dump(api, sys.stdout, indent=1, sort_keys=True)

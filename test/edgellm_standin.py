@@ -36,6 +36,16 @@ ASSUMED):
               first chunk carries prompt_token_count, a cancel ends the production with a terminal CANCELLED chunk
               (the consumer itself stops at is_cancelled() without waiting for one), and chunk.text is the chunk's
               ids decoded on their own.
+images      load_image_from_bytes(data) decodes a JPEG / PNG file to an ImageData whose read-only width / height /
+              channels are the picture's (the binding's "Load image from bytes"; the binary's message for bytes it
+              cannot decode, "Failed to load image from memory: ", raised as RuntimeError: ASSUMED how it reaches
+              Python); the decoded pixels ride on it as _pixels for tests. A request's Request.image_buffers is
+              recorded as sent (script.calls).
+visual      VisualBuilder(onnx_dir, engine_dir, config).build() writes what cpp/builder/visualBuilder.cpp
+              VisualBuilder::build does: engine_dir/visual.engine (empty here) and onnx_dir's config.json with
+              builder_config (copyConfig: ASSUMED to hold the three VisualBuilderConfig fields, the keys the wheel's
+              server reads back, experimental/server/runtime/engine.py _video_frame_limits); each build is recorded
+              on the script (script.visual_builds: onnx_dir, engine_dir, the config's fields).
 validate_guided_decoding_params refuses a json_schema guide that names a keyword the binary's list says XGrammar
 accepts but does not enforce (UNENFORCED_KEYWORDS, its message UNENFORCED: both read from the binary's strings by
 test_edgellm_api.py), unless the script sets validate. The tool-call surface (LLMGenerationRequest.tools /
@@ -88,6 +98,7 @@ class Script:
     runtimes: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     pause: threading.Event | None = None     # set: handle_request waits on it before each token
+    visual_builds: list = field(default_factory=list)
 
 
 def non_greedy(temperature: float, top_k: int, top_p: float) -> bool:
@@ -274,9 +285,45 @@ def build(script: Script) -> types.ModuleType:
 
     def request_init(self, messages=()):
         self.messages, self.stop_strings, self.guided_decoding = list(messages), [], None
+        self.image_buffers = []
+
+    def load_image(data):
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        try:
+            with Image.open(io.BytesIO(bytes(data))) as file:
+                pixels = np.asarray(file.convert("RGB"))
+        except Exception as err:
+            raise RuntimeError(f"Failed to load image from memory: {err}") from None
+        image = object.__new__(mod.ImageData)
+        for prop in SURFACE["ImageData"]["members"]:
+            if SURFACE["ImageData"]["members"][prop]["kind"] == "property":
+                object.__setattr__(image, prop, None)
+        set_internal(image, height=pixels.shape[0], width=pixels.shape[1], channels=3, frames=1, is_video=False,
+                     do_resize=True, _pixels=pixels)
+        return image
 
     def content_init(self, type="", content=""):
         self.type, self.content = type, content
+
+    def visual_builder_init(self, onnx_dir, engine_dir, config):
+        set_internal(self, _onnx=str(onnx_dir), _engine=str(engine_dir), _config=config)
+
+    def visual_build(self):
+        from pathlib import Path
+
+        fields = {name: getattr(self._config, name) for name in ("min_image_tokens", "max_image_tokens",
+                                                                  "max_image_tokens_per_image")}
+        script.visual_builds.append((self._onnx, self._engine, fields))
+        engine = Path(self._engine)
+        engine.mkdir(parents=True, exist_ok=True)
+        (engine / "visual.engine").write_bytes(b"")
+        exported = json.loads((Path(self._onnx) / "config.json").read_text())
+        (engine / "config.json").write_text(json.dumps({**exported, "builder_config": fields}))
+        return True
 
     impls = {
         "StreamChannel": {"create": create, "wait_pop": wait_pop, "try_pop": try_pop, "cancel": cancel_channel,
@@ -292,6 +339,7 @@ def build(script: Script) -> types.ModuleType:
         "GuidedDecodingParams": {"__init__": guided_init},
         "Request": {"__init__": request_init},
         "MessageContent": {"__init__": content_init},
+        "VisualBuilder": {"__init__": visual_builder_init, "build": visual_build},
     }
     for name, entry in SURFACE.items():
         if entry["kind"] != "class":
@@ -304,7 +352,7 @@ def build(script: Script) -> types.ModuleType:
             setattr(cls, value_name, EnumValue(name, value_name, value))
         setattr(mod, name, cls)
 
-    functions = {"create_text_message": message,
+    functions = {"create_text_message": message, "load_image_from_bytes": load_image,
                  "validate_guided_decoding_params": lambda params: getattr(script, "validate", validate)(params)}
     for name, entry in SURFACE.items():
         if entry["kind"] == "function":

@@ -213,8 +213,11 @@ def test_the_checker_fails_on_wrong_names_and_keywords(live):
 def test_the_build_stage_uses_only_what_the_binary_has(live):
     """spec-edge build's engine stage (device/edgellm_build.py): LLMBuilderConfig() takes no argument, every field
     edgellm_layout.builder_limits() sets, for every tensorrt profile in config/, is a settable property of it, and
-    LLMBuilder(onnx_dir, engine_dir, config).build() matches the real signatures."""
+    LLMBuilder(onnx_dir, engine_dir, config).build() matches the real signatures; the same for the visual engine
+    (VisualBuilderConfig, edgellm_layout.visual_limits of every VLM profile, VisualBuilder), whose defaults are the
+    ones edgellm_layout restates."""
     from spec_edge.config import load
+    from spec_edge import edgellm_layout
     from spec_edge.edgellm_layout import builder_limits
 
     api = live
@@ -230,6 +233,21 @@ def test_the_build_stage_uses_only_what_the_binary_has(live):
                 for name in values:
                     assert fields.get(name, {}).get("kind") == "property" and fields[name]["settable"], \
                         f"{cfg.runtime.profile} {folder} {role}: LLMBuilderConfig.{name} is not a settable field"
+    assert accepts(callable_signatures(api, "VisualBuilderConfig", None)[0], 0, set())
+    assert any(accepts(o, 3, set()) for o in callable_signatures(api, "VisualBuilder", None))
+    assert any(accepts(o, 0, set()) for o in callable_signatures(api, "VisualBuilder", "build"))
+    defaults = api["VisualBuilderConfig"]["defaults"]
+    assert (defaults["min_image_tokens"], defaults["max_image_tokens_per_image"]) == (
+        edgellm_layout.MIN_IMAGE_TOKENS, edgellm_layout.MAX_IMAGE_TOKENS_PER_IMAGE)
+    visual = [cfg for cfg in profiles if edgellm_layout.visual_limits(cfg)]
+    assert visual, "no VLM profile (graphs.max_image_tokens) in config/"
+    for cfg in visual:
+        for name in edgellm_layout.visual_limits(cfg):
+            member = api["VisualBuilderConfig"]["members"].get(name, {})
+            assert member.get("kind") == "property" and member["settable"], f"VisualBuilderConfig.{name}"
+    for name in ("multimodal_engine_dir",):  # the runtimes' second parameter, passed positionally
+        assert name in api["LLMRuntime"]["members"]["__init__"]["doc"].split("engine_dir: str,")[1][:40]
+        assert name in api["RequestEngine"]["members"]["__init__"]["doc"].split("engine_dir: str,")[1][:40]
 
 
 def _binary_bytes() -> bytes:

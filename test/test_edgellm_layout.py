@@ -4,7 +4,8 @@ k and for the EAGLE-3 tree; Edge-LLM's names against the native binary.
 
 The wheel's readers (no GPU needed, pure Python in the wheel):
   scripts/sweep_eagle3_configs.py      _read_engine_limits(engine_dir): base_config.json builder_config
-  experimental/server/runtime/engine_layout.py   detect_engine_type (llm.engine / spec_base + spec_draft)
+  experimental/server/runtime/engine_layout.py   detect_engine_type (llm.engine / spec_base + spec_draft),
+                                                 inspect_bundle (visual/visual.engine, media_dir: a VLM profile)
   experimental/server/runtime/engine.py          _read_bundle_builder_config, _resolve_spec_decode_runtime_options
                                                  (base_config.json + draft_config.json), _resolve_tree_size
 Edge-LLM's C++ deployment checks are read, not run (cpp/runtime/config/llmEngineConfig.cpp createDeploymentConfig:
@@ -69,6 +70,12 @@ def test_every_engine_folder_reads_back_with_the_wheels_readers(path, tmp_path):
         assert engine_layout.detect_engine_type(str(target)) == engine_layout.EngineType.LLM
         with pytest.raises(FileNotFoundError):
             sweep._read_engine_limits(target)
+    bundle = engine_layout.inspect_bundle(str(target))  # the wheel's server reads the visual engine so
+    if layout.visual_limits(cfg):
+        assert bundle.visual_dir == str(root / record["visual_engine_dir"]) and bundle.media_dir == str(target)
+        assert layout.read_builder_config(root / record["visual_engine_dir"], "visual") == layout.visual_limits(cfg)
+    else:
+        assert bundle.visual_dir is None and bundle.media_dir == "" and record["visual_engine_dir"] is None
     if cfg.graphs.batch_slots > 1:
         batch = root / record["batch_engine_dir"]
         assert engine_layout.detect_engine_type(str(batch)) == engine_layout.EngineType.LLM

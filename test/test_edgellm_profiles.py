@@ -7,7 +7,10 @@ exported fails here, not on the robot.
 tensorrt-edgellm-quantize needs NVIDIA ModelOpt, `datasets` and calibration data: where graphs.weights asks for
 it and they are missing, the build's preflight stops it before any stage runs, with the message a user acts on;
 the same profile with graphs.weights fp32 is then exported (once per distinct export: target family, head,
-batch engine)."""
+batch engine). A VLM profile (graphs.max_image_tokens, a Qwen2.5-VL target) exports its visual encoder through
+the same tool, which imports ModelOpt even unquantized: without it the preflight stops the build naming it (a
+tiny Qwen2.5-VL config.json is the stand-in: the plan and the preflight read no weights); with it, a tiny
+random Qwen2.5-VL made by transformers is exported and its visual/ folder recorded."""
 import importlib.util
 import json
 import sys
@@ -45,13 +48,51 @@ def stand_ins(tmp_path_factory):
             raw.pop(key, None)
         (head / "config.json").write_text(json.dumps(raw))
         out[family] = (target, head)
+    vl = root / "qwen25vl"  # config.json only: what the plan and the preflight read
+    vl.mkdir()
+    (vl / "config.json").write_text(json.dumps(TINY_QWEN25VL))
+    out["qwen25vl"] = (vl, None)
     return out, root / "engines"
+
+
+# a tiny Qwen2.5-VL config.json (the published layout: text keys at the root, vision_config, the image token ids)
+TINY_QWEN25VL = {
+    "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"], "vocab_size": 325,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    "vision_start_token_id": 320, "vision_end_token_id": 321, "image_token_id": 323, "video_token_id": 324,
+    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                      "fullatt_block_indexes": [1], "in_chans": 3}}
+
+
+def _tiny_qwen25vl(path: Path) -> Path:
+    """TINY_QWEN25VL with random fp16 weights (transformers), a tokenizer holding its image tokens."""
+    import torch
+    from tiny import train_tokenizer
+    from tokenizers import AddedToken
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = train_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (
+        "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")])
+    assert tok.token_to_id("<|image_pad|>") == TINY_QWEN25VL["image_token_id"]
+    raw = {k: v for k, v in TINY_QWEN25VL.items() if k not in ("model_type", "architectures")}
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**raw)).to(torch.float16).save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.48, 0.46, 0.41],
+        "image_std": [0.27, 0.26, 0.28]}))
+    return path
 
 
 def stand_in_config(path: Path, stand_ins):
     (models, engine_dir) = stand_ins
     cfg = load(path)
-    family = "qwen3" if "qwen3" in path.stem else "llama"
+    family = "qwen25vl" if "qwen25vl" in path.stem else "qwen3" if "qwen3" in path.stem else "llama"
     target, head = models[family]
     return cfg.replace(**{"model.target": str(target), "runtime.engine_dir": str(engine_dir),
                           "speculative.eagle3_head": str(head) if cfg.speculative.drafter == "eagle3" else ""})
@@ -83,6 +124,15 @@ def test_thor_profile_export_only_on_stand_ins(path, stand_ins, monkeypatch):
             edgellm_build.build(cfg, str(path), export_only=True, progress=lines.append)
         assert edgellm_layout.read_manifest(edgellm_layout.profile_dir(cfg)) is None  # stopped before any stage
         cfg = cfg.replace(**{"graphs.weights": "fp32"})
+    if cfg.graphs.max_image_tokens and importlib.util.find_spec("modelopt") is None:
+        with pytest.raises(edgellm_build.BuildError, match=r"(?s)preflight: .*MISSING modelopt \(visual export\): "
+                                                           r"not in .*exports? the visual encoder.*--thor-quantize.*"
+                                                           r"graphs.max_image_tokens: 0.*nothing was converted"):
+            edgellm_build.build(cfg, str(path), export_only=True, progress=lines.append)
+        assert edgellm_layout.read_manifest(edgellm_layout.profile_dir(cfg)) is None  # stopped before any stage
+        return  # the export needs ModelOpt (not installed here): docs/tensorrt.md says what was not run
+    if cfg.graphs.max_image_tokens:  # ModelOpt is here: a tiny Qwen2.5-VL with weights, exported for real
+        cfg = cfg.replace(**{"model.target": str(_tiny_qwen25vl(Path(cfg.model.target).parent / "qwen25vl_weights"))})
     shape = (Path(cfg.model.target).name, cfg.speculative.drafter, cfg.graphs.batch_slots > 1)
     if shape in EXPORTED:
         return  # the same export as an earlier profile: its refusal above was the check
@@ -97,6 +147,10 @@ def test_thor_profile_export_only_on_stand_ins(path, stand_ins, monkeypatch):
         assert config["kv_cache_dtype"] == "fp16"
         assert config["engine_role"] == {"target": "base" if "draft" in roles else "llm", "draft": "draft",
                                          "batch": "llm"}[role]
+    if cfg.graphs.max_image_tokens:  # the visual encoder beside the LLM, recorded, with what QwenViTRunner reads
+        visual = json.loads((onnx_dir / "target" / "visual" / "config.json").read_text())
+        assert visual["model_type"] == "qwen2_5_vl" and visual["image_token_id"] == TINY_QWEN25VL["image_token_id"]
+        assert manifest["stages"]["export_target"]["outputs"]["visual"] == "onnx/target/visual"
     target = json.loads((onnx_dir / "target" / "llm" / "config.json").read_text())
     assert target["spec_decode_type"] == ("eagle3" if "draft" in roles else "none")  # the head-less path
     assert ("head" in manifest["stages"]) == ("export_draft" in manifest["stages"]) == ("draft" in roles)
@@ -108,3 +162,41 @@ def test_thor_profile_export_only_on_stand_ins(path, stand_ins, monkeypatch):
         assert folder["base"]["max_verify_tree_size"] >= max(cfg.graphs.k_values) + 1
     else:
         assert folder["llm"]["max_batch_size"] == cfg.graphs.batch_slots
+
+
+def test_the_visual_engine_stage_builds_into_the_bundle_root(tmp_path):
+    """graphs.max_image_tokens: the engine stage's VisualBuilder (the stand-in, checked against the binary's
+    signatures and settable fields) gets the exported visual/ folder, <LLM engine folder>/visual and
+    edgellm_layout.visual_limits; the stage is recorded apart from the LLM engine's, reused while its inputs and
+    outputs hold, and the runtime's reader finds what it wrote (backends/edgellm.visual_engine)."""
+    from edgellm_standin import Script, build
+
+    from spec_edge.runtime.backends.edgellm import visual_engine
+
+    cfg = load(ROOT / "config" / "thor_qwen25vl_3b.yaml").replace(**{"runtime.engine_dir": str(tmp_path)})
+    lines: list[str] = []
+    st = edgellm_build.Stages(cfg, "thor_qwen25vl_3b.yaml", lines.append, force=False)
+    visual_onnx = st.dir / "onnx" / "target" / "visual"
+    visual_onnx.mkdir(parents=True)
+    (visual_onnx / "config.json").write_text(json.dumps({  # what _export_visual writes for a Qwen2.5-VL
+        "model_type": "qwen2_5_vl", "vision_config": TINY_QWEN25VL["vision_config"],
+        **{k: TINY_QWEN25VL[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id")}}))
+    st.manifest["stages"]["export_target"] = {"key": "exported"}
+    script = Script()
+    native = build(script)
+    edgellm_build.build_visual(st, native, {"visual": visual_onnx}, "base")
+    [(onnx_dir, engine_dir, fields)] = script.visual_builds
+    folder = edgellm_layout.engine_record(cfg)["visual_engine_dir"]
+    assert folder == "engines/plain/visual" and engine_dir == str(st.dir / folder) and onnx_dir == str(visual_onnx)
+    assert fields == edgellm_layout.visual_limits(cfg) == {"min_image_tokens": 4, "max_image_tokens": 1024,
+                                                            "max_image_tokens_per_image": 512}
+    assert st.manifest["stages"]["engine_visual"]["outputs"] == {"engine_dir": folder}
+    st.old = json.loads((st.dir / edgellm_layout.MANIFEST).read_text())  # a second run reads the manifest
+    edgellm_build.build_visual(st, native, {"visual": visual_onnx}, "base")
+    assert len(script.visual_builds) == 1 and "visual: up to date" in lines[-1]
+    st.manifest["edgellm"] = edgellm_layout.engine_record(cfg)
+    (st.dir / "engines" / "plain" / "llm.engine").touch()  # the LLM engine the manifest names (empty, as the visual)
+    edgellm_layout.write_manifest(st.dir, {**st.manifest, "config": edgellm_layout.identity_config(cfg)})
+    engine = visual_engine(cfg, "rebuild")
+    assert (engine.engine_dir, engine.images, engine.tokens_per_image) == (st.dir / folder, 2, 512)
+    assert engine.span_ids == (320, 323, 321)

@@ -30,6 +30,10 @@ from spec_edge.runtime.tokenizer import Tokenizer
 from spec_edge.runtime.tool_format import LlamaJsonFormat, MistralFormat
 
 CAPACITY = 128  # graphs.max_context of tiny_cfg: max_input_len = max_kv_cache_capacity of every engine
+IMAGE_SPAN = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # Qwen2.5-VL's, added to the tiny tokenizer
+# what tensorrt-edgellm-export writes to visual/config.json for a Qwen2.5-VL checkpoint (scripts/export.py
+# _export_visual: model_type, vision_config, and the token ids QwenViTRunner reads: those of IMAGE_SPAN, added)
+VISUAL_EXPORT = {"model_type": "qwen2_5_vl", "vision_config": {"model_type": "qwen2_5_vl"}}
 
 
 def write_engine_folders(cfg, model_dir) -> None:
@@ -45,6 +49,11 @@ def write_engine_folders(cfg, model_dir) -> None:
         if content is None:
             path.touch()
             continue
+        if "engine_role" not in content:  # the visual engine: the export's visual config.json (VISUAL_EXPORT)
+            ids = _add_image_tokens(profile / layout.engine_record(cfg)["engine_dir"] / "tokenizer.json")
+            path.write_text(json.dumps({**VISUAL_EXPORT, **content, **dict(zip(
+                ("vision_start_token_id", "image_token_id", "vision_end_token_id"), ids))}))
+            continue
         path.write_text(json.dumps({**model_config, **content}))
         if content["engine_role"] != "draft":
             for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -54,6 +63,17 @@ def write_engine_folders(cfg, model_dir) -> None:
     layout.write_manifest(profile, {
         "format": layout.FORMAT, "tensorrt_edgellm": layout.edgellm_version(), "profile": cfg.runtime.profile,
         "config": layout.identity_config(cfg), "fingerprints": {}, "edgellm": layout.engine_record(cfg)})
+
+
+def _add_image_tokens(path: Path) -> list[int]:
+    """IMAGE_SPAN's ids in the tokenizer.json at path, added as special tokens (a Qwen-VL tokenizer has them)."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer.from_file(str(path))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_SPAN])
+    tok.save(str(path))
+    return [tok.token_to_id(t) for t in IMAGE_SPAN]
 
 
 @pytest.fixture(scope="module")
@@ -693,3 +713,85 @@ print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
                           env={**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'test'}"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+VLM = {"speculative.drafter": "none", "graphs.max_image_tokens": 1024, "graphs.max_context": 1280}
+
+
+def _png(pixels) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_images_reach_edgellm_in_marker_order(edge_cfg, script, slots):
+    """A VLM profile (graphs.max_image_tokens: a visual engine beside the LLM engine): the runtime is made with the
+    visual engine as its multimodal_engine_dir, the engine takes max_image_tokens // max_image_tokens_per_image
+    images, and a request with two images through the one scheduler every door uses reaches Edge-LLM as its
+    binding takes them: Request.image_buffers (ImageData from the PNG bytes) in the order of the markers, each
+    marker of the text the Qwen-VL image span, the context cache bypassed. One image too many is the front's
+    refusal and the node keeps serving."""
+    import numpy as np
+
+    from spec_edge.runtime.requests import IMAGE_MARKER, ImageInput
+
+    engine = _engine(edge_cfg, script, **{**VLM, "graphs.batch_slots": slots})
+    cfg = engine.cfg
+    bundle = layout.profile_dir(cfg) / "engines" / "plain"  # the LLM engine's folder, the visual engine in visual/
+    assert (bundle / "visual" / "visual.engine").is_file() and engine.capabilities.images == 2
+    assert script.runtimes[-1]._args[1] == str(bundle)  # multimodal_engine_dir (positional, as the wheel's server)
+    red = np.zeros((28, 56, 3), np.uint8)
+    red[..., 0] = 255
+    blue = np.zeros((14, 28, 3), np.uint8)
+    blue[..., 2] = 200
+    request = GenerateRequest(prompt=f"Left {IMAGE_MARKER} then right {IMAGE_MARKER}: which one is red?",
+                              images=(ImageInput(_png(red), "png"),
+                                      ImageInput(blue[:, :, ::-1].tobytes(), "bgr8", width=28, height=14)))
+    worker = Scheduler(engine, cfg, Log())
+    try:
+        job = Job(request=request)
+        assert worker.submit(job) and job.done.wait(10)
+        assert job.outcome.success and job.outcome.text == " hello world", job.outcome
+        call = script.calls[-1]
+        [item] = call.requests
+        assert [b._pixels.tolist() for b in item.image_buffers] == [red.tolist(), blue.tolist()]  # marker order
+        assert [(b.width, b.height, b.channels, b.do_resize) for b in item.image_buffers] == [
+            (56, 28, 3, True), (28, 14, 3, True)]
+        text = item.messages[0].contents[0].content
+        span = "".join(IMAGE_SPAN)
+        assert IMAGE_MARKER not in text and text.count(span) == 2
+        assert text.index("Left ") < text.index(span) < text.index("then right") < text.rindex(span)
+        assert call.context_cache_lookup_policy.name == "BYPASS"
+        too_many = Job(request=GenerateRequest(prompt="three?", images=(ImageInput(_png(red), "png"),) * 3))
+        assert not worker.submit(too_many)  # refused before it runs, with the front's words
+        assert "3 images in one request; this model takes at most 2" in str(too_many.error)
+        plain = Job(request=GenerateRequest(prompt="no picture"))
+        assert worker.submit(plain) and plain.done.wait(10) and plain.outcome.success
+        assert script.calls[-1].requests[0].image_buffers == []
+        assert script.calls[-1].context_cache_lookup_policy.name == "USE_CACHE"
+    finally:
+        worker.stop(5)
+
+
+def test_a_text_only_profile_refuses_images_and_a_vlm_build_without_its_visual_engine_is_named(edge_cfg, script):
+    from spec_edge.runtime.requests import ImageInput
+
+    engine = _engine(edge_cfg, script, **{"speculative.drafter": "none"})
+    assert engine.capabilities.images == 0
+    with pytest.raises(RequestError, match="takes no images"):
+        run_one(engine, GenerateRequest(prompt="look", images=(ImageInput(b"x", "png"),)))
+    cfg = edge_cfg.replace(**VLM)
+    write_engine_folders(cfg, Path(cfg.model.target))
+    (layout.profile_dir(cfg) / "engines" / "plain" / "visual" / "config.json").write_text(json.dumps(
+        {"model_type": "internvl", "builder_config": layout.visual_limits(cfg), "vision_start_token_id": 1,
+         "image_token_id": 2, "vision_end_token_id": 3}))
+    with pytest.raises(BackendError, match="'internvl' visual engine.*Qwen-VL family"):
+        EdgeLLMEngine.from_config(cfg, progress=lambda _m: None, native=build(script))
+    (layout.profile_dir(cfg) / "engines" / "plain" / "visual" / "config.json").unlink()
+    with pytest.raises(BackendError, match="not the config.json of a Qwen-VL visual engine.*spec-edge build"):
+        EdgeLLMEngine.from_config(cfg, progress=lambda _m: None, native=build(script))

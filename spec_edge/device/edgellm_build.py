@@ -11,10 +11,15 @@
                the calibration set made from data/train_prompts.txt (or $EDGELLM_QUANT_DATASET_CNN_DAILYMAIL): no Hub
                download. A checkpoint already quantized that way skips it; one quantized another way is refused.
   4 export     tensorrt-edgellm-export: the target (--eagle-base with a head), the head, and with graphs.batch_slots
-               > 1 and a head the plain target the RequestEngine runs. No GPU: `--export-only` stops here.
+               > 1 and a head the plain target the RequestEngine runs. With graphs.max_image_tokens the target's
+               export also writes its visual encoder (onnx/target/visual: the export does for every VLM model type,
+               scripts/export.py _has_visual / _export_visual; the other exports pass --skip-visual). No GPU:
+               `--export-only` stops here.
   5 engines    on the device, tensorrt_edgellm's LLMBuilder(onnx_dir, engine_dir, LLMBuilderConfig) with
                edgellm_layout.builder_limits (the plan's limits; with a head, tree room for every k, the
-               speculative.eagle3_tree and Edge-LLM's default tree).
+               speculative.eagle3_tree and Edge-LLM's default tree); with graphs.max_image_tokens VisualBuilder(
+               onnx/target/visual, <target engine folder>/visual, VisualBuilderConfig) with
+               edgellm_layout.visual_limits.
 
 A stage whose inputs (config identity, checkpoint fingerprints, tensorrt-edgellm version) match the manifest's
 record and whose outputs are still there with the recorded digests is skipped ("up to date").
@@ -36,9 +41,10 @@ from typing import Any
 
 from spec_edge.config import Config, engine_root
 from spec_edge.device import checkpoint, memory, preflight
-from spec_edge.edgellm_layout import (FORMAT, MANIFEST, builder_limits, edgellm_version, engine_record,
-                                             file_digest, folder_digests, identity_config, profile_dir, read_manifest,
-                                             require_known_weights, write_manifest)
+from spec_edge.edgellm_layout import (FORMAT, MANIFEST, VISION_MODEL_TYPES, VISUAL_FOLDER, builder_limits,
+                                      edgellm_version,
+                                      engine_record, file_digest, folder_digests, identity_config, profile_dir,
+                                      read_manifest, require_known_weights, visual_limits, write_manifest)
 from spec_edge.device.profiles import plan_for_config, plan_inputs
 
 Progress = Callable[[str], None]
@@ -101,11 +107,15 @@ class Stages:
                 return None
         return record
 
-    def record(self, stage: str, key: str, outputs: dict[str, str], seconds: float, **extra: Any) -> dict[str, Any]:
+    def record(self, stage: str, key: str, outputs: dict[str, str], seconds: float, exclude: str = "",
+               **extra: Any) -> dict[str, Any]:
+        """exclude: a folder (relative to the profile dir) inside an output that another stage records."""
         files: dict[str, str] = {}
         for rel in outputs.values():
             if rel is not None and (self.dir / rel).is_dir():
                 files.update(folder_digests(self.dir / rel, self.dir))
+        if exclude:
+            files = {k: v for k, v in files.items() if not k.startswith(exclude.rstrip("/") + "/")}
         entry = {"key": key, "outputs": outputs, "files": files, "seconds": round(seconds, 1), **extra}
         self.manifest["stages"][stage] = entry
         write_manifest(self.dir, self.manifest)
@@ -144,6 +154,7 @@ def _stages(st: Stages, cfg: Config, profile_yaml: str, export_only: bool) -> di
     # 2 checkpoint
     t = time.monotonic()
     target_src = checkpoint.hf_folder(cfg.model.target, engine_root(cfg) / "checkpoints")
+    require_vision(cfg, target_src)
     st.manifest["stages"]["checkpoint"] = {"target": str(target_src), "seconds": round(time.monotonic() - t, 1)}
     from spec_edge.graphs import weights
     from spec_edge.heads.eagle3 import head_fingerprint
@@ -172,6 +183,21 @@ def _stages(st: Stages, cfg: Config, profile_yaml: str, export_only: bool) -> di
     # 5 engines
     build_engines(st, exports, base_key)
     return st.manifest
+
+
+def require_vision(cfg: Config, target: Path) -> None:
+    """BuildError unless graphs.max_image_tokens is 0 or the target is a Qwen-VL checkpoint (its config.json
+    model_type in edgellm_layout.VISION_MODEL_TYPES: the VLMs whose images this project sends)."""
+    if not cfg.graphs.max_image_tokens:
+        return
+    try:
+        model_type = json.loads((target / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    if model_type not in VISION_MODEL_TYPES:
+        raise BuildError(f"graphs.max_image_tokens={cfg.graphs.max_image_tokens} builds Edge-LLM's visual engine, but "
+                         f"model.target {target} is model_type '{model_type}', not a Qwen-VL checkpoint "
+                         f"({', '.join(VISION_MODEL_TYPES)}): point model.target at one, or set graphs.max_image_tokens: 0")
 
 
 def quantize(st: Stages, source: Path, base_key: str) -> Path:
@@ -221,7 +247,9 @@ def quantize(st: Stages, source: Path, base_key: str) -> Path:
 
 
 def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> dict[str, Path]:
-    """role -> exported ONNX folder (the `llm/` folder Edge-LLM writes under each output root)."""
+    """role -> exported ONNX folder (the `llm/` folder Edge-LLM writes under each output root; "visual": the target's
+    visual/ folder when graphs.max_image_tokens)."""
+    vision = visual_limits(st.cfg) is not None
     jobs: dict[str, list[str]] = {}
     if head_dir is None:
         jobs["target"] = [str(source)]
@@ -229,7 +257,7 @@ def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> di
         jobs["target"] = [str(source), "--eagle-base"]
         jobs["draft"] = [str(head_dir)]
         if st.cfg.graphs.batch_slots > 1:
-            jobs["batch"] = [str(source)]
+            jobs["batch"] = [str(source), "--skip-visual"] if vision else [str(source)]
     out: dict[str, Path] = {}
     for role, args in jobs.items():
         root = st.dir / "onnx" / role
@@ -241,16 +269,50 @@ def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> di
         else:
             shutil.rmtree(root, ignore_errors=True)
             t = time.monotonic()
-            _run(_tool("export") + [args[0], str(root)] + args[1:], "export", st.progress,
+            python = preflight.quantize_python() if vision and role == "target" else sys.executable  # ModelOpt
+            _run(_tool("export", python) + [args[0], str(root)] + args[1:], "export", st.progress,
                  st.dir / "logs" / f"export_{role}.log")
-            llm = root / "llm"
-            if not (llm / "model.onnx").is_file():
-                raise BuildError(f"tensorrt-edgellm-export wrote no {llm / 'model.onnx'} (see {st.dir / 'logs'})")
-            st.record(stage, key, {"onnx": f"onnx/{role}/llm"}, time.monotonic() - t)
-            st.say("export", f"{role}: {llm} in {time.monotonic() - t:.0f} s")
+            llm, visual = root / "llm", (root / "visual" if vision and role == "target" else None)
+            for folder in (llm, visual):
+                if folder is not None and not (folder / "model.onnx").is_file():
+                    raise BuildError(f"tensorrt-edgellm-export wrote no {folder / 'model.onnx'} (see "
+                                     f"{st.dir / 'logs'})")
+            outputs = {"onnx": f"onnx/{role}/llm"} | ({"visual": f"onnx/{role}/visual"} if visual else {})
+            st.record(stage, key, outputs, time.monotonic() - t)
+            st.say("export", f"{role}: {llm}" + (f" and {visual}" if visual else "") +
+                   f" in {time.monotonic() - t:.0f} s")
         out[role] = root / "llm"
+        if vision and role == "target":
+            out["visual"] = root / "visual"
     write_manifest(st.dir, st.manifest)  # the reused records too: the next run reads them
     return out
+
+
+def build_visual(st: Stages, native, exports: dict[str, Path], base_key: str) -> None:
+    """graphs.max_image_tokens: VisualBuilder(onnx/target/visual, <target engine folder>/visual, VisualBuilderConfig) with
+    edgellm_layout.visual_limits (it writes visual.engine and the export's config.json + builder_config,
+    cpp/builder/visualBuilder.cpp VisualBuilder::build)."""
+    fields = visual_limits(st.cfg)
+    if fields is None:
+        return
+    rel, stage = engine_record(st.cfg)["visual_engine_dir"], "engine_visual"
+    key = _key(base_key, st.manifest["stages"]["export_target"]["key"], fields)
+    if (record := st.reuse(stage, key)) is not None:
+        st.manifest["stages"][stage] = record
+        st.say("engines", f"visual: up to date ({st.dir / rel})")
+        return
+    config = native.VisualBuilderConfig()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    engine_dir = st.dir / rel
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    st.say("engines", f"visual: building from {exports['visual']} into {engine_dir} ({fields})")
+    t = time.monotonic()
+    if not native.VisualBuilder(str(exports["visual"]), str(engine_dir), config).build():
+        raise BuildError(f"VisualBuilder could not build the visual engine from {exports['visual']} (see TensorRT's "
+                         f"messages above)")
+    st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
+    st.say("engines", f"visual: built in {time.monotonic() - t:.0f} s")
 
 
 def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
@@ -284,8 +346,10 @@ def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
             if not native.LLMBuilder(str(exports[export]), str(engine_dir), config).build():
                 raise BuildError(f"LLMBuilder could not build the {role} engine from {exports[export]} (see TensorRT's "
                                  f"messages above)")
-            st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
+            st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t,
+                      exclude=f"{rel}/{VISUAL_FOLDER}")  # the visual engine's own stage records that
             st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
+    build_visual(st, native, exports, base_key)
     st.manifest["edgellm"] = engine_record(st.cfg)
     st.manifest["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     write_manifest(st.dir, st.manifest)

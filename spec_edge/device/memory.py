@@ -18,6 +18,12 @@ What Edge-LLM builds for a profile (edgellm_build.py) and what each costs
   activations     one call of max_input_len = graphs.max_context tokens (the widest Edge-LLM plans for):
                   the dense intermediates of one layer (the attention plugin never materialises T x S
                   scores) + the logits of the selected tokens (float32). An estimate.
+  visual engine   graphs.max_image_tokens > 0 (a Qwen-VL target): VisualBuilder's engine of the vision tower, fp16
+                  (tensorrt-edgellm-export --dtype float16, its default), loaded by each runtime (LLMRuntime and
+                  RequestEngine both take multimodal_engine_dir), and its activations for the widest call the engine
+                  is built for, max_image_tokens x 4 patches (VisualBuilder::setupQwenViTProfile: maxHW =
+                  maxImageTokens x 4, spatial_merge_size 2 squared). visual_weight_bytes counts the tower as
+                  tensorrt_edgellm/models/qwen2_5_vl/modeling_qwen2_5_vl_visual.py builds it.
   runtimes        LLMRuntime (batch 1; speculative when drafter eagle3) or RequestEngine (graphs.batch_slots
                   B > 1, no speculation). B > 1 with drafter eagle3: the node may switch between both, so
                   both are resident: a batch-1 EAGLE-3 base engine + head AND a batch-B plain engine (its own
@@ -118,6 +124,51 @@ def head_weight_bytes(h: "HeadConfig") -> int:
     return (n + 4 * H) * FP16 + h.draft_vocab_size * 4
 
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """A Qwen-VL vision tower's geometry (the checkpoint's config.json vision_config)."""
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    out_hidden_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+
+    @classmethod
+    def from_hf(cls, vision: dict) -> "VisionConfig":
+        return cls(depth=int(vision["depth"]), hidden_size=int(vision["hidden_size"]),
+                   intermediate_size=int(vision["intermediate_size"]), out_hidden_size=int(vision["out_hidden_size"]),
+                   patch_size=int(vision.get("patch_size", 14)),
+                   temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+                   spatial_merge_size=int(vision.get("spatial_merge_size", 2)),
+                   in_channels=int(vision.get("in_chans", vision.get("in_channels", 3))))
+
+
+def visual_weight_bytes(v: VisionConfig) -> int:
+    """The visual engine's weights, fp16, as modeling_qwen2_5_vl_visual.py builds the tower: the patch embedding
+    (Conv3d, no bias), per block qkv (H -> 3H) and proj (H -> H) with biases, the SwiGLU MLP (gate / up H -> I,
+    down I -> H, biases) and two RMSNorms, the merger (RMSNorm, 4H -> 4H, GELU, 4H -> out, biases)."""
+    h, i, m = v.hidden_size, v.intermediate_size, v.hidden_size * v.spatial_merge_size ** 2
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * h
+    block = (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h) + 2 * h
+    merger = h + (m * m + m) + (m * v.out_hidden_size + v.out_hidden_size)
+    return (patch + v.depth * block + merger) * FP16
+
+
+def visual_activation_bytes(v: VisionConfig, image_tokens: int) -> int:
+    """One visual engine call at its widest: image_tokens x merge^2 patches through one block's dense intermediates
+    (residual, normed, qkv, attention out, gate / up / act) in fp16, its input (patches x C x T x P x P, fp16)
+    and rotary table (float32), and the image-token embeddings it returns (fp16). An estimate."""
+    patches = image_tokens * v.spatial_merge_size ** 2
+    h, i = v.hidden_size, v.intermediate_size
+    dense = patches * (2 * h + 3 * h + h + 3 * i) * FP16
+    pixels = patches * v.in_channels * v.temporal_patch_size * v.patch_size ** 2 * FP16
+    rotary = patches * (h // 16) * 4  # head_dim / 2 of 16 heads' rotary, float32 (an upper estimate)
+    return dense + pixels + rotary + image_tokens * v.out_hidden_size * FP16
+
+
 def head_kv_bytes(h: "HeadConfig", max_context: int) -> int:
     """The head's own one-layer paged K + V, fp16."""
     return 2 * h.n_kv_heads * kv_capacity(max_context) * h.head_dim * FP16
@@ -140,6 +191,7 @@ class PlanInputs:
     drafter: str = "none"             # speculative.drafter: eagle3 | none (what Edge-LLM runs)
     k: int = 4                        # speculative.k
     head: "HeadConfig | None" = None  # drafter eagle3: the EAGLE-3 head
+    vision: VisionConfig | None = None  # graphs.max_image_tokens > 0: the target's vision tower
 
 
 @dataclass(frozen=True)
@@ -232,6 +284,13 @@ def _breakdown(i: PlanInputs, max_context: int) -> tuple[list[tuple[str, int]], 
             lines.append((f"{name}: target hidden states for the head (3 x H)", hidden))
             act = max(act, activation_bytes(h.as_model_config(), max_context, k_max))
         lines.append((f"{name}: activations (estimate)", act))
+        if g.max_image_tokens:
+            if i.vision is None:
+                raise ConfigError("graphs.max_image_tokens needs the target's vision_config (a Qwen-VL checkpoint)")
+            engines.append(visual_weight_bytes(i.vision))
+            lines.append((f"{name}: visual engine weights (fp16)", engines[-1]))
+            lines.append((f"{name}: visual engine activations ({g.max_image_tokens} image tokens)",
+                          visual_activation_bytes(i.vision, g.max_image_tokens)))
         lines.append((f"{name}: CUDA + TensorRT context", overhead))
     reserve = int(mem.os_ros_reserve_gb * GIB)
     lines.append(("OS + ROS reserve", reserve))

@@ -16,6 +16,7 @@ Quantize pieces (graphs.weights nvfp4 / int4_awq / fp8 on an unquantized checkpo
 the interpreter that runs tensorrt-edgellm-quantize (quantize_python()):
   modelopt, datasets, calibration set (EDGELLM_QUANT_DATASET_CNN_DAILYMAIL or the file made from
   data/train_prompts.txt), or a checkpoint already quantized that way, which skips the stage.
+Visual export piece (graphs.max_image_tokens; both modes): modelopt in the same interpreter (visual_findings).
 No torch anywhere here.
 """
 from __future__ import annotations
@@ -138,6 +139,24 @@ def quantize_findings(cfg: Config) -> list[Finding]:
     return out
 
 
+def visual_findings(cfg: Config) -> list[Finding]:
+    """graphs.max_image_tokens: the visual encoder's export imports NVIDIA ModelOpt even unquantized
+    (tensorrt_edgellm/scripts/export.py _export_visual imports ..quantization.quantization_configs, whose package
+    imports modelopt: quantization/models/dflash_draft.py), so the target's export runs in quantize_python()."""
+    if not cfg.graphs.max_image_tokens:
+        return []
+    python = quantize_python()
+    setup = "scripts/setup.sh --thor-quantize (a .venv-quantize with Edge-LLM's [tools] pins)"
+    found = _modules_in(python, ("modelopt",))
+    if found is None:
+        return [Finding("visual export python", False, f"{python} does not run: set ${QUANTIZE_PYTHON_ENV} or run "
+                                                       f"{setup}")]
+    return [Finding("modelopt (visual export)", found["modelopt"], f"NVIDIA ModelOpt in {python}" if found["modelopt"]
+                    else f"not in {python}: tensorrt-edgellm-export imports it to export the visual encoder "
+                         f"(graphs.max_image_tokens={cfg.graphs.max_image_tokens}): run {setup}, or pip install "
+                         f"nvidia-modelopt==0.45.0 there; or set graphs.max_image_tokens: 0 (text only)")]
+
+
 def _tensorrt_soname(detect, jetpack: bool) -> str:
     """detect._find_soname("nvinfer"); on a Jetson its failure names JetPack's own TensorRT instead of Edge-LLM's
     advice to pip install a tensorrt wheel (_native/dependencies.py _INSTALL_GUIDANCE: x86 / DGX Spark packages;
@@ -229,5 +248,5 @@ def device_findings(cfg: Config, plan: memory.Plan | None) -> list[Finding]:
 
 def check(cfg: Config, *, device: bool, plan: memory.Plan | None = None) -> list[Finding]:
     """Every finding for a build of cfg: the device pieces when device (the engine stage runs), the quantize
-    pieces when graphs.weights asks for a calibration here."""
-    return (device_findings(cfg, plan) if device else []) + quantize_findings(cfg)
+    pieces when graphs.weights asks for a calibration here, ModelOpt for a visual encoder's export."""
+    return (device_findings(cfg, plan) if device else []) + quantize_findings(cfg) + visual_findings(cfg)

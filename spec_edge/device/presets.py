@@ -34,6 +34,19 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         n_kv_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
         tie_embeddings=True, qk_norm=True, bos_id=-1, eos_ids=(151645, 151643),
         max_position_embeddings=40960, name="Qwen3-0.6B"),
+    "qwen2.5-vl-3b": ModelConfig(  # the text model of Qwen/Qwen2.5-VL-3B-Instruct's config.json
+        vocab_size=151936, hidden_size=2048, intermediate_size=11008, n_layers=36, n_heads=16,
+        n_kv_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_embeddings=True,
+        bos_id=151643, eos_ids=(151645,), max_position_embeddings=128000, name="Qwen2.5-VL-3B-Instruct"),
+}
+
+# Published VLMs' vision_config (config.json), by the model preset's name, for the visual engine's memory plan
+# (memory.VisionConfig); a folder with config.json always wins.
+VISION_PRESETS: dict[str, dict[str, Any]] = {
+    "Qwen2.5-VL-3B-Instruct": {
+        "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "in_chans": 3,
+        "out_hidden_size": 2048, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu"},
 }
 
 

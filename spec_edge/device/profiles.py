@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 from spec_edge.config import Config, ConfigError, ModelConfig, speculative_k
-from spec_edge.device.presets import HEAD_PRESETS, MODEL_PRESETS
+from spec_edge.device.presets import HEAD_PRESETS, MODEL_PRESETS, VISION_PRESETS
 from spec_edge.device import memory
+from spec_edge.edgellm_layout import VISION_MODEL_TYPES
 
 
 def resolve_profile(arg: str) -> Path:
@@ -40,7 +41,10 @@ def model_config(source: str) -> ModelConfig:
     path = Path(source).expanduser()
     if (path / "config.json").is_file():
         from spec_edge.graphs.weights import config_from_hf
-        return config_from_hf(json.loads((path / "config.json").read_text()))
+        hf = json.loads((path / "config.json").read_text())
+        if hf.get("model_type") in VISION_MODEL_TYPES:
+            return _vlm_text_config(hf, path.name)
+        return config_from_hf(hf)
     by_name = {m.name.lower(): m for m in MODEL_PRESETS.values()}
     if path.name.lower() in by_name:
         return by_name[path.name.lower()]
@@ -48,6 +52,42 @@ def model_config(source: str) -> ModelConfig:
         return MODEL_PRESETS["smollm2-135m"]
     raise ConfigError(f"cannot tell the architecture of '{source}': give a Hugging Face folder with "
                       f"config.json, or a preset ({', '.join(MODEL_PRESETS)})")
+
+
+def _vlm_text_config(hf: dict, name: str) -> ModelConfig:
+    """The text model of a Qwen-VL checkpoint (root keys, or text_config), for the memory plan only: Edge-LLM runs
+    it (its M-RoPE and q/k/v biases are not the ONNX Runtime graphs', which config_from_hf guards)."""
+    text = {**hf, **(hf.get("text_config") or {})}
+    n_heads = int(text["num_attention_heads"])
+    eos = text.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=int(text["vocab_size"]), hidden_size=int(text["hidden_size"]),
+        intermediate_size=int(text["intermediate_size"]), n_layers=int(text["num_hidden_layers"]), n_heads=n_heads,
+        n_kv_heads=int(text.get("num_key_value_heads", n_heads)),
+        head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // n_heads),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), rope_theta=float(text.get("rope_theta", 1e6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        qk_norm=hf.get("model_type") == "qwen3_vl", eos_ids=tuple(eos) if isinstance(eos, list) else (
+            () if eos is None else (int(eos),)), max_position_embeddings=int(text.get("max_position_embeddings", 8192)),
+        name=name)
+
+
+def vision_config(source: str) -> memory.VisionConfig:
+    """The vision tower a VLM profile's model.target names: the folder's config.json vision_config, or (a folder not
+    downloaded yet) the VISION_PRESETS entry of its name; ConfigError when it has none (not a VLM)."""
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        vision = json.loads((path / "config.json").read_text()).get("vision_config")
+    else:
+        by_name = {key.lower(): raw for key, raw in VISION_PRESETS.items()}
+        vision = by_name.get(path.name.lower()) or VISION_PRESETS.get(model_config(source).name)
+    if not vision:
+        raise ConfigError(f"graphs.max_image_tokens needs a Qwen-VL model.target ({', '.join(VISION_MODEL_TYPES)}); "
+                          f"'{source}' has no vision_config (nor a preset of that name: {', '.join(VISION_PRESETS)})")
+    try:
+        return memory.VisionConfig.from_hf(vision)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ConfigError(f"the vision_config of '{source}' lacks what the plan reads ({err})") from None
 
 
 def head_config(source: str, target: ModelConfig):
@@ -69,8 +109,9 @@ def plan_inputs(cfg: Config) -> memory.PlanInputs:
     target = model_config(cfg.model.target)
     drafter = cfg.speculative.drafter
     head = head_config(cfg.speculative.eagle3_head, target) if drafter == "eagle3" else None
+    vision = vision_config(cfg.model.target) if cfg.graphs.max_image_tokens else None
     return memory.PlanInputs(target=target, graphs=cfg.graphs, memory=cfg.memory, drafter=drafter,
-                             k=speculative_k(cfg), head=head)
+                             k=speculative_k(cfg), head=head, vision=vision)
 
 
 def plan_for_config(cfg: Config, device: memory.DeviceMemory | None = None) -> memory.Plan:

@@ -30,6 +30,14 @@ What maps to what (docs/tensorrt.md, "Serving: the runtime adapter"):
       tool_call_id) are left unset: they only feed its chat template, which apply_chat_template=False bypasses, and
       its runtime neither constrains nor parses calls (docs/tensorrt.md, "Tool calls on Edge-LLM"). A schema keyword
       XGrammar accepts but does not enforce is refused, naming runtime.backend: onnxruntime.
+  images (Prepared.images, (H, W, 3) uint8 RGB in IMAGE_MARKER order; a profile with graphs.max_image_tokens, its
+      visual engine built by `spec-edge build`) -> each one PNG-encoded into load_image_from_bytes, the ImageData
+      list Request.image_buffers in marker order, each IMAGE_MARKER of the rendered text replaced by the Qwen-VL
+      image span <|vision_start|><|image_pad|><|vision_end|> (the tokens of the visual engine's config.json ids):
+      the runtime's QwenViTRunner::textPreprocess gives the Nth <|image_pad|> the Nth image buffer's tokens (the
+      wheel's server builds the same list the same way: experimental/server/runtime/engine.py _load_image_buffers,
+      do_resize on); the bundle root holding visual/ is LLMRuntime / RequestEngine's multimodal_engine_dir. Such a
+      request bypasses the context cache (docs/tensorrt.md, "Images: Edge-LLM's VLM pipeline").
   streaming -> the request's StreamChannel: its token ids go through our StreamDecoder into on_text.
   cancel (service timeout, action cancel, shutdown) -> polled while waiting on the channel; StreamChannel.cancel()
       (LLMRuntime) or RequestHandle.cancel() (RequestEngine); the finish reason is cancel()'s answer. A batched
@@ -66,7 +74,7 @@ from spec_edge import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
 from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.serving import Sink
-from spec_edge.runtime.requests import GenerateResult, RequestError
+from spec_edge.runtime.requests import IMAGE_MARKER, GenerateResult, RequestError
 from spec_edge.runtime.stats import Stats
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
 from spec_edge.runtime.tool_format import Answer, ToolFormat
@@ -84,7 +92,7 @@ EDGELLM_API: dict[str, tuple[str, ...]] = {
                              "top_p", "top_k", "sampling_seed", "max_generate_length", "disable_spec_decode",
                              "skip_special_tokens", "stream_channels", "context_cache_lookup_policy",
                              "context_cache_commit_policy"),
-    "Request": ("__init__", "stop_strings", "guided_decoding", "logit_bias"),
+    "Request": ("__init__", "stop_strings", "guided_decoding", "logit_bias", "image_buffers"),
     "GuidedDecodingParams": ("__init__",),
     "StreamChannel": ("create", "wait_pop", "try_pop", "is_finished", "cancel"),
     "StreamChunk": ("token_ids", "finished", "reason"),
@@ -97,13 +105,15 @@ EDGELLM_API: dict[str, tuple[str, ...]] = {
     "ShutdownMode": ("CANCEL",),
     "SubmitError": (),
     "create_text_message": (),
+    "load_image_from_bytes": (),
+    "ImageData": ("do_resize",),
     "validate_guided_decoding_params": (),
 }
 # expression in this module's source -> the Edge-LLM class of the object it holds
 EDGELLM_RECEIVERS = {"self.runtime": "LLMRuntime", "self.batcher": "RequestEngine", "handle": "RequestHandle",
                      "cache": "ContextCacheConfig", "call": "LLMGenerationRequest", "item": "Request",
                      "channel": "StreamChannel", "chunk": "StreamChunk", "counts": "SpecDecodeGenerationMetrics",
-                     "prefill": "LLMPrefillMetrics"}
+                     "prefill": "LLMPrefillMetrics", "image": "ImageData"}
 POLL_MS = 20  # how long one wait on the stream channel blocks before cancel() is asked again
 CANCEL_GRACE_S = 0.5  # a batched request ends this long after its cancel even without a final chunk
 PROBE = (("system", "You are a robot."), ("user", "Say hi."))  # the tokenizer agreement check at load
@@ -148,6 +158,51 @@ class EdgeLLMDirs:
     max_input_len: int         # longest prompt the engine takes (its builder_config)
     max_kv_cache_capacity: int  # prompt + answer tokens one sequence holds
     tree: edgellm_layout.EagleTree | None  # the EAGLE-3 drafting shape LLMRuntime is made with (None: no drafter)
+    visual: "VisualEngine | None" = None  # graphs.max_image_tokens > 0: the visual engine (None: text only)
+
+
+@dataclass(frozen=True)
+class VisualEngine:
+    """The visual engine `spec-edge build` made (edgellm_layout.visual_limits), as its config.json says: the folder
+    (multimodal_engine_dir), the most images one request may carry, the most tokens one image becomes, and the
+    token ids of the Qwen-VL image span the prompt text holds for each image."""
+    engine_dir: Path
+    images: int                 # edgellm_layout.images_per_request of its builder_config
+    tokens_per_image: int       # builder_config max_image_tokens_per_image
+    span_ids: tuple[int, int, int]  # (vision_start_token_id, image_token_id, vision_end_token_id)
+
+
+def visual_engine(cfg: Config, build: str) -> VisualEngine | None:
+    """The profile's visual engine (None when graphs.max_image_tokens is 0); BackendError naming the build command
+    when it is missing, not built for a Qwen-VL model, or its config.json lacks what the runtime reads
+    (QwenViTRunner::validateAndFillConfig: model_type, vision_start_token_id, image_token_id, builder_config; its
+    max_image_tokens / max_image_tokens_per_image as the wheel's server reads them, engine.py _video_frame_limits)."""
+    if not cfg.graphs.max_image_tokens:
+        return None
+    try:
+        folder = edgellm_layout.visual_engine_dir(cfg)
+    except (edgellm_layout.ManifestError, ConfigError) as err:
+        raise BackendError(str(err)) from None
+    if folder is None:
+        raise BackendError(f"graphs.max_image_tokens={cfg.graphs.max_image_tokens} needs the visual engine and the "
+                           f"build of profile '{cfg.runtime.profile}' has none: {build}")
+    path = folder / edgellm_layout.CONFIG_FILE["visual"]
+    try:
+        found = json.loads(path.read_text())
+        limits = found[edgellm_layout.BUILDER_CONFIG]
+        model_type = (found.get("vision_config") or {}).get("model_type") or found["model_type"]
+        span = (int(found["vision_start_token_id"]), int(found["image_token_id"]),
+                int(found["vision_end_token_id"]))
+        engine = VisualEngine(folder, edgellm_layout.images_per_request(limits),
+                              int(limits["max_image_tokens_per_image"]), span)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BackendError(f"{path} is not the config.json of a Qwen-VL visual engine ({type(err).__name__}: {err}): "
+                           f"{build}") from None
+    if model_type not in edgellm_layout.VISION_MODEL_TYPES:
+        raise BackendError(f"{path} is a '{model_type}' visual engine; spec_edge sends images to the Qwen-VL family "
+                           f"({', '.join(edgellm_layout.VISION_MODEL_TYPES)}) only: serve one of those, or set "
+                           f"graphs.max_image_tokens: 0")
+    return engine
 
 
 def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
@@ -183,7 +238,25 @@ def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
     except (ValueError, KeyError, TypeError) as err:
         raise BackendError(f"{engine_dir / edgellm_layout.CONFIG_FILE[role]} has no builder_config max_input_len / "
                            f"max_kv_cache_capacity ({type(err).__name__}: {err}): {build}") from None
-    return EdgeLLMDirs(engine_dir, draft_dir, max_input, capacity, tree)
+    return EdgeLLMDirs(engine_dir, draft_dir, max_input, capacity, tree, visual_engine(cfg, build))
+
+
+def multimodal_dir(dirs: EdgeLLMDirs) -> str:
+    """LLMRuntime / RequestEngine's multimodal_engine_dir: the bundle root holding the visual engine's folder, as the
+    wheel's server passes it (experimental/server/runtime/engine_layout.py BundleLayout.media_dir: the root when
+    <root>/visual/visual.engine exists), '' (their default) for a text-only profile."""
+    return str(dirs.visual.engine_dir.parent) if dirs.visual is not None else ""
+
+
+def png(pixels) -> bytes:
+    """An (H, W, 3) uint8 RGB image as PNG file bytes (lossless: the runtime decodes the same pixels)."""
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG", compress_level=1)
+    return out.getvalue()
 
 
 def load_native() -> ModuleType:
@@ -318,12 +391,13 @@ class _Serial(_Mode):
         super().__init__(rt)
         if cfg.speculative.drafter == "eagle3":
             tree = dirs.tree or edgellm_layout.eagle3_tree(cfg)
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), "", {}, draft_top_k=tree.top_k, draft_step=tree.steps,
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), multimodal_dir(dirs), {}, draft_top_k=tree.top_k,
+                                         draft_step=tree.steps,
                                          verify_tree_size=tree.verify_size, draft_checkpoint_dir="",
                                          context_cache_config=cache)
             self.drafters = EDGELLM_DRAFTERS
         else:
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), context_cache_config=cache)
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), multimodal_dir(dirs), context_cache_config=cache)
             self.drafters = ("none",)
         if not self.runtime.capture_decoding_cuda_graph():
             progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
@@ -382,7 +456,8 @@ class _Batched(_Mode):
     def __init__(self, rt: ModuleType, cfg: Config, dirs: EdgeLLMDirs, cache):
         super().__init__(rt)
         self.capacity = slots = cfg.graphs.batch_slots
-        self.batcher = rt.RequestEngine(str(dirs.engine_dir), context_cache_config=cache, max_batch_size=slots,
+        self.batcher = rt.RequestEngine(str(dirs.engine_dir), multimodal_dir(dirs), context_cache_config=cache,
+                                        max_batch_size=slots,
                                         max_pending_requests=cfg.serve.queue_limit + slots)
 
     def count_prompt_tokens(self, call) -> list[int]:
@@ -431,7 +506,9 @@ class EdgeLLMEngine:
             k_remedy=f"the Edge-LLM runtime drafts a chain of k={k} (speculative.k, fixed at load): send k=0 or k={k}",
             max_context=self.max_context, max_input=min(dirs.max_input_len, self.max_context - 1),
             vocab_size=self.vocab_size, eos_ids=(), guided=("json_schema", "regex", "gbnf"), sampling=(),
-            forced_drafts=False)
+            forced_drafts=False, images=dirs.visual.images if dirs.visual is not None else 0)
+        self.image_span = (self.tokenizer.backend.decode(list(dirs.visual.span_ids), skip_special_tokens=False)
+                           if dirs.visual is not None else "")  # what the model's chat template writes per image
         self._check_tokenizer()
 
     @classmethod
@@ -516,12 +593,26 @@ class EdgeLLMEngine:
         """A prepared request through Edge-LLM, on the calling thread (see the module docstring for the mapping)."""
         request, params, drafter, max_new = prepared.request, prepared.sampling, prepared.drafter, prepared.max_new_tokens
         n_prompt = len(prepared.prompt_ids)
-        room = self.max_context - n_prompt  # KV capacity left after the prompt
+        # each image becomes at most tokens_per_image positions (QwenViTRunner::textPreprocess expands its pad)
+        image_tokens = len(prepared.images) * self.dirs.visual.tokens_per_image if prepared.images else 0
+        room = self.max_context - n_prompt - image_tokens  # KV capacity left after the prompt
         context_bound = max_new > room
         max_new = min(max_new, room)
         rt = self.rt
-        call = self._call(prepared.text, max_new)
+        if room < 1:
+            raise RequestError(f"the prompt ({n_prompt} tokens) and its {len(prepared.images)} images (up to "
+                               f"{image_tokens} tokens) leave no room in the {self.max_context} positions of this "
+                               f"engine: send fewer images or a shorter prompt")
+        text = prepared.text.replace(IMAGE_MARKER, self.image_span) if prepared.images else prepared.text
+        call = self._call(text, max_new)
         item = call.requests[0]
+        if prepared.images:  # in marker order: the Nth image span takes the Nth buffer
+            buffers = []
+            for pixels in prepared.images:
+                image = rt.load_image_from_bytes(png(pixels))
+                image.do_resize = True  # to the engine's token bounds (qwenSmartResize), as the wheel's server sets it
+                buffers.append(image)
+            item.image_buffers = buffers
         item.stop_strings = [s for s in request.stop if s]
         if params.logit_bias:
             item.logit_bias = dict(params.logit_bias)
@@ -532,7 +623,8 @@ class EdgeLLMEngine:
         sampled = non_greedy(call.temperature, call.top_k, call.top_p)
         if prepared.seed is not None:
             call.sampling_seed = prepared.seed
-        call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE if self.cfg.serve.reuse_prefix
+        call.context_cache_lookup_policy = (rt.ContextCacheLookupPolicy.USE_CACHE
+                                            if self.cfg.serve.reuse_prefix and not prepared.images
                                             else rt.ContextCacheLookupPolicy.BYPASS)
         asked = speculative_k(self.cfg) if drafter == "eagle3" else 0
         k, off_reason, by_load = asked, self.mode.off_reason(drafter), False
@@ -591,7 +683,7 @@ class EdgeLLMEngine:
                 "mode": self.mode.name, "engine_dir": str(self.dirs.engine_dir), "max_context": self.max_context,
                 "max_input_len": self.dirs.max_input_len, "drafter": self.cfg.speculative.drafter,
                 "k": self.cfg.speculative.k, "k_values": [speculative_k(self.cfg)],
-                "batch_slots": self.cfg.graphs.batch_slots,
+                "batch_slots": self.cfg.graphs.batch_slots, "images_per_request": self.capabilities.images,
                 "speculate_k_by_load": list(self.cfg.serve.speculate_k_by_load),
                 "speculation_policy": speculation_policy.describe(self.cfg.serve.speculate_k_by_load),
                 "memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
