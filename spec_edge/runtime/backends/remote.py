@@ -35,7 +35,7 @@ from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.requests import GenerateResult, RequestError, ToolCall, Unavailable
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.stats import Stats
-from spec_edge.runtime.tool_format import tool_specs
+from spec_edge.runtime.tool_format import openai_calls, tool_specs
 
 POLL_S = 0.02  # how long iterate() waits for a remote request to end before cancels are asked again
 PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -183,8 +183,7 @@ class RemoteDecoder:
     def _message(m) -> dict[str, Any]:
         out: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments":
-                                                                               c.arguments}} for c in m.tool_calls]
+            out["tool_calls"] = openai_calls(m.tool_calls)
         if m.tool_call_id:
             out["tool_call_id"] = m.tool_call_id
         return out
