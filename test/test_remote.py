@@ -2,77 +2,26 @@
 model (remote.kind spec_edge), driven through the one Scheduler as every door drives a decoder. Greedy answers equal
 the local engine's token for token, streamed; a cancel frees the server's slot within 1 s; a refused capability
 gets the front's words; the server stopped -> the fallback answers within 2 s and says so (without a fallback:
-"remote unavailable" within 1 s); the server back -> served remotely again within the probe interval."""
+"remote unavailable" within 1 s); the server back -> served remotely again within the probe interval. Tool calls
+pass through (the embedded default's server). The node over the same server: ros/test_node_remote.py."""
 from __future__ import annotations
 
 import json
 import logging
-import os
-import re
-import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-import httpx
 import pytest
+from remote_server import REPO, Server, free_port
 
 from spec_edge import config as cfgmod
 from spec_edge.runtime.decoders import open_decoder
 from spec_edge.runtime.requests import GenerateRequest, RequestError
 from spec_edge.runtime.scheduler import Job, Scheduler, run_one
 
-REPO = Path(__file__).resolve().parents[1]
 PROBE_S = 0.5
 REQUESTS = {"chat": GenerateRequest(messages=(("user", "Move the arm to the left"),), max_new_tokens=24, temperature=0),
             "raw": GenerateRequest(prompt="The robot picks up", chat=False, max_new_tokens=16, temperature=0)}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`spec-edge http` in a process of its own, stopped and started again on the same port."""
-
-    def __init__(self, cfg: cfgmod.Config, folder: Path):
-        self.port = free_port()
-        self.profile = folder / "remote.yaml"
-        self.profile.write_text(cfgmod.dump(cfg.replace(**{"http.port": self.port})))
-        self.log = folder / "remote.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))))
-        self.proc = subprocess.Popen([sys.executable, "-m", "spec_edge.cli", "http", "--config", str(self.profile)],
-                                     env=env, stdout=self.log.open("a"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the remote did not start: {self.log.read_text()[-3000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=2).text
-        found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-        return float(found.group(1)) if found else 0.0  # a counter not counted yet
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +29,7 @@ def remote(tiny_cfg, tiny_engine, tmp_path_factory):
     server = Server(tiny_cfg, tmp_path_factory.mktemp("remote"))
     server.start()
     yield server
-    if server.proc.poll() is None:
-        server.stop()
+    server.stop()
 
 
 def remote_cfg(tiny_cfg, server: Server, fallback: str) -> cfgmod.Config:
@@ -145,7 +93,8 @@ def test_without_fallback_the_server_renders(tiny_cfg, tiny_engine, remote):
 
 def test_guided_json_passes_through(served, tiny_engine):
     """The schema goes to the server as response_format; its constrained answer is the local's, token for token.
-    (Tool calls are not run here: the tiny model's 128-token context cannot hold the tools' prompt.)"""
+    (Tool calls: test_tool_calls_pass_through, on the embedded default: the tiny model's 128-token context cannot
+    hold the tools' prompt.)"""
     scheduler, _ = served
     place = {"type": "object", "properties": {"place": {"enum": ["dock", "kitchen"]}}, "required": ["place"],
              "additionalProperties": False}
@@ -241,3 +190,35 @@ def test_server_down_then_back(served, tiny_cfg, remote):
     assert decoder.info()["remote"]["state"] == "closed" and decoder.info()["remote"]["errors"] >= 1
     bare.stop(1.0)
     alone.close()
+
+
+@pytest.mark.real_model("fp32")
+def test_tool_calls_pass_through(tmp_path):
+    """Tools go to the server as OpenAI tools (the embedded default, fp32: the tiny model's context cannot hold the
+    tools' prompt); the calls it constrains and parses come back as the local engine's, name and arguments (ids are
+    made per request)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from robot_tools import SYSTEM_PROMPT, TOOLS
+
+    real = cfgmod.Config().replace(**{"graphs.weights": "fp32", "graphs.batch_slots": 1, "speculative.k": 4,
+                                      "runtime.engine_dir": str(REPO / "engines")})
+    server = Server(real, tmp_path)
+    server.start()
+    try:
+        # a spec_edge server sends the calls whole, at the end: the first piece is the whole answer
+        cfg = remote_cfg(real, server, "local").replace(**{"remote.first_token_timeout_s": 300.0})
+        decoder = open_decoder(cfg, progress=lambda m: None)
+        try:
+            request = GenerateRequest(messages=(("system", SYSTEM_PROMPT), ("user", "Go to the kitchen.")),
+                                      tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                      max_new_tokens=64, temperature=0)
+            alone, remote = run_one(decoder.local, request), run_one(decoder, request)
+        finally:
+            decoder.close()
+    finally:
+        server.stop()
+    assert remote.stats.served_by == "remote" and remote.finish_reason == alone.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in remote.tool_calls] == [(c.name, c.arguments) for c in alone.tool_calls]
+    assert remote.tool_calls and remote.token_ids == alone.token_ids

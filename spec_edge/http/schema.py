@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
 from spec_edge.runtime.scheduler import Outcome
+from spec_edge.runtime.tool_format import openai_calls
 
 # our finish reasons -> OpenAI's ("error" and "cancelled" never reach a client as a finished choice)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls"}
@@ -237,8 +238,7 @@ def choice(body: ChatBody | CompletionBody, outcome: Outcome | None, text: str, 
                            else completion_logprobs(outcome, body.logprobs or 0, piece))
     if not chat:
         return out | {"text": text}
-    calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in (outcome.tool_calls if outcome is not None else ())]
+    calls = openai_calls(outcome.tool_calls if outcome is not None else ())
     if body.stream:  # the calls arrive whole, in the last chunk
         delta = {"content": text} if text or outcome is not None else {"role": "assistant", "content": ""}
         return out | {"delta": delta | ({"tool_calls": [{"index": i} | c for i, c in enumerate(calls)]} if calls else {})}

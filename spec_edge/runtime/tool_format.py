@@ -107,6 +107,12 @@ def tool_specs(tools: Sequence[Tool]) -> list[dict]:
                                               "parameters": json.loads(t.parameters)}} for t in tools]
 
 
+def openai_calls(calls: Sequence[ToolCall]) -> list[dict]:
+    """Tool calls in OpenAI's wire shape ({"id", "type": "function", "function": {"name", "arguments": JSON text}}):
+    the HTTP door's answers and the remote decoder's requests."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
 def template_turns(messages: Sequence[ChatMessage], call_id: Callable[[str], str] = str) -> list[dict]:
     """The messages as Hugging Face templates take them: assistant calls as `tool_calls` ({"id", "type",
     "function": {"name", "arguments": a dict}}), tool turns with `tool_call_id`; call_id maps each id."""

@@ -35,7 +35,7 @@ from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.requests import GenerateResult, RequestError, ToolCall, Unavailable
 from spec_edge.runtime.serving import Decoder, Sink
 from spec_edge.runtime.stats import Stats
-from spec_edge.runtime.tool_format import tool_specs
+from spec_edge.runtime.tool_format import openai_calls, tool_specs
 
 POLL_S = 0.02  # how long iterate() waits for a remote request to end before cancels are asked again
 PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -48,7 +48,8 @@ UNLIMITED = 1 << 30  # the context / vocabulary bound the front checks when only
 class Kind:
     """What a kind of server takes beyond OpenAI's chat fields. guided: the kinds the front lets through
     (json_schema goes as response_format; the others as the extra body field named in fields); sampling: the
-    front's optional features it honours; top_k: it takes top_k; fields: our name -> the server's."""
+    front's optional features it honours; top_k: it takes top_k; fields: our name -> the server's (json_schema:
+    "json_object": response_format {"type": "json_object", "schema": ...}, the shape llama.cpp's servers take)."""
     guided: tuple[str, ...]
     sampling: tuple[str, ...]
     tools: bool
@@ -61,7 +62,8 @@ KINDS = {  # each server's own docs: docs/remote.md, "What each kind takes"
     "openai": Kind(("json_schema",), PENALTIES, tools=True, top_k=False),
     "vllm": Kind(("json_schema", "regex", "gbnf"), _ALL, True, fields={"regex": "guided_regex", "gbnf": "guided_grammar"}),
     "sglang": Kind(("json_schema", "regex", "gbnf"), _ALL, True, fields={"regex": "regex", "gbnf": "ebnf"}),
-    "llama.cpp": Kind(("json_schema", "gbnf"), _ALL, True, fields={"gbnf": "grammar", "repetition_penalty": "repeat_penalty"}),
+    "llama.cpp": Kind(("json_schema", "gbnf"), _ALL, True,
+                      fields={"json_schema": "json_object", "gbnf": "grammar", "repetition_penalty": "repeat_penalty"}),
     "edgellm": Kind((), (), tools=False),
     "spec_edge": Kind(("json_schema", "regex", "gbnf", "lark"), _ALL, True,
                       fields={"regex": "regex", "gbnf": "grammar", "lark": "grammar"}),
@@ -162,8 +164,9 @@ class RemoteDecoder:
         if params.logit_bias:
             body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
         if request.json_schema:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "answer", "schema": json.loads(request.json_schema)}}
+            schema = json.loads(request.json_schema)
+            body["response_format"] = ({"type": "json_object", "schema": schema} if names.get("json_schema") else
+                                       {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
         elif request.regex or request.grammar:
             which = "regex" if request.regex else "gbnf" if "::=" in request.grammar else "lark"
             extra[names[which]] = request.regex or request.grammar
@@ -183,8 +186,7 @@ class RemoteDecoder:
     def _message(m) -> dict[str, Any]:
         out: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments":
-                                                                               c.arguments}} for c in m.tool_calls]
+            out["tool_calls"] = openai_calls(m.tool_calls)
         if m.tool_call_id:
             out["tool_call_id"] = m.tool_call_id
         return out
@@ -202,7 +204,7 @@ class RemoteDecoder:
                 try:
                     chunks = aiter(stream)
                     while (reason := call.sink.cancel_reason()) is None:  # (else: the stream closes below)
-                        wait = remote.timeout_s if call.pieces else remote.first_token_timeout_s
+                        wait = remote.timeout_s if call.pieces or calls else remote.first_token_timeout_s
                         try:
                             chunk = await asyncio.wait_for(anext(chunks), wait)
                         except StopAsyncIteration:
