@@ -3,6 +3,8 @@
 # into <repo>/.venv; a second run reuses it.
 #   scripts/setup.sh          core: ONNX Runtime backend, export, the embedded default model
 #   scripts/setup.sh --ros    also ROS 2 (rclpy from PyPI wheels) and spec_edge_interfaces
+#   scripts/setup.sh --colcon also colcon (colcon-common-extensions): the release tier's packaging test
+#                             (test/ros/test_colcon.py) runs it; CI's tests do not (docs/testing.md, "Tiers")
 #   scripts/setup.sh --thor-quantize   also <repo>/.venv-quantize: tensorrt-edgellm[tools]==0.11.0 with Edge-LLM's own
 #                             pins (ModelOpt 0.45.0, datasets 5.0.0, transformers 5.14.1: the project pins 5.24.0), the
 #                             interpreter `spec-edge build` runs tensorrt-edgellm-quantize in (device/preflight.py)
@@ -53,13 +55,16 @@ fi
 for arg in "$@"; do
   case $arg in
     --ros) "$repo/scripts/setup_ros.sh" "$venv" ;;
+    --colcon)
+      say "installing colcon-common-extensions 0.3.0 (the release tier's colcon build test)"
+      "$py" -m pip install --quiet --disable-pip-version-check "colcon-common-extensions==0.3.0" ;;
     --thor-quantize)
       qvenv=$repo/.venv-quantize
       [ -x "$qvenv/bin/python" ] || { say "creating $qvenv"; python3 -m venv "$qvenv"; }
       say "installing tensorrt-edgellm[tools]==0.11.0 into $qvenv (ModelOpt, datasets; Edge-LLM's pins)"
       "$qvenv/bin/python" -m pip install --quiet --disable-pip-version-check "tensorrt-edgellm[tools]==0.11.0"
       say "quantize environment ready: $qvenv/bin/python (spec-edge build finds it; SPEC_EDGE_QUANTIZE_PYTHON wins)" ;;
-    *) say "unknown option $arg (--ros, --thor-quantize)"; exit 2 ;;
+    *) say "unknown option $arg (--ros, --colcon, --thor-quantize)"; exit 2 ;;
   esac
 done
 say "ready: $venv/bin/spec-edge"

@@ -37,8 +37,8 @@ ros_pkgs=(
   "ros-ament-cmake-ros-core==0.14.5"
   "ros-ament-package==0.17.2"
   "catkin_pkg==1.1.1"
-  "colcon-common-extensions==0.3.0"
 )
+# colcon is not here: only the release tier's packaging test runs it (scripts/setup.sh --colcon)
 say "pip: ROS 2 wheels into $venv"
 "$py" -m pip install --quiet --disable-pip-version-check "${ros_pkgs[@]}"
 

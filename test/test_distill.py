@@ -24,6 +24,7 @@ def test_layer_choice_spreads_first_to_last():
         draft_model.layer_choice(4, 4)
 
 
+@pytest.mark.release
 def test_train_draft_model_loads_as_draft_and_stays_exact(tmp_path, tiny_models, tiny_cfg):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Move the arm to the left\nNavigate to the kitchen\ndef add(a, b):\nReport the battery\n")

@@ -266,6 +266,7 @@ def test_eagle3_without_head_is_a_clear_error(tiny_cfg):
         tiny_cfg.replace(**{"speculative.drafter": "eagle3"})
 
 
+@pytest.mark.release
 def test_train_draft_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
     """`spec-edge-train` end to end on the tiny target (a few steps): a head folder that loads
     against the target, and a second run that resumes from the first run's step."""

@@ -15,6 +15,7 @@ from spec_edge.config import load
 from spec_edge import edgellm_layout
 from spec_edge.device import edgellm_build
 
+pytestmark = pytest.mark.release
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = "config/smollm2_trt_eagle3.yaml"
 LLM_FILES = {"config.json", "model.onnx", "model.onnx.data", "embedding.safetensors", "tokenizer.json",

@@ -166,6 +166,7 @@ def test_a_foreign_graph_is_ignored_and_a_stale_one_remade(tiny_models, made_eng
     assert got == want and any("1 graph added" in m for m in messages), messages
 
 
+@pytest.mark.release
 def test_an_export_and_a_start_of_the_same_profile_at_once(tiny_models, tmp_path):
     """`spec-edge export` and `spec-edge generate` of one profile started together on an empty engines
     folder: each graph is made once (whichever process waits for the other's lock then finds it made),
@@ -204,6 +205,7 @@ def kill_when(args: list[str], marker: str) -> str:
     return "".join(seen)
 
 
+@pytest.mark.release
 def test_kill_9_mid_export_leaves_a_folder_the_next_command_uses(tiny_models, tmp_path):
     """kill -9 while a new folder is made, then while a grown plan (a new k) adds to a made one: each time
     the next command works without a manual step, and the made folder keeps serving as it was."""

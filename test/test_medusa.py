@@ -141,6 +141,7 @@ def test_profile_k_above_head_count_refused(medusa_engine):
         Engine.from_config(cfg, progress=lambda message: None)
 
 
+@pytest.mark.release
 def test_train_draft_medusa_tiny_saves_loadable_heads_and_resumes(tmp_path, tiny_models):
     from spec_edge_training import train
     from spec_edge.graphs import weights

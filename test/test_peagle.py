@@ -204,6 +204,7 @@ def test_two_heads_share_the_target_hidden_outputs(tiny_models, tiny_cfg):
         assert_greedy_equals_plain(engine, engine.drafter(name), 3, PROMPTS[:3])
 
 
+@pytest.mark.release
 def test_train_draft_peagle_tiny_saves_loadable_head_and_resumes(tmp_path, tiny_models):
     from spec_edge_training import train
     from spec_edge.graphs import weights

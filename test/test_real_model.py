@@ -34,6 +34,7 @@ def engine():
     return artifacts.engine(cfg, progress=lambda m: print(m, file=sys.stderr))
 
 
+@pytest.mark.release
 def test_logits_match_transformers(engine):
     import torch
     from transformers import AutoModelForCausalLM
@@ -101,6 +102,7 @@ def test_cli_bad_request_exits_2_with_message(flag, value, message):
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.release
 def test_q4_carries_every_linear_layer(engine):
     """The 4-bit path from the real export: every linear weight of the target becomes a MatMulNBits
     node with the GGUF's own Q4_1 blocks (none silently left fp32), and the logits stay the fp32

@@ -3,11 +3,14 @@ forward per token for all rows) gives each prompt the same answer, argmax labels
 as answering it alone, and the recorded final-norm state is what the target's lm_head reads."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from spec_edge_training import data as train_data, fit, train
 from spec_edge_training.data import answer_batch, load_hf_target
 from tiny import train_draft_argv
+
+pytestmark = pytest.mark.release  # training (docs/testing.md, "Tiers")
 
 
 def test_batched_answers_equal_one_by_one(tiny_models):

@@ -36,7 +36,7 @@ def copy_working_tree(dest: Path) -> None:
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
     if not COLCON.exists():
-        pytest.skip(f"colcon is not installed in {VENV_BIN}; run scripts/setup_ros.sh")
+        pytest.skip(f"colcon is not installed in {VENV_BIN}; run scripts/setup.sh --colcon")
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
     ws = tmp_path_factory.mktemp("ws")

@@ -185,6 +185,7 @@ def test_tokenize_service(server, module_env, reference_engine):
     assert f"[{vocab}]" in answers[5]["message"] and "outside the vocabulary" in answers[5]["message"]
 
 
+@pytest.mark.release
 def test_load_eight_clients(server, module_env, reference_engine):
     """8 client processes x 3 requests at once: none lost or duplicated, each = its answer alone (the core's,
     in this process: the node's batch rows are computed as when each request is alone)."""

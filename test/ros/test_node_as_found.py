@@ -121,6 +121,7 @@ def test_capacity_is_slots_plus_queue(server, module_env):
     assert sum(a["success"] and a["num_tokens"] == 24 for a in answers) == SLOTS + QUEUE
 
 
+@pytest.mark.release
 def test_sixteen_fresh_client_processes_streaming_at_once(server, module_env):
     """D5: 16 client processes started together, each waits for the action itself and streams; all answered."""
     clients = [start_client(module_env, {"mode": "stream", "wait": 120, "request": {

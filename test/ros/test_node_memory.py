@@ -4,7 +4,11 @@ from __future__ import annotations
 import re
 import sys
 
+import pytest
+
 from rosutil import Server, run_client, write_params
+
+pytestmark = pytest.mark.release
 
 CYCLES = 10
 

@@ -99,6 +99,7 @@ def test_lifecycle_loads_on_configure_and_frees_on_cleanup(module_env, tmp_path)
         server.stop()
 
 
+@pytest.mark.release
 def test_signal_during_first_start_export_exits_promptly(module_env, tmp_path, idle_exit_s):
     """A first start exports the graphs for minutes inside configure; a signal must still end it at once,
     and what it was writing must not be taken for a finished export. SIGINT (what ros2 launch sends
