@@ -192,6 +192,7 @@ def test_server_down_then_back(served, tiny_cfg, remote):
     alone.close()
 
 
+@pytest.mark.release
 @pytest.mark.real_model("fp32")
 def test_tool_calls_pass_through(tmp_path):
     """Tools go to the server as OpenAI tools (the embedded default, fp32: the tiny model's context cannot hold the
