@@ -98,6 +98,7 @@ class ModelConfig:
 class ModelSection:
     target: str = EMBEDDED  # "embedded", a Hugging Face folder, or a .gguf file
     draft: str = ""         # draft model for speculative.drafter=draft (same forms as target)
+    max_images: int = 4     # a vision target (docs/images.md): the most images one request may carry
 
 
 @dataclass(frozen=True)
