@@ -63,7 +63,7 @@ def make_vlm(path: Path, *, seed: int = 3) -> Path:
     return path
 
 
-def test_image(seed: int, size: tuple[int, int] = (48, 80)):
+def random_image(seed: int, size: tuple[int, int] = (48, 80)):
     """(H, W, 3) uint8 RGB: a random image of size (H, W)."""
     import numpy as np
 

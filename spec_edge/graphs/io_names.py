@@ -10,7 +10,7 @@ POSITION = "position"        # (1,)   int64   position of tokens[0, 0]; cache ro
 LAST_INDEX = "last_index"    # (1,)   int64   prefill only: row of the last real token in the padded chunk
 IMAGE_ROWS = "image_rows"    # (T, hidden) float32  prefill_image only: the image rows of the chunk's image tokens
 IMAGE_MASK = "image_mask"    # (T,)   bool    prefill_image only: which rows take image_rows instead of the token's
-PIXELS = "pixel_values"      # (1, 3, tile, tile) float32  the vision graph's one image tile (vision/processor.py)
+PIXELS = "pixel_values"      # (1, 3, tile, tile) float32  the vision graph's one image tile (graphs/image_processor.py)
 IMAGE_FEATURES = "image_features"  # (N, hidden) float32  its N image rows (N: the model's image tokens per image)
 # The target's resident cache is one (L, Hkv, S, D) array per K and V on the caller's side; the
 # graphs take it one layer per input, so each binds a view of its layer with no copy (a single

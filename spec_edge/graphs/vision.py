@@ -3,7 +3,7 @@
     <engine_dir>/<profile>/onnx/<target form>_vision/   (plan.vision_dir)
       vision_<tile>.onnx   pixel_values (1, 3, tile, tile) -> image_features (N, hidden): the SigLIP encoder, post
                            layer norm, the connector's pixel shuffle and projection (N = vision.json image_tokens)
-      vision.json          vision/processor.py VisionSpec: what the image processor does to an image
+      vision.json          graphs/image_processor.py VisionSpec: what the image processor does to an image
 
 The encoder is transformers' own modules (models/idefics3/modeling_idefics3.py) loaded from the folder; the one
 rule restated is Idefics3VisionEmbeddings.forward's position ids for a full tile (every patch real): its
@@ -51,7 +51,7 @@ def ensure_vision(cfg: Config, progress=print) -> Path:
     """The vision target's encoder folder (module docstring), exported once per checkpoint."""
     import torch
 
-    from spec_edge.vision.processor import VisionSpec
+    from spec_edge.graphs.image_processor import VisionSpec
 
     source = cfg.model.target
     spec = VisionSpec.from_folder(weights.resolve(source))

@@ -86,7 +86,7 @@ class InLoop:
             self.sink.on_text(rest, len(self.text.ids))
         self.sink.done(GenerateResult(
             text=text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats, tool_calls=calls,
-            prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,
+            prompt_tokens=len(request.prompt_ids), queued_at_start=request.occupancy,
             speculation_off_reason=speculation_policy.reason(stats, (), choice),
             message=incomplete_message(prepared.guide, finish, prepared.max_new_tokens)))
 
@@ -110,10 +110,10 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, reuse=cfg.serve.reuse_prefix)
-        self.vision = None  # a vision target's image encoder (vision/encoder.py)
+        self.vision = None  # a vision target's image encoder (runtime/image_encoder.py)
         if plan.is_vision(cfg.model.target):
             from spec_edge.runtime.backends.onnxruntime import built
-            from spec_edge.vision.encoder import ImageEncoder
+            from spec_edge.runtime.image_encoder import ImageEncoder
 
             self.vision = ImageEncoder(built(plan.vision_dir(cfg), "the vision encoder"), cfg.runtime.threads,
                                        cfg.serve.image_cache)

@@ -128,7 +128,7 @@ class SlotRequest:
     forced_drafts: bool = False           # with a constraint: the tokens the grammar forces are the draft
     occupancy: int = 0  # set by BatchLoop.add: the load as it joined, itself included (1 = alone)
     k_choice: KChoice | None = None  # speculative.k auto: chooses each iteration's k <= k (None: always k)
-    # a vision model's prompt with images (vision/encoder.py): (P, hidden) float32 the image rows of the prompt's
+    # a vision model's prompt with images (runtime/image_encoder.py): (P, hidden) float32 the image rows of the prompt's
     # image tokens and (P,) bool which positions they are; prefix reuse stops at the first of them
     image_rows: np.ndarray | None = None
     image_mask: np.ndarray | None = None

@@ -13,7 +13,7 @@ import numpy as np
 
 from spec_edge.graphs import io_names
 from spec_edge.runtime.requests import IMAGE_MARKER, RequestError
-from spec_edge.vision.processor import VisionSpec, pixels
+from spec_edge.graphs.image_processor import VisionSpec, pixels
 
 
 class ImageEncoder:
