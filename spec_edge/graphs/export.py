@@ -13,6 +13,7 @@
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
+      prefill_image_<C>.onnx    a vision target's prefill: image_rows / image_mask replace image tokens' rows
     <form>_fused/   the same graphs with fused attention (ort_attention.py), plus graphs.batch_slots = B > 1's
       rows<m>_step_1.onnx, rows<m>_verify_<k+1>.onnx   (m, T) for each row count m of plan.row_counts(B), made
                                 from step_1 by the rewrite (gqa_rewrite.rewrite_rows), no torch export

@@ -180,7 +180,7 @@ class Engine:
             self._drafters.check_k(drafter_name, [k] if speculating else [])
         made = drafter_name if drafting and speculating else "none"
         prompt_ids, rows, mask = prepared.prompt_ids, None, None
-        if prepared.images:  # the markers become the model's image tokens, their rows the encoder's
+        if self.vision is not None:  # the markers become the model's image tokens, their rows the encoder's
             prompt_ids, rows, mask = self.vision.prompt(self.tokenizer, prepared.text, prepared.images)
             room = self.runner.max_context - len(prompt_ids)
             if room < 1 or request.max_new_tokens is not None and prepared.max_new_tokens > room:

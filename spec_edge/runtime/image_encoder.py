@@ -45,10 +45,12 @@ class ImageEncoder:
                 self._cache.popitem(last=False)
         return rows
 
-    def prompt(self, tokenizer, text: str, images: Sequence[np.ndarray]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    def prompt(self, tokenizer, text: str, images: Sequence[np.ndarray]) -> tuple[list[int], np.ndarray | None,
+                                                                                  np.ndarray | None]:
         """(ids, image rows (P, hidden) float32, image mask (P,) bool) of a prompt text whose IMAGE_MARKERs stand
         for images, in order: each marker becomes the model's image text (VisionSpec.image_text) and each image's
-        N rows go to its N image tokens."""
+        N rows go to its N image tokens; (ids, None, None) without images. RequestError when the image tokens in
+        the ids do not pair with the images (the model's own image token typed into the text)."""
         spec = self.spec
         ids = tokenizer.encode(text.replace(IMAGE_MARKER, spec.image_text()))
         mask = np.asarray(ids, np.int64) == spec.image_token_id  # (P,)
@@ -56,9 +58,10 @@ class ImageEncoder:
             raise RequestError(f"the prompt holds {int(mask.sum())} image tokens where its {len(images)} images take "
                                f"{len(images) * spec.image_tokens}: remove the model's own image tokens from the "
                                f"text and put an {IMAGE_MARKER} marker where each image goes")
+        if not images:  # a text-only prompt: no image rows (and no image token, checked above)
+            return ids, None, None
         rows = np.zeros((len(ids), spec.hidden_size), np.float32)
-        if images:
-            rows[mask] = np.concatenate([self.features(image) for image in images])
+        rows[mask] = np.concatenate([self.features(image) for image in images])
         return ids, rows, mask
 
     def info(self) -> dict:

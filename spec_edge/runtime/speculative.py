@@ -44,7 +44,8 @@ finish() when the request leaves (recording what its cache holds for the slot's 
 Prefix reuse per slot (reuse=True, serve.reuse_prefix): runner.held[b] is the token ids whose rows
 slot b's region holds (base.py). add() puts a request into the free slot whose
 record shares the longest prefix with its prompt (ties: the least recently taken, then the lowest
-index) and prefills only from min(common prefix, len(prompt) - 1) on; the record is () while the
+index) and prefills only from min(common prefix, len(prompt) - 1, its first image token) on (image tokens are the
+same ids for any pixels); the record is () while the
 request runs, seq[:pos] once it leaves (finished or cancelled); an exception inside an iteration
 empties every record.
 

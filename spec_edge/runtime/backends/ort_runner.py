@@ -35,7 +35,8 @@ Why calls name their slots rather than running all B rows: docs/bench.md, "Calls
 
 Prefill is the rows=1 prefill graph bound to one slot's region, in chunks of C (the last one padded
 at its end: causal masking keeps the padding out of the real rows, and only the real rows reach the
-cache): a joining request's chunk runs alone between the others' decode calls.
+cache): a joining request's chunk runs alone between the others' decode calls. A vision target's chunk that holds
+image tokens runs its prefill_image graph, their rows given (docs/images.md).
 
 Sessions: one per graph, on the process's one thread pool, all loading the folder's weights once
 (onnxruntime.graph_session). One slot of the runner alone: slot_views.SlotRunner (b1_runner).
