@@ -14,6 +14,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,17 +40,20 @@ def main() -> int:
     parser.add_argument("--engine-dir", help="runtime.engine_dir holding the graphs")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--new", type=int, default=32, help="new tokens per request")
+    parser.add_argument("--work", help="the tiny model's folder and graphs go here (kept: a rerun exports nothing)")
     args = parser.parse_args()
     tmp = tempfile.TemporaryDirectory()
+    work = Path(args.work or tmp.name)
     if args.config:
         cfg = load(args.config)
     else:
         from tiny_vlm import make_vlm
 
+        folder = work / "vlm"
         cfg = Config().replace(**{
-            "model.target": str(make_vlm(Path(tmp.name) / "vlm")), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+            "model.target": str(folder if (folder / "config.json").is_file() else make_vlm(folder)), "graphs.weights": "fp32", "graphs.batch_slots": 1,
             "graphs.max_context": 128, "graphs.prefill_chunk": 16, "graphs.k_values": [3],
-            "graphs.layer_skip_layers": 2, "runtime.engine_dir": str(Path(tmp.name) / "engines"),
+            "graphs.layer_skip_layers": 2, "runtime.engine_dir": str(work / "engines"),
             "runtime.profile": "tiny-vlm"})
     if args.engine_dir:
         cfg = cfg.replace(**{"runtime.engine_dir": args.engine_dir})
@@ -61,9 +65,12 @@ def main() -> int:
     seen: dict[str, list] = {kind: [] for kind in kinds}
     for r in range(args.rounds):
         for kind, images in kinds.items():
+            first: list[float] = []
+            started = time.perf_counter()  # TTFT: from the request (its image decoded, encoded) to its first text
             result = run_one(engine, GenerateRequest(prompt=question, images=images(r), max_new_tokens=args.new,
-                                                     speculate=False))
-            seen[kind].append((result.stats.time_to_first_token_s, result.stats.tokens_per_s, result.prompt_tokens))
+                                                     speculate=False),
+                             on_text=lambda delta, n: first.append(time.perf_counter()) if not first else None)
+            seen[kind].append((first[0] - started, result.stats.tokens_per_s, result.prompt_tokens))
     print(f"{'request':<14}{'prompt tok':>11}{'TTFT ms':>10}{'x text':>8}{'tok/s after':>13}")
     text_ttft = statistics.median(t for t, _, _ in seen["text"])
     for kind, rows in seen.items():

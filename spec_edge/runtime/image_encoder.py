@@ -31,7 +31,9 @@ class ImageEncoder:
     def features(self, image: np.ndarray) -> np.ndarray:
         """(N, hidden) float32 image rows of an (H, W, 3) uint8 RGB image (from the cache when it holds them)."""
         image = np.ascontiguousarray(image, np.uint8)
-        key = hashlib.sha256(repr(image.shape).encode() + image.tobytes()).digest()
+        digest = hashlib.sha256(repr(image.shape).encode())
+        digest.update(memoryview(image).cast("B"))  # the pixels in place, no copy
+        key = digest.digest()
         rows = self._cache.get(key)
         if rows is not None:
             self.hits += 1
