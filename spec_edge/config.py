@@ -510,6 +510,9 @@ def validate(cfg: Config) -> None:
                           "serve.reuse_prefix: true (or set warm_system_prompt: false)")
     if cfg.serve.queue_limit < 1:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")
+    if cfg.model.max_images < 1 or cfg.serve.image_cache < 0:
+        raise ConfigError(f"model.max_images must be >= 1 (a text-only model takes none whatever it says) and "
+                          f"serve.image_cache >= 0 (0: none kept), got {cfg.model.max_images}, {cfg.serve.image_cache}")
     if (problem := speculation_policy.check(cfg)) is not None:
         raise ConfigError(problem)
     r = cfg.remote
