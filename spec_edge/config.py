@@ -98,6 +98,7 @@ class ModelConfig:
 class ModelSection:
     target: str = EMBEDDED  # "embedded", a Hugging Face folder, or a .gguf file
     draft: str = ""         # draft model for speculative.drafter=draft (same forms as target)
+    max_images: int = 4     # a vision target (docs/images.md): the most images one request may carry
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ class ServeSection:
     # prompt sharing a prefix with it prefills only the rest; the output is the cold run's (docs/bench.md).
     # graphs.batch_slots > 1: per slot (a request goes to the free slot holding the longest prefix of it).
     reuse_prefix: bool = True
+    image_cache: int = 32  # a vision target: encoder outputs kept by image content (LRU; 0 = none kept)
     # prefill the chat prefix of serve.system_prompt (the template's default when "") once the engine
     # is loaded (into every batch slot), so the first request with it reuses it too (needs reuse_prefix)
     warm_system_prompt: bool = False
@@ -521,6 +523,9 @@ def validate(cfg: Config) -> None:
                           "serve.reuse_prefix: true (or set warm_system_prompt: false)")
     if cfg.serve.queue_limit < 1:
         raise ConfigError(f"serve.queue_limit must be >= 1, got {cfg.serve.queue_limit}")
+    if cfg.model.max_images < 1 or cfg.serve.image_cache < 0:
+        raise ConfigError(f"model.max_images must be >= 1 (a text-only model takes none whatever it says) and "
+                          f"serve.image_cache >= 0 (0: none kept), got {cfg.model.max_images}, {cfg.serve.image_cache}")
     if (problem := speculation_policy.check(cfg)) is not None:
         raise ConfigError(problem)
     r = cfg.remote

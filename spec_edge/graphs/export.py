@@ -13,6 +13,7 @@
       step_1.onnx               (1, 1)
       verify_<k+1>.onnx         (1, k+1), one per k in graphs.k_values
       layerskip<N>_step_1.onnx  first N layers + norm + head (target only)
+      prefill_image_<C>.onnx    a vision target's prefill: image_rows / image_mask replace image tokens' rows
     <form>_fused/   the same graphs with fused attention (ort_attention.py), plus graphs.batch_slots = B > 1's
       rows<m>_step_1.onnx, rows<m>_verify_<k+1>.onnx   (m, T) for each row count m of plan.row_counts(B), made
                                 from step_1 by the rewrite (gqa_rewrite.rewrite_rows), no torch export
@@ -193,17 +194,20 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     from spec_edge.graphs import model as model_mod
 
     layers = n_layers or model_cfg.n_layers
-    prefill = kind == "prefill"
+    images = kind == "prefill_image"  # a vision model's prefill, with image rows (graphs/vision.py)
+    prefill = kind == "prefill" or images
     module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
                              hidden_layers=hidden_layers, cls=model_mod.LayerCaches)
-    module.prefill = prefill
+    module.prefill, module.images = prefill, images
     k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
     args = (torch.zeros(1, width, dtype=torch.int64), torch.tensor([0]))
     if prefill:
         args = args + (torch.tensor([width - 1]),)
+    if images:
+        args = args + (torch.zeros(width, model_cfg.hidden_size), torch.zeros(width, dtype=torch.bool))
     args = args + tuple(layer.clone() for layer in (*k_cache, *v_cache))  # one (Hkv, S, D) input per layer
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
-    save_static(module, args, io_names.graph_inputs(layers, prefill), outputs, path, store)
+    save_static(module, args, io_names.graph_inputs(layers, prefill, images), outputs, path, store)
 
 
 def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path: Path, store: WeightStore) -> None:

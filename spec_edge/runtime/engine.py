@@ -35,7 +35,7 @@ from spec_edge.runtime.drafting import Drafters, needs, refusal, slotted
 from spec_edge.runtime import k_choice
 from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.grammar import Constraint, Grammars
-from spec_edge.runtime.requests import GenerateResult
+from spec_edge.runtime.requests import GenerateResult, RequestError
 from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -86,7 +86,7 @@ class InLoop:
             self.sink.on_text(rest, len(self.text.ids))
         self.sink.done(GenerateResult(
             text=text, token_ids=self.text.kept_ids(), finish_reason=finish, stats=stats, tool_calls=calls,
-            prompt_tokens=len(prepared.prompt_ids), queued_at_start=request.occupancy,
+            prompt_tokens=len(request.prompt_ids), queued_at_start=request.occupancy,
             speculation_off_reason=speculation_policy.reason(stats, (), choice),
             message=incomplete_message(prepared.guide, finish, prepared.max_new_tokens)))
 
@@ -110,6 +110,13 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, reuse=cfg.serve.reuse_prefix)
+        self.vision = None  # a vision target's image encoder (runtime/image_encoder.py)
+        if plan.is_vision(cfg.model.target):
+            from spec_edge.runtime.backends.onnxruntime import built
+            from spec_edge.runtime.image_encoder import ImageEncoder
+
+            self.vision = ImageEncoder(built(plan.vision_dir(cfg), "the vision encoder"), cfg.runtime.threads,
+                                       cfg.serve.image_cache)
         self.capabilities = self._capabilities()
         self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
         self.capacity = runner.batch  # requests at once: one per slot
@@ -153,7 +160,8 @@ class Engine:
                                      "`spec-edge export --k-values {k_values}` (graphs.k_values)",
                             max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
                             vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids,
-                            drafter_k=self._drafters.k_limits([d for d in DRAFTERS if d not in dict(lacking)]))
+                            drafter_k=self._drafters.k_limits([d for d in DRAFTERS if d not in dict(lacking)]),
+                            images=self.cfg.model.max_images if self.vision is not None else 0)
 
     def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
         """The SlotRequest of a prepared request (the front checked its drafter and k against self.capabilities),
@@ -167,10 +175,18 @@ class Engine:
             ks = [x for x in able if x + 1 in self.loop.verify_widths] or able  # (two-row step: k=1 pads a verify)
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         made = drafter_name if drafting and speculating else "none"
-        return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
+        prompt_ids, rows, mask = prepared.prompt_ids, None, None
+        if self.vision is not None:  # the markers become the model's image tokens, their rows the encoder's
+            prompt_ids, rows, mask = self.vision.prompt(self.tokenizer, prepared.text, prepared.images)
+            room = self.runner.max_context - len(prompt_ids)
+            if room < 1 or request.max_new_tokens is not None and prepared.max_new_tokens > room:
+                raise RequestError(f"the prompt with its images is {len(prompt_ids)} tokens ({self.vision.spec.image_tokens} "
+                                   f"per image) and the context holds {self.runner.max_context} (prompt + answer): "
+                                   "send fewer images, a shorter prompt or fewer max_new_tokens")
+        return SlotRequest(prompt_ids=prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
                            sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
                            sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,
-                           forced_drafts=prepared.forced_drafts, k_choice=choice)
+                           forced_drafts=prepared.forced_drafts, k_choice=choice, image_rows=rows, image_mask=mask)
 
     # -- the decoder (serving.Decoder): the loop's slots --------------------------------------
     @property
@@ -218,6 +234,7 @@ class Engine:
                 "max_context": self.runner.max_context, "k_values": sorted(w - 1 for w in self.runner.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
                 "suffix_store": self._drafters.suffix_store.memory()} | (
+            {"image_encoder": self.vision.info()} if self.vision is not None else {}) | (
             {"k_choice": "per request and iteration from its acceptance and the call costs: "
                          + k_choice.describe(self.loop.costs, self.runner.step_width)}
             if self.cfg.speculative.k == AUTO_K else {})
