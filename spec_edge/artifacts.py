@@ -5,6 +5,7 @@ configure) loads through engine(cfg): ensure(cfg) makes what is missing, then ru
 ONNX Runtime, each model and head the profile names, into plan.ort_dir, each step graph by graph and only
 where missing (export.ensure_graphs: a later start makes nothing):
     target, draft (model.draft)   export -> fused attention -> the target's q4 copy (graphs.weights) -> packed
+    vision (a vision target)      its encoder graph (graphs/vision.py), run as exported
     eagle3, peagle, medusa        the head's export -> fused attention (EAGLE-3) -> its q8 copy -> packed
 TensorRT Edge-LLM: `spec-edge build` (device/) builds on the device; nothing is made here.
 """
@@ -49,6 +50,10 @@ def ensure(cfg: Config, progress: Progress = print) -> dict[str, Path]:
              f"(runtime.engine_dir: {cfg.runtime.engine_dir})")
     roles = ["target"] + (["draft"] if cfg.model.draft else [])
     made = {role: model_graphs(cfg, role, progress) for role in roles}
+    if plan.is_vision(cfg.model.target):  # its encoder graph beside the text graphs
+        from spec_edge.graphs.vision import ensure_vision
+
+        made["vision"] = ensure_vision(cfg, progress)
     target = plan.read_model_config(plan.artifact_dir(cfg, "target"))
     made.update({kind: head_graphs(cfg, kind, target, progress) for kind in HEADS
                  if getattr(cfg.speculative, f"{kind}_head")})

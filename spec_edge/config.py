@@ -98,6 +98,7 @@ class ModelConfig:
 class ModelSection:
     target: str = EMBEDDED  # "embedded", a Hugging Face folder, or a .gguf file
     draft: str = ""         # draft model for speculative.drafter=draft (same forms as target)
+    max_images: int = 4     # a vision target (docs/images.md): the most images one request may carry
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ class ServeSection:
     # prompt sharing a prefix with it prefills only the rest; the output is the cold run's (docs/bench.md).
     # graphs.batch_slots > 1: per slot (a request goes to the free slot holding the longest prefix of it).
     reuse_prefix: bool = True
+    image_cache: int = 32  # a vision target: encoder outputs kept by image content (LRU; 0 = none kept)
     # prefill the chat prefix of serve.system_prompt (the template's default when "") once the engine
     # is loaded (into every batch slot), so the first request with it reuses it too (needs reuse_prefix)
     warm_system_prompt: bool = False

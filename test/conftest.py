@@ -41,6 +41,26 @@ def tiny_cfg(tiny_models):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory):
+    """A tiny random-weight Idefics3 (SmolVLM-family) Hugging Face folder (test/tiny_vlm.py)."""
+    from tiny_vlm import make_vlm
+
+    return make_vlm(tmp_path_factory.mktemp("tiny_vlm") / "vlm")
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_cfg(tiny_vlm, tmp_path_factory):
+    """A Config serving the tiny vision model (images: model.max_images), fp32, one slot, k 3, n-gram drafter."""
+    from spec_edge.config import Config
+
+    return Config().replace(**{
+        "model.target": str(tiny_vlm), "graphs.weights": "fp32", "graphs.batch_slots": 1,
+        "graphs.max_context": 128, "graphs.prefill_chunk": 16, "graphs.k_values": [3],
+        "graphs.layer_skip_layers": 2, "runtime.engine_dir": str(tmp_path_factory.mktemp("vlm_engines")),
+        "runtime.profile": "tiny-vlm", "speculative.drafter": "ngram", "speculative.k": 3})
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_cfg):
     from spec_edge import artifacts
 

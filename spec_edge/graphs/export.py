@@ -193,17 +193,20 @@ def export_graph(model_cfg: ModelConfig, state: dict, path: Path, store: WeightS
     from spec_edge.graphs import model as model_mod
 
     layers = n_layers or model_cfg.n_layers
-    prefill = kind == "prefill"
+    images = kind == "prefill_image"  # a vision model's prefill, with image rows (graphs/vision.py)
+    prefill = kind == "prefill" or images
     module = model_mod.build(model_cfg, state, n_layers=n_layers, dtype=torch_dtype(dtype),
                              hidden_layers=hidden_layers, cls=model_mod.LayerCaches)
-    module.prefill = prefill
+    module.prefill, module.images = prefill, images
     k_cache, v_cache = model_mod.empty_cache(model_cfg, max_context, layers, dtype=torch_dtype(dtype))
     args = (torch.zeros(1, width, dtype=torch.int64), torch.tensor([0]))
     if prefill:
         args = args + (torch.tensor([width - 1]),)
+    if images:
+        args = args + (torch.zeros(width, model_cfg.hidden_size), torch.zeros(width, dtype=torch.bool))
     args = args + tuple(layer.clone() for layer in (*k_cache, *v_cache))  # one (Hkv, S, D) input per layer
     outputs = list(io_names.GRAPH_OUTPUTS) + ([io_names.HIDDEN] if hidden_layers else [])
-    save_static(module, args, io_names.graph_inputs(layers, prefill), outputs, path, store)
+    save_static(module, args, io_names.graph_inputs(layers, prefill, images), outputs, path, store)
 
 
 def save_static(module, args: tuple, inputs: list[str], outputs: list[str], path: Path, store: WeightStore) -> None:

@@ -8,6 +8,10 @@ L = layers, Hkv = KV heads, S = max context (cache length), D = head dim, T = gr
 TOKENS = "tokens"            # (1, T) int64   token ids to process
 POSITION = "position"        # (1,)   int64   position of tokens[0, 0]; cache rows >= position are ignored
 LAST_INDEX = "last_index"    # (1,)   int64   prefill only: row of the last real token in the padded chunk
+IMAGE_ROWS = "image_rows"    # (T, hidden) float32  prefill_image only: the image rows of the chunk's image tokens
+IMAGE_MASK = "image_mask"    # (T,)   bool    prefill_image only: which rows take image_rows instead of the token's
+PIXELS = "pixel_values"      # (1, 3, tile, tile) float32  the vision graph's one image tile (vision/processor.py)
+IMAGE_FEATURES = "image_features"  # (N, hidden) float32  its N image rows (N: the model's image tokens per image)
 # The target's resident cache is one (L, Hkv, S, D) array per K and V on the caller's side; the
 # graphs take it one layer per input, so each binds a view of its layer with no copy (a single
 # (L, ...) input would be sliced per layer inside the graph, a copy of the whole cache per call).
@@ -66,9 +70,11 @@ def cache_inputs(n_layers: int) -> list[str]:
     return [k_cache(i) for i in range(n_layers)] + [v_cache(i) for i in range(n_layers)]
 
 
-def graph_inputs(n_layers: int, prefill: bool = False) -> list[str]:
-    """Input names, in order, of a target graph (forward(tokens, position, [last_index], *caches))."""
-    return [TOKENS, POSITION] + ([LAST_INDEX] if prefill else []) + cache_inputs(n_layers)
+def graph_inputs(n_layers: int, prefill: bool = False, images: bool = False) -> list[str]:
+    """Input names, in order, of a target graph (forward(tokens, position, [last_index], [image_rows, image_mask],
+    *caches))."""
+    return ([TOKENS, POSITION] + ([LAST_INDEX] if prefill else []) + ([IMAGE_ROWS, IMAGE_MASK] if images else [])
+            + cache_inputs(n_layers))
 
 
 def graph_file(kind: str, width: int) -> str:

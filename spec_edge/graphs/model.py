@@ -167,12 +167,15 @@ class Transformer(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.matmul(h, weight.t()).float()
 
-    def forward(self, tokens, position, k_cache, v_cache, last_index=None):
+    def forward(self, tokens, position, k_cache, v_cache, last_index=None, image_rows=None, image_mask=None):
         # tokens (1, T) int64; position (1,) int64; last_index (1,) int64
         # k_cache/v_cache: (L, Hkv, S, D), or a sequence of L (Hkv, S, D) layers (the exported graphs)
+        # image_rows (T, hidden), image_mask (T,) bool: a vision model's image rows replace those tokens' embeddings
         seq = tokens.shape[1]
         cache_len = k_cache[0].shape[1]
         x = self.model.embed_tokens(tokens[0])  # (T, hidden)
+        if image_rows is not None:
+            x = torch.where(image_mask[:, None], image_rows.to(x.dtype), x)
         cos, sin, mask = rope_and_mask(self.inv_freq, position, seq, cache_len, x.dtype)
         cos, sin, mask = cos.to(x.dtype), sin.to(x.dtype), mask.to(x.dtype)  # (T, D), (T, D), (T, S + T)
         k_news, v_news, hiddens = [], [], []
@@ -200,11 +203,15 @@ class LayerCaches(Transformer):
     subclass, not a wrapper, so parameter (= initializer) names stay Hugging Face's."""
 
     prefill = False  # True: last_index follows position (the prefill graphs)
+    images = False   # True: image_rows and image_mask follow last_index (a vision model's prefill_image graph)
 
     def forward(self, tokens, position, *rest):
         last_index, caches = (rest[0], rest[1:]) if self.prefill else (None, rest)
+        image_rows, image_mask = (caches[0], caches[1]) if self.images else (None, None)
+        caches = caches[2:] if self.images else caches
         n_layers = len(caches) // 2
-        return super().forward(tokens, position, caches[:n_layers], caches[n_layers:], last_index)
+        return super().forward(tokens, position, caches[:n_layers], caches[n_layers:], last_index, image_rows,
+                               image_mask)
 
 
 def empty_cache(cfg: ModelConfig, max_context: int, n_layers: int | None = None,

@@ -60,12 +60,29 @@ def graph_plan(cfg: Config, role: str) -> dict[str, dict]:
         for m in row_counts(g.batch_slots):
             for kind, width in widths:
                 plan[rows_stem(m, kind, width)] = {"kind": kind, "width": width, "rows": m}
+        if is_vision(cfg.model.target):  # a vision model: the prefill of a prompt with image rows (graphs/vision.py)
+            plan[io_names.graph_file("prefill_image", g.prefill_chunk)] = {
+                "kind": "prefill_image", "width": g.prefill_chunk, "rows": 1}
         hidden_layers = hidden.target_hidden_layers(cfg)
         if hidden_layers:  # a head is configured: the full-model graphs also return the hidden states it reads
             for spec in plan.values():
-                if spec["kind"] in ("prefill", "step", "verify"):
+                if spec["kind"] in ("prefill", "prefill_image", "step", "verify"):
                     spec["hidden_layers"] = list(hidden_layers)
     return plan
+
+
+def is_vision(source: str) -> bool:
+    """Whether a model source is a vision model (a Hugging Face folder of a weights.VISION_TYPES model)."""
+    from spec_edge.graphs.weights import VISION_TYPES
+
+    path = Path(source).expanduser() / "config.json" if source else None
+    return bool(path and path.is_file() and json.loads(path.read_text()).get("model_type") in VISION_TYPES)
+
+
+def vision_dir(cfg: Config) -> Path:
+    """The folder of the vision target's encoder graph (graphs/vision.py), beside the target's exported folder."""
+    folder = artifact_dir(cfg, "target")
+    return folder.parent / f"{folder.name}_vision"
 
 
 def read_model_config(out_dir: Path) -> ModelConfig:

@@ -300,7 +300,7 @@ def convert_folder(src: Path, dst: Path, blocks_for: Blocks, *, accuracy_level: 
                     matched[name] = blocks_for(name, numpy_helper.to_array(arrays[name])) if name in arrays else None
                 return matched[name]
 
-            width = int(spec["width"]) if spec["kind"] in ("step", "verify", "prefill") else 0  # drafters keep M=1
+            width = int(spec["width"]) if spec["kind"] in ("step", "verify", "prefill", "prefill_image") else 0  # drafters keep M=1
             if int(spec.get("rows", 1)) > 1:
                 width = 0  # graphs of m > 1 rows run M = m*T rows: no two-row step
             report = rewrite_model(model, blocks, accuracy_level=accuracy_level, width=width)

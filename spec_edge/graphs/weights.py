@@ -19,6 +19,7 @@ from spec_edge.config import EMBEDDED, ConfigError, ModelConfig
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_TYPES = ("llama", "mistral", "qwen3")
+VISION_TYPES = ("idefics3",)  # SmolVLM / Idefics3: a Llama text model (text_config) fed image rows (graphs/vision.py)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,10 @@ def _load_hf_folder(path: Path):
     import torch
     from safetensors.torch import load_file
 
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+    hf = json.loads((path / "config.json").read_text())
+    vision = hf.get("model_type") in VISION_TYPES  # its text model: text_config, weights under model.text_model.
+    cfg = config_from_hf(dict(hf["text_config"], tie_word_embeddings=hf.get("tie_word_embeddings", False),
+                              _name_or_path=hf.get("_name_or_path", "")) if vision else hf)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{path} has no *.safetensors weights")
@@ -138,6 +142,9 @@ def _load_hf_folder(path: Path):
     for file in files:
         state.update(load_file(str(file)))
     state = {name: tensor.float() for name, tensor in state.items()}
+    if vision:
+        state = {"model." + name[len("model.text_model."):] if name.startswith("model.text_model.") else name: tensor
+                 for name, tensor in state.items() if not name.startswith(("model.vision_model.", "model.connector."))}
     tok_path = path / "tokenizer.json"
     if not tok_path.is_file():
         raise ConfigError(f"{path} has no tokenizer.json (spec_edge needs the fast tokenizer file)")

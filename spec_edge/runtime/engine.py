@@ -110,6 +110,13 @@ class Engine:
         self._drafters = Drafters(cfg, targets, tokenizer, graph_dir, self.model_cfg)
         self.grammars = Grammars(tokenizer, runner.vocab_size, self.eos_ids)
         self.loop = BatchLoop(runner, reuse=cfg.serve.reuse_prefix)
+        self.vision = None  # a vision target's image encoder (vision/encoder.py)
+        if plan.is_vision(cfg.model.target):
+            from spec_edge.runtime.backends.onnxruntime import built
+            from spec_edge.vision.encoder import ImageEncoder
+
+            self.vision = ImageEncoder(built(plan.vision_dir(cfg), "the vision encoder"), cfg.runtime.threads,
+                                       cfg.serve.image_cache)
         self.capabilities = self._capabilities()
         self._k_last: dict[str, k_choice.KChoice] = {}  # speculative.k auto: per drafter, the last request's choice
         self.capacity = runner.batch  # requests at once: one per slot
@@ -152,7 +159,8 @@ class Engine:
                             k_remedy="use one of those, or build its verify graph with this profile: "
                                      "`spec-edge export --k-values {k_values}` (graphs.k_values)",
                             max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
-                            vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids)
+                            vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids,
+                            images=self.cfg.model.max_images if self.vision is not None else 0)
 
     def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
         """The SlotRequest of a prepared request, for self.loop.add (RequestError for a drafter that cannot
@@ -171,10 +179,18 @@ class Engine:
         if drafting:  # loaded and checked now; the drafter itself is made for the slot the request takes
             self._drafters.check_k(drafter_name, [k] if speculating else [])
         made = drafter_name if drafting and speculating else "none"
-        return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
+        prompt_ids, rows, mask = prepared.prompt_ids, None, None
+        if prepared.images:  # the markers become the model's image tokens, their rows the encoder's
+            prompt_ids, rows, mask = self.vision.prompt(self.tokenizer, prepared.text, prepared.images)
+            room = self.runner.max_context - len(prompt_ids)
+            if room < 1 or request.max_new_tokens is not None and prepared.max_new_tokens > room:
+                raise RequestError(f"the prompt with its images is {len(prompt_ids)} tokens ({self.vision.spec.image_tokens} "
+                                   f"per image) and the context holds {self.runner.max_context} (prompt + answer): "
+                                   "send fewer images, a shorter prompt or fewer max_new_tokens")
+        return SlotRequest(prompt_ids=prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
                            sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
                            sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,
-                           forced_drafts=prepared.forced_drafts, k_choice=choice)
+                           forced_drafts=prepared.forced_drafts, k_choice=choice, image_rows=rows, image_mask=mask)
 
     def _proposes(self, drafter_name: str, k: int) -> bool:
         """Whether drafter drafter_name can propose k tokens (Medusa: its head count, P-EAGLE: its graphs)."""
@@ -230,6 +246,7 @@ class Engine:
                 "max_context": self.runner.max_context, "k_values": sorted(w - 1 for w in self.runner.widths if w > 1),
                 "drafter": self.cfg.speculative.drafter, "k": self.cfg.speculative.k,
                 "suffix_store": self._drafters.suffix_store.memory()} | (
+            {"image_encoder": self.vision.info()} if self.vision is not None else {}) | (
             {"k_choice": "per request and iteration from its acceptance and the call costs: "
                          + k_choice.describe(self.loop.costs, self.runner.step_width)}
             if self.cfg.speculative.k == AUTO_K else {})

@@ -128,6 +128,10 @@ class SlotRequest:
     forced_drafts: bool = False           # with a constraint: the tokens the grammar forces are the draft
     occupancy: int = 0  # set by BatchLoop.add: the load as it joined, itself included (1 = alone)
     k_choice: KChoice | None = None  # speculative.k auto: chooses each iteration's k <= k (None: always k)
+    # a vision model's prompt with images (vision/encoder.py): (P, hidden) float32 the image rows of the prompt's
+    # image tokens and (P,) bool which positions they are; prefix reuse stops at the first of them
+    image_rows: np.ndarray | None = None
+    image_mask: np.ndarray | None = None
 
     @property
     def speculating(self) -> bool:
@@ -209,7 +213,10 @@ class BatchLoop:
         # the free slot holding the longest prefix of the prompt (ties: the one taken least recently, so
         # the records other clients may come back to are kept longest; then the lowest index); at least
         # the last prompt token is prefilled (its logits choose the first token)
-        shared = {i: common_prefix(held[i], prompt, len(prompt) - 1) if self.reuse else 0 for i in free}
+        limit = len(prompt) - 1
+        if request.image_mask is not None and request.image_mask.any():  # the same ids, maybe other pixels
+            limit = min(limit, int(np.argmax(request.image_mask)))
+        shared = {i: common_prefix(held[i], prompt, limit) if self.reuse else 0 for i in free}
         index = max(free, key=lambda i: (shared[i], -self._taken[i], -i))
         if request.drafter is None and request.sink is not None:
             request.drafter = request.sink.drafter(index)  # before the slot is taken: it may refuse
@@ -253,7 +260,13 @@ class BatchLoop:
         index = next(i for i, other in enumerate(self.slots) if other is slot)
         prompt, chunk = slot.request.prompt_ids, self.runner.prefill_chunk
         t0 = time.perf_counter()
-        logits = self.runner.prefill_chunk_at(index, prompt[slot.prefilled:slot.prefilled + chunk], slot.prefilled)
+        start, stop = slot.prefilled, slot.prefilled + chunk
+        mask = slot.request.image_mask
+        if mask is not None and mask[start:stop].any():  # image rows in this chunk
+            logits = self.runner.prefill_chunk_at(index, prompt[start:stop], start, slot.request.image_rows[start:stop],
+                                                  mask[start:stop])
+        else:
+            logits = self.runner.prefill_chunk_at(index, prompt[start:stop], start)
         self.calls["prefill"] += 1
         slot.prefilled = min(len(prompt), slot.prefilled + chunk)
         slot.stats.prefill_time_s += time.perf_counter() - t0

@@ -74,6 +74,8 @@ class _Graph:
     hidden: np.ndarray | None = None
     k_new: np.ndarray | None = None
     v_new: np.ndarray | None = None
+    image_rows: np.ndarray | None = None  # prefill_image: (C, hidden) the chunk's image rows
+    image_mask: np.ndarray | None = None  # (C,) bool: the rows that take them
 
 
 class OrtRunner:
@@ -133,10 +135,15 @@ class OrtRunner:
         self._batched: dict[tuple[int, int], _Graph] = {}   # (width, m) -> graph
         self._single: dict[int, _Graph] = {}                # width -> the rows=1 graph of a one-row call
         self._prefill: _Graph | None = None
+        self._prefill_image: _Graph | None = None  # a vision model's prefill with image rows (graphs/vision.py)
         for stem, spec in specs.items():
             kind, width, rows = spec["kind"], int(spec["width"]), int(spec.get("rows", 1))
             if kind == "prefill":
                 self._prefill = self._graph(stem, (1, width), (1, cfg.vocab_size), prefill=True)
+            elif kind == "prefill_image":
+                self._prefill_image = graph = self._graph(stem, (1, width), (1, cfg.vocab_size), prefill=True)
+                graph.image_rows = np.zeros((width, cfg.hidden_size), np.float32)
+                graph.image_mask = np.zeros((width,), np.bool_)
             elif rows > 1 and width in self.widths:
                 self._batched[(width, rows)] = self._graph(stem, (rows, width), (rows, width, cfg.vocab_size))
             elif rows == 1 and kind == "step":  # logits room for the step width's rows (q4: row 0 written)
@@ -191,6 +198,9 @@ class OrtRunner:
         binding.bind_ortvalue_input(io_names.POSITION, self._value(graph.position))
         if graph.last_index is not None:
             binding.bind_ortvalue_input(io_names.LAST_INDEX, self._value(graph.last_index))
+        if graph.image_rows is not None:
+            binding.bind_ortvalue_input(io_names.IMAGE_ROWS, self._value(graph.image_rows))
+            binding.bind_ortvalue_input(io_names.IMAGE_MASK, self._value(graph.image_mask))
         binding.bind_ortvalue_output(io_names.LOGITS, self._value(graph.logits[:graph.out_rows]))
         if graph.hidden is not None:
             binding.bind_ortvalue_output(io_names.HIDDEN, self._value(graph.hidden))
@@ -302,9 +312,16 @@ class OrtRunner:
         return prefill_in_chunks(lambda part, at: self.prefill_chunk_at(slot, part, at), self.prefill_chunk,
                                  self.max_context, token_ids, position)
 
-    def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int) -> np.ndarray:
-        """One chunk (at most C tokens) into slot's region at position; its last token's logits (V,)."""
-        graph, n_valid = self._prefill, len(part)
+    def prefill_chunk_at(self, slot: int, part: Sequence[int], position: int, image_rows: np.ndarray | None = None,
+                         image_mask: np.ndarray | None = None) -> np.ndarray:
+        """One chunk (at most C tokens) into slot's region at position; its last token's logits (V,). image_rows
+        (n, hidden) and image_mask (n,) bool: the rows of the chunk's image tokens (a vision model), which replace
+        those tokens' embeddings."""
+        images = image_mask is not None and bool(image_mask.any())
+        graph, n_valid = self._prefill_image if images else self._prefill, len(part)
+        if images and graph is None:
+            raise BackendError(f"{self.graph_dir} has no prefill_image graph: a vision model's prompt with images "
+                               f"needs one (re-run `spec-edge export` with the vision model as model.target)")
         if graph is None:
             raise BackendError("this runner has no prefill graph (a layer-skip runner: the target's prefill writes its layers)")
         if not 1 <= n_valid <= self.prefill_chunk:
@@ -314,7 +331,9 @@ class OrtRunner:
         if position < 0 or position + n_valid > self.max_context:
             raise BackendError(f"positions [{position}, {position + n_valid}) do not fit the "
                                f"{self.max_context}-token cache")
-        binding = self._binding(("prefill", slot), graph, (slot,), per_row=False)
+        binding = self._binding(("prefill_image" if images else "prefill", slot), graph, (slot,), per_row=False)
+        if images:
+            graph.image_rows[:n_valid], graph.image_mask[:n_valid], graph.image_mask[n_valid:] = image_rows, image_mask, False
         graph.tokens[0, :n_valid] = part
         graph.tokens[0, n_valid:] = part[-1]  # padding at the end: causal masking keeps it out of the real rows
         graph.position[0] = position
