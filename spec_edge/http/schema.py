@@ -1,9 +1,13 @@
 """The OpenAI request bodies the door takes (pydantic) and their translation: a body -> GenerateRequest, an
 Outcome -> a response or stream chunk. Field names are OpenAI's; the project's own fields are extra body fields
 named as vLLM / llama.cpp's servers name them (top_k, min_p, repetition_penalty, ignore_eos) or as ours are (drafter,
-k, speculate, grammar, regex). A field the door does not know is refused (400), not ignored."""
+k, speculate, grammar, regex). A field the door does not know is refused (400), not ignored. A chat message's
+`image_url` parts carry inline `data:` URLs only (the robot fetches nothing): each becomes an ImageInput and an
+IMAGE_MARKER at the part's place in the text."""
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import time
@@ -11,12 +15,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spec_edge.runtime.requests import ChatMessage, GenerateRequest, RequestError, Tool, ToolCall
+from spec_edge.runtime.requests import (IMAGE_MARKER, ChatMessage, GenerateRequest, ImageInput, RequestError, Tool,
+                                        ToolCall)
 from spec_edge.runtime.scheduler import Outcome
 from spec_edge.runtime.tool_format import openai_calls
 
 # our finish reasons -> OpenAI's ("error" and "cancelled" never reach a client as a finished choice)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls"}
+DATA_URL = re.compile(r"data:([\w.+-]+/[\w.+-]+)?((?:;[^;,]*)*),(.*)", re.DOTALL)  # data:<mime>[;params],<payload>
+IMAGE_TYPES = {"image/jpeg": "jpeg", "image/jpg": "jpeg", "image/png": "png"}  # a data URL's media type -> encoding
 
 
 class Strict(BaseModel):
@@ -39,18 +46,55 @@ class MessageToolCall(Strict):
     function: Function
 
 
+class ImageURL(Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted: the model's processor decides the resolution
+
+
+class ImagePart(Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    def image(self, name: str) -> ImageInput:
+        """The part's inline image; RequestError naming it as `name` for a remote or malformed URL."""
+        url = self.image_url.url
+        if re.match(r"https?://", url, re.IGNORECASE):
+            raise RequestError(f"{name} is a remote URL ({url[:60]}): this server fetches nothing; send the image "
+                               "inline as a data URL (data:image/jpeg;base64,... or data:image/png;base64,...)")
+        match = DATA_URL.fullmatch(url)
+        if match is None:
+            raise RequestError(f"{name} is not a data URL ({url[:40]!r}): send data:image/jpeg;base64,... or "
+                               "data:image/png;base64,...")
+        media, params, payload = match.group(1) or "", match.group(2), match.group(3)
+        if media.lower() not in IMAGE_TYPES:
+            raise RequestError(f"{name} is a data URL of type '{media}': send image/jpeg or image/png")
+        if ";base64" not in params.lower():
+            raise RequestError(f"{name} is not base64 (data:{media}{params},...): send data:{media};base64,...")
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(f"{name}'s data is not valid base64: send the file's bytes base64-encoded") from None
+        return ImageInput(data=data, encoding=IMAGE_TYPES[media.lower()])
+
+
 class Message(Strict):
     role: str
-    content: str | list[TextPart] | None = None   # None: an assistant turn that only called tools
+    content: str | list[TextPart | ImagePart] | None = None   # None: an assistant turn that only called tools
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None                  # tool turns
 
-    def chat_message(self) -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
-        return ChatMessage("system" if self.role == "developer" else self.role, content, tuple(
+    def chat_message(self, index: int) -> tuple[ChatMessage, tuple[ImageInput, ...]]:
+        """(the turn, with an IMAGE_MARKER where each image part was; those images in order); index: this message's
+        place in the body (refusals name its parts)."""
+        parts = [self.content or ""] if isinstance(self.content, str | None) else self.content
+        text = "".join(p if isinstance(p, str) else p.text if isinstance(p, TextPart) else IMAGE_MARKER
+                       for p in parts)
+        images = tuple(p.image(f"messages[{index}].content[{j}].image_url") for j, p in enumerate(parts)
+                       if isinstance(p, ImagePart))
+        return ChatMessage("system" if self.role == "developer" else self.role, text, tuple(
             ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()),
-            self.tool_call_id or "")
+            self.tool_call_id or ""), images
 
 
 class FunctionSpec(Strict):
@@ -155,7 +199,8 @@ class ChatBody(Common):
             raise RequestError("messages is empty: send at least one message")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
-        messages = [message.chat_message() for message in self.messages]
+        turns = [message.chat_message(i) for i, message in enumerate(self.messages)]
+        messages, images = [turn for turn, _ in turns], tuple(image for _, found in turns for image in found)
         tools = tuple(Tool(t.function.name, t.function.description, json.dumps(
             t.function.parameters if t.function.parameters is not None else {"type": "object", "properties": {}}))
             for t in self.tools or ())
@@ -169,7 +214,8 @@ class ChatBody(Common):
                 raise RequestError("response_format json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}")
             schema = json.dumps(self.response_format.json_schema.schema_)
         max_new = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return GenerateRequest(messages=tuple(messages), max_new_tokens=max_new, json_schema=schema, tools=tools,
+        return GenerateRequest(messages=tuple(messages), images=images, max_new_tokens=max_new, json_schema=schema,
+                               tools=tools,
                                tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls, logprobs=max(self.top_logprobs or 0, 1) if self.logprobs else 0, **self.fields())
 
 

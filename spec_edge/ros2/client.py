@@ -50,13 +50,17 @@ FEEDBACK_DRAIN_S = 5.0
 
 def fill_request(msg: Any, *, messages: Sequence[Any] = (), tools: Sequence[Any] = (), **fields: Any) -> Any:
     """Set a Generate request / goal from plain values (messages: requests.ChatMessage or (role, content) pairs;
-    tools: requests.Tool; logit_bias: (token id, bias) pairs); None leaves a field at the node default."""
+    tools: requests.Tool; logit_bias: (token id, bias) pairs; images: requests.ImageInput, raw ones before files as
+    the node binds them); None leaves a field at the node default."""
     from spec_edge.ros2.messages import tool_call_messages
     from spec_edge.runtime.requests import ChatMessage as Turn
     from spec_edge_interfaces.msg import ChatMessage, LogitBias, Tool
     for name, value in fields.items():
         if name in GUIDED_FIELDS:
             setattr(msg.guided, name, value or "")
+            continue
+        if name == "images":
+            msg.images, msg.compressed_images = image_messages(value)
             continue
         if name == "logit_bias":
             msg.logit_bias = [LogitBias(token_id=int(t), bias=float(b)) for t, b in value]
@@ -75,6 +79,19 @@ def fill_request(msg: Any, *, messages: Sequence[Any] = (), tools: Sequence[Any]
                                 tool_call_id=t.tool_call_id) for t in turns]
     msg.tools = [Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools]
     return msg
+
+
+def image_messages(images: Sequence[Any]) -> tuple[list, list]:
+    """requests.ImageInput objects -> (sensor_msgs/Image list, sensor_msgs/CompressedImage list); ValueError where
+    a raw image follows a file, as the node binds `images` first and would reorder them."""
+    from sensor_msgs.msg import CompressedImage, Image
+    files = [i for i, image in enumerate(images) if image.encoding in ("jpeg", "png")]
+    if files != list(range(len(images) - len(files), len(images))):
+        raise ValueError("the node binds raw images (sensor_msgs/Image) before files (CompressedImage): "
+                         "give the raw ones first")
+    raw = [Image(data=image.data, encoding=image.encoding, width=image.width, height=image.height, step=image.step)
+           for image in images[:len(images) - len(files)]]
+    return raw, [CompressedImage(format=images[i].encoding, data=images[i].data) for i in files]
 
 
 @dataclass(frozen=True)

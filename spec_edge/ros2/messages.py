@@ -1,7 +1,8 @@
 """Translation between the Generate / Tokenize messages and the engine: a service request or action
 goal -> GenerateRequest, an engine result -> Outcome -> response / action result,
 a Tokenize request -> ids or text, a response -> plain dict (`spec-edge ask --json`). Tools, tool calls and chat
-turns map one-to-one onto runtime/requests.py's Tool, ToolCall and ChatMessage.
+turns map one-to-one onto runtime/requests.py's Tool, ToolCall and ChatMessage; sensor_msgs/Image and
+CompressedImage onto ImageInput (the front decodes and checks them: runtime/images.py).
 
 No rclpy here: the functions take the message objects they are handed.
 """
@@ -11,7 +12,7 @@ import math
 from typing import Any
 
 from spec_edge.runtime.front import Front
-from spec_edge.runtime.requests import GenerateRequest
+from spec_edge.runtime.requests import GenerateRequest, ImageInput, RequestError
 from spec_edge.runtime.scheduler import Outcome
 
 
@@ -59,7 +60,31 @@ def to_engine_request(msg: Any) -> GenerateRequest:
                     for t in msg.tools),
         tool_choice=msg.tool_choice or GenerateRequest.tool_choice,  # "" = the request's default (auto)
         parallel_tool_calls=bool(msg.parallel_tool_calls),
+        images=tuple(raw_image(m) for m in msg.images) + tuple(
+            compressed_image(m, f"compressed_images[{i}]") for i, m in enumerate(msg.compressed_images)),
     )
+
+
+def raw_image(msg: Any) -> ImageInput:
+    """A sensor_msgs/Image -> ImageInput with its encoding as sent (the front refuses one it does not take; 8-bit
+    encodings only, so is_bigendian does not matter)."""
+    return ImageInput(data=bytes(msg.data), encoding=msg.encoding, width=int(msg.width), height=int(msg.height),
+                      step=int(msg.step))
+
+
+def compressed_image(msg: Any, name: str) -> ImageInput:
+    """A sensor_msgs/CompressedImage -> ImageInput. format: "jpeg" / "png" (also "jpg") or image_transport's
+    "<encoding>; jpeg compressed <encoding>" (the file is a plain JPEG / PNG either way); RequestError naming it as
+    `name` for another format (compressedDepth, an empty one)."""
+    words = msg.format.lower().replace(";", " ").split()
+    if "compresseddepth" in words:
+        raise RequestError(f"{name} has format '{msg.format}' (a depth image): send a colour or mono jpeg / png")
+    named = {{"jpg": "jpeg"}.get(w, w) for w in words}
+    encoding = next((e for e in ("jpeg", "png") if e in named), "")
+    if not encoding:
+        raise RequestError(f"{name} has format '{msg.format}': set format to \"jpeg\" or \"png\" (or "
+                           "image_transport's \"rgb8; jpeg compressed bgr8\") and send that file's bytes")
+    return ImageInput(data=bytes(msg.data), encoding=encoding)
 
 
 def chat_message(msg: Any):

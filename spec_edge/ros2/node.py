@@ -52,6 +52,7 @@ from spec_edge import config as cfgmod
 from spec_edge.ros2 import memory, parameters
 from spec_edge.ros2.messages import Outcome, fill_response, to_engine_request, tokenize
 from spec_edge.ros2.shutdown import exit_process, exit_while_configuring, leave_graph, start_watchdog, unless_stopped
+from spec_edge.runtime.requests import RequestError
 from spec_edge.runtime.scheduler import SHUTTING_DOWN, Job, Scheduler
 from spec_edge.runtime.serving import Decoder
 
@@ -360,7 +361,11 @@ class GenerateNode(LifecycleNode):
         scheduler, cfg, decoder = self.scheduler, self.cfg, self.decoder
         if not self._active or scheduler is None or cfg is None or decoder is None:
             return Outcome.refused(self._not_serving(), "unavailable")
-        job = Job(to_engine_request(msg), **job_kwargs)
+        try:
+            request = to_engine_request(msg)
+        except RequestError as err:  # a field the translation cannot map (an image's format): refused, still serving
+            return Outcome.refused(str(err))
+        job = Job(request, **job_kwargs)
         if scheduler.submit(job):  # a bad request is refused at once, without taking a place in the queue
             # the scheduler always finishes a job; the margin only guards against a hung engine
             hung = time.monotonic() + cfg.serve.request_timeout_s + 30.0
@@ -377,7 +382,6 @@ class GenerateNode(LifecycleNode):
         if not self._active or scheduler is None:
             response.success, response.message = False, self._not_serving()
             return response
-        from spec_edge.runtime.requests import RequestError
         try:
             ids, text = tokenize(scheduler.front, request)
         except RequestError as err:

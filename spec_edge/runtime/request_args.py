@@ -1,10 +1,11 @@
 """The command-line flags of a request that `spec-edge generate` and `spec-edge ask` share: the target's distribution,
-guided decoding and tool calls; request_fields(args) gives the GenerateRequest fields they set."""
+guided decoding, tool calls and images; request_fields(args) gives the GenerateRequest fields they set."""
 from __future__ import annotations
 
 import argparse
 
 from spec_edge.runtime.grammar import text_or_file
+from spec_edge.runtime.requests import ImageInput, RequestError
 from spec_edge.runtime.tool_format import tools_from_json
 
 
@@ -15,6 +16,23 @@ def logit_bias_arg(text: str) -> tuple[int, float]:
         return int(token), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--logit-bias takes TOKEN_ID:BIAS (e.g. 42:-100), got {text!r}") from None
+
+
+FILE_SIGNATURES = {b"\xff\xd8\xff": "jpeg", b"\x89PNG\r\n\x1a\n": "png"}  # a file's first bytes -> encoding
+
+
+def image_file(path: str) -> ImageInput:
+    """An `--image FILE` -> ImageInput, its encoding as the file's own first bytes say (RequestError for a file
+    that is not a JPEG or PNG, or cannot be read)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as err:
+        raise RequestError(f"--image {path}: cannot read it ({err.strerror})") from None
+    encoding = next((enc for magic, enc in FILE_SIGNATURES.items() if data.startswith(magic)), None)
+    if encoding is None:
+        raise RequestError(f"--image {path} is neither a JPEG nor a PNG file (by its first bytes): convert it to one")
+    return ImageInput(data=data, encoding=encoding)
 
 
 def add_request_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +58,9 @@ def add_request_arguments(parser: argparse.ArgumentParser) -> None:
                        "{name, description, parameters} (the file or the text)")
     group.add_argument("--tool-choice", default="auto", help="auto | none | required | a tool's name (default auto)")
     group.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
+    parser.add_argument("--image", action="append", default=[], metavar="FILE",
+                        help="a JPEG or PNG image for a vision model (repeatable), bound in order to the prompt's "
+                             "<__media__> markers; with none, all go before the prompt (docs/images.md)")
 
 
 def request_fields(args: argparse.Namespace) -> dict:
@@ -49,4 +70,5 @@ def request_fields(args: argparse.Namespace) -> dict:
                 ignore_eos=args.ignore_eos, logprobs=args.logprobs, json_schema=text_or_file(args.json_schema),
                 grammar=text_or_file(args.grammar), regex=text_or_file(args.regex),
                 tools=tools_from_json(text_or_file(args.tools)) if args.tools else (), tool_choice=args.tool_choice,
-                parallel_tool_calls=not args.no_parallel_tool_calls)
+                parallel_tool_calls=not args.no_parallel_tool_calls,
+                images=tuple(image_file(path) for path in args.image))

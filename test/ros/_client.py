@@ -49,9 +49,20 @@ def set_parameters(node, target: str, values: dict) -> list:
 
 
 def request_fields(fields: dict) -> dict:
-    """A job's request (JSON) -> GenerateClient fields: tools as {"name", "description", "parameters"} objects."""
-    from spec_edge.runtime.requests import Tool
-    return dict(fields, tools=[Tool(**t) for t in fields.get("tools", ())])
+    """A job's request (JSON) -> GenerateClient fields: tools as {"name", "description", "parameters"} objects;
+    images as {"b64", "encoding", "width", "height", "step"} (ImageInput, base64 data); compressed_images as
+    {"b64", "format"} (sensor_msgs/CompressedImage as sent, any format)."""
+    import base64
+
+    from sensor_msgs.msg import CompressedImage
+    from spec_edge.runtime.requests import ImageInput, Tool
+    fields = dict(fields, tools=[Tool(**t) for t in fields.get("tools", ())])
+    if "images" in fields:
+        fields["images"] = [ImageInput(base64.b64decode(i.pop("b64")), **i) for i in fields["images"]]
+    if "compressed_images" in fields:
+        fields["compressed_images"] = [CompressedImage(format=c["format"], data=base64.b64decode(c["b64"]))
+                                       for c in fields["compressed_images"]]
+    return fields
 
 
 def main() -> None:
