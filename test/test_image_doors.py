@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tiny_vlm import test_image as make_image
+from tiny_vlm import random_image as make_image
 from spec_edge import config as cfgmod
 from spec_edge.runtime.requests import IMAGE_MARKER, GenerateRequest, ImageInput, RequestError
 from spec_edge.runtime.scheduler import run_one

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rosutil import REPO, run_client
-from tiny_vlm import test_image as make_image
+from tiny_vlm import random_image as make_image
 
 from spec_edge import config as cfgmod
 from spec_edge.runtime.images import decode
