@@ -168,10 +168,10 @@ def test_the_visual_engine_stage_builds_into_the_bundle_root(tmp_path):
     """graphs.max_image_tokens: the engine stage's VisualBuilder (the stand-in, checked against the binary's
     signatures and settable fields) gets the exported visual/ folder, <LLM engine folder>/visual and
     edgellm_layout.visual_limits; the stage is recorded apart from the LLM engine's, reused while its inputs and
-    outputs hold, and the runtime's reader finds what it wrote (backends/edgellm.visual_engine)."""
+    outputs hold, and the runtime's reader finds what it wrote (backends/edgellm_visual.visual_engine)."""
     from edgellm_standin import Script, build
 
-    from spec_edge.runtime.backends.edgellm import visual_engine
+    from spec_edge.runtime.backends.edgellm_visual import visual_engine
 
     cfg = load(ROOT / "config" / "thor_qwen25vl_3b.yaml").replace(**{"runtime.engine_dir": str(tmp_path)})
     lines: list[str] = []

@@ -72,6 +72,7 @@ from spec_edge import speculation_policy
 from spec_edge.config import Config, ConfigError, speculative_k
 from spec_edge import edgellm_layout
 from spec_edge.runtime.backends.base import BackendError
+from spec_edge.runtime.backends.edgellm_visual import VisualEngine, multimodal_dir, png, visual_engine
 from spec_edge.runtime.front import Capabilities, Prepared
 from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.requests import IMAGE_MARKER, GenerateResult, RequestError
@@ -158,51 +159,7 @@ class EdgeLLMDirs:
     max_input_len: int         # longest prompt the engine takes (its builder_config)
     max_kv_cache_capacity: int  # prompt + answer tokens one sequence holds
     tree: edgellm_layout.EagleTree | None  # the EAGLE-3 drafting shape LLMRuntime is made with (None: no drafter)
-    visual: "VisualEngine | None" = None  # graphs.max_image_tokens > 0: the visual engine (None: text only)
-
-
-@dataclass(frozen=True)
-class VisualEngine:
-    """The visual engine `spec-edge build` made (edgellm_layout.visual_limits), as its config.json says: the folder
-    (multimodal_engine_dir), the most images one request may carry, the most tokens one image becomes, and the
-    token ids of the Qwen-VL image span the prompt text holds for each image."""
-    engine_dir: Path
-    images: int                 # edgellm_layout.images_per_request of its builder_config
-    tokens_per_image: int       # builder_config max_image_tokens_per_image
-    span_ids: tuple[int, int, int]  # (vision_start_token_id, image_token_id, vision_end_token_id)
-
-
-def visual_engine(cfg: Config, build: str) -> VisualEngine | None:
-    """The profile's visual engine (None when graphs.max_image_tokens is 0); BackendError naming the build command
-    when it is missing, not built for a Qwen-VL model, or its config.json lacks what the runtime reads
-    (QwenViTRunner::validateAndFillConfig: model_type, vision_start_token_id, image_token_id, builder_config; its
-    max_image_tokens / max_image_tokens_per_image as the wheel's server reads them, engine.py _video_frame_limits)."""
-    if not cfg.graphs.max_image_tokens:
-        return None
-    try:
-        folder = edgellm_layout.visual_engine_dir(cfg)
-    except (edgellm_layout.ManifestError, ConfigError) as err:
-        raise BackendError(str(err)) from None
-    if folder is None:
-        raise BackendError(f"graphs.max_image_tokens={cfg.graphs.max_image_tokens} needs the visual engine and the "
-                           f"build of profile '{cfg.runtime.profile}' has none: {build}")
-    path = folder / edgellm_layout.CONFIG_FILE["visual"]
-    try:
-        found = json.loads(path.read_text())
-        limits = found[edgellm_layout.BUILDER_CONFIG]
-        model_type = (found.get("vision_config") or {}).get("model_type") or found["model_type"]
-        span = (int(found["vision_start_token_id"]), int(found["image_token_id"]),
-                int(found["vision_end_token_id"]))
-        engine = VisualEngine(folder, edgellm_layout.images_per_request(limits),
-                              int(limits["max_image_tokens_per_image"]), span)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise BackendError(f"{path} is not the config.json of a Qwen-VL visual engine ({type(err).__name__}: {err}): "
-                           f"{build}") from None
-    if model_type not in edgellm_layout.VISION_MODEL_TYPES:
-        raise BackendError(f"{path} is a '{model_type}' visual engine; spec_edge sends images to the Qwen-VL family "
-                           f"({', '.join(edgellm_layout.VISION_MODEL_TYPES)}) only: serve one of those, or set "
-                           f"graphs.max_image_tokens: 0")
-    return engine
+    visual: VisualEngine | None = None  # graphs.max_image_tokens > 0: the visual engine (None: text only)
 
 
 def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
@@ -239,24 +196,6 @@ def edgellm_dirs(cfg: Config) -> EdgeLLMDirs:
         raise BackendError(f"{engine_dir / edgellm_layout.CONFIG_FILE[role]} has no builder_config max_input_len / "
                            f"max_kv_cache_capacity ({type(err).__name__}: {err}): {build}") from None
     return EdgeLLMDirs(engine_dir, draft_dir, max_input, capacity, tree, visual_engine(cfg, build))
-
-
-def multimodal_dir(dirs: EdgeLLMDirs) -> str:
-    """LLMRuntime / RequestEngine's multimodal_engine_dir: the bundle root holding the visual engine's folder, as the
-    wheel's server passes it (experimental/server/runtime/engine_layout.py BundleLayout.media_dir: the root when
-    <root>/visual/visual.engine exists), '' (their default) for a text-only profile."""
-    return str(dirs.visual.engine_dir.parent) if dirs.visual is not None else ""
-
-
-def png(pixels) -> bytes:
-    """An (H, W, 3) uint8 RGB image as PNG file bytes (lossless: the runtime decodes the same pixels)."""
-    import io
-
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(out, format="PNG", compress_level=1)
-    return out.getvalue()
 
 
 def load_native() -> ModuleType:
@@ -391,13 +330,13 @@ class _Serial(_Mode):
         super().__init__(rt)
         if cfg.speculative.drafter == "eagle3":
             tree = dirs.tree or edgellm_layout.eagle3_tree(cfg)
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), multimodal_dir(dirs), {}, draft_top_k=tree.top_k,
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), multimodal_dir(dirs.visual), {}, draft_top_k=tree.top_k,
                                          draft_step=tree.steps,
                                          verify_tree_size=tree.verify_size, draft_checkpoint_dir="",
                                          context_cache_config=cache)
             self.drafters = EDGELLM_DRAFTERS
         else:
-            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), multimodal_dir(dirs), context_cache_config=cache)
+            self.runtime = rt.LLMRuntime(str(dirs.engine_dir), multimodal_dir(dirs.visual), context_cache_config=cache)
             self.drafters = ("none",)
         if not self.runtime.capture_decoding_cuda_graph():
             progress("[engine] Edge-LLM could not capture CUDA graphs for decoding; running without")
@@ -456,7 +395,7 @@ class _Batched(_Mode):
     def __init__(self, rt: ModuleType, cfg: Config, dirs: EdgeLLMDirs, cache):
         super().__init__(rt)
         self.capacity = slots = cfg.graphs.batch_slots
-        self.batcher = rt.RequestEngine(str(dirs.engine_dir), multimodal_dir(dirs), context_cache_config=cache,
+        self.batcher = rt.RequestEngine(str(dirs.engine_dir), multimodal_dir(dirs.visual), context_cache_config=cache,
                                         max_batch_size=slots,
                                         max_pending_requests=cfg.serve.queue_limit + slots)
 
