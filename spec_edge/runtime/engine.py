@@ -33,9 +33,9 @@ from spec_edge.runtime.backends.onnxruntime import ort_folder
 from spec_edge.runtime.backends.slot_views import SlotRunner, Slotted
 from spec_edge.runtime.drafting import Drafters, needs, refusal, slotted
 from spec_edge.runtime import k_choice
-from spec_edge.runtime.front import Capabilities, Prepared
+from spec_edge.runtime.front import Capabilities, ImagePrompt, Prepared
 from spec_edge.runtime.grammar import Constraint, Grammars
-from spec_edge.runtime.requests import GenerateResult, RequestError
+from spec_edge.runtime.requests import GenerateResult
 from spec_edge.runtime.serving import Sink
 from spec_edge.runtime.speculative import BatchLoop, SlotRequest
 from spec_edge.runtime.tokenizer import StreamDecoder, Tokenizer
@@ -161,7 +161,10 @@ class Engine:
                             max_context=self.runner.max_context, max_input=self.runner.max_context - 1,
                             vocab_size=self.runner.vocab_size, eos_ids=self.eos_ids,
                             drafter_k=self._drafters.k_limits([d for d in DRAFTERS if d not in dict(lacking)]),
-                            images=self.cfg.model.max_images if self.vision is not None else 0)
+                            images=self.cfg.model.max_images if self.vision is not None else 0,
+                            image_prompt=None if self.vision is None else ImagePrompt(
+                                self.vision.spec.image_text(), self.vision.spec.image_token_id,
+                                self.vision.spec.image_tokens))
 
     def start(self, prepared: Prepared, sink: Sink) -> SlotRequest:
         """The SlotRequest of a prepared request (the front checked its drafter and k against self.capabilities),
@@ -176,13 +179,8 @@ class Engine:
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         made = drafter_name if drafting and speculating else "none"
         prompt_ids, rows, mask = prepared.prompt_ids, None, None
-        if self.vision is not None:  # the markers become the model's image tokens, their rows the encoder's
-            prompt_ids, rows, mask = self.vision.prompt(self.tokenizer, prepared.text, prepared.images)
-            room = self.runner.max_context - len(prompt_ids)
-            if room < 1 or request.max_new_tokens is not None and prepared.max_new_tokens > room:
-                raise RequestError(f"the prompt with its images is {len(prompt_ids)} tokens ({self.vision.spec.image_tokens} "
-                                   f"per image) and the context holds {self.runner.max_context} (prompt + answer): "
-                                   "send fewer images, a shorter prompt or fewer max_new_tokens")
+        if prepared.images:  # the image tokens' rows are the encoder's
+            rows, mask = self.vision.rows(prompt_ids, prepared.images)
         return SlotRequest(prompt_ids=prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
                            sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
                            sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,

@@ -30,6 +30,15 @@ OPTIONAL_SAMPLING = ("min_p", "repetition_penalty", "presence_penalty", "frequen
 
 
 @dataclass(frozen=True)
+class ImagePrompt:
+    """How a decoder that runs images in its own prompt takes them: each IMAGE_MARKER becomes `text` before the
+    prompt is tokenized, which holds `per_image` tokens `token_id` (the rows an image's encoder output fills)."""
+    text: str
+    token_id: int
+    per_image: int
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a decoder serves; the front refuses the rest. name: how refusals call it."""
     name: str
@@ -47,6 +56,7 @@ class Capabilities:
     drafter_needs: tuple[tuple[str, str], ...] = ()  # (drafter, what it lacks to run here) of those it does not
     renders: bool = False           # it renders and counts a chat itself (a remote server): no prompt text or ids here
     images: int = 0                 # the most images one request may carry (0: a text-only model)
+    image_prompt: ImagePrompt | None = None  # the prompt's image tokens (None: the marker stays text, e.g. Edge-LLM's)
     drafter_k: tuple[tuple[str, tuple[int, ...], str], ...] = ()  # (drafter, the k it proposes, the refusal of
     # another k: {k}) for the drafters built for some k only (Medusa: its head count, P-EAGLE: its draft graphs)
 
@@ -211,7 +221,8 @@ class Front:
         tools = self._tools(request) if request.tools else None  # (before the prompt: what this engine cannot do)
         messages, images = self._images(request, self.messages(request))
         text = self._render(request, messages)
-        ids = [] if caps.renders else self._encode(text)  # (renders: the server refuses a prompt too long, its 400)
+        ids = [] if caps.renders else self._encode_images(text, len(images))  # (renders: the server refuses a
+        # prompt too long, its 400)
         if request.max_new_tokens is not None and len(ids) + max_new > caps.max_context:  # as asked must fit
             raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) = {len(ids) + max_new} "
                                f"exceed the context of {caps.max_context} tokens: ask for at most "
@@ -224,6 +235,19 @@ class Front:
         return Prepared(request=request, text=text, prompt_ids=ids, sampling=params, max_new_tokens=max_new,
                         seed=seed if seed >= 0 else None, drafter=drafter, k=k, guide=guide, forced_drafts=forced,
                         tool_format=tool_format, messages=tuple(messages), images=images)
+
+    def _encode_images(self, text: str, n_images: int) -> list[int]:
+        """The prompt's ids with each marker as the decoder's image tokens (Capabilities.image_prompt), refused when
+        they do not fit or do not pair with the n_images images (the model's own image token typed into the text)."""
+        image = self.caps.image_prompt
+        if image is None:
+            return self._encode(text)
+        ids = self._encode(text.replace(IMAGE_MARKER, image.text))
+        if (found := ids.count(image.token_id)) != n_images * image.per_image:
+            raise RequestError(f"the prompt holds {found} image tokens where its {n_images} images take "
+                               f"{n_images * image.per_image}: remove the model's own image tokens from the text and "
+                               f"put an {IMAGE_MARKER} marker where each image goes")
+        return ids
 
     def _images(self, request: GenerateRequest,
                 messages: list[ChatMessage]) -> tuple[list[ChatMessage], tuple[np.ndarray, ...]]:

@@ -1,6 +1,6 @@
 """A vision target's image encoder at serving time: the encoder graph (graphs/vision.py) run per image, its output
 kept by image content (a bounded LRU: a robot's camera often sends the same frame again, and every request naming
-one image costs one encode), and a prompt's ids and image rows for the prefill.
+one image costs one encode), and a prompt's image rows for the prefill.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from spec_edge.graphs import io_names
-from spec_edge.runtime.requests import IMAGE_MARKER, RequestError
 from spec_edge.graphs.image_processor import VisionSpec, pixels
 
 
@@ -47,24 +46,15 @@ class ImageEncoder:
                 self._cache.popitem(last=False)
         return rows
 
-    def prompt(self, tokenizer, text: str, images: Sequence[np.ndarray]) -> tuple[list[int], np.ndarray | None,
-                                                                                  np.ndarray | None]:
-        """(ids, image rows (P, hidden) float32, image mask (P,) bool) of a prompt text whose IMAGE_MARKERs stand
-        for images, in order: each marker becomes the model's image text (VisionSpec.image_text) and each image's
-        N rows go to its N image tokens; (ids, None, None) without images. RequestError when the image tokens in
-        the ids do not pair with the images (the model's own image token typed into the text)."""
+    def rows(self, ids: Sequence[int], images: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(image rows (P, hidden) float32, image mask (P,) bool) of a prompt's ids (the front made each marker the
+        model's image tokens: Capabilities.image_prompt, and checked they pair with the images): each image's N rows
+        go to its N image tokens, in order."""
         spec = self.spec
-        ids = tokenizer.encode(text.replace(IMAGE_MARKER, spec.image_text()))
         mask = np.asarray(ids, np.int64) == spec.image_token_id  # (P,)
-        if int(mask.sum()) != len(images) * spec.image_tokens:
-            raise RequestError(f"the prompt holds {int(mask.sum())} image tokens where its {len(images)} images take "
-                               f"{len(images) * spec.image_tokens}: remove the model's own image tokens from the "
-                               f"text and put an {IMAGE_MARKER} marker where each image goes")
-        if not images:  # a text-only prompt: no image rows (and no image token, checked above)
-            return ids, None, None
         rows = np.zeros((len(ids), spec.hidden_size), np.float32)
         rows[mask] = np.concatenate([self.features(image) for image in images])
-        return ids, rows, mask
+        return rows, mask
 
     def info(self) -> dict:
         return {"image_tokens": self.spec.image_tokens, "tile": self.spec.tile, "cache_entries": len(self._cache),
