@@ -147,3 +147,14 @@ def real_forms(request):
             reporter.write_line(f"\n[real_forms] {', '.join(f'{k} {v:.0f} s' for k, v in took.items())} "
                                 f"(total {time.monotonic() - started:.0f} s, <repo>/engines)")
     return forms
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_cfg, tiny_engine, tmp_path_factory):
+    """A `spec-edge http` process on loopback serving the tiny profile (test/remote_server.py), for a remote decoder."""
+    from remote_server import Server
+
+    server = Server(tiny_cfg, tmp_path_factory.mktemp("remote"))
+    server.start()
+    yield server
+    server.stop()

@@ -24,14 +24,6 @@ REQUESTS = {"chat": GenerateRequest(messages=(("user", "Move the arm to the left
             "raw": GenerateRequest(prompt="The robot picks up", chat=False, max_new_tokens=16, temperature=0)}
 
 
-@pytest.fixture(scope="module")
-def remote(tiny_cfg, tiny_engine, tmp_path_factory):
-    server = Server(tiny_cfg, tmp_path_factory.mktemp("remote"))
-    server.start()
-    yield server
-    server.stop()
-
-
 def remote_cfg(tiny_cfg, server: Server, fallback: str) -> cfgmod.Config:
     return tiny_cfg.replace(**{"runtime.backend": "remote", "remote.base_url": f"{server.url}/v1",
                                "remote.model": tiny_cfg.runtime.profile, "remote.kind": "spec_edge",

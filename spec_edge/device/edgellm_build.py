@@ -288,31 +288,36 @@ def export(st: Stages, source: Path, head_dir: Path | None, base_key: str) -> di
     return out
 
 
-def build_visual(st: Stages, native, exports: dict[str, Path], base_key: str) -> None:
-    """graphs.max_image_tokens: VisualBuilder(onnx/target/visual, <target engine folder>/visual, VisualBuilderConfig) with
-    edgellm_layout.visual_limits (it writes visual.engine and the export's config.json + builder_config,
-    cpp/builder/visualBuilder.cpp VisualBuilder::build)."""
-    fields = visual_limits(st.cfg)
-    if fields is None:
-        return
-    rel, stage = engine_record(st.cfg)["visual_engine_dir"], "engine_visual"
-    key = _key(base_key, st.manifest["stages"]["export_target"]["key"], fields)
+def build_engine(st: Stages, stage: str, key: str, what: str, rel: str, source: Path, builder, config_type,
+                 fields: dict, exclude: str = "") -> None:
+    """One engine stage: reused when its key matches, else builder(source, <st.dir>/rel, config_type with fields)
+    built and recorded (what: how the messages name it)."""
     if (record := st.reuse(stage, key)) is not None:
         st.manifest["stages"][stage] = record
-        st.say("engines", f"visual: up to date ({st.dir / rel})")
+        st.say("engines", f"{what}: up to date ({st.dir / rel})")
         return
-    config = native.VisualBuilderConfig()
+    config = config_type()
     for name, value in fields.items():
         setattr(config, name, value)
     engine_dir = st.dir / rel
     engine_dir.mkdir(parents=True, exist_ok=True)
-    st.say("engines", f"visual: building from {exports['visual']} into {engine_dir} ({fields})")
+    st.say("engines", f"{what}: building from {source} into {engine_dir} ({fields})")
     t = time.monotonic()
-    if not native.VisualBuilder(str(exports["visual"]), str(engine_dir), config).build():
-        raise BuildError(f"VisualBuilder could not build the visual engine from {exports['visual']} (see TensorRT's "
+    if not builder(str(source), str(engine_dir), config).build():
+        raise BuildError(f"{builder.__name__} could not build the {what} engine from {source} (see TensorRT's "
                          f"messages above)")
-    st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t)
-    st.say("engines", f"visual: built in {time.monotonic() - t:.0f} s")
+    st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t, exclude=exclude)
+    st.say("engines", f"{what}: built in {time.monotonic() - t:.0f} s")
+
+
+def build_visual(st: Stages, native, exports: dict[str, Path], base_key: str) -> None:
+    """graphs.max_image_tokens: VisualBuilder(onnx/target/visual, <target engine folder>/visual, VisualBuilderConfig)
+    with edgellm_layout.visual_limits (it writes visual.engine and the export's config.json + builder_config,
+    cpp/builder/visualBuilder.cpp VisualBuilder::build)."""
+    if (fields := visual_limits(st.cfg)) is not None:
+        key = _key(base_key, st.manifest["stages"]["export_target"]["key"], fields)
+        build_engine(st, "engine_visual", key, "visual", engine_record(st.cfg)["visual_engine_dir"],
+                     exports["visual"], native.VisualBuilder, native.VisualBuilderConfig, fields)
 
 
 def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
@@ -328,27 +333,12 @@ def build_engines(st: Stages, exports: dict[str, Path], base_key: str) -> None:
     sources = {("engines/eagle3", "base"): "target", ("engines/eagle3", "draft"): "draft",
                ("engines/plain", "llm"): "target", ("engines/batch", "llm"): "batch"}
     for rel, roles in limits.items():
-        engine_dir = st.dir / rel
         for role, fields in roles.items():
             export = sources[rel, role]
             key = _key(base_key, st.manifest["stages"][f"export_{export}"]["key"], fields)
-            stage = f"engine_{export}"
-            if (record := st.reuse(stage, key)) is not None:
-                st.manifest["stages"][stage] = record
-                st.say("engines", f"{role}: up to date ({engine_dir})")
-                continue
-            config = native.LLMBuilderConfig()
-            for name, value in fields.items():
-                setattr(config, name, value)
-            engine_dir.mkdir(parents=True, exist_ok=True)
-            st.say("engines", f"{role}: building from {exports[export]} into {engine_dir} ({fields})")
-            t = time.monotonic()
-            if not native.LLMBuilder(str(exports[export]), str(engine_dir), config).build():
-                raise BuildError(f"LLMBuilder could not build the {role} engine from {exports[export]} (see TensorRT's "
-                                 f"messages above)")
-            st.record(stage, key, {"engine_dir": rel}, time.monotonic() - t,
-                      exclude=f"{rel}/{VISUAL_FOLDER}")  # the visual engine's own stage records that
-            st.say("engines", f"{role}: built in {time.monotonic() - t:.0f} s")
+            build_engine(st, f"engine_{export}", key, role, rel, exports[export], native.LLMBuilder,
+                         native.LLMBuilderConfig, fields,
+                         exclude=f"{rel}/{VISUAL_FOLDER}")  # the visual engine's own stage records that
     build_visual(st, native, exports, base_key)
     st.manifest["edgellm"] = engine_record(st.cfg)
     st.manifest["built_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

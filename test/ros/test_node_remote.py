@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from remote_server import Server
 
 from rosutil import Server as NodeServer
 from rosutil import engine_request, write_params
@@ -22,14 +21,6 @@ PROBE_S = 0.5
 ASK = dict(prompt="Move the arm to the left", max_new_tokens=24, temperature=0.0)
 LONG = dict(prompt="Navigate to the kitchen", max_new_tokens=80, ignore_eos=True, temperature=0.0)
 LOCAL = "answered by the local model: "
-
-
-@pytest.fixture(scope="module")
-def remote(tiny_cfg, tiny_engine, tmp_path_factory):
-    server = Server(tiny_cfg, tmp_path_factory.mktemp("remote"))
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
