@@ -136,6 +136,11 @@ def test_http_image_answer_equals_run_one(vlm):
     answer = ask(client(base), [image_part(data_url(IMAGE)), {"type": "text", "text": QUESTION}])
     assert answer.model_extra["spec_edge"]["token_ids"] == alone.token_ids
     assert answer.choices[0].message.content == alone.text
+    import httpx  # the same image again: its encoder output came from the cache, counted in /metrics
+
+    metrics = httpx.get(base.removesuffix("/v1") + "/metrics").text
+    assert "spec_edge_image_cache_entries 1" in metrics, metrics
+    assert 'spec_edge_image_cache_total{result="hit"} 1' in metrics, metrics
 
 
 def test_http_bad_images_refused_then_serves(vlm):

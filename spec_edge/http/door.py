@@ -240,7 +240,7 @@ class Door:
             info = scheduler.decoder.info() if scheduler else {}
             text = self.metrics.render(scheduler.queue_depth if scheduler else 0, self.in_flight,
                                        scheduler.capacity if scheduler else 0, info.get("suffix_store"),
-                                       info.get("remote"))
+                                       info.get("remote"), info.get("image_encoder"))
             return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
         @app.post("/v1/chat/completions")

@@ -58,7 +58,7 @@ class Metrics:
                 self.tps.observe(float(stats.get("tokens_per_s", 0.0)))
 
     def render(self, queue_depth: int, in_flight: int, capacity: int, suffix: dict | None = None,
-               remote: dict | None = None) -> str:
+               remote: dict | None = None, images: dict | None = None) -> str:
         def block(name: str, kind: str, about: str, lines: list[str]) -> list[str]:
             return [f"# HELP {name} {about}", f"# TYPE {name} {kind}", *lines]
 
@@ -91,4 +91,10 @@ class Metrics:
                              [f'spec_edge_remote_errors_total {remote["errors"]}'])
                 out += block("spec_edge_remote_first_token_seconds", "gauge", "the last remote request's time to "
                              "its first piece", [f'spec_edge_remote_first_token_seconds {remote["first_token_s"]}'])
+            if images:  # a vision target's encoder-output cache (runtime/image_encoder.ImageEncoder.info)
+                out += block("spec_edge_image_cache_entries", "gauge", "images whose encoder output is kept",
+                             [f'spec_edge_image_cache_entries {images["cache_entries"]}'])
+                out += block("spec_edge_image_cache_total", "counter", "images looked up in the encoder-output cache",
+                             [f'spec_edge_image_cache_total{{result="hit"}} {images["cache_hits"]}',
+                              f'spec_edge_image_cache_total{{result="miss"}} {images["cache_misses"]}'])
         return "\n".join(out) + "\n"
