@@ -1,8 +1,8 @@
 """The cost of the hop: the same greedy chat requests to an OpenAI-compatible server called directly (the openai
 client, streamed), through runtime.backend remote in this process (the scheduler's run_one, what `spec-edge
 generate` runs) and, with --door, through a `spec-edge http` door whose profile is runtime.backend remote (the
-node's path: its front, queue and scheduler, then the remote), alternated, every answer checked equal to the direct
-one; TTFT, total time and decode tokens/s, medians side by side (docs/remote.md, docs/bench.md).
+node's path: its front, queue and scheduler, then the remote), in rotated order, every answer checked equal to the
+direct one; TTFT, total time and decode tokens/s, medians side by side (docs/remote.md, docs/bench.md).
 
     spec-edge http --port 8000 &        # or any server remote.kind names (llama.cpp's: docs/bench.md)
     spec-edge http --config REMOTE_PROFILE.yaml --port 8001 &     # optional: the door in front of it
@@ -27,16 +27,18 @@ MAX_NEW = 48
 
 def openai_stream(client: openai.OpenAI, model: str, prompt: str) -> tuple[str, float, float, int]:
     """(text, ttft s, total s, completion tokens) of one streamed greedy chat request."""
-    t0, first, text, tokens = time.monotonic(), None, "", 0
+    t0, first, text, usage, pieces = time.monotonic(), None, "", 0, 0
     for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=MAX_NEW, temperature=0, stream=True,
                                                 stream_options={"include_usage": True}):
-        tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        usage = chunk.usage.completion_tokens if chunk.usage else usage
         for c in chunk.choices:
             if c.delta.content:
                 first = first or time.monotonic() - t0
                 text += c.delta.content
-    return text, first, time.monotonic() - t0, tokens
+                pieces += 1
+    # a server that sends no usage in a stream (llama-cpp-python 0.3.36): one piece per token, as it streams
+    return text, first, time.monotonic() - t0, usage or pieces
 
 
 def through_decoder(dec, prompt: str) -> tuple[str, float, float, int]:
@@ -66,10 +68,15 @@ def main() -> None:
     for prompt in PROMPTS:  # each way once unmeasured (the server's and the door's first request)
         for run in ways.values():
             run(prompt)
+    names = list(ways)
     for i in range(args.runs):
-        for prompt in PROMPTS:
+        for j, prompt in enumerate(PROMPTS):
             answers = {}
-            for name, run in ways.items():
+            # rotated: each way goes first as often (a server that keeps the last prompt's cache, as llama.cpp's
+            # does, answers the same prompt again without its prefill)
+            turn = (i * len(PROMPTS) + j) % len(names)
+            for name in names[turn:] + names[:turn]:
+                run = ways[name]
                 text, ttft, total, tokens = run(prompt)
                 answers[name] = text
                 times[name].append((ttft, total, (tokens - 1) / max(total - ttft, 1e-9)))

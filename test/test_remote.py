@@ -127,7 +127,7 @@ def test_refused_capability(served, tiny_cfg, remote):
     assert not job.outcome.success and job.outcome.refusal == "invalid"
     assert job.outcome.message.startswith("logprobs: remote spec_edge (local fallback)'s runtime has no such option")
     edgellm = RemoteDecoderFront(tiny_cfg, remote, "edgellm")
-    with pytest.raises(RequestError, match="a json_schema json_schema runs on runtime.backend: onnxruntime only"):
+    with pytest.raises(RequestError, match="a json_schema runs on runtime.backend: onnxruntime only"):
         edgellm.prepare(GenerateRequest(prompt="hi", json_schema='{"type": "object"}'))
 
 

@@ -413,7 +413,8 @@ class Front:
             kind, text = spec
             read_text(kind, text)
             if (which := kind if kind != "grammar" else "gbnf" if "::=" in text else "lark") not in self.caps.guided:
-                raise RequestError(f"a {which} {kind} runs on runtime.backend: onnxruntime only (this {self.caps.name} "
+                what = which if which == kind else f"{which} {kind}"  # a regex, a json_schema, a gbnf grammar
+                raise RequestError(f"a {what} runs on runtime.backend: onnxruntime only (this {self.caps.name} "
                                    f"engine takes {', '.join(self.caps.guided)}): rewrite it, or send it to a node "
                                    "with runtime.backend: onnxruntime")
             return self.compile(kind, text)
