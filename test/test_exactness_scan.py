@@ -21,6 +21,9 @@ HERE = Path(__file__).parent
 NOT_EXACTNESS: dict[str, str] = {
     "test_speculation_load.py::test_a_smaller_asked_k_is_not_raised":
         "asserts the k a request reports and the off reason, not its tokens",
+    "test_suffix.py::test_serving_goes_on_over_a_corrupt_store_file":
+        "asserts serving goes on over a corrupt store file (the store starts empty); the suffix drafter's exactness "
+        "with accepted drafts from a reloaded store is test_a_persisted_store_survives_a_restart_and_drafts_the_first_request",
 }
 # exactness tests this scan finds without a per-case proof, in files outside issue 46's item 3 list (each is a
 # known gap, to be proven and removed from here; a new test cannot be added here unnoticed: the list is exact)

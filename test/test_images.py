@@ -111,10 +111,11 @@ def test_speculative_with_image_equals_target_only(vlm_engine, drafter):
     suffix drafter drafts the second time from the first answer it stored."""
     request = dict(prompt="What?", images=(raw(random_image(10)),), max_new_tokens=76)
     plain = run_one(vlm_engine, GenerateRequest(**request, speculate=False))
-    runs = [run_one(vlm_engine, GenerateRequest(**request, drafter=drafter, k=3)) for _ in range(2)]
-    for run in runs:
+    for i in range(2):
+        run = run_one(vlm_engine, GenerateRequest(**request, drafter=drafter, k=3))
         assert run.token_ids == plain.token_ids, drafter
-    assert_speculated(*(run.stats for run in runs), what=drafter)
+        if i == 1 or drafter == "ngram":  # suffix: asked again, its store holds the first answer
+            assert_speculated(run.stats, what=f"{drafter}, run {i}")
 
 
 def test_no_prefix_reuse_across_images(vlm_engine, hf):

@@ -214,9 +214,8 @@ def test_a_persisted_store_survives_a_restart_and_drafts_the_first_request(tiny_
     settings = {"speculative.drafter": "suffix", "speculative.suffix_persist": True}
     (engine_root(tiny_cfg) / tiny_cfg.runtime.profile / "suffix_store.json").unlink(missing_ok=True)
     first = engine_with(tiny_cfg, settings)
-    for prompt in PROMPTS:
-        run_one(first, GenerateRequest(prompt=prompt, max_new_tokens=40, drafter="suffix"))
-    first.close()
+    [run_one(first, GenerateRequest(prompt=prompt, max_new_tokens=40, drafter="suffix")) for prompt in PROMPTS]
+    first.close()  # (the answers above only fill the store: the proof is the first request after the restart)
     again = engine_with(tiny_cfg, settings)
     store = again._drafters.suffix_store
     assert store.memory()["answers"] == len(PROMPTS)
