@@ -151,8 +151,8 @@ MUTATIONS = [
              "chunk[:max_new_tokens - len(new_tokens) + 1]", "a chunk cut by max_new_tokens keeps one token more",
              f"{EDGES}test_eos_and_length_cut_inside_a_verify_window"),
     # -- the loop: prefix reuse (speculative.BatchLoop.add, speculative.BatchLoop._leave) --
-    Mutation("reuse-takes-the-whole-prompt", f"{L}:BatchLoop.add", "common_prefix(held[i], prompt, len(prompt) - 1)",
-             "common_prefix(held[i], prompt, len(prompt))", "a prompt the slot holds entirely is not prefilled at "
+    Mutation("reuse-takes-the-whole-prompt", f"{L}:BatchLoop.add", "limit = len(prompt) - 1",
+             "limit = len(prompt)", "a prompt the slot holds entirely is not prefilled at "
              "all (its last token's logits choose the first token)", f"{EDGES}test_prefix_reuse_equals_cold"),
     Mutation("record-claims-the-pending-token", f"{L}:BatchLoop._leave", "tuple(slot.seq[:slot.pos])",
              "tuple(slot.seq[:slot.pos + 1])", "the slot's record claims the pending token's row, never fed",
