@@ -178,10 +178,10 @@ class Engine:
             ks = [x for x in able if x + 1 in self.loop.verify_widths] or able  # (two-row step: k=1 pads a verify)
             k, choice = ks[-1], k_choice.KChoice.after(self._k_last.get(drafter_name), ks)
         made = drafter_name if drafting and speculating else "none"
-        prompt_ids, rows, mask = prepared.prompt_ids, None, None
+        rows, mask = None, None
         if prepared.images:  # the image tokens' rows are the encoder's
-            rows, mask = self.vision.rows(prompt_ids, prepared.images)
-        return SlotRequest(prompt_ids=prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
+            rows, mask = self.vision.rows(prepared.prompt_ids, prepared.images)
+        return SlotRequest(prompt_ids=prepared.prompt_ids, max_new_tokens=prepared.max_new_tokens, eos_ids=self.eos_ids,
                            sampling=prepared.sampling, seed=prepared.seed, k=k if speculating else 0,
                            sink=InLoop(self, prepared, sink, made, choice), constraint=constraint,
                            forced_drafts=prepared.forced_drafts, k_choice=choice, image_rows=rows, image_mask=mask)

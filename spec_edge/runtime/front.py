@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from spec_edge.config import AUTO_K, BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
-from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
 import numpy as np
 
+from spec_edge.config import AUTO_K, BACKEND_DRAFTERS, DRAFTERS, Config, sampling_problem, speculative_k
+from spec_edge.runtime.grammar import GrammarError, grammar_spec, read_text
 from spec_edge.runtime.images import count_markers, decode
 from spec_edge.runtime.requests import IMAGE_MARKER, ChatMessage, GenerateRequest, RequestError
 from spec_edge.runtime.sampling import SamplingParams
